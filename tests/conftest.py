@@ -1,0 +1,39 @@
+"""pytest configuration: the repo root on sys.path, the `gpu` and `slow` markers, and the rule
+that `gpu` tests skip (with the reason) where there is no CUDA GPU or no CuPy."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def gpu_unavailable_reason():
+    """None if CuPy imports and sees at least one CUDA device, else why not."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken CUDA install
+        return f"CuPy not importable ({type(e).__name__})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"no CUDA device ({type(e).__name__}: {e})"
+    return None if n > 0 else "no CUDA device"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    reason = gpu_unavailable_reason()
+    if reason:
+        skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+        for item in gpu_items:
+            item.add_marker(skip)
