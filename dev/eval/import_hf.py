@@ -1,0 +1,221 @@
+"""
+dev/eval/import_hf.py: a Hugging Face GPT-2 (local directory or hub id) -> our checkpoint .bin files.
+
+Reads config.json and model.safetensors (or, failing that, pytorch_model.bin through torch) and
+writes PREFIX.bin (version 3, fp32) and PREFIX_bf16.bin (version 5, bf16) with
+gpt2_cpu.write_model: the same files llm.c's train_gpt2.py writes from the OpenAI weights, so
+that `-e data/gpt2_124M.bin` starts from GPT-2. The mapping is export_hf.py's, inverted: Conv1D
+weights are transposed back to (OC, C), and wte is padded from V to Vp rows with zeros.
+A model that is not plain GPT-2 (another activation, an untied lm_head, scaled attention
+variants, a different LayerNorm epsilon) is refused with one line, since our forward pass would
+compute something else with its weights.
+
+What it is not: a converter for other architectures, or for the tokenizer
+(dev/data/tinyshakespeare.py writes gpt2_tokenizer.bin).
+
+Run it:
+    python dev/eval/import_hf.py -i gpt2                 # the hub's GPT-2 124M (needs the network)
+    python dev/eval/import_hf.py -i path/to/hf_dir -o data/mymodel
+prints
+    GPT-2 from gpt2: L=12 NH=12 C=768 V=50257 Vp=50304 maxT=1024
+    wrote data/gpt2_124M.bin (fp32)
+    wrote data/gpt2_124M_bf16.bin (bf16)
+Offline, a hub id fails with one line ("error: cannot reach huggingface.co ...") and exit 1.
+"""
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import urllib.parse
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from export_hf import (HF_CONFIG, HF_GELU_TANH, HF_GLOBAL_TENSORS, HF_LAYER_TENSORS, HF_PREFIX,  # noqa: E402
+                       HF_WEIGHTS)
+from gpt2_cpu import (DEFAULT_DATA_DIR, GPT2, LN_EPS, MODEL_DESCRIPTORS, MODEL_SIZES, GPT2Config,  # noqa: E402
+                      InputError, padded_vocab, write_model)
+
+HF_TORCH_WEIGHTS = "pytorch_model.bin"
+REACH_TIMEOUT_S = 10
+OUTPUT_DTYPES = {"float32": "", "bfloat16": "_bf16"}   # write_model dtype -> file-name suffix
+
+
+# ----------------------------------------------------------------------------
+# reading a Hugging Face directory
+
+def check_reachable(url, timeout_s=REACH_TIMEOUT_S):
+    """Raise InputError (one line) unless a TCP connection to url's host opens within timeout_s:
+    offline, the hub client would retry for ~20 s and log every retry."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise InputError(f"cannot reach {parts.hostname} ({e}): offline? pass a local Hugging Face directory instead")
+
+
+def fetch_from_hub(repo_id):
+    """Download config.json + weights of a hub model into the Hugging Face cache; returns the dir."""
+    try:
+        import huggingface_hub.constants
+        import huggingface_hub.utils.logging
+    except ImportError:
+        raise InputError(f"'{repo_id}' is not a directory, and huggingface_hub (pip install transformers) is not installed to fetch it")
+    huggingface_hub.utils.logging.set_verbosity_error()
+    if not huggingface_hub.constants.HF_HUB_OFFLINE:
+        check_reachable(huggingface_hub.constants.ENDPOINT)
+    try:
+        return huggingface_hub.snapshot_download(repo_id, allow_patterns=[HF_CONFIG, HF_WEIGHTS])
+    except Exception as e:                      # not found, offline mode, HTTP errors, ...
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        raise InputError(f"cannot fetch '{repo_id}' from the Hugging Face hub ({type(e).__name__}: {first_line})")
+
+
+def load_tensors(hf_dir):
+    """{name: float32 numpy array} from model.safetensors, else pytorch_model.bin (needs torch).
+    bf16 / fp16 tensors are upcast exactly."""
+    path = os.path.join(hf_dir, HF_WEIGHTS)
+    if os.path.isfile(path):
+        from safetensors import safe_open
+        try:
+            with safe_open(path, framework="numpy") as f:
+                return {name: f.get_tensor(name).astype(np.float32) for name in f.keys()}
+        except (TypeError, ValueError):         # bf16: numpy has no such dtype, so go through torch
+            pass
+        except Exception as e:                  # safetensors' own error for a corrupt header
+            raise InputError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})")
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise InputError(f"{path}: holds bfloat16 tensors, which need torch to read (pip install torch)")
+        return {name: t.float().numpy() for name, t in load_file(path).items()}
+    path = os.path.join(hf_dir, HF_TORCH_WEIGHTS)
+    if os.path.isfile(path):
+        try:
+            import torch
+        except ImportError:
+            raise InputError(f"{path}: reading {HF_TORCH_WEIGHTS} needs torch (pip install torch)")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise InputError(f"{path}: not a readable PyTorch state dict ({type(e).__name__})")
+        return {name: t.float().numpy() for name, t in state.items()}
+    raise InputError(f"{hf_dir}: neither {HF_WEIGHTS} nor {HF_TORCH_WEIGHTS} found")
+
+
+def config_from_hf(hf, where):
+    """config.json dict -> our GPT2Config (Vp = V rounded up to 128). Raises InputError for
+    anything our GPT-2 does not compute the same way."""
+    try:
+        if hf.get("model_type", "gpt2") != "gpt2":
+            raise InputError(f"{where}: model_type '{hf['model_type']}' is not gpt2")
+        C, L, NH, V = hf["n_embd"], hf["n_layer"], hf["n_head"], hf["vocab_size"]
+        maxT = hf.get("n_positions", hf.get("n_ctx"))
+        unsupported = []
+        if hf.get("activation_function", HF_GELU_TANH[0]) not in HF_GELU_TANH:
+            unsupported.append(f"activation {hf['activation_function']}")
+        if hf.get("n_inner") not in (None, 4 * C):
+            unsupported.append(f"n_inner {hf['n_inner']} (we use 4*n_embd)")
+        if not math.isclose(hf.get("layer_norm_epsilon", LN_EPS), LN_EPS):
+            unsupported.append(f"layer_norm_epsilon {hf['layer_norm_epsilon']}")
+        if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+            unsupported.append("attention scaling other than 1/sqrt(head size)")
+        if not hf.get("tie_word_embeddings", True):
+            unsupported.append("untied lm_head")
+        if unsupported:
+            raise InputError(f"{where}: not plain GPT-2: {', '.join(unsupported)}")
+        return GPT2Config(max_seq_len=int(maxT), vocab_size=int(V), padded_vocab_size=padded_vocab(int(V)),
+                          num_layers=int(L), num_heads=int(NH), channels=int(C))
+    except (KeyError, TypeError) as e:
+        raise InputError(f"{where}: incomplete GPT-2 config ({type(e).__name__}: {e})")
+
+
+def model_from_hf(config, tensors, where):
+    """Fill a GPT2 of `config` from HF tensors (names with or without the 'transformer.' prefix).
+    Raises InputError on a missing tensor, a wrong shape, or an lm_head that is not wte."""
+    tensors = {(n[len(HF_PREFIX):] if n.startswith(HF_PREFIX) else n): t for n, t in tensors.items()}
+    model = GPT2(config)
+    P, V = model.P, config.vocab_size
+
+    def take(name, shape, transposed):
+        if name not in tensors:
+            raise InputError(f"{where}: tensor {name} missing")
+        t = tensors[name].T if transposed else tensors[name]              # (C,OC) -> (OC,C)
+        if t.shape != shape:
+            raise InputError(f"{where}: tensor {name} has shape {tuple(tensors[name].shape)}, expected "
+                             f"{shape[::-1] if transposed else shape}")
+        return t
+
+    for ours, hf in HF_GLOBAL_TENSORS.items():
+        if ours == "wte":                                                 # (V,C) -> rows 0..V-1 of (Vp,C)
+            P["wte"][:V] = take(hf, (V, config.channels), False)
+            P["wte"][V:] = 0.0
+        else:
+            P[ours][...] = take(hf, P[ours].shape, False)
+    for l in range(config.num_layers):
+        for ours, (hf, transposed) in HF_LAYER_TENSORS.items():
+            P[ours][l] = take(f"h.{l}.{hf}", P[ours][l].shape, transposed)
+    lm_head = tensors.get("lm_head.weight")
+    if lm_head is not None and not np.array_equal(lm_head, P["wte"][:V]):
+        raise InputError(f"{where}: lm_head.weight differs from wte: untied classifiers are not supported")
+    return model
+
+
+def import_hf(source):
+    """A local HF GPT-2 directory or a hub id -> our GPT2 (fp32)."""
+    hf_dir = source if os.path.isdir(source) else fetch_from_hub(source)
+    config_path = os.path.join(hf_dir, HF_CONFIG)
+    if not os.path.isfile(config_path):
+        raise InputError(f"{hf_dir}: no {HF_CONFIG}")
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{config_path}: not JSON ({e.msg})")
+    config = config_from_hf(hf, config_path)
+    return model_from_hf(config, load_tensors(hf_dir), hf_dir)
+
+
+def default_prefix(config):
+    """data/gpt2_124M for the GPT-2 sizes, data/gpt2_d<L> otherwise."""
+    shape = (config.num_layers, config.num_heads, config.channels)
+    size = {MODEL_DESCRIPTORS[d]: s for s, d in MODEL_SIZES.items()}.get(shape, f"d{config.num_layers}")
+    return os.path.join(DEFAULT_DATA_DIR, f"gpt2_{size}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Import a Hugging Face GPT-2 as our fp32 and bf16 checkpoint .bin files.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-i", "--input", default="gpt2", help="local Hugging Face directory, or a hub id")
+    p.add_argument("-o", "--output", default=None,
+                   help="output prefix: writes PREFIX.bin and PREFIX_bf16.bin; None: data/gpt2_<size>, e.g. data/gpt2_124M")
+    p.add_argument("--dtype", choices=("both",) + tuple(OUTPUT_DTYPES), default="both", help="which files to write")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        model = import_hf(args.input)
+        cfg = model.config
+        print(f"GPT-2 from {args.input}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
+              f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
+        prefix = args.output or default_prefix(cfg)
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        for dtype, suffix in OUTPUT_DTYPES.items():
+            if args.dtype in ("both", dtype):
+                write_model(prefix + suffix + ".bin", model, dtype)
+                print(f"wrote {prefix + suffix}.bin ({'fp32' if dtype == 'float32' else 'bf16'})")
+    except (InputError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
