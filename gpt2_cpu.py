@@ -602,7 +602,7 @@ def learning_rate_at(step, schedule, learning_rate, warmup_iters, train_num_batc
         decay_start = max(warmup_iters, int(train_num_batches * (1.0 - WSD_DECAY_FRACTION)))
         if step < decay_start:
             return learning_rate
-        r = (step - decay_start) / max(1, train_num_batches - decay_start)
+        r = min(1.0, (step - decay_start) / max(1, train_num_batches - decay_start))
         return min_lr + (1.0 - math.sqrt(r)) * (learning_rate - min_lr)
     r = (step - warmup_iters) / max(1, train_num_batches - warmup_iters)
     r = min(max(r, 0.0), 1.0)
@@ -749,6 +749,8 @@ def read_debug_state(path, config):
         loss = float(read_exact(f, path, 1, "<f4", "loss")[0])
         grads = {name: read_exact(f, path, math.prod(shape), "<f4", f"gradient {name}").reshape(shape)
                  for name, shape in parameter_shapes(config)}
+        if f.read(1):
+            raise InputError(f"{path}: trailing bytes: the debug state does not belong to this model")
     return {"x": x, "y": y, "logits": logits, "loss": loss, "grads": grads}
 
 
