@@ -182,3 +182,65 @@ def test_help_lists_flags():
     for flag in ["-i", "-j", "-e", "-o", "-b", "-t", "-d", "-x", "-k", "-l", "-u", "-q", "-c", "-v", "-m",
                  "-s", "-g", "-n", "-y", "-a", "--input-bin", "--learning-rate", "(default: 0.0003)"]:
         assert flag in out.stdout, flag
+
+
+# ---------------------------------------------------------------------------- sampling and evaluation
+
+def test_generate_from_prompt_is_deterministic(shakespeare, small_model):
+    args = ["-e", small_model, "--generate", "12", "--prompt", "ROMEO:", "--top-k", "40", "--temperature", "0.8"]
+    a, b = run(args), run(args)
+    c = run(args + ["--sample-seed", "7"])
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout != c.stdout
+    assert a.stdout.startswith("ROMEO:") and len(a.stdout) > len("ROMEO:\n")
+    # the streamed text is the decoded sample of the library call with the same RNG
+    model = g.read_model(small_model)
+    prompt = g.gpt2_encoding().encode("ROMEO:")
+    ids = g.generate(model, prompt, 12, g.SamplerRNG(g.SAMPLE_SEED), 0.8, 40)
+    assert a.stdout == "ROMEO:" + g.Tokenizer().decode(ids) + "\n"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", "to be " * 40], "longer than max_seq_len 64"),
+    (["--tokenizer", "/nonexistent/tok.bin"], "no such tokenizer file"),
+    (["-e", "/nonexistent/m.bin"], "no such model checkpoint"),
+])
+def test_generate_errors(shakespeare, small_model, args, message):
+    base = {"-e": small_model, "--generate": "5", "--prompt": "hi"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    out = run([x for kv in base.items() for x in kv])
+    assert out.returncode == 1 and out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+    assert message in out.stderr
+
+
+def test_eval_only_hellaswag(shakespeare, small_model, tmp_path):
+    """--eval-only -h 1 scores every example once; the accuracy equals scoring by hand."""
+    rng = np.random.default_rng(0)
+    examples = [{"index": i, "label": int(rng.integers(4)), "context": rng.integers(0, 50257, 5).tolist(),
+                 "completions": [rng.integers(0, 50257, int(rng.integers(1, 4))).tolist() for _ in range(4)]}
+                for i in range(6)]
+    path = tmp_path / "hs.bin"
+    g.write_eval_file(str(path), examples)
+    train, _ = shakespeare
+    out = run(["-e", small_model, "-i", train, "-j", "", "-b", "8", "-t", "16", "-h", "1",
+               "--hellaswag-file", str(path), "--eval-only"])
+    assert out.returncode == 0, out.stderr
+    acc = float(re.search(r"HellaSwag: ([0-9.]+) accuracy over 6 examples", out.stdout).group(1))
+    model = g.read_model(small_model)
+    correct = 0
+    for ex in examples:
+        inputs, targets, mask = g.completion_rows(ex, 16)
+        g.gpt2_forward(model, inputs, targets)
+        correct += g.score_example(model.acts["losses"], mask) == ex["label"]
+    assert acc == pytest.approx(correct / 6, abs=1e-4)
+    # during training: every -v steps and at the end, logged as s:<step> eval:<acc>
+    log_dir = tmp_path / "log"
+    out = run(["-e", small_model, "-i", train, "-j", "", "-b", "8", "-t", "16", "-h", "1", "-x", "4", "-v", "2",
+               "-s", "0", "--hellaswag-file", str(path), "-o", str(log_dir)])
+    assert out.returncode == 0, out.stderr
+    evals = [line for line in (log_dir / "main.log").read_text().splitlines() if " eval:" in line]
+    assert [e.split()[0] for e in evals] == ["s:2", "s:4"]
+    assert all(0.0 <= float(e.split("eval:")[1]) <= 1.0 for e in evals)
+    missing = run(["-e", small_model, "-i", train, "-j", "", "-h", "1", "--hellaswag-file", str(tmp_path / "no.bin")])
+    assert missing.returncode == 1 and "dev/data/hellaswag.py" in missing.stderr

@@ -7,9 +7,9 @@ the rowanz/hellaswag GitHub repository) holds "ctx", "endings" (4 strings) and "
 script downloads that file once (kept beside the output), encodes the context and each ending
 with the GPT-2 BPE (each ending as " " + ending, because in running text it follows a space,
 as llm.c and nanoGPT do), and writes the multiple-choice eval file of
-shared/docs/file-formats.md through mcfile.write_eval_file.
+shared/docs/file-formats.md through gpt2_cpu.write_eval_file.
 
-What it is not: the scorer (mcfile.completion_batches / score_example) or the eval loop.
+What it is not: the scorer (gpt2_cpu.completion_batches / score_example) or the eval loop.
 
 Run it:
     python dev/data/hellaswag.py
@@ -29,8 +29,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from gpt2_cpu import DEFAULT_DATA_DIR, InputError, atomic_write, gpt2_encoding  # noqa: E402
-from mcfile import NUM_COMPLETIONS, write_eval_file  # noqa: E402
+from gpt2_cpu import (DEFAULT_DATA_DIR, NUM_COMPLETIONS, InputError, atomic_write,  # noqa: E402
+                      gpt2_encoding, write_eval_file)
 
 HELLASWAG_VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_DIR = os.path.join(DEFAULT_DATA_DIR, "hellaswag")
@@ -53,7 +53,7 @@ def download(url, path):
 
 
 def render_example(record, encode, index):
-    """One HellaSwag jsonl record -> an eval-file example dict (mcfile's layout).
+    """One HellaSwag jsonl record -> an eval-file example dict (gpt2_cpu's layout).
     encode: text -> list of token ids. Endings are encoded as " " + ending. Raises InputError
     when the record lacks ctx / endings / label or has the wrong number of endings."""
     try:
