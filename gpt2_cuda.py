@@ -2,6 +2,18 @@
 gpt2_cuda.py: GPT-2 training on one or more NVIDIA GPUs, in Python: CuPy for memory and kernel
 launches, our own CUDA kernels (kernels/*.cu) for everything but the matmuls, cuBLAS for those.
 
+NOT YET RUN ON A GPU (as of this commit): it was written and tested on a machine without one.
+Its CPU tests (tests/test_cuda.py, part 1) run the whole orchestration with NumPy stand-ins for
+CuPy, the kernels and cuBLAS, and dev/cuda/nvrtc_compile.py compiles every kernel with NVRTC;
+neither proves a kernel computes the right thing. On a GPU, run, in this order:
+    make test-gpu          # dev/run_gpu_tests.py: `pytest -m gpu -v` (every kernel against
+                           # gpt2_cpu, the 124M model, ten steps, CPU <-> CUDA resume) and
+                           # the two --check runs below; log in dev/results/
+    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0
+    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16
+    make bench             # dev/bench.py: tokens/s and MFU against the PyTorch twin
+and only then trust its numbers (CHECK_TOLERANCES are provisional until then).
+
 This is the Python twin of llm.c's train_gpt2.cu, as gpt2_cpu.py is the twin of train_gpt2.c.
 It follows gpt2_cpu.py section by section (layers, model, optimizer, ..., training loop), with
 the same function names and argument order, and imports every host-side piece from it (config,
@@ -32,6 +44,11 @@ format plus the model FLOPs utilization (the numbers depend on the GPU):
 runs one batch through gpt2_cpu.py and through this file and prints, for every activation and
 every parameter gradient, its maximum error and `TENSOR OK` / `TENSOR NOT OK` (exit 1 if any
 fails). Several GPUs: `mpirun -np 8 python gpt2_cuda.py ...` (NCCL all-reduces the gradients).
+Every flag of gpt2_cpu.py works here with the same meaning (`python gpt2_cuda.py --help` shows
+them and the GPU flags in one list), among them `-h 1` (HellaSwag every -v steps),
+`--eval-only`, and `--generate N --prompt TEXT`, which streams N sampled tokens: the same
+tokens as gpt2_cpu.py from the same checkpoint and --sample-seed, up to float rounding of the
+logits (exactly the same in a tiny fp32 model; bf16 rounding can change a close draw).
 
 Dimension legend (as in gpt2_cpu.py):
     B     batch size (sequences per micro-batch)     T     sequence length, T <= maxT
@@ -48,7 +65,6 @@ residual stream's gradient; parameter gradients always accumulate (+=), so gradi
 accumulation over micro-batches is just calling backward again.
 """
 
-import argparse
 import hashlib
 import math
 import os
@@ -59,11 +75,12 @@ import types
 import numpy as np
 
 import gpt2_cpu
-from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, GPT2_EOT,
-                      SAMPLE_SEED, Comm, DataLoader, InputError, Logger, SamplerRNG, Tokenizer, bfloat16_bits_to_float32,
-                      build_model, check_tensor, checkpoint_paths, float32_to_bfloat16_bits, latest_checkpoint_step,
-                      layer_params, learning_rate_at, num_elements, parameter_shapes, read_model, read_state,
-                      sample_token, tensor_views, write_done_marker, write_model, write_state)
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, GPT2_EOT, NUM_COMPLETIONS, PAD_TOKEN,
+                      Comm, DataLoader, InputError, Logger, SamplerRNG, Tokenizer, bfloat16_bits_to_float32,
+                      build_model, check_tensor, checkpoint_paths, evaluate_multiple_choice, float32_to_bfloat16_bits,
+                      generate, latest_checkpoint_step, layer_params, learning_rate_at, num_elements, parameter_shapes,
+                      read_hellaswag, read_model, read_state, sample_from_prompt, tensor_views, write_done_marker,
+                      write_model, write_state)
 
 # ----------------------------------------------------------------------------
 # constants: precisions, launch configuration, cuBLAS enums
@@ -152,10 +169,14 @@ _MODULES = {}      # (file, precision) -> cupy.RawModule, compiled
 _FUNCTIONS = {}    # (file, precision, kernel name) -> cupy.RawKernel
 
 
+CUDA_HEADER = "cuda_bf16.h"            # the one CUDA header the kernels include (via common.cuh)
+CXX_STANDARD = "--std=c++17"           # `if constexpr` in common.cuh
+
+
 def cuda_include_dirs():
-    """Directories holding cuda_bf16.h for NVRTC: the pip CUDA runtime (nvidia-cuda-runtime-cu12/13,
-    via cuda.pathfinder where installed, else the `nvidia` namespace package), else
-    $CUDA_PATH/include, $CUDA_HOME/include or /usr/local/cuda/include."""
+    """Candidate directories for the CUDA headers, in order: the pip CUDA runtime
+    (nvidia-cuda-runtime-cu12/13, via cuda.pathfinder where installed, else the `nvidia` namespace
+    package), then $CUDA_PATH/include, $CUDA_HOME/include, /usr/local/cuda/include."""
     dirs = []
     try:
         from cuda.pathfinder import find_nvidia_header_directory
@@ -171,8 +192,18 @@ def cuda_include_dirs():
         pass
     dirs += [os.path.join(root, "include") for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"),
                                                         "/usr/local/cuda") if root]
-    dirs = [d for d in dirs if os.path.isfile(os.path.join(d, "cuda_bf16.h"))]
     return list(dict.fromkeys(dirs))       # unique, in order
+
+
+def cuda_include_dir():
+    """The first of cuda_include_dirs() that holds cuda_bf16.h. Raises KernelCompileError (saying
+    where it looked and what to install) when none does."""
+    candidates = cuda_include_dirs()
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, CUDA_HEADER)):
+            return d
+    raise KernelCompileError(f"{CUDA_HEADER} not found (looked in {', '.join(candidates)}): "
+                             "pip install nvidia-cuda-runtime-cu12")
 
 
 def common_header_digest():
@@ -182,15 +213,19 @@ def common_header_digest():
 
 
 def kernel_compile_options(precision):
-    """NVRTC options for kernels/*.cu in one precision, the same tuple as dev/cuda/nvrtc_compile.py
-    (so CuPy's on-disk cache serves both): C++17, the floatX define, the kernels directory (for
-    common.cuh), the CUDA headers (cuda_bf16.h), and an unused macro holding common.cuh's digest,
-    because CuPy keys its cache on the source text and options, not on included headers.
-    CuPy adds -arch for the current device."""
+    """NVRTC options for kernels/*.cu in `precision` ("bf16" or "fp32"), without -arch (CuPy adds
+    it for the current device). The one source of these options: cupy.RawModule gets this tuple
+    here, and dev/cuda/nvrtc_compile.py imports this function, so the CI compile check compiles
+    exactly what runs (and CuPy's on-disk cache serves both). C++17, the floatX define, the
+    kernels directory (for common.cuh), the CUDA headers (cuda_bf16.h), and an unused macro
+    holding common.cuh's digest, because CuPy keys its cache on the source text and the
+    options, not on included headers: without it an edit of common.cuh would keep serving
+    stale kernels. Raises ValueError for an unknown precision, KernelCompileError without the
+    CUDA headers."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
-    includes = tuple(f"-I{d}" for d in [KERNELS_DIR] + cuda_include_dirs()[:1])
-    return ("--std=c++17", PRECISION_DEFINES[precision]) + includes + (f"-DCOMMON_CUH_DIGEST=sha256_{common_header_digest()}",)
+    return (CXX_STANDARD, PRECISION_DEFINES[precision], f"-I{KERNELS_DIR}", f"-I{cuda_include_dir()}",
+            f"-DCOMMON_CUH_DIGEST=sha256_{common_header_digest()}")
 
 
 def load_module(file, precision):
@@ -699,8 +734,9 @@ def cast_floatX_to_float(out, inp, n):
 
 def activation_shapes(config, B, T, recompute=True):
     """Every device buffer one forward + backward pass uses, in forward order: (name, shape, kind),
-    kind "X" = floatX, "f32" = float32, "i32" = int32. Allocated once for the largest (B,T); a
-    smaller (B,T) uses the first elements of each (its table's sizes are never larger).
+    kind "X" = floatX, "f32" = float32, "i32" = int32. Allocated once (gpt2_allocate), each buffer
+    as large as the largest of its sizes over the (B,T) the run uses; a (B,T) uses the first
+    elements of each buffer.
     Names follow gpt2_cpu.activation_shapes where the tensor is the same. Differences, as in llm.c:
       - qkvr holds q, k, v already split into heads (3,B,NH,T,HS) (gpt2_cpu keeps qkv (B,T,3C))
       - attproj and fcproj are not kept: the fused residual+LayerNorm consumes them at once
@@ -767,34 +803,41 @@ class GPT2:
         self.update_rng = SamplerRNG(UPDATE_SEED)    # seeds of stochastic rounding, one per tensor per step
         self.rng_state_last_update = self.update_rng.state
         self.buffers = None                          # name -> flat device buffer (gpt2_allocate)
-        self.max_BT = None
+        self.allocated = []                          # the (B,T) sizes the buffers were sized for
         self.views = {}                              # (B,T) -> name -> view
         self.BT = None                               # (B,T) of the last forward
         self.num_segments = 0
         self.has_targets = False
 
 
-def gpt2_allocate(model, B, T):
-    """Allocate every activation buffer for micro-batches of up to (B,T), once (before training).
-    Returns the number of bytes allocated."""
+def gpt2_allocate(model, *sizes):
+    """Allocate every activation buffer, once (before training), big enough for each micro-batch
+    size (B,T) in `sizes`: a buffer gets the largest of its sizes over their activation_shapes
+    tables, and a (B,T) then uses the first elements of each (gpt2_activations). The trainer
+    passes its (B,T), the sampler's (1, window) and HellaSwag's (rows, T): one set of buffers,
+    no allocation inside the training loop. Returns the number of bytes allocated."""
     cp = _cupy()
     dtypes = {"X": model.floatX, "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+    sizes = list(dict.fromkeys(sizes))                                # unique, in order
+    tables = [activation_shapes(model.config, B, T, model.recompute) for B, T in sizes]
     model.buffers = model.views = None                                # free the old set first
-    model.buffers = {name: cp.zeros(math.prod(shape), dtype=dtypes[kind])
-                     for name, shape, kind in activation_shapes(model.config, B, T, model.recompute)}
-    model.max_BT = (B, T)
+    model.buffers = {name: cp.zeros(max(math.prod(table[i][1]) for table in tables), dtype=dtypes[kind])
+                     for i, (name, _, kind) in enumerate(tables[0])}
+    model.allocated = sizes
     model.views = {}
     return sum(buf.nbytes for buf in model.buffers.values())
 
 
 def gpt2_activations(model, B, T):
-    """Named views of the activation buffers shaped for (B,T) (cached). Allocates (once) when
-    nothing is allocated yet or (B,T) does not fit the allocation."""
-    if model.max_BT is None or B > model.max_BT[0] or T > model.max_BT[1]:
-        gpt2_allocate(model, max(B, model.max_BT[0] if model.max_BT else 0), max(T, model.max_BT[1] if model.max_BT else 0))
+    """Named views of the activation buffers shaped for (B,T) (cached): the first elements of each
+    buffer. If nothing is allocated, or some buffer is too small for (B,T), everything is
+    reallocated for (B,T) and the sizes allocated before (views fetched earlier are then stale:
+    fetch them again)."""
     if (B, T) not in model.views:
-        model.views[(B, T)] = {name: _prefix(model.buffers[name], shape)
-                               for name, shape, _ in activation_shapes(model.config, B, T, model.recompute)}
+        table = activation_shapes(model.config, B, T, model.recompute)
+        if model.buffers is None or any(math.prod(shape) > model.buffers[name].size for name, shape, _ in table):
+            gpt2_allocate(model, *model.allocated, (B, T))
+        model.views[(B, T)] = {name: _prefix(model.buffers[name], shape) for name, shape, _ in table}
     return model.views[(B, T)]
 
 
@@ -1027,35 +1070,36 @@ def mfu(num_parameters, L, C, T, tokens_per_second, device_name, precision, tf32
 
 
 # ----------------------------------------------------------------------------
-# sampler: gpt2_cpu.generate on the GPU (same window, same SamplerRNG draws)
+# sampler: gpt2_cpu.generate and gpt2_cpu.sample_from_prompt, with a forward pass on the GPU
+#
+# gpt2_cpu.generate runs forward(x) on a fixed window of min(maxT, len(prompt) + new tokens)
+# tokens and draws from one row of the logits with the shared SamplerRNG: given a forward that
+# runs this model, the CUDA trainer samples exactly as the CPU one. The window's (1, window)
+# activations fit in the training buffers when B*T^2 >= window^2; train() allocates for both.
 
-def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, on_token=None):
-    """Autoregressive sampling as gpt2_cpu.generate: one sequence, a fixed window of
-    min(maxT, len(prompt)+max_new_tokens) tokens, the logits at position len(context)-1 copied to
-    the host and drawn from with gpt2_cpu.sample_token and the shared SamplerRNG. The window is
-    capped by the allocated T (the training T): the same tokens as gpt2_cpu whenever
-    len(prompt)+max_new_tokens <= T, up to float rounding of the logits."""
-    cfg = model.config
-    V, maxT = cfg.vocab_size, cfg.max_seq_len
-    if len(prompt) > maxT:
-        raise InputError(f"prompt of {len(prompt)} tokens is longer than max_seq_len {maxT}")
-    window = min(maxT, len(prompt) + max_new_tokens)
-    if model.max_BT is not None:
-        window = min(window, model.max_BT[1])
-    tokens = list(prompt)
-    out = []
-    for _ in range(max_new_tokens):
-        ctx = tokens[-window:]
-        x = np.full((1, window), GPT2_EOT, dtype=np.int32)
-        x[0, :len(ctx)] = ctx
-        logits = gpt2_forward(model, x)                                           # (1,window,Vp)
-        row = as_float32(logits[0, len(ctx) - 1].get())                           # (Vp,) to the host
-        nxt = sample_token(row, V, rng, temperature, top_k)
-        tokens.append(nxt)
-        out.append(nxt)
-        if on_token:
-            on_token(nxt)
-    return out
+class HostLogits:
+    """The (B,T,Vp) logits of the last forward pass, left on the device; indexing copies just the
+    part asked for to the host, as float32. gpt2_cpu.generate reads one row of Vp per token, so
+    each token moves Vp values instead of window*Vp (100 MB in bf16 at window 1024). Valid
+    until the next forward pass (the logits live in a scratch buffer). np.asarray copies all."""
+
+    def __init__(self, logits):
+        self.logits = logits                                    # (B,T,Vp) floatX, on the device
+        self.shape = logits.shape
+
+    def __getitem__(self, index):
+        return as_float32(self.logits[index].get())
+
+    def __array__(self, dtype=None, copy=None):
+        return as_float32(self.logits.get()).astype(dtype or np.float32, copy=False)
+
+
+def sampling_forward(model):
+    """The forward for gpt2_cpu.generate / sample_from_prompt: x (1,window) int32 token ids on
+    the host -> HostLogits (1,window,Vp), from a forward pass of this model without targets."""
+    def forward(x):
+        return HostLogits(gpt2_forward(model, x))
+    return forward
 
 
 # ----------------------------------------------------------------------------
@@ -1218,15 +1262,15 @@ def load_checkpoint(out_dir, step, model, loader, process_rank, num_processes):
 # ----------------------------------------------------------------------------
 # training loop
 
-GPU_FLAGS_DESCRIPTION = "GPU options (gpt2_cuda.py only); every other flag is gpt2_cpu.py's"
+GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
 
 
-def gpu_argument_parser():
-    """The flags only the GPU trainer has (llm.c's -f, -w, -r letters)."""
-    p = argparse.ArgumentParser(prog="gpt2_cuda.py", add_help=False, allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description=GPU_FLAGS_DESCRIPTION)
-    a = p.add_argument
+def build_parser(prog="gpt2_cuda.py"):
+    """gpt2_cpu.py's parser (every flag with the same letters, defaults and meaning) with the GPU
+    flags added in their own group (llm.c's -f, -w, -r letters): one --help lists them all."""
+    p = gpt2_cpu.build_parser(prog)
+    p.description = "Train GPT-2 on NVIDIA GPUs (CuPy, our CUDA kernels, cuBLAS); gpt2_cpu.py's flags plus GPU options."
+    a = p.add_argument_group(GPU_FLAGS_TITLE).add_argument
     a("--precision", default="auto", choices=("auto",) + PRECISIONS,
       help="storage precision; auto: bf16 on compute capability >= 8.0, else fp32")
     a("-f", "--tf32", type=int, default=1, choices=(0, 1), help="1: TF32 tensor cores for fp32 matmuls")
@@ -1238,18 +1282,7 @@ def gpu_argument_parser():
 
 
 def parse_args(argv=None):
-    """gpt2_cpu.py's flags (same letters, defaults and meaning) plus the GPU flags. The GPU flags
-    are taken out first; the rest goes to gpt2_cpu.parse_args unchanged."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    gpu_parser = gpu_argument_parser()
-    if "--help" in argv:
-        gpu_parser.print_help()
-        print()
-    gpu_args, rest = gpu_parser.parse_known_args(argv)
-    args = gpt2_cpu.parse_args(rest)
-    for key, value in vars(gpu_args).items():
-        setattr(args, key, value)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def validate(model, val_loader, val_max_steps, comm):
@@ -1288,10 +1321,42 @@ def run_check(args, model):
     return 0 if ok else 1
 
 
+def eval_rows(B):
+    """Rows of a HellaSwag forward pass: B, or NUM_COMPLETIONS if B is smaller (one example's
+    completions always go through together, as in gpt2_cpu.evaluate_multiple_choice)."""
+    return max(B, NUM_COMPLETIONS)
+
+
+def eval_forward_losses(model, B, T):
+    """forward_losses for gpt2_cpu.evaluate_multiple_choice: inputs, targets (R,T) int32 on the
+    host, R <= eval_rows(B) -> per-position losses (R,T) float32 on the host. The batch is padded
+    to eval_rows(B) rows of PAD_TOKEN, so that every call has the same shape (a ragged last
+    batch runs the same kernels and cuBLAS algorithms as the others); the padding's losses are
+    dropped."""
+    rows = eval_rows(B)
+
+    def forward_losses(inputs, targets):
+        R = inputs.shape[0]
+        if R > rows or inputs.shape[1] != T:
+            raise ValueError(f"forward_losses: got {inputs.shape}, at most ({rows},{T})")
+        x = np.full((rows, T), PAD_TOKEN, dtype=np.int32)
+        y = np.full((rows, T), PAD_TOKEN, dtype=np.int32)
+        x[:R], y[:R] = inputs, targets
+        gpt2_forward(model, x, y)
+        return gpt2_activations(model, rows, T)["losses"][:R].get()       # (R,T) to the host
+    return forward_losses
+
+
+def sample_window(config, prompt_length, max_new_tokens):
+    """Tokens per forward pass of gpt2_cpu.generate (its window), for allocating it up front."""
+    return min(config.max_seq_len, prompt_length + max_new_tokens)
+
+
 def train(args):
-    """The training loop, gpt2_cpu.train's on the GPU: validate / sample / checkpoint at the top of
-    each step, then zero_grad, micro-batch forward+backward with accumulation, all-reduce, clip,
-    update. Returns the model."""
+    """The training loop, gpt2_cpu.train's on the GPU: validate / HellaSwag / sample / checkpoint
+    at the top of each step, then zero_grad, micro-batch forward+backward with accumulation,
+    all-reduce, clip, update. --generate and --eval-only as in gpt2_cpu.train. Returns the model
+    (the sampled ids with --generate)."""
     cp = _cupy()
     comm = Comm()
     master = comm.rank == 0
@@ -1300,13 +1365,18 @@ def train(args):
     B, T = args.batch_size, args.seq_len
     if B <= 0 or T <= 0:
         raise InputError(f"batch size and sequence length must be positive (got -b {B} -t {T})")
+    if args.generate > 0:                                          # -e's model, as gpt2_cpu.train
+        model = setup_model(args, capability)
+        load_all_modules(model.precision)
+        return sample_from_prompt(args, model, sampling_forward(model))  # allocates (1, window) itself
     if args.resume and not args.output_dir:
         raise InputError("-y 1 needs -o DIR to find the checkpoint in")
-    resume_step = latest_checkpoint_step(args.output_dir) if args.resume else None
-    if args.resume and resume_step is None:
+    resuming = bool(args.resume) and not args.eval_only           # --eval-only evaluates -e, as gpt2_cpu
+    resume_step = latest_checkpoint_step(args.output_dir) if resuming else None
+    if resuming and resume_step is None:
         raise InputError(f"{args.output_dir}: no complete checkpoint (DONE_* marker) to resume from")
     # resuming, the model (its shape too) comes from the checkpoint, as in gpt2_cpu.train
-    spec = checkpoint_paths(args.output_dir, resume_step, comm.rank)[0] if args.resume else None
+    spec = checkpoint_paths(args.output_dir, resume_step, comm.rank)[0] if resuming else None
     model = setup_model(args, capability, spec)
     cfg = model.config
     if T > cfg.max_seq_len:
@@ -1322,15 +1392,30 @@ def train(args):
     if args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
 
+    examples = read_hellaswag(args.hellaswag_file) if args.hellaswag else None
+    forward_losses = eval_forward_losses(model, B, T)
+    sampling = master and args.sample_every > 0 and not args.eval_only
+    sizes = [(B, T)] + ([(eval_rows(B), T)] if examples else [])
+    if sampling:                                                   # the samples start from one token
+        sizes.append((1, sample_window(cfg, 1, args.gen_tokens)))
+    load_all_modules(model.precision)
+    activation_bytes = gpt2_allocate(model, *sizes)                # every activation, once
+
+    if args.eval_only:
+        if val_loader:
+            say(f"val loss {validate(model, val_loader, args.val_max_steps, comm):.6f}")
+        if examples:
+            acc, n = evaluate_multiple_choice(forward_losses, examples, B, T, comm)
+            say(f"HellaSwag: {acc:.4f} accuracy over {n} examples")
+        return model
+
     tokenizer = None
-    if args.sample_every > 0 and master:
+    if sampling:
         try:
             tokenizer = Tokenizer(args.tokenizer)
         except InputError as e:
             say(f"note: {e}; samples will print token ids")
 
-    load_all_modules(model.precision)
-    activation_bytes = gpt2_allocate(model, B, T)                  # every activation, once
     say(f"device: {device_name} (cuda:{device}, compute capability {capability / 10:.1f}) | {model.precision}"
         f"{' + fp32 master weights' if model.master is not None else ''}"
         f"{' | TF32 matmuls' if model.precision == 'fp32' and MATMUL_OPTIONS['tf32'] else ''}"
@@ -1344,13 +1429,12 @@ def train(args):
 
     nccl = NcclComm(comm) if comm.size > 1 else None
     start_step = 0
-    sample_rng = SamplerRNG(SAMPLE_SEED)
-    if args.resume:
+    sample_rng = SamplerRNG(args.sample_seed)
+    if resuming:
         start_step, sample_rng.state, state_path = load_checkpoint(args.output_dir, resume_step, model, train_loader,
                                                                    comm.rank, comm.size)
         say(f"resumed from {state_path} at step {start_step}")
-    logger = Logger(args.output_dir if master else None, resuming=bool(args.resume))
-    A = gpt2_activations(model, B, T)
+    logger = Logger(args.output_dir if master else None, resuming=resuming)
     tokens_per_step_per_gpu = total_batch // comm.size
 
     for step in range(start_step, num_steps + 1):
@@ -1359,9 +1443,14 @@ def train(args):
             val_loss = validate(model, val_loader, args.val_max_steps, comm)
             say(f"val loss {val_loss:.6f}")
             logger.log_val(step, val_loss)
-        if master and args.sample_every > 0 and ((step > 0 and step % args.sample_every == 0) or last_step):
+        if examples and args.val_every > 0 and ((step > 0 and step % args.val_every == 0) or last_step):
+            acc, n = evaluate_multiple_choice(forward_losses, examples, B, T, comm)
+            say(f"HellaSwag: {acc:.4f} accuracy over {n} examples")
+            logger.log_eval(step, acc)
+        if sampling and ((step > 0 and step % args.sample_every == 0) or last_step):
             say("generating:\n---")
-            ids = generate(model, [GPT2_EOT], args.gen_tokens, sample_rng)
+            ids = generate(model, [tokenizer.eot_token if tokenizer else GPT2_EOT], args.gen_tokens, sample_rng,
+                           forward=sampling_forward(model))
             say(tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids)))
             say("---")
         if args.output_dir and args.checkpoint_every > 0 and step > start_step and \
@@ -1375,6 +1464,7 @@ def train(args):
             break
 
         t0 = time.perf_counter()
+        A = gpt2_activations(model, B, T)          # (cached) fetched per step: valid even if a sample reallocated
         gpt2_zero_grad(model)
         A["loss_accum"].fill(0)
         for _ in range(grad_accum_steps):

@@ -85,7 +85,7 @@ def cupy_steps(model_name, B, T, num_steps):
     cfg = gpt2_cpu.config_from_descriptor(model_name)
     model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
-    gpt2_cuda.gpt2_allocate(model, B, T)
+    gpt2_cuda.gpt2_allocate(model, (B, T))
     x, y = fixed_batch(cfg, B, T)
     losses_accum = gpt2_cuda.gpt2_activations(model, B, T)["losses"]
     times, losses = [], []

@@ -3,7 +3,10 @@ then (marked gpu, skipped without CuPy and a CUDA device) every kernel and the m
 
 Part 1, no GPU needed:
 - host logic: MFU/FLOPs, the peak-FLOPS table lookup, the encoder's segment building (against
-  np.add.at), grids, flags, the activation table's prefix property, the no-GPU exit line;
+  np.add.at), grids, the activation table's prefix property;
+- the command line: gpt2_cpu's parser plus the GPU flags in one --help, errors that name
+  gpt2_cuda.py, the one-line exit without a GPU (of gpt2_cuda.py and dev/run_gpu_tests.py),
+  and dev/run_gpu_tests.py's log name and tee;
 - the column-major cuBLAS calls of matmul_forward/backward and of attention, run through a NumPy
   emulation of cublasGemmEx / cublasGemmStridedBatchedEx (column-major, leading dimensions and
   strides taken literally), against plain row-major NumPy products;
@@ -12,13 +15,18 @@ Part 1, no GPU needed:
   against the .cu sources), CuPy by a NumPy-backed stand-in, and cuBLAS by the emulator above,
   compared tensor by tensor with gpt2_cpu. This checks argument order, views, shapes, scratch
   reuse and the training loop; it cannot check the kernels themselves, which part 2 does.
+  Through the same stand-ins: one activation allocation for training, HellaSwag and sampling;
+  gpt2_cpu.generate and --generate with the CUDA forward (the same tokens as gpt2_cpu.py);
+  HellaSwag's padded forward_losses, --eval-only -h 1, and -h 1 / samples during training
+  (the same main.log eval lines and sample text as gpt2_cpu.py).
 Part 2, GPU: each kernel against gpt2_cpu's NumPy layer on fresh random inputs with outputs
 poisoned with NaN, tolerances in KERNEL_TOLERANCES; the 124M model against gpt2_cpu in fp32 and
-bf16; ten training steps; resuming CPU <-> CUDA.
+bf16; ten training steps; the sampling and HellaSwag forwards; resuming CPU <-> CUDA.
 Run: pytest tests/test_cuda.py   (part 1: a few seconds on 2 cores; part 2 on an H100: minutes,
 mostly gpt2_cpu computing the 124M references on the CPU)
 """
 
+import importlib.util
 import inspect
 import math
 import os
@@ -100,7 +108,7 @@ def test_grids():
     assert gpt2_cuda.scratch_floats(GPT2Config(channels=C)) >= need
 
 
-def test_parse_args_splits_gpu_and_cpu_flags():
+def test_parse_args_has_cpu_and_gpu_flags():
     args = gpt2_cuda.parse_args(["-e", "d12", "-r", "0", "-b", "4", "--precision", "fp32", "-f", "0",
                                  "-x", "-1", "-w", "0", "-l", "1e-3", "--check"])
     assert (args.model, args.batch_size, args.max_steps, args.learning_rate) == ("d12", 4, -1, 1e-3)
@@ -110,6 +118,42 @@ def test_parse_args_splits_gpu_and_cpu_flags():
     for key, value in vars(cpu_defaults).items():                       # same defaults as gpt2_cpu
         assert getattr(defaults, key) == value, key
     assert (defaults.precision, defaults.tf32, defaults.master_weights, defaults.recompute) == ("auto", 1, 1, 1)
+    # gpt2_cpu's newer flags arrive unchanged (-h is HellaSwag, as in llm.c)
+    args = gpt2_cuda.parse_args(["-h", "1", "--eval-only", "--generate", "7", "--prompt", "Hi", "--top-k", "5",
+                                 "--temperature", "0.5", "--sample-seed", "9", "--precision", "bf16"])
+    assert (args.hellaswag, args.eval_only, args.generate, args.prompt, args.top_k, args.temperature,
+            args.sample_seed, args.precision) == (1, True, 7, "Hi", 5, 0.5, 9, "bf16")
+
+
+def _run_cuda_cli(args, timeout=120):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "gpt2_cuda.py")] + args, capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout)
+
+
+def test_help_is_one_block_with_cpu_and_gpu_flags():
+    r = _run_cuda_cli(["--help"])                                       # exits in argparse: no GPU needed
+    assert r.returncode == 0 and r.stderr == ""
+    out = r.stdout
+    assert out.count("usage:") == 1 and out.startswith("usage: gpt2_cuda.py ")
+    cpu_help = gpt2_cpu.build_parser("gpt2_cuda.py").format_help()
+    cpu_flags = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", cpu_help))
+    gpu_flags = {"--precision", "-f", "--tf32", "-w", "--master-weights", "-r", "--recompute", "--check", "--check-dtype"}
+    assert {"-h", "--hellaswag", "--eval-only", "--generate", "--prompt", "--sample-seed", "-e", "-x"} <= cpu_flags
+    listed = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", out))
+    assert cpu_flags | gpu_flags <= listed
+    # the GPU flags come last, in one group of the same help text
+    body = out.split("\n\n", 1)[1]                                     # after the usage block
+    assert body.count(gpt2_cuda.GPU_FLAGS_TITLE) == 1
+    before, after = body.split(gpt2_cuda.GPU_FLAGS_TITLE)
+    assert "--hellaswag-file" in before and "--hellaswag-file" not in after
+    assert "--master-weights" in after and "--master-weights" not in before
+    assert "(default: auto)" in after
+
+
+def test_bad_flag_names_gpt2_cuda():
+    r = _run_cuda_cli(["--precision", "fp16"])
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1].startswith("gpt2_cuda.py: error: argument --precision: invalid choice")
 
 
 def test_activation_table_prefix_property():
@@ -124,14 +168,72 @@ def test_activation_table_prefix_property():
     assert size >= max(2 * 1024 * 3 * 64, 2 * 4 * 1024 * 1024, 2 * 1024 * cfg.padded_vocab_size)
 
 
-@pytest.mark.skipif(gpt2_cuda.cuda_unavailable_reason() is None, reason="a GPU is present: the no-GPU path is not taken")
-def test_no_gpu_prints_one_line_and_exits_2():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "gpt2_cuda.py"), "-x", "1"], capture_output=True,
-                       text=True, timeout=120)
+NO_GPU = pytest.mark.skipif(gpt2_cuda.cuda_unavailable_reason() is None,
+                            reason="a GPU is present: the no-GPU path is not taken")
+
+
+@NO_GPU
+@pytest.mark.parametrize("argv", [["-x", "1"], ["--generate", "5"], ["--eval-only", "-h", "1"],
+                                  ["--check", "-e", "d12", "-b", "4", "-t", "64"]])
+def test_no_gpu_prints_one_line_and_exits_2(argv):
+    r = _run_cuda_cli(argv)
     assert r.returncode == 2
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpt2_cuda.py: no CUDA GPU found (") and "gpt2_cpu.py" in lines[0]
+
+
+def _load_run_gpu_tests():
+    spec = importlib.util.spec_from_file_location("run_gpu_tests", os.path.join(ROOT, "dev", "run_gpu_tests.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@NO_GPU
+def test_run_gpu_tests_without_gpu_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "run_gpu_tests.py"), "--results-dir", str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dev/run_gpu_tests.py: no CUDA GPU found ("), r.stderr
+    assert os.listdir(tmp_path) == []                                   # no log for a run that did not happen
+
+
+def test_run_gpu_tests_log_name_and_tee(tmp_path, capsys, monkeypatch):
+    rgt = _load_run_gpu_tests()
+    assert rgt.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert rgt.device_slug("  Tesla V100-SXM2-16GB ") == "tesla-v100-sxm2-16gb"
+    assert rgt.log_path(str(tmp_path), "2026-11-22", "NVIDIA H200") == str(tmp_path / "2026-11-22_nvidia-h200_test-gpu.log")
+    # every command's output goes to the terminal and the log; the status is the worst exit code
+    ok = [sys.executable, "-c", "print('first line'); print('second line')"]
+    bad = [sys.executable, "-c", "import sys; print('to stderr', file=sys.stderr); sys.exit(3)"]
+    log = tmp_path / "x.log"
+    with open(log, "w") as f:
+        statuses = [rgt.run_and_tee(cmd, f) for cmd in (ok, bad, ok)]
+    assert statuses == [0, 3, 0]
+    text = log.read_text()
+    shown = capsys.readouterr().out
+    for line in ("first line", "second line", "to stderr", "exit status 3"):
+        assert line in text and line in shown, line
+    lines = text.splitlines()
+    assert sum(line.startswith("$ ") for line in lines) == 3 and lines.count("first line") == 2
+    assert lines.index("to stderr") < lines.index("exit status 3")
+    # main, past the GPU gate: the log's name and header, the summary, the exit status
+    monkeypatch.setattr(rgt.gpt2_cuda, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(rgt, "device_name", lambda: "NVIDIA Test GPU 80GB")
+    monkeypatch.setattr(rgt, "software_versions", lambda: "driver 0.0")
+    monkeypatch.setattr(rgt, "commands", lambda: [ok, bad])
+    assert rgt.main(["--results-dir", str(tmp_path / "results")]) == 1
+    monkeypatch.setattr(rgt, "commands", lambda: [ok])
+    assert rgt.main(["--results-dir", str(tmp_path / "ok")]) == 0
+    (name,) = os.listdir(tmp_path / "results")
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_nvidia-test-gpu-80gb_test-gpu\.log", name)
+    text = (tmp_path / "results" / name).read_text()
+    assert text.startswith("# dev/run_gpu_tests.py, ") and "# device: NVIDIA Test GPU 80GB (driver 0.0)" in text
+    assert "# commit: " in text and f"#   {' '.join(bad)}" in text
+    assert "FAIL (3)" in text and "# 1 of 2 FAILED" in text
+    assert "# all passed" in (tmp_path / "ok" / os.listdir(tmp_path / "ok")[0]).read_text()
 
 
 def test_import_does_not_import_cupy():
@@ -553,16 +655,173 @@ def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
         assert gpt2_cpu.check_tensor(model.m.get(), cpu.m, "m", 1e-7 * float(np.abs(cpu.m).max()), 1e-4)
 
 
-def test_emulated_generate_matches_gpt2_cpu(emulated_gpu):
-    cfg = GPT2Config(max_seq_len=32, num_layers=1, num_heads=2, channels=16)   # GPT-2's V: the window pads with EOT
-    cpu = gpt2_cpu.gpt2_init(cfg, 42)
-    cpu.P["wte"] *= 20.0                                                     # logits of a few units: draws differ
-    model = gpt2_cuda.GPT2(cfg, "fp32", recompute=True)
+def test_emulated_allocation_holds_every_size_at_once(emulated_gpu):
+    # one set of buffers for training (B,T), HellaSwag (4,T) and the sampler's (1,window): each
+    # buffer is the largest of its sizes, every size's views are prefixes, nothing is reallocated
+    cfg = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
+    model = gpt2_cuda.GPT2(cfg, "fp32")
+    sizes = [(1, 8), (4, 8), (1, 13)]                    # 13^2 > 1*8^2: the window's att is the largest
+    nbytes = gpt2_cuda.gpt2_allocate(model, *sizes)
+    tables = [{n: math.prod(shape) for n, shape, _ in gpt2_cuda.activation_shapes(cfg, B, T)} for B, T in sizes]
+    assert {n: b.size for n, b in model.buffers.items()} == {n: max(t[n] for t in tables) for n in tables[0]}
+    assert nbytes == sum(b.nbytes for b in model.buffers.values())
+    buffers = dict(model.buffers)
+    for B, T in sizes:
+        views = gpt2_cuda.gpt2_activations(model, B, T)
+        assert views["att"].shape == (2, B, 2, T, T) and np.shares_memory(views["att"], buffers["att"])
+    assert model.buffers == buffers and model.allocated == sizes                     # no reallocation
+    # a size that does not fit: everything is reallocated, for it and the sizes before
+    gpt2_cuda.gpt2_activations(model, 2, 16)
+    assert model.allocated == sizes + [(2, 16)] and model.buffers["att"].size == 2 * 2 * 2 * 16 * 16
+
+
+GEN_CONFIG = GPT2Config(max_seq_len=32, num_layers=1, num_heads=2, channels=16)   # GPT-2's V = 50257
+
+
+def _gen_model():
+    """A tiny model with GPT-2's vocabulary and logits of a few units (wte scaled), so that the
+    draws are neither uniform nor always the same token."""
+    cpu = gpt2_cpu.gpt2_init(GEN_CONFIG, 42)
+    cpu.P["wte"] *= 20.0
+    return cpu
+
+
+@pytest.mark.parametrize("B,T,new_tokens", [(2, 16, 10), (1, 8, 12)])
+def test_emulated_generate_matches_gpt2_cpu(emulated_gpu, B, T, new_tokens):
+    # gpt2_cpu.generate with the CUDA forward: the same tokens as with gpt2_cpu's forward. The
+    # window is min(maxT, 1 + new_tokens); (1,8,12) needs more than the training buffers hold
+    cpu = _gen_model()
+    model = gpt2_cuda.GPT2(GEN_CONFIG, "fp32", recompute=True)
     gpt2_cuda.upload_parameters(model, cpu.params)
-    gpt2_cuda.gpt2_allocate(model, 2, 16)
-    ids = gpt2_cuda.generate(model, [3], 10, gpt2_cpu.SamplerRNG(11))   # window 11 <= T = 16
-    cpu_ids = gpt2_cpu.generate(cpu, [3], 10, gpt2_cpu.SamplerRNG(11))
+    window = gpt2_cuda.sample_window(GEN_CONFIG, 1, new_tokens)
+    gpt2_cuda.gpt2_allocate(model, (B, T), (1, window))
+    forward = gpt2_cuda.sampling_forward(model)
+    x = np.random.default_rng(0).integers(0, GEN_CONFIG.vocab_size, (1, window)).astype(np.int32)
+    logits = forward(x)
+    assert logits.shape == (1, window, GEN_CONFIG.padded_vocab_size)
+    ref = gpt2_cpu.gpt2_forward(cpu, x)
+    assert gpt2_cpu.check_tensor(logits[0, 3], ref[0, 3], "one row, to the host", 1e-5, 1e-5)
+    assert gpt2_cpu.check_tensor(np.asarray(logits), ref, "all of it", 1e-5, 1e-5)
+    ids = gpt2_cpu.generate(model, [3], new_tokens, gpt2_cpu.SamplerRNG(11), forward=forward)
+    cpu_ids = gpt2_cpu.generate(cpu, [3], new_tokens, gpt2_cpu.SamplerRNG(11))
     assert ids == cpu_ids and len(set(ids)) > 1
+    assert model.allocated == [(B, T), (1, window)]                  # the sampler used the allocation
+
+
+def _synthetic_tokenizer(tmp_path):
+    """A tokenizer file whose token i decodes to '<i>', so that printed samples give back their ids."""
+    path = str(tmp_path / "tok.bin")
+    gpt2_cpu.write_tokenizer(path, [f"<{i}>".encode() for i in range(gpt2_cpu.GPT2_EOT + 1)])
+    return path
+
+
+def _ids(text):
+    return [int(i) for i in re.findall(r"<(\d+)>", text)]
+
+
+def test_emulated_generate_flag_matches_gpt2_cpu(emulated_gpu, tmp_path, capsys):
+    # --generate through gpt2_cuda.main: gpt2_cpu.sample_from_prompt with the CUDA forward streams
+    # the same text as gpt2_cpu.py does, and it is the decoding of gpt2_cpu.generate's ids
+    path = str(tmp_path / "gen.bin")
+    gpt2_cpu.write_model(path, _gen_model())
+    argv = ["-e", path, "--generate", "9", "--tokenizer", _synthetic_tokenizer(tmp_path), "--top-k", "40",
+            "--temperature", "0.8", "--sample-seed", "5"]
+    assert gpt2_cpu.main(argv) == 0
+    cpu_out = capsys.readouterr().out
+    assert gpt2_cuda.main(argv + ["--precision", "fp32"]) == 0
+    cuda_out = capsys.readouterr().out
+    assert cuda_out == cpu_out
+    ref = gpt2_cpu.generate(gpt2_cpu.read_model(path), [gpt2_cpu.GPT2_EOT], 9, gpt2_cpu.SamplerRNG(5), 0.8, 40)
+    assert _ids(cuda_out) == ref and len(set(ref)) > 1
+    # the errors are gpt2_cpu's, one line each
+    assert gpt2_cuda.main(["-e", path, "--generate", "3", "--tokenizer", str(tmp_path / "none.bin")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("B,R", [(6, 4), (8, 8), (8, 4), (2, 4), (1, 4)])
+def test_emulated_eval_forward_losses_pad_and_slice(emulated_gpu, B, R):
+    # R rows (R <= max(B, 4)) are padded to the allocated rows; the losses of the R real rows come
+    # back to the host and equal gpt2_cpu's per-position losses
+    T = 12
+    model = _tiny_model("fp32", True)
+    rows = gpt2_cuda.eval_rows(B)
+    assert rows == max(B, gpt2_cpu.NUM_COMPLETIONS)
+    gpt2_cuda.gpt2_allocate(model, (B, T), (rows, T))
+    forward_losses = gpt2_cuda.eval_forward_losses(model, B, T)
+    rng = np.random.default_rng(B * 10 + R)
+    inputs, targets = (rng.integers(0, TINY.vocab_size, (R, T)).astype(np.int32) for _ in range(2))
+    losses = forward_losses(inputs, targets)
+    assert type(losses) is np.ndarray and losses.shape == (R, T)            # host memory, R rows
+    cpu = gpt2_cpu.gpt2_init(TINY, 42)
+    gpt2_cpu.gpt2_forward(cpu, inputs, targets)
+    assert gpt2_cpu.check_tensor(losses, cpu.acts["losses"], "eval losses", 1e-5, 1e-5)
+    assert model.allocated == list(dict.fromkeys([(B, T), (rows, T)])) and model.BT == (rows, T)   # no reallocation
+    with pytest.raises(ValueError):
+        forward_losses(np.zeros((rows + 1, T), np.int32), np.zeros((rows + 1, T), np.int32))
+
+
+def _eval_file(tmp_path, n, V, seed=0):
+    rng = np.random.default_rng(seed)
+    examples = [{"index": i, "label": int(rng.integers(4)), "context": rng.integers(0, V, int(rng.integers(2, 6))).tolist(),
+                 "completions": [rng.integers(0, V, int(rng.integers(1, 4))).tolist() for _ in range(4)]}
+                for i in range(n)]
+    path = str(tmp_path / "hellaswag.bin")
+    gpt2_cpu.write_eval_file(path, examples)
+    return path, examples
+
+
+@pytest.mark.parametrize("B", [2, 8])
+def test_emulated_eval_only_hellaswag_matches_gpt2_cpu(emulated_gpu, tmp_path, capsys, B):
+    # --eval-only -h 1: the same val loss and the same accuracy as gpt2_cpu.py, and the accuracy
+    # is the one gpt2_cpu's scoring rule gives with the CPU model (7 examples: a ragged last batch)
+    data, model = _write_shards(tmp_path), _tiny_checkpoint(tmp_path)
+    hs, examples = _eval_file(tmp_path, 7, TINY.vocab_size)
+    argv = ["-e", model, "-i", data, "-j", data, "-b", str(B), "-t", "12", "-m", "3", "-h", "1",
+            "--hellaswag-file", hs, "--eval-only"]
+    assert gpt2_cpu.main(argv) == 0
+    cpu_out = capsys.readouterr().out
+    assert gpt2_cuda.main(argv + ["--precision", "fp32"]) == 0
+    cuda_out = capsys.readouterr().out
+    acc = re.search(r"HellaSwag: ([0-9.]+) accuracy over 7 examples", cuda_out).group(1)
+    assert acc == re.search(r"HellaSwag: ([0-9.]+) accuracy over 7 examples", cpu_out).group(1)
+    cpu = gpt2_cpu.read_model(model)
+    correct = 0
+    for ex in examples:
+        inputs, targets, mask = gpt2_cpu.completion_rows(ex, 12)
+        gpt2_cpu.gpt2_forward(cpu, inputs, targets)
+        correct += gpt2_cpu.score_example(cpu.acts["losses"], mask) == ex["label"]
+    assert float(acc) == pytest.approx(correct / 7, abs=1e-4)
+    val, cpu_val = (float(re.search(r"val loss ([0-9.]+)", out).group(1)) for out in (cuda_out, cpu_out))
+    assert val == pytest.approx(cpu_val, rel=1e-5)
+
+
+def test_emulated_training_evals_and_samples_match_gpt2_cpu(emulated_gpu, tmp_path, capsys):
+    # -h 1 every -v steps (logged s:<step> eval:<acc>) and samples every -s steps during training:
+    # the same log and the same sample text as gpt2_cpu.py. B=1, T=8, -g 12: the sampler's
+    # window (13) needs more than the training buffers, so train() allocates for both up front
+    data = _write_shards(tmp_path, V=GEN_CONFIG.vocab_size)
+    model = str(tmp_path / "gen.bin")
+    gpt2_cpu.write_model(model, _gen_model())
+    hs, _ = _eval_file(tmp_path, 5, GEN_CONFIG.vocab_size, seed=1)
+    common = ["-e", model, "-i", data, "-j", "", "-b", "1", "-t", "8", "-x", "4", "-v", "2", "-s", "2", "-g", "12",
+              "-l", "1e-4", "-h", "1", "--hellaswag-file", hs, "--tokenizer", _synthetic_tokenizer(tmp_path)]
+    cpu_dir, cuda_dir = str(tmp_path / "cpu"), str(tmp_path / "cuda")
+    assert gpt2_cpu.main(common + ["-o", cpu_dir]) == 0
+    cpu_out = capsys.readouterr().out
+    trained = gpt2_cuda.train(gpt2_cuda.parse_args(common + ["-o", cuda_dir, "--precision", "fp32"]))
+    cuda_out = capsys.readouterr().out
+    # one allocation for the whole run: training, HellaSwag's 4 rows, the sampler's window
+    assert trained.allocated == [(1, 8), (4, 8), (1, 13)]
+    samples = [re.findall(r"generating:\n---\n(.*)\n---", out) for out in (cuda_out, cpu_out)]
+    assert len(samples[0]) == 2 and samples[0] == samples[1]                   # steps 2 and 4
+    assert all(len(_ids(s)) == 12 for s in samples[0])
+    logs = [open(os.path.join(d, "main.log")).read().splitlines() for d in (cuda_dir, cpu_dir)]
+    evals = [[line for line in log if " eval:" in line] for log in logs]
+    assert [e.split()[0] for e in evals[0]] == ["s:2", "s:4"] and evals[0] == evals[1]
+    for got, ref in zip(_train_losses(os.path.join(cuda_dir, "main.log")).values(),
+                        _train_losses(os.path.join(cpu_dir, "main.log")).values()):
+        assert got == pytest.approx(ref, rel=1e-5)
 
 
 def _write_shards(tmp_path, n_tokens=4000, V=TINY.vocab_size):
@@ -945,6 +1204,27 @@ def test_ten_training_steps_match_gpt2_cpu(precision, rtol, monkeypatch):
     print("cuda:", losses, "\ncpu: ", cpu_losses)
     np.testing.assert_allclose(losses, cpu_losses, rtol=rtol)
     assert cpu_losses[-1] < cpu_losses[0] - 1.0
+
+
+@pytest.mark.gpu
+def test_sampling_and_eval_forwards_match_gpt2_cpu(monkeypatch):
+    # the CuPy side of the two forwards handed to gpt2_cpu: HostLogits' row copies, the padded
+    # HellaSwag batch; fp32 without TF32, so that a tiny model samples the very same tokens
+    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
+    cpu = _gen_model()
+    model = gpt2_cuda.GPT2(GEN_CONFIG, "fp32", recompute=True)
+    gpt2_cuda.upload_parameters(model, cpu.params)
+    B, T = 2, 16
+    gpt2_cuda.gpt2_allocate(model, (B, T), (gpt2_cuda.eval_rows(B), T), (1, 21))
+    ids = gpt2_cpu.generate(model, [3], 20, gpt2_cpu.SamplerRNG(11), forward=gpt2_cuda.sampling_forward(model))
+    assert ids == gpt2_cpu.generate(cpu, [3], 20, gpt2_cpu.SamplerRNG(11)) and len(set(ids)) > 1
+    rng = np.random.default_rng(1)
+    inputs, targets = (rng.integers(0, GEN_CONFIG.vocab_size, (4, T)).astype(np.int32) for _ in range(2))
+    losses = gpt2_cuda.eval_forward_losses(model, B, T)(inputs, targets)
+    gpt2_cpu.gpt2_forward(cpu, inputs, targets)
+    assert type(losses) is np.ndarray
+    assert gpt2_cpu.check_tensor(losses, cpu.acts["losses"], "eval losses", 1e-4, 1e-4)
+    assert model.allocated == [(B, T), (4, T), (1, 21)]
 
 
 @pytest.mark.gpu

@@ -7,7 +7,9 @@ Checked against independent facts rather than the compiler's say-so alone:
   by these names, so a renamed or missing `extern "C"` kernel fails here, not on a GPU);
 - the precision macro reaches the code: the bf16 build converts with cvt.rn.bf16.f32, the fp32
   build never does;
-- a broken source fails with an error that names the file and carries NVRTC's own diagnostic.
+- a broken source fails with an error that names the file and carries NVRTC's own diagnostic;
+- the options are gpt2_cuda.kernel_compile_options itself (one source for the check and the
+  trainer), and importing the script needs no CuPy.
 Skips (with the reason) only when the NVRTC library cannot be loaded at all.
 Run: pytest tests/test_kernels_compile.py   (about 15 s on 2 cores)
 """
@@ -15,6 +17,7 @@ Run: pytest tests/test_kernels_compile.py   (about 15 s on 2 cores)
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -107,6 +110,38 @@ def test_compile_options():
         assert f"-DCOMMON_CUH_DIGEST=sha256_{digest}" in options
     with pytest.raises(ValueError):
         nc.kernel_compile_options("fp16")
+
+
+def test_compile_options_have_one_source():
+    # the CI check compiles with exactly the options gpt2_cuda.py hands to cupy.RawModule
+    import gpt2_cuda
+    assert nc.kernel_compile_options is gpt2_cuda.kernel_compile_options
+    assert nc.KERNELS_DIR == gpt2_cuda.KERNELS_DIR == os.path.join(ROOT, "kernels")
+    assert nc.cuda_include_dir() == gpt2_cuda.cuda_include_dir()
+    assert f"-I{nc.cuda_include_dir()}" in gpt2_cuda.kernel_compile_options("fp32")
+
+
+def test_missing_cuda_headers_are_named(monkeypatch, tmp_path):
+    import gpt2_cuda
+    monkeypatch.setattr(gpt2_cuda, "cuda_include_dirs", lambda: [str(tmp_path)])
+    with pytest.raises(gpt2_cuda.KernelCompileError, match=re.escape(f"cuda_bf16.h not found (looked in {tmp_path})")):
+        gpt2_cuda.kernel_compile_options("bf16")
+    with pytest.raises(nc.NvrtcUnavailable, match="cuda_bf16.h not found"):
+        nc.cuda_include_dir()
+
+
+def test_importing_the_script_needs_no_cupy():
+    # both modules import without CuPy's device runtime: gpt2_cuda imports CuPy only on a GPU,
+    # and the script loads NVRTC's binding only when it compiles
+    code = ("import importlib.util, sys\n"
+            "spec = importlib.util.spec_from_file_location('nc', sys.argv[1])\n"
+            "m = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(m)\n"
+            "assert m.kernel_compile_options('bf16')\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('cupy', 'cupy_backends')))\n")
+    r = subprocess.run([sys.executable, "-c", code, SCRIPT], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
 
 
 def test_broken_source_names_file_and_carries_log():

@@ -10,7 +10,9 @@ nvidia-cuda-nvrtc-cu12 wheel and needs no device or driver. This is the CI check
 kernels; it proves they compile, not that they compute the right thing (tests marked gpu do).
 
 What it deliberately is not: a build system. Nothing is cached or written; gpt2_cuda.py compiles
-the kernels itself with cupy.RawModule, using the same options (kernel_compile_options).
+the kernels itself with cupy.RawModule. The compile options have one source,
+gpt2_cuda.kernel_compile_options, imported here (gpt2_cuda imports CuPy only when it runs on a
+GPU, so importing it needs neither CuPy's device runtime nor a driver).
 
 Run it:
     python dev/cuda/nvrtc_compile.py
@@ -27,19 +29,18 @@ and exits 1 after printing NVRTC's log for every failure. Other uses:
 import argparse
 import ctypes
 import glob
-import hashlib
 import os
 import re
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KERNELS_DIR = os.path.join(REPO_ROOT, "kernels")
-COMMON_HEADER = "common.cuh"                     # included by every kernel file
+sys.path.insert(0, REPO_ROOT)
 
-PRECISION_DEFINES = {"bf16": "-DENABLE_BF16", "fp32": "-DENABLE_FP32"}
+import gpt2_cuda  # noqa: E402
+from gpt2_cuda import KERNELS_DIR, PRECISION_DEFINES, kernel_compile_options  # noqa: E402
+
 PTX_ARCHS = ("compute_80", "compute_90")         # virtual: PTX, JIT-compiled by the driver
 CUBIN_ARCHS = ("sm_80", "sm_90")                 # real: SASS, also runs ptxas
-CXX_STANDARD = "--std=c++17"                     # `if constexpr` in common.cuh
 # cupy.RawModule appends these to every NVRTC compile (cupy/cuda/compiler.py); the check adds
 # them too so that it compiles exactly what runs. Repeating them is harmless.
 CUPY_IMPLICIT_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
@@ -71,18 +72,13 @@ def _nvidia_package_dirs():
 
 
 def cuda_include_dir():
-    """The directory holding cuda_bf16.h (and the cuda_fp16 headers it includes): the
-    nvidia-cuda-runtime-cu12 wheel's include/, else $CUDA_PATH/include or /usr/local/cuda/include.
-    Raises NvrtcUnavailable when none has cuda_bf16.h."""
-    candidates = [os.path.join(d, "cuda_runtime", "include") for d in _nvidia_package_dirs()]
-    if os.environ.get("CUDA_PATH"):
-        candidates.append(os.path.join(os.environ["CUDA_PATH"], "include"))
-    candidates.append("/usr/local/cuda/include")
-    for candidate in candidates:
-        if os.path.isfile(os.path.join(candidate, "cuda_bf16.h")):
-            return candidate
-    raise NvrtcUnavailable("cuda_bf16.h not found: pip install nvidia-cuda-runtime-cu12 "
-                           f"(looked in {', '.join(candidates)})")
+    """The directory holding cuda_bf16.h, found as gpt2_cuda finds it (gpt2_cuda.cuda_include_dir:
+    the nvidia-cuda-runtime-cu12 wheel's include/, else $CUDA_PATH, $CUDA_HOME, /usr/local/cuda).
+    Raises NvrtcUnavailable when none has it."""
+    try:
+        return gpt2_cuda.cuda_include_dir()
+    except gpt2_cuda.KernelCompileError as error:
+        raise NvrtcUnavailable(str(error)) from None
 
 
 def _preload_nvrtc_from_wheel():
@@ -116,25 +112,6 @@ def load_nvrtc():
 
 # ----------------------------------------------------------------------------
 # compiling
-
-def common_header_digest():
-    """First 16 hex digits of the SHA-256 of kernels/common.cuh."""
-    with open(os.path.join(KERNELS_DIR, COMMON_HEADER), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
-
-
-def kernel_compile_options(precision):
-    """NVRTC options for kernels/*.cu in `precision` ("bf16" or "fp32"), without -arch (CuPy adds
-    it for the device in use). gpt2_cuda.py passes this tuple to cupy.RawModule(options=...).
-    The last option defines an unused macro holding common.cuh's digest: CuPy's on-disk kernel
-    cache is keyed on the source text and the options, not on included headers, so without it
-    an edit of common.cuh would keep serving stale kernels.
-    Raises ValueError for an unknown precision, NvrtcUnavailable without CUDA headers."""
-    if precision not in PRECISION_DEFINES:
-        raise ValueError(f"unknown precision '{precision}': expected one of {', '.join(PRECISION_DEFINES)}")
-    return (CXX_STANDARD, PRECISION_DEFINES[precision], f"-I{KERNELS_DIR}",
-            f"-I{cuda_include_dir()}", f"-DCOMMON_CUH_DIGEST=sha256_{common_header_digest()}")
-
 
 def _compile(path, precision, arch, source, extra_options):
     """Run NVRTC once; return (PTX str or cubin bytes, NVRTC's log)."""
