@@ -499,6 +499,7 @@ def gpt2_backward(model, loss_scale=1.0):
         p, g = layer_params(P, l), layer_params(G, l)
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: both receive dresidual
+        # (the same array: every later "dresidual = dresidual + ..." makes a new one, never +=)
         dresidual, dfcproj = residual_backward(dresidual)
         dfch_gelu = matmul_backward(g["fcprojw"], g["fcprojb"], dfcproj, A["fch_gelu"][l], p["fcprojw"])
         dfch = gelu_backward(dfch_gelu, A["fch"][l])
@@ -527,24 +528,25 @@ def gpt2_grad_norm(model):
 
 def adamw_chunk(p, g, m, v, scratch, learning_rate, beta1, beta2, bc1, bc2, eps, weight_decay, grad_scale):
     """AdamW on one contiguous slice of the flat buffers, in place (see gpt2_update for the math).
-    scratch: two arrays of at least p.size elements. Each line is one pass over the slice, small
-    enough to stay in cache, so the whole update reads p, g, m, v and writes p, m, v once."""
-    n = p.size
-    gs, t = scratch[0][:n], scratch[1][:n]
-    np.multiply(g, grad_scale, out=gs)                 # g = grad_scale * grad
-    m *= beta1
-    m += np.multiply(gs, 1.0 - beta1, out=t)           # m = beta1 m + (1 - beta1) g
-    v *= beta2
-    np.multiply(gs, gs, out=t)
-    v += np.multiply(t, 1.0 - beta2, out=t)            # v = beta2 v + (1 - beta2) g^2
+    scratch: (2, n) with n >= p.size. The bias corrections are folded into two
+    scalars, using  (m / bc1) / (sqrt(v / bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps sqrt(bc2)),
+    so each element sees a dozen NumPy passes, all on a slice small enough to stay in cache."""
+    t, gs = scratch[0, :p.size], scratch[1, :p.size]
+    if grad_scale != 1.0:
+        g = np.multiply(g, grad_scale, out=gs)         # g = grad_scale * grad (clipping)
+    np.subtract(g, m, out=t)
+    t *= 1.0 - beta1
+    m += t                                             # m = beta1 m + (1 - beta1) g
+    np.multiply(g, g, out=t)
+    t -= v
+    t *= 1.0 - beta2
+    v += t                                             # v = beta2 v + (1 - beta2) g^2
     np.sqrt(v, out=t)
-    t *= 1.0 / math.sqrt(bc2)
-    t += eps                                           # sqrt(v / bc2) + eps
+    t += eps * math.sqrt(bc2)
     np.divide(m, t, out=t)
-    t *= 1.0 / bc1                                     # (m / bc1) / (sqrt(v / bc2) + eps)
+    t *= learning_rate * math.sqrt(bc2) / bc1          # lr * (m / bc1) / (sqrt(v / bc2) + eps)
     if weight_decay != 0.0:
-        t += np.multiply(p, weight_decay, out=gs)      # + weight_decay * p (decoupled: not in m or v)
-    t *= learning_rate
+        p *= 1.0 - learning_rate * weight_decay        # p - lr * weight_decay * p (decoupled decay)
     p -= t
 
 
@@ -571,7 +573,7 @@ def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_s
         offset += n
 
     def work(worker, num_workers):
-        scratch = (np.empty(ADAMW_CHUNK, model.params.dtype), np.empty(ADAMW_CHUNK, model.params.dtype))
+        scratch = np.empty((2, ADAMW_CHUNK), model.params.dtype)
         for sl, wd in chunks[worker::num_workers]:
             adamw_chunk(model.params[sl], model.grads[sl], model.m[sl], model.v[sl], scratch,
                         learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale)

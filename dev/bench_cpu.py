@@ -44,16 +44,18 @@ def matmul_workload(cfg, B, T, rng):
     f32 = np.float32
     r = lambda *s: rng.standard_normal(s, dtype=f32)  # noqa: E731
     linear = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]   # (OC, C) of qkv, attproj, fc, fcproj
-    W = [r(oc, c) for oc, c in linear]
-    X = [r(B * T, c) for _, c in linear]
-    D = [r(B * T, oc) for oc, _ in linear]
+    # every layer gets its own weights, inputs and gradients, as in the real step: reusing one
+    # set would keep it in cache and time the products faster than the step can ever run them
+    W = [[r(oc, c) for oc, c in linear] for _ in range(L)]
+    X = [[r(B * T, c) for _, c in linear] for _ in range(L)]
+    D = [[r(B * T, oc) for oc, _ in linear] for _ in range(L)]
     q, k, v = r(B, NH, T, HS), r(B, NH, T, HS), r(B, NH, T, HS)
     att = r(B, NH, T, T)
     wte, lnf, dlogits = r(Vp, C), r(B * T, C), r(B * T, Vp)
 
     def run():
-        for _ in range(L):
-            for w, x, d in zip(W, X, D):
+        for l in range(L):
+            for w, x, d in zip(W[l], X[l], D[l]):
                 x @ w.T                          # forward
                 d @ w                            # dinp
                 d.T @ x                          # dweight
