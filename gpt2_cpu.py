@@ -15,7 +15,7 @@ Run it (after `make data`):
     python gpt2_cpu.py
 trains a small GPT-2 (d4, 16M parameters) from scratch on Shakespeare: 400 steps of
 B=4 x T=64 tokens, about two minutes on 2 CPU cores, printing one line per step, e.g.
-    step    1/400 | loss 10.925585 | norm 6.6749 | lr 3.00e-04 | 271.3 ms | 944 tok/s
+    step    1/400 | loss 10.925585 | norm 6.6749 | lr 3.00e-04 | 316.7 ms | 808 tok/s
 the validation loss every 100 steps (10.9 at the start, about 6.1 at the end) and a sample
 of generated text every 100 steps, which turns from noise into verse-shaped lines. `python gpt2_cpu.py --help`
 lists every flag (llm.c's one-letter flags, each with a long alias).
@@ -115,9 +115,9 @@ def padded_vocab(V):
 # depth descriptor -> (L, NH, C). d12..d48 are llm.c's descriptors and the GPT-2
 # sizes; d2..d6 are small enough to train on a 2-core CPU.
 MODEL_DESCRIPTORS = {
-    "d2": (2, 4, 128),      # ~6.8M params, 6.4M of them the (tied) token embedding
-    "d4": (4, 4, 256),      # ~16.3M params
-    "d6": (6, 6, 384),      # ~30M params, the size of nanoGPT's "baby GPT"
+    "d2": (2, 4, 128),      # 6,966,784 params, 6.4M of them the (tied) token embedding
+    "d4": (4, 4, 256),      # 16,299,520 params: the default CPU run
+    "d6": (6, 6, 384),      # 30,357,504 params: nanoGPT's Shakespeare "baby GPT" shape, GPT-2 vocabulary
     "d12": (12, 12, 768),   # GPT-2 124M
     "d24": (24, 16, 1024),  # GPT-2 350M
     "d36": (36, 20, 1280),  # GPT-2 774M

@@ -39,7 +39,7 @@ Run it (after `make data`; needs CuPy and a CUDA GPU, else it says so in one lin
     python gpt2_cuda.py -e d12 -b 16 -t 1024 -x 200
 prints a few lines about the device, model and memory, then one line per step in gpt2_cpu.py's
 format plus the model FLOPs utilization (the numbers depend on the GPU):
-    step    1/120 | loss <loss> | norm <norm> | lr 3.00e-04 | <ms> ms | <n> tok/s | MFU <x>%
+    step    1/400 | loss <loss> | norm <norm> | lr 3.00e-04 | <ms> ms | <n> tok/s | MFU <x>%
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0
 runs one batch through gpt2_cpu.py and through this file and prints, for every activation and
 every parameter gradient, its maximum error and `TENSOR OK` / `TENSOR NOT OK` (exit 1 if any
