@@ -1002,6 +1002,28 @@ def score_example(losses, mask):
     return int(np.argmin(completion_losses(losses, mask)))
 
 
+def evaluate_multiple_choice(forward_losses, examples, B, T, comm):
+    """Accuracy on multiple-choice examples (HellaSwag). Each example becomes NUM_COMPLETIONS rows
+    (completion_rows); B // NUM_COMPLETIONS examples (at least one) go through one call of
+    forward_losses(inputs (R,T) int32, targets (R,T) int32) -> per-position losses (R,T); the
+    completion with the lowest mean loss over its own tokens is the prediction (score_example).
+    Ranks take every comm.size-th example. Returns (accuracy in [0,1], number of examples)."""
+    per_batch = max(1, B // NUM_COMPLETIONS)
+    mine = examples[comm.rank::comm.size]
+    correct = 0
+    for start in range(0, len(mine), per_batch):
+        batch = mine[start:start + per_batch]
+        rows = [completion_rows(ex, T) for ex in batch]
+        inputs = np.concatenate([r[0] for r in rows])            # (4 * len(batch), T)
+        targets = np.concatenate([r[1] for r in rows])
+        losses = forward_losses(inputs, targets)
+        for j, (ex, (_, _, mask)) in enumerate(zip(batch, rows)):
+            rows_j = slice(j * NUM_COMPLETIONS, (j + 1) * NUM_COMPLETIONS)
+            correct += score_example(losses[rows_j], mask) == ex["label"]
+    total = comm.sum(float(correct))
+    return total / len(examples), len(examples)
+
+
 # ----------------------------------------------------------------------------
 # data loader: llm.c token shards, strided by rank, optionally shuffled
 
@@ -1181,28 +1203,6 @@ def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, on_to
         if on_token:
             on_token(nxt)
     return out
-
-
-def evaluate_multiple_choice(forward_losses, examples, B, T, comm):
-    """Accuracy on multiple-choice examples (HellaSwag). Each example becomes NUM_COMPLETIONS rows
-    (completion_rows); B // NUM_COMPLETIONS examples (at least one) go through one call of
-    forward_losses(inputs (R,T) int32, targets (R,T) int32) -> per-position losses (R,T); the
-    completion with the lowest mean loss over its own tokens is the prediction (score_example).
-    Ranks take every comm.size-th example. Returns (accuracy in [0,1], number of examples)."""
-    per_batch = max(1, B // NUM_COMPLETIONS)
-    mine = examples[comm.rank::comm.size]
-    correct = 0
-    for start in range(0, len(mine), per_batch):
-        batch = mine[start:start + per_batch]
-        rows = [completion_rows(ex, T) for ex in batch]
-        inputs = np.concatenate([r[0] for r in rows])            # (4 * len(batch), T)
-        targets = np.concatenate([r[1] for r in rows])
-        losses = forward_losses(inputs, targets)
-        for j, (ex, (_, _, mask)) in enumerate(zip(batch, rows)):
-            rows_j = slice(j * NUM_COMPLETIONS, (j + 1) * NUM_COMPLETIONS)
-            correct += score_example(losses[rows_j], mask) == ex["label"]
-    total = comm.sum(float(correct))
-    return total / len(examples), len(examples)
 
 
 # ----------------------------------------------------------------------------
