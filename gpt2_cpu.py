@@ -534,12 +534,11 @@ def adamw_chunk(p, g, m, v, scratch, learning_rate, beta1, beta2, bc1, bc2, eps,
     t, gs = scratch[0, :p.size], scratch[1, :p.size]
     if grad_scale != 1.0:
         g = np.multiply(g, grad_scale, out=gs)         # g = grad_scale * grad (clipping)
-    np.subtract(g, m, out=t)
-    t *= 1.0 - beta1
-    m += t                                             # m = beta1 m + (1 - beta1) g
+    m *= beta1
+    m += np.multiply(g, 1.0 - beta1, out=t)            # m = beta1 m + (1 - beta1) g
     np.multiply(g, g, out=t)
-    t -= v
     t *= 1.0 - beta2
+    v *= beta2
     v += t                                             # v = beta2 v + (1 - beta2) g^2
     np.sqrt(v, out=t)
     t += eps * math.sqrt(bc2)

@@ -652,7 +652,9 @@ def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
         gpt2_cuda.gpt2_update(model, 1e-3, 0.9, 0.95, 1e-8, 0.1, step, grad_scale=0.5)
         gpt2_cpu.gpt2_update(cpu, 1e-3, 0.9, 0.95, 1e-8, 0.1, step, grad_scale=0.5)
         assert gpt2_cpu.check_tensor(model.params.get(), cpu.params, "params", 1e-6, 1e-5)
-        assert gpt2_cpu.check_tensor(model.m.get(), cpu.m, "m", 1e-7 * float(np.abs(cpu.m).max()), 1e-4)
+        # m = beta1 m + (1 - beta1) g inherits (1 - beta1) of the gradients' differences, which the
+        # grads check above allows up to 1e-6 absolute: so 1e-7 absolute here (m itself is ~1e-3)
+        assert gpt2_cpu.check_tensor(model.m.get(), cpu.m, "m", 1e-7, 1e-4)
 
 
 def test_emulated_allocation_holds_every_size_at_once(emulated_gpu):
