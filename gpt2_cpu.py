@@ -99,6 +99,7 @@ class InputError(Exception):
 
 @dataclass(frozen=True)
 class GPT2Config:
+    """The shape of a GPT-2, as the checkpoint header stores it (slots 2-7)."""
     max_seq_len: int = 1024       # maxT
     vocab_size: int = 50257       # V
     padded_vocab_size: int = 50304  # Vp: V padded up to a multiple of 128
@@ -190,6 +191,7 @@ def tensor_views(flat, shapes):
 
 
 def num_elements(shapes):
+    """Total number of elements of a (name, shape) table."""
     return sum(math.prod(shape) for _, shape in shapes)
 
 
@@ -709,6 +711,7 @@ def read_model(path, dtype=np.float32):
 
 
 def model_header(config, version):
+    """The 256-int32 header of a model checkpoint for `config` (version 3 fp32 or 5 bf16)."""
     return make_header({0: MODEL_MAGIC, 1: version, 2: config.max_seq_len, 3: config.vocab_size,
                         4: config.num_layers, 5: config.num_heads, 6: config.channels,
                         7: config.padded_vocab_size})
@@ -1208,6 +1211,7 @@ def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, on_to
 # training state: checkpoints for resume (model + AdamW + step + RNG + loader position)
 
 def checkpoint_paths(out_dir, step, rank=0):
+    """(model, state, DONE-marker) file paths of the checkpoint at `step`, llm.c's names."""
     return (os.path.join(out_dir, f"model_{step:08d}.bin"),
             os.path.join(out_dir, f"state_{step:08d}_{rank:05d}.bin"),
             os.path.join(out_dir, f"DONE_{step:08d}"))
@@ -1299,6 +1303,7 @@ def save_checkpoint(out_dir, step, model, loader, sample_rng_state, process_rank
 
 
 def write_done_marker(done_path):
+    """Write the empty DONE_<step> file that marks a checkpoint complete (always last)."""
     atomic_write(done_path, lambda f: None)
 
 
@@ -1335,6 +1340,7 @@ class Comm:
         return float(self.mean_(np.array([x], dtype=np.float64))[0])
 
     def barrier(self):
+        """Wait until every process gets here (a no-op without MPI)."""
         if self.comm is not None:
             self.comm.Barrier()
 
@@ -1437,6 +1443,7 @@ def build_parser(prog="gpt2_cpu.py"):
 
 
 def parse_args(argv=None):
+    """Parse the command line (argv: list of str, default sys.argv[1:]) -> argparse.Namespace."""
     return build_parser().parse_args(argv)
 
 
@@ -1604,6 +1611,8 @@ def train(args):
 
 
 def main(argv=None):
+    """CLI entry point: train (or evaluate / generate). Returns the exit code: 0, or 1 with one
+    `error:` line on stderr for bad input."""
     args = parse_args(argv)
     try:
         train(args)

@@ -124,6 +124,7 @@ MATMUL_OPTIONS = {"tf32": False}
 
 
 def ceil_div(a, b):
+    """Smallest integer >= a / b, for positive ints (grid sizes)."""
     return -(-a // b)
 
 
@@ -1282,6 +1283,7 @@ def build_parser(prog="gpt2_cuda.py"):
 
 
 def parse_args(argv=None):
+    """gpt2_cpu.py's flags plus the GPU options -> argparse.Namespace."""
     return build_parser().parse_args(argv)
 
 
@@ -1493,6 +1495,7 @@ def train(args):
 
 
 def main(argv=None):
+    """CLI entry point. Returns the exit code: 0; 1 for bad input (one `error:` line); 2 without a CUDA GPU or CuPy."""
     args = parse_args(argv)
     reason = cuda_unavailable_reason()
     if reason:

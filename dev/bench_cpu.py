@@ -28,6 +28,7 @@ import gpt2_cpu as g  # noqa: E402
 
 
 def median_time(fn, repeats):
+    """Median wall time (s) of fn() over `repeats` calls after one warm-up call, and all times."""
     fn()                                        # warm-up: allocation, BLAS thread start
     times = []
     for _ in range(repeats):
