@@ -8,7 +8,7 @@ probing B = 8, 16, 32, ... until one runs out of memory; each probe is a fresh s
 an out-of-memory error can leave a process's CUDA state unusable), then `--warmup` untimed and
 `--steps` timed training steps on a fixed random batch. Each step is timed on the host from its
 start to the read of its loss, which waits for the GPU. Reported: median ms/step, tokens/s, MFU
-(gpt2_cuda.mfu: llm.c's 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), and the
+(llmc.mfu.mfu: llm.c's 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), and the
 device memory in use at the end (total - free: the CUDA context, the allocator's pool, library
 workspaces), and the ratio of the two trainers' tokens/s.
 
@@ -45,6 +45,9 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "dev"))
 
 import gpt2_cpu   # noqa: E402
 import gpt2_cuda  # noqa: E402
+import llmc.cuda  # noqa: E402
+import llmc.mfu  # noqa: E402
+from llmc import comm  # noqa: E402
 
 TRAINERS = {"cupy": "gpt2_cuda.py (CuPy)", "torch": "PyTorch twin (compile)"}
 OOM_EXIT = 3                      # a worker's exit status when its B does not fit
@@ -80,8 +83,8 @@ def device_memory_and_name(trainer):
 
 def cupy_steps(model_name, B, T, num_steps):
     """Train gpt2_cuda.py's model num_steps steps on one fixed batch; return (seconds per step, losses)."""
-    cupy = gpt2_cuda._cupy()
-    gpt2_cuda.select_device(gpt2_cpu.Comm())
+    cupy = llmc.cuda.cupy()
+    llmc.cuda.select_device(comm.Comm())
     cfg = gpt2_cpu.config_from_descriptor(model_name)
     model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
@@ -147,7 +150,7 @@ def worker(args):
     memory, device = device_memory_and_name(args.worker)
     ms = statistics.median(timed) * 1000
     tok_s = args.batch_size * args.seq_len / (ms / 1000)
-    util = gpt2_cuda.mfu(num_parameters, cfg.num_layers, cfg.channels, args.seq_len, tok_s, device, "bf16", False)
+    util = llmc.mfu.mfu(num_parameters, cfg.num_layers, cfg.channels, args.seq_len, tok_s, device, "bf16", False)
     result = {"trainer": args.worker, "B": args.batch_size, "T": args.seq_len, "ms_median": ms,
               "ms_all": [t * 1000 for t in timed], "tok_s": tok_s, "mfu": util, "memory_bytes": memory,
               "device": device, "losses": losses}
@@ -220,7 +223,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    reason = gpt2_cuda.cuda_unavailable_reason()
+    reason = llmc.cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/bench.py: no CUDA GPU found ({reason}); nothing to benchmark", file=sys.stderr)
         return 2

@@ -33,7 +33,7 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-import gpt2_cuda  # noqa: E402  (imports CuPy only when asked: this file runs without it too)
+from llmc import cuda  # noqa: E402  (imports CuPy only when asked: this file runs without it too)
 
 RESULTS_DIR = os.path.join(REPO_ROOT, "dev", "results")
 CHECK_ARGS = ["--check", "-e", "d12", "-b", "4", "-t", "64"]
@@ -127,7 +127,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--results-dir", default=RESULTS_DIR, help="where the log goes")
     args = p.parse_args(argv)
-    reason = gpt2_cuda.cuda_unavailable_reason()
+    reason = cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/run_gpu_tests.py: no CUDA GPU found ({reason}); nothing to run here "
               "(`make test` runs the CPU tests)", file=sys.stderr)

@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gpt2_cpu import InputError  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 LOG_NAME = "main.log"
 TRAIN_KEY, VAL_KEY, EVAL_KEY = "trl", "tel", "eval"

@@ -24,8 +24,11 @@ All four permutes write (=), they never accumulate.
 Kernels and launch assumptions:
 - permute_qkv, permute_qkv_backward, unpermute, unpermute_backward: llm.c's permute_kernel /
   unpermute_kernel (attention_forward.cu version 4) with x128 groups along HS. Grid-stride over
-  the B*NH*T*HS/x128::size groups; any grid and block size. Launcher must check
-  HS % x128::size == 0 and 16-byte aligned pointers.
+  the B*NH*T*HS/x128::size groups; any grid and block size. Each thread splits its group's flat
+  index into (b, nh, t, hs) with the shared helper head_coords, then copies the group (three
+  groups for the qkv permutes) between the (B,NH,T,HS) and (B,T,NH,HS) layouts. Since
+  HS % x128::size == 0, a group never straddles two heads, so it is contiguous in both.
+  Launcher must check HS % x128::size == 0 and 16-byte aligned pointers.
 - softmax_forward, softmax_backward: one warp per row of the (BNH*T, T) matrix (row r is query
   position t = r % T), grid-stride over rows; blockDim.x a multiple of 32. The forward keeps an
   online max/sum (softmax_forward.cu's online-softmax versions, attention_forward.cu
@@ -39,6 +42,36 @@ Kernels and launch assumptions:
 // ----------------------------------------------------------------------------
 // permutes: (B,T,3,NH,HS) <-> 3 x (B,NH,T,HS), (B,NH,T,HS) <-> (B,T,NH,HS)
 
+// The permutes move each element (b, nh, t, hs) between two layouts of the same values:
+//   HEADS_FIRST (B,NH,T,HS): q, k, v, y and their gradients; each head's (T,HS) matrix is
+//                            contiguous, which is what the batched matmuls need
+//   HEADS_LAST  (B,T,NH,HS): the rows of qkv (B,T,3,NH,HS) and of out (B,T,C = NH*HS), the
+//                            layout of the linear layers around attention
+enum HeadLayout { HEADS_FIRST, HEADS_LAST };
+
+struct HeadCoords {
+    size_t b, nh, t, hs;
+};
+
+// Split the flat index idx of a row-major tensor in `layout` into its (b, nh, t, hs). Each
+// kernel loops over the tensor it writes contiguously (or reads, for permute_qkv_backward) and
+// finds the element's place in the other layout from these coordinates. size_t: B*NH*T*HS can
+// exceed 2^31.
+__device__ inline HeadCoords head_coords(size_t idx, HeadLayout layout, int T, int NH, int HS) {
+    HeadCoords e;
+    e.hs = idx % HS;
+    if (layout == HEADS_FIRST) {
+        e.t = (idx / HS) % T;
+        e.nh = (idx / ((size_t)HS * T)) % NH;
+        e.b = idx / ((size_t)HS * T * NH);
+    } else {
+        e.nh = (idx / HS) % NH;
+        e.t = (idx / ((size_t)HS * NH)) % T;
+        e.b = idx / ((size_t)HS * NH * T);
+    }
+    return e;
+}
+
 // q, k, v (B,NH,T,HS) = inp (B,T,3,NH,HS) split and transposed
 extern "C" __global__ void permute_qkv(floatX* q, floatX* k, floatX* v, const floatX* inp,
                                        int B, int T, int NH, int HS) {
@@ -47,11 +80,8 @@ extern "C" __global__ void permute_qkv(floatX* q, floatX* k, floatX* v, const fl
     for (size_t g = blockIdx.x * (size_t)blockDim.x + threadIdx.x; g < num_groups;
          g += (size_t)gridDim.x * blockDim.x) {
         const size_t idx = g * x128::size;           // index into (B,NH,T,HS)
-        const size_t hs = idx % HS;
-        const size_t t = (idx / HS) % T;
-        const size_t nh = (idx / ((size_t)HS * T)) % NH;
-        const size_t b = idx / ((size_t)HS * T * NH);
-        const size_t inp_idx = (b * T + t) * 3 * C + nh * HS + hs;   // (b, t, 0, nh, hs)
+        const HeadCoords e = head_coords(idx, HEADS_FIRST, T, NH, HS);
+        const size_t inp_idx = (e.b * T + e.t) * 3 * C + e.nh * HS + e.hs;   // (b, t, 0, nh, hs)
         store128(q + idx, load128cs(inp + inp_idx));
         store128(k + idx, load128cs(inp + inp_idx + C));
         store128(v + idx, load128cs(inp + inp_idx + 2 * C));
@@ -65,12 +95,9 @@ extern "C" __global__ void permute_qkv_backward(floatX* dinp, const floatX* dq, 
     const size_t C = (size_t)NH * HS;
     for (size_t g = blockIdx.x * (size_t)blockDim.x + threadIdx.x; g < num_groups;
          g += (size_t)gridDim.x * blockDim.x) {
-        const size_t idx = g * x128::size;
-        const size_t hs = idx % HS;
-        const size_t t = (idx / HS) % T;
-        const size_t nh = (idx / ((size_t)HS * T)) % NH;
-        const size_t b = idx / ((size_t)HS * T * NH);
-        const size_t inp_idx = (b * T + t) * 3 * C + nh * HS + hs;
+        const size_t idx = g * x128::size;           // index into (B,NH,T,HS)
+        const HeadCoords e = head_coords(idx, HEADS_FIRST, T, NH, HS);
+        const size_t inp_idx = (e.b * T + e.t) * 3 * C + e.nh * HS + e.hs;   // (b, t, 0, nh, hs)
         store128(dinp + inp_idx, load128cs(dq + idx));
         store128(dinp + inp_idx + C, load128cs(dk + idx));
         store128(dinp + inp_idx + 2 * C, load128cs(dv + idx));
@@ -84,11 +111,8 @@ extern "C" __global__ void unpermute(floatX* out, const floatX* inp, int B, int 
     for (size_t g = blockIdx.x * (size_t)blockDim.x + threadIdx.x; g < num_groups;
          g += (size_t)gridDim.x * blockDim.x) {
         const size_t idx = g * x128::size;           // index into (B,T,NH,HS)
-        const size_t hs = idx % HS;
-        const size_t nh = (idx / HS) % NH;
-        const size_t t = (idx / ((size_t)HS * NH)) % T;
-        const size_t b = idx / ((size_t)HS * NH * T);
-        store128(out + idx, load128cs(inp + ((b * NH + nh) * T + t) * HS + hs));
+        const HeadCoords e = head_coords(idx, HEADS_LAST, T, NH, HS);
+        store128(out + idx, load128cs(inp + ((e.b * NH + e.nh) * T + e.t) * HS + e.hs));
     }
 }
 
@@ -99,11 +123,8 @@ extern "C" __global__ void unpermute_backward(floatX* dinp, const floatX* dout, 
     for (size_t g = blockIdx.x * (size_t)blockDim.x + threadIdx.x; g < num_groups;
          g += (size_t)gridDim.x * blockDim.x) {
         const size_t idx = g * x128::size;           // index into (B,NH,T,HS)
-        const size_t hs = idx % HS;
-        const size_t t = (idx / HS) % T;
-        const size_t nh = (idx / ((size_t)HS * T)) % NH;
-        const size_t b = idx / ((size_t)HS * T * NH);
-        store128(dinp + idx, load128cs(dout + ((b * T + t) * NH + nh) * HS + hs));
+        const HeadCoords e = head_coords(idx, HEADS_FIRST, T, NH, HS);
+        store128(dinp + idx, load128cs(dout + ((e.b * T + e.t) * NH + e.nh) * HS + e.hs));
     }
 }
 

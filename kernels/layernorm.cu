@@ -9,12 +9,14 @@ LayerNorm over the C channels of each of the N = B*T rows (Ba, Kiros & Hinton 20
 Kernels (inp, out, dout, dinp (N,C) floatX; weight, bias (C,) floatX; mean, rstd (N,) float):
 - layernorm_forward: one warp per row, llm.c dev/cuda/layernorm_forward.cu version 3 (warp per
   row, shuffle reductions, streaming hints), with the Packed128 loads of train_gpt2.cu's
-  kernel. Two-pass variance (sum (x-mean)^2,
-  not E[x^2] - mean^2 as in version 4) because the subtraction of two large squares loses bits
-  when |mean| >> std. The row is re-read from L1/L2 for each pass, not from DRAM.
-- fused_residual_forward: llm.c dev/cuda/fused_residual_forward.cu: residual = inp1 + inp2
-  (rounded to floatX and stored), then layernorm_forward of that rounded residual, so the
-  normalized output is exactly what an unfused residual_forward + layernorm_forward would give.
+  kernel. The per-row work is the __device__ helper layernorm_row. Two-pass variance
+  (sum (x-mean)^2, not E[x^2] - mean^2 as in version 4) because the subtraction of two large
+  squares loses bits when |mean| >> std. The row is re-read from L1/L2 for each pass, not from
+  DRAM.
+- fused_residual_forward: llm.c dev/cuda/fused_residual_forward.cu: one warp per row stores
+  residual = inp1 + inp2 (rounded to floatX), then calls the same layernorm_row on that rounded
+  residual, so the normalized output is bit for bit what an unfused residual_forward +
+  layernorm_forward would give. Each lane re-reads only the residual groups it wrote itself.
 - layernorm_backward: dinp += (the residual stream's gradient accumulates) and per-block partial
   sums of dbias and dweight into scratch. llm.c's layernorm_backward.cu versions 2-10 sum the
   column partials with atomics (shared, then global); here each block writes its own slot and
@@ -43,13 +45,19 @@ are bit-reproducible. Any grid size is correct for the other kernels (grid-strid
 // ----------------------------------------------------------------------------
 // forward
 
-// Normalize one row with one warp. Lane `lane` owns the x128 groups c = lane*VS + k*32*VS,
-// the same groups in every pass, so a lane only ever re-reads data it wrote itself
-// (fused_residual_forward relies on that). Returns mean and rstd to every lane.
-__device__ inline void layernorm_row(floatX* out_row, float* mean_out, float* rstd_out,
-                                     const floatX* inp_row, const floatX* weight,
-                                     const floatX* bias, int C, int lane) {
+// layernorm_forward for row `row` only, computed by the one warp that calls it: out[row,:],
+// mean[row], rstd[row] from inp[row,:] (mean, rstd may be NULL: not stored). Both forward
+// kernels run exactly this code per row, so their outputs agree bit for bit.
+// lane = threadIdx.x % WARP_SIZE (the caller has it already) owns the x128 groups that start at
+// c = lane*x128::size + k*WARP_SIZE*x128::size, the same groups in every pass: a lane only ever
+// re-reads data it has read itself, or written itself (fused_residual_forward's residual), so no
+// __syncwarp is needed, and passes 2 and 3 find the row in L1/L2 rather than DRAM.
+__device__ inline void layernorm_row(floatX* out, float* mean, float* rstd, const floatX* inp,
+                                     const floatX* weight, const floatX* bias, int row, int C,
+                                     int lane) {
     const int lane_stride = WARP_SIZE * x128::size;
+    const floatX* inp_row = inp + (size_t)row * C;
+    floatX* out_row = out + (size_t)row * C;
     // pass 1: mean
     float sum = 0.0f;
     for (int c = lane * x128::size; c < C; c += lane_stride) {
@@ -58,31 +66,37 @@ __device__ inline void layernorm_row(floatX* out_row, float* mean_out, float* rs
             sum += (float)x[k];
         }
     }
-    const float mean = warpReduceSum(sum) / C;
+    const float row_mean = warpReduceSum(sum) / C;     // every lane gets the same value
     // pass 2: biased variance around the mean
     float sum_sq = 0.0f;
     for (int c = lane * x128::size; c < C; c += lane_stride) {
         const x128 x = load128(inp_row + c);
         for (int k = 0; k < x128::size; k++) {
-            const float centered = (float)x[k] - mean;
+            const float centered = (float)x[k] - row_mean;
             sum_sq += centered * centered;
         }
     }
-    const float rstd = rsqrtf(warpReduceSum(sum_sq) / C + LN_EPS);
-    // pass 3: normalize, scale, shift; the output is not read again by this kernel
+    const float row_rstd = rsqrtf(warpReduceSum(sum_sq) / C + LN_EPS);
+    // pass 3: normalize, scale, shift; the last read of the row and the only write of the output,
+    // hence the streaming hints
     for (int c = lane * x128::size; c < C; c += lane_stride) {
         const x128 x = load128cs(inp_row + c);
         const x128 w = load128(weight + c);
         const x128 b = load128(bias + c);
         x128 out_group;
         for (int k = 0; k < x128::size; k++) {
-            const float norm = ((float)x[k] - mean) * rstd;
+            const float norm = ((float)x[k] - row_mean) * row_rstd;
             out_group[k] = (floatX)(norm * (float)w[k] + (float)b[k]);
         }
         store128cs(out_row + c, out_group);
     }
-    *mean_out = mean;
-    *rstd_out = rstd;
+    // the backward reads these instead of recomputing them; one lane stores for the warp
+    if (lane == 0 && mean != nullptr) {
+        mean[row] = row_mean;
+    }
+    if (lane == 0 && rstd != nullptr) {
+        rstd[row] = row_rstd;
+    }
 }
 
 // out (N,C) = layernorm(inp); mean, rstd (N,) float, or NULL to skip storing them (inference)
@@ -94,15 +108,7 @@ extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rs
     const int row_stride = gridDim.x * warps_per_block;
     for (int row = blockIdx.x * warps_per_block + threadIdx.x / WARP_SIZE; row < N;
          row += row_stride) {
-        float row_mean, row_rstd;
-        layernorm_row(out + (size_t)row * C, &row_mean, &row_rstd, inp + (size_t)row * C,
-                      weight, bias, C, lane);
-        if (lane == 0 && mean != nullptr) {
-            mean[row] = row_mean;
-        }
-        if (lane == 0 && rstd != nullptr) {
-            rstd[row] = row_rstd;
-        }
+        layernorm_row(out, mean, rstd, inp, weight, bias, row, C, lane);
     }
 }
 
@@ -127,15 +133,9 @@ extern "C" __global__ void fused_residual_forward(floatX* residual, floatX* norm
             }
             store128(residual + offset + c, sum_group);
         }
-        float row_mean, row_rstd;
-        layernorm_row(normed + offset, &row_mean, &row_rstd, residual + offset, weight, bias,
-                      C, lane);
-        if (lane == 0 && mean != nullptr) {
-            mean[row] = row_mean;
-        }
-        if (lane == 0 && rstd != nullptr) {
-            rstd[row] = row_rstd;
-        }
+        // normalize the rounded residual just stored, not the float sum: the same result as
+        // residual_forward followed by layernorm_forward
+        layernorm_row(normed, mean, rstd, residual, weight, bias, row, C, lane);
     }
 }
 

@@ -33,7 +33,10 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import gpt2_cpu  # noqa: E402  (needs the repository root on sys.path)
-from gpt2_cpu import HEADER_BYTES, InputError  # noqa: E402
+from llmc import formats  # noqa: E402
+from llmc.check import check_tensor  # noqa: E402
+from llmc.formats import HEADER_BYTES  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 # ----------------------------------------------------------------------------
 # tolerances: the one table
@@ -77,7 +80,7 @@ PRINT_WORST = 3               # how many worst elements a failing tensor prints
 # comparison
 
 def check_one(got, ref, label, tolerance, verbose=False):
-    """Check one tensor with gpt2_cpu.check_tensor (numpy.isclose's rule) after turning the
+    """Check one tensor with check_tensor (numpy.isclose's rule) after turning the
     table's atol, a fraction of max|ref|, into an absolute one. Prints check_tensor's verdict line
     (label, TENSOR OK / NOT OK, max abs diff, max diff relative to max|ref|, first pairs) and,
     for a failing tensor, its worst elements. Returns (ok, max_abs_diff, max_rel_diff)."""
@@ -85,7 +88,7 @@ def check_one(got, ref, label, tolerance, verbose=False):
     got = np.asarray(got, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     scale = float(np.abs(ref).max()) if ref.size else 0.0
-    ok = gpt2_cpu.check_tensor(got, ref, label, atol_fraction * scale, rtol)
+    ok = check_tensor(got, ref, label, atol_fraction * scale, rtol)
     if got.shape != ref.shape:
         return False, float("inf"), float("inf")
     diff = np.abs(got - ref)
@@ -102,7 +105,7 @@ def check_one(got, ref, label, tolerance, verbose=False):
 
 def compare_outputs(logits, loss, grads, ref, tolerances=TOLERANCES, verbose=False):
     """Compare a forward/backward (logits (B,T,V), loss float, grads {name: array}) against a
-    reference dict of the same (gpt2_cpu.read_debug_state's layout). Prints one line per tensor.
+    reference dict of the same (formats.read_debug_state's layout). Prints one line per tensor.
     Returns (all_ok, {label: (ok, max_abs_diff, max_rel_diff)})."""
     results = {"logits": check_one(logits, ref["logits"], "logits", tolerances["logits"], verbose)}
     results["loss"] = check_one(np.array([loss]), np.array([ref["loss"]]), "loss", tolerances["loss"], verbose)
@@ -141,7 +144,7 @@ def load(model_path, state_path):
     Raises InputError with a one-line message."""
     model = gpt2_cpu.read_model(model_path)
     cfg = model.config
-    state = gpt2_cpu.read_debug_state(state_path, cfg)
+    state = formats.read_debug_state(state_path, cfg.vocab_size, gpt2_cpu.parameter_shapes(cfg))
     B, T = state["x"].shape
     expected = HEADER_BYTES + 4 * (2 * B * T + B * T * cfg.vocab_size + 1 + model.num_parameters)
     size = os.path.getsize(state_path)

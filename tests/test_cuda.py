@@ -20,7 +20,7 @@ Part 1, no GPU needed:
   HellaSwag's padded forward_losses, --eval-only -h 1, and -h 1 / samples during training
   (the same main.log eval lines and sample text as gpt2_cpu.py).
 Part 2, GPU: each kernel against gpt2_cpu's NumPy layer on fresh random inputs with outputs
-poisoned with NaN, tolerances in KERNEL_TOLERANCES; the 124M model against gpt2_cpu in fp32 and
+poisoned with NaN, tolerances in llmc.check.TOLERANCES; the 124M model against gpt2_cpu in fp32 and
 bf16; ten training steps; the sampling and HellaSwag forwards; resuming CPU <-> CUDA.
 Run: pytest tests/test_cuda.py   (part 1: a few seconds on 2 cores; part 2 on an H100: minutes,
 mostly gpt2_cpu computing the 124M references on the CPU)
@@ -39,8 +39,13 @@ import numpy as np
 import pytest
 
 import gpt2_cpu
+from llmc import checkpoint, cli, dataloader, evalloader, formats, tokenizer
 import gpt2_cuda
-from gpt2_cpu import GPT2Config, bfloat16_bits_to_float32, float32_to_bfloat16_bits
+import llmc.cuda
+import llmc.mfu
+from gpt2_cpu import GPT2Config
+from llmc.check import TOLERANCES, check_tensor
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
@@ -52,23 +57,23 @@ TINY = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_lay
 def test_flops_per_token_matches_llmc_formula():
     # GPT-2 124M at T=1024: 6*N + 6*L*C*T, counted by hand
     n = 124_475_904
-    assert gpt2_cuda.flops_per_token(n, 12, 768, 1024) == 746_855_424 + 56_623_104    # 6N + 6LCT by hand
+    assert llmc.mfu.flops_per_token(n, 12, 768, 1024) == 746_855_424 + 56_623_104    # 6N + 6LCT by hand
 
 
 def test_mfu_and_peak_lookup():
     # one H100 SXM at 1e6 tok/s on 124M: 6*N*tok/s / 989.4e12
     n, tok_s = 124_475_904, 1e6
     expected = (6 * n + 6 * 12 * 768 * 1024) * tok_s / 989.4e12
-    got = gpt2_cuda.mfu(n, 12, 768, 1024, tok_s, "NVIDIA H100 80GB HBM3", "bf16", False)
+    got = llmc.mfu.mfu(n, 12, 768, 1024, tok_s, "NVIDIA H100 80GB HBM3", "bf16", False)
     assert got == pytest.approx(expected, rel=1e-12)
-    assert gpt2_cuda.peak_flops("NVIDIA H100 PCIe", "bf16", False) == 756.0e12       # not the SXM row
-    assert gpt2_cuda.peak_flops("NVIDIA A100-SXM4-80GB", "fp32", True) == 156.0e12   # TF32 column
-    assert gpt2_cuda.peak_flops("NVIDIA A100-SXM4-80GB", "fp32", False) == 19.5e12   # CUDA cores
-    assert gpt2_cuda.peak_flops("NVIDIA A10", "bf16", False) == 125.0e12              # not A100
-    assert gpt2_cuda.peak_flops("NVIDIA L40S", "bf16", False) == 362.1e12             # not L4
-    assert gpt2_cuda.peak_flops("NVIDIA L4", "bf16", False) == 121.0e12
-    assert gpt2_cuda.peak_flops("Tesla V100-SXM2-16GB", "bf16", False) is None          # no bf16
-    assert gpt2_cuda.mfu(n, 12, 768, 1024, tok_s, "Some Future GPU", "bf16", False) is None
+    assert llmc.mfu.peak_flops("NVIDIA H100 PCIe", "bf16", False) == 756.0e12       # not the SXM row
+    assert llmc.mfu.peak_flops("NVIDIA A100-SXM4-80GB", "fp32", True) == 156.0e12   # TF32 column
+    assert llmc.mfu.peak_flops("NVIDIA A100-SXM4-80GB", "fp32", False) == 19.5e12   # CUDA cores
+    assert llmc.mfu.peak_flops("NVIDIA A10", "bf16", False) == 125.0e12              # not A100
+    assert llmc.mfu.peak_flops("NVIDIA L40S", "bf16", False) == 362.1e12             # not L4
+    assert llmc.mfu.peak_flops("NVIDIA L4", "bf16", False) == 121.0e12
+    assert llmc.mfu.peak_flops("Tesla V100-SXM2-16GB", "bf16", False) is None          # no bf16
+    assert llmc.mfu.mfu(n, 12, 768, 1024, tok_s, "Some Future GPU", "bf16", False) is None
 
 
 @pytest.mark.parametrize("B,T,V", [(1, 1, 5), (2, 7, 3), (4, 33, 50), (3, 64, 50257)])
@@ -97,12 +102,12 @@ def test_encoder_segments_reproduce_add_at(B, T, V):
 
 
 def test_grids():
-    assert gpt2_cuda.ceil_div(10, 3) == 4 and gpt2_cuda.ceil_div(9, 3) == 3
-    assert gpt2_cuda.elementwise_grid(0) == 1 and gpt2_cuda.elementwise_grid(257) == 2
-    assert gpt2_cuda.warp_row_grid(17, 256) == 3                          # 8 rows per 256-thread block
+    assert llmc.cuda.ceil_div(10, 3) == 4 and llmc.cuda.ceil_div(9, 3) == 3
+    assert llmc.cuda.elementwise_grid(0) == 1 and llmc.cuda.elementwise_grid(257) == 2
+    assert llmc.cuda.warp_row_grid(17, 256) == 3                          # 8 rows per 256-thread block
     assert gpt2_cuda.layernorm_backward_grid(5) == 5
     assert gpt2_cuda.layernorm_backward_grid(10 ** 6) == gpt2_cuda.LAYERNORM_BACKWARD_GRID
-    assert gpt2_cuda.vector_size("bf16") == 8 and gpt2_cuda.vector_size("fp32") == 4
+    assert llmc.cuda.vector_size("bf16") == 8 and llmc.cuda.vector_size("fp32") == 4
     C = 768
     need = max(gpt2_cuda.layernorm_backward_grid(10 ** 6) * 2 * C, gpt2_cuda.bias_backward_chunks(10 ** 6) * 4 * C)
     assert gpt2_cuda.scratch_floats(GPT2Config(channels=C)) >= need
@@ -135,7 +140,7 @@ def test_help_is_one_block_with_cpu_and_gpu_flags():
     assert r.returncode == 0 and r.stderr == ""
     out = r.stdout
     assert out.count("usage:") == 1 and out.startswith("usage: gpt2_cuda.py ")
-    cpu_help = gpt2_cpu.build_parser("gpt2_cuda.py").format_help()
+    cpu_help = cli.build_parser("gpt2_cuda.py", "", gpt2_cpu.LR_SCHEDULES).format_help()
     cpu_flags = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", cpu_help))
     gpu_flags = {"--precision", "-f", "--tf32", "-w", "--master-weights", "-r", "--recompute", "--check", "--check-dtype"}
     assert {"-h", "--hellaswag", "--eval-only", "--generate", "--prompt", "--sample-seed", "-e", "-x"} <= cpu_flags
@@ -168,7 +173,7 @@ def test_activation_table_prefix_property():
     assert size >= max(2 * 1024 * 3 * 64, 2 * 4 * 1024 * 1024, 2 * 1024 * cfg.padded_vocab_size)
 
 
-NO_GPU = pytest.mark.skipif(gpt2_cuda.cuda_unavailable_reason() is None,
+NO_GPU = pytest.mark.skipif(llmc.cuda.cuda_unavailable_reason() is None,
                             reason="a GPU is present: the no-GPU path is not taken")
 
 
@@ -220,7 +225,7 @@ def test_run_gpu_tests_log_name_and_tee(tmp_path, capsys, monkeypatch):
     assert sum(line.startswith("$ ") for line in lines) == 3 and lines.count("first line") == 2
     assert lines.index("to stderr") < lines.index("exit status 3")
     # main, past the GPU gate: the log's name and header, the summary, the exit status
-    monkeypatch.setattr(rgt.gpt2_cuda, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(rgt.cuda, "cuda_unavailable_reason", lambda: None)
     monkeypatch.setattr(rgt, "device_name", lambda: "NVIDIA Test GPU 80GB")
     monkeypatch.setattr(rgt, "software_versions", lambda: "driver 0.0")
     monkeypatch.setattr(rgt, "commands", lambda: [ok, bad])
@@ -243,10 +248,10 @@ def test_import_does_not_import_cupy():
 
 
 def _launched_kernels():
-    """(file, kernel name) of every _launch call in gpt2_cuda.py's source."""
+    """(file, kernel name) of every cuda.launch call in gpt2_cuda.py's source."""
     with open(os.path.join(ROOT, "gpt2_cuda.py")) as f:
         src = f.read()
-    return set(re.findall(r'_launch\("(\w+)", precision, "(\w+)"', src))
+    return set(re.findall(r'cuda\.launch\("(\w+)", precision, "(\w+)"', src))
 
 
 def _c_parameters(file, kernel):
@@ -286,20 +291,20 @@ def emulated_gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=Fa
                   stride_a=0, stride_b=0, stride_c=0):
     """cublasGemmEx / cublasGemmStridedBatchedEx on NumPy floatX buffers (float32 or bf16 bits),
     taking every argument literally: C = op(A) @ op(B) (+ C), column-major, fp32 arithmetic."""
-    precision = gpt2_cuda._precision_of(C)
+    precision = llmc.cuda.precision_of(C)
     for arr in (A, B, C):
-        assert gpt2_cuda._precision_of(arr) == precision and arr.flags.c_contiguous
+        assert llmc.cuda.precision_of(arr) == precision and arr.flags.c_contiguous
     a_flat, b_flat, c_flat = A.reshape(-1), B.reshape(-1), C.reshape(-1)
-    a_shape = (m, k) if transa == gpt2_cuda.CUBLAS_OP_N else (k, m)
-    b_shape = (k, n) if transb == gpt2_cuda.CUBLAS_OP_N else (n, k)
+    a_shape = (m, k) if transa == llmc.cuda.CUBLAS_OP_N else (k, m)
+    b_shape = (k, n) if transb == llmc.cuda.CUBLAS_OP_N else (n, k)
     ia, ib, ic = _colmajor_index(*a_shape, lda), _colmajor_index(*b_shape, ldb), _colmajor_index(m, n, ldc)
     for i in range(batch):
         for flat, idx, stride in ((a_flat, ia, stride_a), (b_flat, ib, stride_b), (c_flat, ic, stride_c)):
             assert i * stride + idx.max() < flat.size, "gemm reads or writes past the end of a buffer"
         a = _to_f32(a_flat[i * stride_a + ia])
         b = _to_f32(b_flat[i * stride_b + ib])
-        a = a if transa == gpt2_cuda.CUBLAS_OP_N else a.T
-        b = b if transb == gpt2_cuda.CUBLAS_OP_N else b.T
+        a = a if transa == llmc.cuda.CUBLAS_OP_N else a.T
+        b = b if transb == llmc.cuda.CUBLAS_OP_N else b.T
         out = a.astype(np.float64) @ b.astype(np.float64)
         if accumulate:
             out += _to_f32(c_flat[i * stride_c + ic])
@@ -316,7 +321,7 @@ def _from_f32(x, precision):
 
 @pytest.fixture
 def emulated_cublas(monkeypatch):
-    monkeypatch.setattr(gpt2_cuda, "_gemm", emulated_gemm)
+    monkeypatch.setattr(llmc.cuda, "gemm", emulated_gemm)
 
 
 @pytest.mark.parametrize("B,T,C,OC", [(2, 3, 4, 5), (1, 7, 8, 12), (3, 5, 6, 1)])
@@ -370,7 +375,7 @@ def test_attention_gemm_arguments(emulated_cublas, BNH, T, HS):
 # even; AdamW's stochastic rounding is emulated as nearest even too).
 
 def _prec(arr):
-    return gpt2_cuda._precision_of(arr)
+    return llmc.cuda.precision_of(arr)
 
 
 def _load(ptr, n, offset=0):
@@ -601,12 +606,12 @@ def _fake_cupy():
 def emulated_gpu(monkeypatch):
     """gpt2_cuda with CuPy, the kernels and cuBLAS replaced by the NumPy emulations above."""
     fake = _fake_cupy()
-    monkeypatch.setattr(gpt2_cuda, "_cupy", lambda: fake)
-    monkeypatch.setattr(gpt2_cuda, "_launch", emulated_launch)
-    monkeypatch.setattr(gpt2_cuda, "_gemm", emulated_gemm)
-    monkeypatch.setattr(gpt2_cuda, "select_device", lambda comm: (0, "Emulated GPU", 90))
-    monkeypatch.setattr(gpt2_cuda, "cuda_unavailable_reason", lambda: None)
-    monkeypatch.setattr(gpt2_cuda, "load_all_modules", lambda precision: None)
+    monkeypatch.setattr(llmc.cuda, "cupy", lambda: fake)
+    monkeypatch.setattr(llmc.cuda, "launch", emulated_launch)
+    monkeypatch.setattr(llmc.cuda, "gemm", emulated_gemm)
+    monkeypatch.setattr(llmc.cuda, "select_device", lambda comm: (0, "Emulated GPU", 90))
+    monkeypatch.setattr(llmc.cuda, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(llmc.cuda, "load_modules", lambda files, precision: None)
     monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     return fake
 
@@ -646,15 +651,15 @@ def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
             gpt2_cuda.gpt2_backward(model, loss_scale=0.5)
             gpt2_cpu.gpt2_forward(cpu, x, y)
             gpt2_cpu.gpt2_backward(cpu, loss_scale=0.5)
-        assert gpt2_cpu.check_tensor(model.grads.get(), cpu.grads, "grads", 1e-6, 1e-4)
+        assert check_tensor(model.grads.get(), cpu.grads, "grads", 1e-6, 1e-4)
         norm, cpu_norm = gpt2_cuda.gpt2_grad_norm(model), gpt2_cpu.gpt2_grad_norm(cpu)
         assert norm == pytest.approx(cpu_norm, rel=1e-5)
         gpt2_cuda.gpt2_update(model, 1e-3, 0.9, 0.95, 1e-8, 0.1, step, grad_scale=0.5)
         gpt2_cpu.gpt2_update(cpu, 1e-3, 0.9, 0.95, 1e-8, 0.1, step, grad_scale=0.5)
-        assert gpt2_cpu.check_tensor(model.params.get(), cpu.params, "params", 1e-6, 1e-5)
+        assert check_tensor(model.params.get(), cpu.params, "params", 1e-6, 1e-5)
         # m = beta1 m + (1 - beta1) g inherits (1 - beta1) of the gradients' differences, which the
         # grads check above allows up to 1e-6 absolute: so 1e-7 absolute here (m itself is ~1e-3)
-        assert gpt2_cpu.check_tensor(model.m.get(), cpu.m, "m", 1e-7, 1e-4)
+        assert check_tensor(model.m.get(), cpu.m, "m", 1e-7, 1e-4)
 
 
 def test_emulated_allocation_holds_every_size_at_once(emulated_gpu):
@@ -702,8 +707,8 @@ def test_emulated_generate_matches_gpt2_cpu(emulated_gpu, B, T, new_tokens):
     logits = forward(x)
     assert logits.shape == (1, window, GEN_CONFIG.padded_vocab_size)
     ref = gpt2_cpu.gpt2_forward(cpu, x)
-    assert gpt2_cpu.check_tensor(logits[0, 3], ref[0, 3], "one row, to the host", 1e-5, 1e-5)
-    assert gpt2_cpu.check_tensor(np.asarray(logits), ref, "all of it", 1e-5, 1e-5)
+    assert check_tensor(logits[0, 3], ref[0, 3], "one row, to the host", 1e-5, 1e-5)
+    assert check_tensor(np.asarray(logits), ref, "all of it", 1e-5, 1e-5)
     ids = gpt2_cpu.generate(model, [3], new_tokens, gpt2_cpu.SamplerRNG(11), forward=forward)
     cpu_ids = gpt2_cpu.generate(cpu, [3], new_tokens, gpt2_cpu.SamplerRNG(11))
     assert ids == cpu_ids and len(set(ids)) > 1
@@ -713,7 +718,7 @@ def test_emulated_generate_matches_gpt2_cpu(emulated_gpu, B, T, new_tokens):
 def _synthetic_tokenizer(tmp_path):
     """A tokenizer file whose token i decodes to '<i>', so that printed samples give back their ids."""
     path = str(tmp_path / "tok.bin")
-    gpt2_cpu.write_tokenizer(path, [f"<{i}>".encode() for i in range(gpt2_cpu.GPT2_EOT + 1)])
+    tokenizer.write_tokenizer(path, [f"<{i}>".encode() for i in range(tokenizer.GPT2_EOT + 1)])
     return path
 
 
@@ -722,7 +727,7 @@ def _ids(text):
 
 
 def test_emulated_generate_flag_matches_gpt2_cpu(emulated_gpu, tmp_path, capsys):
-    # --generate through gpt2_cuda.main: gpt2_cpu.sample_from_prompt with the CUDA forward streams
+    # --generate through gpt2_cuda.main: cli.sample_from_prompt with the CUDA forward streams
     # the same text as gpt2_cpu.py does, and it is the decoding of gpt2_cpu.generate's ids
     path = str(tmp_path / "gen.bin")
     gpt2_cpu.write_model(path, _gen_model())
@@ -733,7 +738,7 @@ def test_emulated_generate_flag_matches_gpt2_cpu(emulated_gpu, tmp_path, capsys)
     assert gpt2_cuda.main(argv + ["--precision", "fp32"]) == 0
     cuda_out = capsys.readouterr().out
     assert cuda_out == cpu_out
-    ref = gpt2_cpu.generate(gpt2_cpu.read_model(path), [gpt2_cpu.GPT2_EOT], 9, gpt2_cpu.SamplerRNG(5), 0.8, 40)
+    ref = gpt2_cpu.generate(gpt2_cpu.read_model(path), [tokenizer.GPT2_EOT], 9, gpt2_cpu.SamplerRNG(5), 0.8, 40)
     assert _ids(cuda_out) == ref and len(set(ref)) > 1
     # the errors are gpt2_cpu's, one line each
     assert gpt2_cuda.main(["-e", path, "--generate", "3", "--tokenizer", str(tmp_path / "none.bin")]) == 1
@@ -748,7 +753,7 @@ def test_emulated_eval_forward_losses_pad_and_slice(emulated_gpu, B, R):
     T = 12
     model = _tiny_model("fp32", True)
     rows = gpt2_cuda.eval_rows(B)
-    assert rows == max(B, gpt2_cpu.NUM_COMPLETIONS)
+    assert rows == max(B, evalloader.NUM_COMPLETIONS)
     gpt2_cuda.gpt2_allocate(model, (B, T), (rows, T))
     forward_losses = gpt2_cuda.eval_forward_losses(model, B, T)
     rng = np.random.default_rng(B * 10 + R)
@@ -757,7 +762,7 @@ def test_emulated_eval_forward_losses_pad_and_slice(emulated_gpu, B, R):
     assert type(losses) is np.ndarray and losses.shape == (R, T)            # host memory, R rows
     cpu = gpt2_cpu.gpt2_init(TINY, 42)
     gpt2_cpu.gpt2_forward(cpu, inputs, targets)
-    assert gpt2_cpu.check_tensor(losses, cpu.acts["losses"], "eval losses", 1e-5, 1e-5)
+    assert check_tensor(losses, cpu.acts["losses"], "eval losses", 1e-5, 1e-5)
     assert model.allocated == list(dict.fromkeys([(B, T), (rows, T)])) and model.BT == (rows, T)   # no reallocation
     with pytest.raises(ValueError):
         forward_losses(np.zeros((rows + 1, T), np.int32), np.zeros((rows + 1, T), np.int32))
@@ -769,7 +774,7 @@ def _eval_file(tmp_path, n, V, seed=0):
                  "completions": [rng.integers(0, V, int(rng.integers(1, 4))).tolist() for _ in range(4)]}
                 for i in range(n)]
     path = str(tmp_path / "hellaswag.bin")
-    gpt2_cpu.write_eval_file(path, examples)
+    evalloader.write_eval_file(path, examples)
     return path, examples
 
 
@@ -790,9 +795,9 @@ def test_emulated_eval_only_hellaswag_matches_gpt2_cpu(emulated_gpu, tmp_path, c
     cpu = gpt2_cpu.read_model(model)
     correct = 0
     for ex in examples:
-        inputs, targets, mask = gpt2_cpu.completion_rows(ex, 12)
+        inputs, targets, mask = evalloader.completion_rows(ex, 12)
         gpt2_cpu.gpt2_forward(cpu, inputs, targets)
-        correct += gpt2_cpu.score_example(cpu.acts["losses"], mask) == ex["label"]
+        correct += evalloader.score_example(cpu.acts["losses"], mask) == ex["label"]
     assert float(acc) == pytest.approx(correct / 7, abs=1e-4)
     val, cpu_val = (float(re.search(r"val loss ([0-9.]+)", out).group(1)) for out in (cuda_out, cpu_out))
     assert val == pytest.approx(cpu_val, rel=1e-5)
@@ -829,7 +834,7 @@ def test_emulated_training_evals_and_samples_match_gpt2_cpu(emulated_gpu, tmp_pa
 def _write_shards(tmp_path, n_tokens=4000, V=TINY.vocab_size):
     rng = np.random.default_rng(0)
     path = str(tmp_path / "train.bin")
-    gpt2_cpu.write_shard(path, rng.integers(0, V, n_tokens))
+    formats.write_shard(path, rng.integers(0, V, n_tokens))
     return path
 
 
@@ -884,14 +889,14 @@ def test_emulated_bf16_training_writes_master_weights(emulated_gpu, tmp_path):
             "-o", out, "--precision", "bf16"]
     assert gpt2_cuda.main(args) == 0
     saved = gpt2_cpu.read_model(os.path.join(out, "model_00000002.bin"))
-    st = gpt2_cpu.read_state(os.path.join(out, "state_00000002_00000.bin"), saved.num_parameters, 0, 1)
+    st = checkpoint.read_state(os.path.join(out, "state_00000002_00000.bin"), saved.num_parameters, 0, 1)
     assert st["master_weights"] is not None
     np.testing.assert_array_equal(st["master_weights"], saved.params)  # the model file holds the master weights
     assert st["rng_state_last_update"] != 0 and st["step"] == 2
     # resuming restores all of it: master weights, bf16 params rounded from them, m, v, RNG, loader
     model = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True)
-    loader = gpt2_cpu.DataLoader(data, 2, 16)
-    step, sample_state, _ = gpt2_cuda.load_checkpoint(out, 2, model, loader, 0, 1)
+    loader = dataloader.DataLoader(data, 2, 16)
+    step, sample_state, _ = gpt2_cuda.load_model_checkpoint(out, 2, model, loader, 0, 1)
     assert step == 2 and sample_state == st["sample_rng_state"] and loader.current_sample_idx == 2
     np.testing.assert_array_equal(model.master.get(), st["master_weights"])
     np.testing.assert_array_equal(model.params.get(), float32_to_bfloat16_bits(st["master_weights"]))
@@ -903,24 +908,7 @@ def test_emulated_bf16_training_writes_master_weights(emulated_gpu, tmp_path):
 # ----------------------------------------------------------------------------
 # part 2: on a GPU
 
-# Kernel tolerances, (atol, rtol) per precision, for inputs ~N(0,1): ok where
-# |gpu - ref| <= atol + rtol*|ref|. fp32: a few ulp of reordered fp32 sums (rows of <= 4C terms).
-# bf16: every output rounded to bf16 (rel. 2^-9 = 2e-3) after fp32 arithmetic on bf16 inputs, so
-# 1e-2 relative with an atol for values near 0; sums over many rows (bias, dweight) get more.
-KERNEL_TOLERANCES = {
-    "encoder_forward": {"fp32": (1e-6, 1e-6), "bf16": (1e-2, 1e-2)},
-    "encoder_backward": {"fp32": (1e-5, 1e-5), "bf16": (5e-2, 1e-2)},
-    "layernorm_forward": {"fp32": (1e-5, 1e-5), "bf16": (2e-2, 1e-2)},
-    "layernorm_backward": {"fp32": (1e-4, 1e-4), "bf16": (1e-1, 2e-2)},
-    "residual_forward": {"fp32": (1e-6, 1e-6), "bf16": (1e-2, 1e-2)},
-    "gelu": {"fp32": (1e-5, 1e-5), "bf16": (1e-2, 1e-2)},
-    "matmul": {"fp32": (1e-4, 1e-4), "bf16": (1e-1, 2e-2)},
-    "attention": {"fp32": (1e-4, 1e-4), "bf16": (5e-2, 2e-2)},
-    "classifier": {"fp32": (1e-5, 1e-5), "bf16": (2e-2, 1e-2)},
-    "adamw": {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1e-2)},
-    "global_norm": {"fp32": (0.0, 1e-5), "bf16": (0.0, 1e-3)},
-    "cast": {"fp32": (0.0, 0.0), "bf16": (0.0, 0.0)},
-}
+# Kernel tolerances: llmc.check.TOLERANCES['kernel_fp32' / 'kernel_bf16'] (absolute atol, inputs ~N(0,1)).
 
 
 def _cp():
@@ -953,9 +941,9 @@ def to_host(x):
 
 
 def assert_kernel(name, precision, got, ref, label):
-    atol, rtol = KERNEL_TOLERANCES[name][precision]
+    atol, rtol = TOLERANCES[f"kernel_{precision}"][name]
     got = to_host(got) if hasattr(got, "get") else got                  # a device array, or already on the host
-    assert gpt2_cpu.check_tensor(got, ref, f"{label} [{precision}]", atol, rtol), label
+    assert check_tensor(got, ref, f"{label} [{precision}]", atol, rtol), label
 
 
 PRECISION_PARAMS = pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -970,12 +958,12 @@ def gpu_rng():
 def test_cublas_enums_match_cupy():
     from cupy_backends.cuda.libs import cublas
     from cupy_backends.cuda.api import runtime
-    assert (gpt2_cuda.CUBLAS_OP_N, gpt2_cuda.CUBLAS_OP_T) == (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
-    assert gpt2_cuda.CUBLAS_COMPUTE_32F == cublas.CUBLAS_COMPUTE_32F
-    assert gpt2_cuda.CUBLAS_COMPUTE_32F_FAST_TF32 == cublas.CUBLAS_COMPUTE_32F_FAST_TF32
-    assert gpt2_cuda.CUBLAS_GEMM_DEFAULT == cublas.CUBLAS_GEMM_DEFAULT
-    assert gpt2_cuda.CUBLAS_POINTER_MODE_HOST == cublas.CUBLAS_POINTER_MODE_HOST
-    assert (gpt2_cuda.CUDA_R_32F, gpt2_cuda.CUDA_R_16BF) == (runtime.CUDA_R_32F, runtime.CUDA_R_16BF)
+    assert (llmc.cuda.CUBLAS_OP_N, llmc.cuda.CUBLAS_OP_T) == (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
+    assert llmc.cuda.CUBLAS_COMPUTE_32F == cublas.CUBLAS_COMPUTE_32F
+    assert llmc.cuda.CUBLAS_COMPUTE_32F_FAST_TF32 == cublas.CUBLAS_COMPUTE_32F_FAST_TF32
+    assert llmc.cuda.CUBLAS_GEMM_DEFAULT == cublas.CUBLAS_GEMM_DEFAULT
+    assert llmc.cuda.CUBLAS_POINTER_MODE_HOST == cublas.CUBLAS_POINTER_MODE_HOST
+    assert (llmc.cuda.CUDA_R_32F, llmc.cuda.CUDA_R_16BF) == (runtime.CUDA_R_32F, runtime.CUDA_R_16BF)
 
 
 @pytest.mark.gpu
@@ -1129,8 +1117,8 @@ def test_classifier_kernel(gpu_rng, precision, B, T, V, Vp):
     dloss = 1.0 / (B * T)
     gpt2_cuda.fused_classifier(dev, losses, cp.asarray(targets), dloss, B, T, V, Vp, write_dlogits=True)
     ref = gpt2_cpu.crossentropy_softmax_backward(np.full((B, T), dloss), probs, targets)
-    atol, rtol = KERNEL_TOLERANCES["classifier"][precision]
-    assert gpt2_cpu.check_tensor(to_host(dev), ref, f"dlogits [{precision}]", atol * dloss, rtol)
+    atol, rtol = TOLERANCES[f"kernel_{precision}"]["classifier"]
+    assert check_tensor(to_host(dev), ref, f"dlogits [{precision}]", atol * dloss, rtol)
     assert np.all(to_host(dev)[..., V:] == 0.0)
 
 
@@ -1148,10 +1136,10 @@ def test_adamw_norm_and_cast_kernels(gpu_rng, precision, n):
     ref = types.SimpleNamespace(params=as_input(p0, precision).astype(np.float32), grads=as_input(g0, precision).astype(np.float32),
                                 m=m0.copy(), v=v0.copy(), param_shapes=[("wte", (n,))])
     gpt2_cpu.gpt2_update(ref, lr, b1, b2, eps, wd, t, scale)
-    atol, rtol = KERNEL_TOLERANCES["adamw"]["fp32"]
-    assert gpt2_cpu.check_tensor(master.get(), ref.params, "master", atol, rtol)
-    assert gpt2_cpu.check_tensor(m.get(), ref.m, "m", atol, rtol)
-    assert gpt2_cpu.check_tensor(v.get(), ref.v, "v", atol, rtol)
+    atol, rtol = TOLERANCES["kernel_fp32"]["adamw"]
+    assert check_tensor(master.get(), ref.params, "master", atol, rtol)
+    assert check_tensor(m.get(), ref.m, "m", atol, rtol)
+    assert check_tensor(v.get(), ref.v, "v", atol, rtol)
     assert_kernel("adamw", precision, params, ref.params, "params (stochastically rounded in bf16)")
     # global norm, fixed-order reduction
     out, partial = cp.full(1, np.nan, np.float32), cp.full(gpt2_cuda.GLOBAL_NORM_GRID, np.nan, np.float32)
@@ -1225,7 +1213,7 @@ def test_sampling_and_eval_forwards_match_gpt2_cpu(monkeypatch):
     losses = gpt2_cuda.eval_forward_losses(model, B, T)(inputs, targets)
     gpt2_cpu.gpt2_forward(cpu, inputs, targets)
     assert type(losses) is np.ndarray
-    assert gpt2_cpu.check_tensor(losses, cpu.acts["losses"], "eval losses", 1e-4, 1e-4)
+    assert check_tensor(losses, cpu.acts["losses"], "eval losses", 1e-4, 1e-4)
     assert model.allocated == [(B, T), (4, T), (1, 21)]
 
 

@@ -3,9 +3,9 @@ tests/test_data.py: the dataset script dev/data/tinyshakespeare.py and the files
 
 Checks, each against an independent reference:
 - the GPT-2 BPE: known token ids of GPT-2 (published with the model), the sha256 of gpt2.tiktoken;
-- gpt2_tokenizer.bin: parsed here byte by byte (not with gpt2_cpu.read_tokenizer) against
+- gpt2_tokenizer.bin: parsed here byte by byte (not with tokenizer.read_tokenizer) against
   file-formats.md and tiktoken's decode_single_token_bytes; an encode -> decode round trip through
-  gpt2_cpu.Tokenizer, non-ASCII text included;
+  Tokenizer, non-ASCII text included;
 - the shards: header slots, file size 1024 + 2N, 32,768 val tokens, EOT first, ids < V, and
   llm.c's section scheme (every EOT-delimited chunk re-encodes to itself and ends in a blank line);
 - the script: a known text (served from a file:// URL) comes back section by section; a second run
@@ -26,7 +26,9 @@ import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-import gpt2_cpu  # noqa: E402
+from llmc import formats  # noqa: E402
+from llmc.paths import DEFAULT_BPE, DEFAULT_DATA_DIR, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL  # noqa: E402
+from llmc.tokenizer import GPT2_BPE_SHA256, GPT2_EOT, Tokenizer, gpt2_encoding  # noqa: E402
 
 SCRIPT = os.path.join(REPO_ROOT, "dev", "data", "tinyshakespeare.py")
 SCRIPT_TIMEOUT_S = 600
@@ -70,12 +72,12 @@ def offline_env(tmp_path):
 
 
 def read_header_slots(path):
-    return np.fromfile(path, dtype="<i4", count=gpt2_cpu.HEADER_INTS)
+    return np.fromfile(path, dtype="<i4", count=formats.HEADER_INTS)
 
 
 def eot_chunks(tokens):
     """Split a token stream at every EOT: each chunk is the ids after one EOT, up to the next."""
-    starts = np.flatnonzero(tokens == gpt2_cpu.GPT2_EOT)
+    starts = np.flatnonzero(tokens == GPT2_EOT)
     ends = np.append(starts[1:], tokens.size)
     return [tokens[s + 1:e] for s, e in zip(starts, ends)]
 
@@ -83,7 +85,7 @@ def eot_chunks(tokens):
 @pytest.fixture(scope="session")
 def repo_data():
     """The repository's data/ files, built by the script if any is missing."""
-    paths = {"tokenizer": gpt2_cpu.DEFAULT_TOKENIZER, "val": gpt2_cpu.DEFAULT_VAL, "train": gpt2_cpu.DEFAULT_TRAIN}
+    paths = {"tokenizer": DEFAULT_TOKENIZER, "val": DEFAULT_VAL, "train": DEFAULT_TRAIN}
     if not all(os.path.isfile(p) for p in paths.values()):
         result = run_script()
         assert result.returncode == 0, result.stderr
@@ -92,7 +94,7 @@ def repo_data():
 
 @pytest.fixture(scope="session")
 def enc(repo_data):
-    return gpt2_cpu.gpt2_encoding()
+    return gpt2_encoding()
 
 
 # ----------------------------------------------------------------------------
@@ -100,22 +102,22 @@ def enc(repo_data):
 
 def test_encoding_is_gpt2(enc):
     assert enc.encode_ordinary(KNOWN_PROMPT) == KNOWN_PROMPT_IDS
-    assert enc.n_vocab == V and enc.eot_token == gpt2_cpu.GPT2_EOT
-    if os.path.isfile(gpt2_cpu.DEFAULT_BPE):     # written only when the offline fallback ran
-        with open(gpt2_cpu.DEFAULT_BPE, "rb") as f:
-            assert hashlib.sha256(f.read()).hexdigest() == gpt2_cpu.GPT2_BPE_SHA256
+    assert enc.n_vocab == V and enc.eot_token == GPT2_EOT
+    if os.path.isfile(DEFAULT_BPE):     # written only when the offline fallback ran
+        with open(DEFAULT_BPE, "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == GPT2_BPE_SHA256
 
 
 def test_tokenizer_file_layout(repo_data, enc):
     with open(repo_data["tokenizer"], "rb") as f:
         raw = f.read()
-    header = np.frombuffer(raw[:gpt2_cpu.HEADER_BYTES], dtype="<i4")
+    header = np.frombuffer(raw[:formats.HEADER_BYTES], dtype="<i4")
     assert header[0] == 20240328          # magic, file-formats.md
     assert header[1] == 2                 # version 2: has the EOT slot
     assert header[2] == V
     assert header[3] == 50256
     assert not header[4:].any()           # unused slots are 0
-    pos, token_bytes = gpt2_cpu.HEADER_BYTES, []
+    pos, token_bytes = formats.HEADER_BYTES, []
     for i in range(V):                    # uint8 length, then that many bytes
         length = raw[pos]
         assert 1 <= length <= 255, f"token {i}"
@@ -131,11 +133,11 @@ def test_tokenizer_file_layout(repo_data, enc):
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
 def test_tokenizer_round_trip(repo_data, enc, text):
     ids = enc.encode_ordinary(text)
-    tokenizer = gpt2_cpu.Tokenizer(repo_data["tokenizer"])
-    assert tokenizer.eot_token == gpt2_cpu.GPT2_EOT
+    tokenizer = Tokenizer(repo_data["tokenizer"])
+    assert tokenizer.eot_token == GPT2_EOT
     assert tokenizer.decode_bytes(ids) == text.encode("utf-8")
     assert tokenizer.decode(ids) == text
-    assert tokenizer.decode([gpt2_cpu.GPT2_EOT]) == "<|endoftext|>"
+    assert tokenizer.decode([GPT2_EOT]) == "<|endoftext|>"
 
 
 # ----------------------------------------------------------------------------
@@ -148,14 +150,14 @@ def test_shard_layout(repo_data, split):
     N = int(header[2])
     assert header[0] == 20240520 and header[1] == 1          # magic, version
     assert not header[3:].any()
-    assert os.path.getsize(path) == gpt2_cpu.HEADER_BYTES + 2 * N
-    tokens = np.fromfile(path, dtype="<u2", offset=gpt2_cpu.HEADER_BYTES)
+    assert os.path.getsize(path) == formats.HEADER_BYTES + 2 * N
+    tokens = np.fromfile(path, dtype="<u2", offset=formats.HEADER_BYTES)
     assert tokens.size == N
     assert tokens.max() < V
-    assert np.array_equal(tokens, gpt2_cpu.read_shard(path))
+    assert np.array_equal(tokens, formats.read_shard(path))
     if split == "val":
         assert N == VAL_TOKENS
-        assert tokens[0] == gpt2_cpu.GPT2_EOT
+        assert tokens[0] == GPT2_EOT
     else:
         assert N > VAL_TOKENS             # both sources give far more than the val split
 
@@ -163,8 +165,8 @@ def test_shard_layout(repo_data, split):
 def test_shards_follow_llmc_sections(repo_data, enc):
     """Each EOT opens a section that ends in a blank line ("\\n\\n", put back as llm.c does),
     holds no other blank line, and re-encodes to exactly its own ids; the last has no "\\n\\n"."""
-    tokens = np.concatenate([gpt2_cpu.read_shard(repo_data["val"]), gpt2_cpu.read_shard(repo_data["train"])])
-    tokenizer = gpt2_cpu.Tokenizer(repo_data["tokenizer"])
+    tokens = np.concatenate([formats.read_shard(repo_data["val"]), formats.read_shard(repo_data["train"])])
+    tokenizer = Tokenizer(repo_data["tokenizer"])
     chunks = eot_chunks(tokens)
     assert len(chunks) > 1000
     for k, chunk in enumerate(chunks):
@@ -180,14 +182,14 @@ def test_shards_follow_llmc_sections(repo_data, enc):
 # the script
 
 def test_rerun_does_nothing(repo_data):
-    watched = list(repo_data.values()) + [p for p in [gpt2_cpu.DEFAULT_BPE] if os.path.isfile(p)]
+    watched = list(repo_data.values()) + [p for p in [DEFAULT_BPE] if os.path.isfile(p)]
     before = {p: os.stat(p).st_mtime_ns for p in watched}
     result = run_script()
     assert result.returncode == 0, result.stderr
     assert "is up to date" in result.stdout
     assert "writing" not in result.stdout
     assert {p: os.stat(p).st_mtime_ns for p in watched} == before
-    leftovers = [name for d in (gpt2_cpu.DEFAULT_DATA_DIR, os.path.dirname(repo_data["val"]))
+    leftovers = [name for d in (DEFAULT_DATA_DIR, os.path.dirname(repo_data["val"]))
                  for name in os.listdir(d) if ".tmp" in name]
     assert leftovers == []
 
@@ -202,15 +204,15 @@ def test_known_text_comes_back_section_by_section(repo_data, tmp_path):
     source.write_text(text, encoding="utf-8")
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    if os.path.isfile(gpt2_cpu.DEFAULT_BPE):             # reuse the local BPE: no network needed
-        shutil.copy(gpt2_cpu.DEFAULT_BPE, data_dir / "gpt2.tiktoken")
+    if os.path.isfile(DEFAULT_BPE):             # reuse the local BPE: no network needed
+        shutil.copy(DEFAULT_BPE, data_dir / "gpt2.tiktoken")
     result = run_script("--data-dir", str(data_dir), "--url", source.as_uri())
     assert result.returncode == 0, result.stderr
     assert f"text: {source.as_uri()} ({len(text):,} characters)" in result.stdout
-    val = gpt2_cpu.read_shard(str(data_dir / "tinyshakespeare" / "tiny_shakespeare_val.bin"))
-    train = gpt2_cpu.read_shard(str(data_dir / "tinyshakespeare" / "tiny_shakespeare_train.bin"))
+    val = formats.read_shard(str(data_dir / "tinyshakespeare" / "tiny_shakespeare_val.bin"))
+    train = formats.read_shard(str(data_dir / "tinyshakespeare" / "tiny_shakespeare_train.bin"))
     assert val.size == VAL_TOKENS
-    tokenizer = gpt2_cpu.Tokenizer(str(data_dir / "gpt2_tokenizer.bin"))
+    tokenizer = Tokenizer(str(data_dir / "gpt2_tokenizer.bin"))
     chunks = eot_chunks(np.concatenate([val, train]))
     assert len(chunks) == len(sections)
     decoded = [tokenizer.decode(chunk.tolist()) for chunk in chunks]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import gpt2_cpu as g
+from llmc import checkpoint, dataloader, formats, tokenizer, utils
 
 TINY = g.GPT2Config(max_seq_len=16, vocab_size=50, padded_vocab_size=64, num_layers=2, num_heads=2, channels=8)
 
@@ -51,14 +52,14 @@ def test_model_file_bf16(tmp_path):
 
 def test_bfloat16_rounding_is_nearest_even():
     x = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -2.5, 3.0e38, np.inf, 1.0 + 2 ** -8 + 2 ** -20], np.float32)
-    bits = g.float32_to_bfloat16_bits(x)
-    back = g.bfloat16_bits_to_float32(bits)
+    bits = formats.float32_to_bfloat16_bits(x)
+    back = formats.bfloat16_bits_to_float32(bits)
     # 1 + 2^-8 is a tie between 1 and 1 + 2^-7: ties go to the even mantissa (1.0);
     # 1 + 3*2^-8 ties between 1+2^-7 and 1+2^-6 and goes to 1 + 2^-6 (even)
     np.testing.assert_array_equal(back[:4], [1.0, 1.0, 1.0 + 2 ** -6, -2.5])
     assert back[5] == np.inf
     assert back[6] == np.float32(1.0 + 2 ** -7), "just above a tie rounds up"
-    assert np.isnan(g.bfloat16_bits_to_float32(g.float32_to_bfloat16_bits(np.array([np.nan], np.float32))))[0]
+    assert np.isnan(formats.bfloat16_bits_to_float32(formats.float32_to_bfloat16_bits(np.array([np.nan], np.float32))))[0]
 
 
 @pytest.mark.parametrize("mutate,message", [
@@ -73,7 +74,7 @@ def test_model_file_rejects_bad_files(tmp_path, mutate, message):
     path = tmp_path / "m.bin"
     g.write_model(str(path), g.gpt2_init(TINY, seed=0))
     path.write_bytes(mutate(path.read_bytes()))
-    with pytest.raises(g.InputError, match=message) as e:
+    with pytest.raises(utils.InputError, match=message) as e:
         g.read_model(str(path))
     assert str(path) in str(e.value)
 
@@ -102,11 +103,11 @@ def test_debug_state_round_trip(tmp_path):
     logits = rng.standard_normal((B, T, TINY.vocab_size)).astype(np.float32)
     grads = [rng.standard_normal(s).astype(np.float32) for _, s in g.parameter_shapes(TINY)]
     path = tmp_path / "d.bin"
-    g.write_debug_state(str(path), x, y, logits, 1.5, grads)
+    formats.write_debug_state(str(path), x, y, logits, 1.5, grads)
     assert header_ints(path, 4) == (20240327, 2, B, T)
     n_params = sum(gr.size for gr in grads)
     assert os.path.getsize(path) == 1024 + 4 * (2 * B * T + B * T * TINY.vocab_size + 1 + n_params)
-    d = g.read_debug_state(str(path), TINY)
+    d = formats.read_debug_state(str(path), TINY.vocab_size, g.parameter_shapes(TINY))
     np.testing.assert_array_equal(d["x"], x)
     np.testing.assert_array_equal(d["logits"], logits)
     assert d["loss"] == 1.5
@@ -116,31 +117,31 @@ def test_debug_state_round_trip(tmp_path):
 def test_tokenizer_file(tmp_path):
     tokens = [b"a", b"bc", "é".encode(), b"<|endoftext|>"]
     path = tmp_path / "tok.bin"
-    g.write_tokenizer(str(path), tokens, eot_token=3)
+    tokenizer.write_tokenizer(str(path), tokens, eot_token=3)
     raw = path.read_bytes()
     assert struct.unpack("<4i", raw[:16]) == (20240328, 2, 4, 3)
     assert raw[1024:] == b"\x01a\x02bc\x02" + "é".encode() + b"\x0d<|endoftext|>"
-    assert g.read_tokenizer(str(path)) == (tokens, 3)
+    assert tokenizer.read_tokenizer(str(path)) == (tokens, 3)
     path.write_bytes(raw[:-3])
-    with pytest.raises(g.InputError, match="truncated"):
-        g.read_tokenizer(str(path))
+    with pytest.raises(utils.InputError, match="truncated"):
+        tokenizer.read_tokenizer(str(path))
 
 
 def test_shard_layout_and_validation(tmp_path):
     path = tmp_path / "s.bin"
-    g.write_shard(str(path), [50256, 1, 2, 65535])
+    formats.write_shard(str(path), [50256, 1, 2, 65535])
     raw = path.read_bytes()
     assert struct.unpack("<3i", raw[:12]) == (20240520, 1, 4)
     assert raw[1024:] == struct.pack("<4H", 50256, 1, 2, 65535)
-    np.testing.assert_array_equal(g.read_shard(str(path)), [50256, 1, 2, 65535])
+    np.testing.assert_array_equal(formats.read_shard(str(path)), [50256, 1, 2, 65535])
     path.write_bytes(raw[:-1])
-    with pytest.raises(g.InputError, match="truncated or corrupt"):
-        g.read_shard(str(path))
+    with pytest.raises(utils.InputError, match="truncated or corrupt"):
+        formats.read_shard(str(path))
     path.write_bytes(b"")
-    with pytest.raises(g.InputError, match="empty"):
-        g.read_shard(str(path))
+    with pytest.raises(utils.InputError, match="empty"):
+        formats.read_shard(str(path))
     with pytest.raises(ValueError):
-        g.write_shard(str(path), [70000])
+        formats.write_shard(str(path), [70000])
 
 
 # ---------------------------------------------------------------------------- init and AdamW
@@ -163,7 +164,7 @@ def test_parameter_count_gpt2_124M():
     cfg = g.config_from_descriptor("d12")
     assert g.num_elements(g.parameter_shapes(cfg)) == 124_475_904
     assert g.config_from_descriptor("124M") == cfg
-    with pytest.raises(g.InputError, match="unknown model"):
+    with pytest.raises(utils.InputError, match="unknown model"):
         g.config_from_descriptor("d13")
 
 
@@ -223,7 +224,7 @@ def test_schedules():
     assert f(80, "wsd") == pytest.approx(lr)
     assert f(90, "wsd") == pytest.approx(0.1 * lr + (1 - math.sqrt(0.5)) * 0.9 * lr)
     assert f(100, "wsd") == pytest.approx(0.1 * lr)
-    with pytest.raises(g.InputError):
+    with pytest.raises(utils.InputError):
         f(0, "exponential")
 
 
@@ -234,7 +235,7 @@ def make_shards(tmp_path, sizes, start=0):
     paths, t = [], start
     for i, n in enumerate(sizes):
         p = tmp_path / f"d_{i:03d}.bin"
-        g.write_shard(str(p), np.arange(t, t + n) % 60000)
+        formats.write_shard(str(p), np.arange(t, t + n) % 60000)
         paths.append(p)
         t += n
     return str(tmp_path / "d_*.bin")
@@ -242,7 +243,7 @@ def make_shards(tmp_path, sizes, start=0):
 
 def test_loader_windows_cross_shards_and_wrap(tmp_path):
     pattern = make_shards(tmp_path, [25, 17])     # B*T = 8: shard 0 has 3 batches, shard 1 has 2
-    loader = g.DataLoader(pattern, 2, 4)
+    loader = dataloader.DataLoader(pattern, 2, 4)
     starts = []
     for _ in range(6):
         x, y = loader.next_batch()
@@ -254,8 +255,8 @@ def test_loader_windows_cross_shards_and_wrap(tmp_path):
 
 def test_loader_ranks_stride(tmp_path):
     pattern = make_shards(tmp_path, [100])
-    r0, r1 = g.DataLoader(pattern, 2, 3, 0, 2), g.DataLoader(pattern, 2, 3, 1, 2)
-    single = g.DataLoader(pattern, 2, 3)
+    r0, r1 = dataloader.DataLoader(pattern, 2, 3, 0, 2), dataloader.DataLoader(pattern, 2, 3, 1, 2)
+    single = dataloader.DataLoader(pattern, 2, 3)
     for _ in range(3):
         a, b = r0.next_batch()[0], r1.next_batch()[0]
         s1, s2 = single.next_batch()[0], single.next_batch()[0]
@@ -265,7 +266,7 @@ def test_loader_ranks_stride(tmp_path):
 
 def test_loader_shuffle_is_seeded_and_restores(tmp_path):
     pattern = make_shards(tmp_path, [41, 41, 41])
-    a, b = g.DataLoader(pattern, 1, 4, shuffle=True, seed=3), g.DataLoader(pattern, 1, 4, shuffle=True, seed=3)
+    a, b = dataloader.DataLoader(pattern, 1, 4, shuffle=True, seed=3), dataloader.DataLoader(pattern, 1, 4, shuffle=True, seed=3)
     seq_a = [int(a.next_batch()[0][0, 0]) for _ in range(25)]
     seq_b = [int(b.next_batch()[0][0, 0]) for _ in range(25)]
     assert seq_a == seq_b
@@ -275,17 +276,17 @@ def test_loader_shuffle_is_seeded_and_restores(tmp_path):
     # save mid-epoch, continue, restore into a fresh loader: the same batches follow
     state = a.state()
     cont = [int(a.next_batch()[0][0, 0]) for _ in range(20)]
-    c = g.DataLoader(pattern, 1, 4, shuffle=True, seed=99)
+    c = dataloader.DataLoader(pattern, 1, 4, shuffle=True, seed=99)
     c.restore(state)
     assert [int(c.next_batch()[0][0, 0]) for _ in range(20)] == cont
 
 
 def test_loader_bad_inputs(tmp_path):
-    with pytest.raises(g.InputError, match="no data file matches"):
-        g.DataLoader(str(tmp_path / "nothing_*.bin"), 1, 4)
+    with pytest.raises(utils.InputError, match="no data file matches"):
+        dataloader.DataLoader(str(tmp_path / "nothing_*.bin"), 1, 4)
     pattern = make_shards(tmp_path, [8])
-    with pytest.raises(g.InputError, match="shorter than one batch"):
-        g.DataLoader(pattern, 2, 4)
+    with pytest.raises(utils.InputError, match="shorter than one batch"):
+        dataloader.DataLoader(pattern, 2, 4)
 
 
 # ---------------------------------------------------------------------------- sampler
@@ -322,15 +323,15 @@ def test_generate_is_deterministic():
     c = g.generate(model, [1, 2], 6, g.SamplerRNG(8))
     assert a == b and len(a) == 6 and all(0 <= t < TINY.vocab_size for t in a)
     assert a != c
-    with pytest.raises(g.InputError, match="longer than max_seq_len"):
+    with pytest.raises(utils.InputError, match="longer than max_seq_len"):
         g.generate(model, [1] * 17, 1, g.SamplerRNG(7))
 
 
 def test_forward_rejects_bad_tokens_and_length():
     model = g.gpt2_init(TINY, seed=0)
-    with pytest.raises(g.InputError, match="exceeds"):
+    with pytest.raises(utils.InputError, match="exceeds"):
         g.gpt2_forward(model, np.zeros((1, 17), np.int32))
-    with pytest.raises(g.InputError, match="out of range"):
+    with pytest.raises(utils.InputError, match="out of range"):
         g.gpt2_forward(model, np.full((1, 3), 50, np.int32))
 
 
@@ -342,25 +343,25 @@ def test_state_file_round_trip_and_layout(tmp_path):
     model.m = rng.standard_normal(model.num_parameters).astype(np.float32)
     model.v = rng.random(model.num_parameters).astype(np.float32)
     pattern = make_shards(tmp_path, [200, 200])
-    loader = g.DataLoader(pattern, 2, 4, shuffle=True, seed=1)
+    loader = dataloader.DataLoader(pattern, 2, 4, shuffle=True, seed=1)
     for _ in range(7):
         loader.next_batch()
     path = tmp_path / "state.bin"
-    g.write_state(str(path), model, 123, 0, 1, loader, sample_rng_state=2 ** 40 + 5)
+    checkpoint.write_state(str(path), 123, 0, 1, model.m, model.v, loader, sample_rng_state=2 ** 40 + 5)
     h = np.frombuffer(path.read_bytes()[:1024], "<i4")
     assert (h[0], h[1], h[2], h[3], h[4], h[5], h[10]) == (20240527, 1, 1, 0, 0, 1, 123)
     assert h[20:22].view("<u8")[0] == 2 ** 40 + 5
     assert h[30:32].view("<u8")[0] == loader.current_shard_idx and h[32:34].view("<u8")[0] == loader.current_sample_idx
     raw = path.read_bytes()[1024:]
     np.testing.assert_array_equal(np.frombuffer(raw[:4 * model.num_parameters], "<f4"), model.m)
-    st = g.read_state(str(path), model.num_parameters, 0, 1)
+    st = checkpoint.read_state(str(path), model.num_parameters, 0, 1)
     assert st["step"] == 123 and st["sample_rng_state"] == 2 ** 40 + 5
     np.testing.assert_array_equal(st["v"], model.v)
-    fresh = g.DataLoader(pattern, 2, 4, shuffle=True, seed=1)
+    fresh = dataloader.DataLoader(pattern, 2, 4, shuffle=True, seed=1)
     fresh.restore(st["loader"])
     np.testing.assert_array_equal(fresh.next_batch()[0], loader.next_batch()[0])
-    with pytest.raises(g.InputError, match="rank 0 of 1 processes, but this is rank 1 of 2"):
-        g.read_state(str(path), model.num_parameters, 1, 2)
+    with pytest.raises(utils.InputError, match="rank 0 of 1 processes, but this is rank 1 of 2"):
+        checkpoint.read_state(str(path), model.num_parameters, 1, 2)
     path.write_bytes(path.read_bytes()[:2000])
-    with pytest.raises(g.InputError, match="truncated"):
-        g.read_state(str(path), model.num_parameters, 0, 1)
+    with pytest.raises(utils.InputError, match="truncated"):
+        checkpoint.read_state(str(path), model.num_parameters, 0, 1)

@@ -29,9 +29,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, "dev", "data"))
 sys.path.insert(0, REPO_ROOT)
 import hellaswag  # noqa: E402
-import gpt2_cpu  # noqa: E402
-from gpt2_cpu import (EVAL_MAGIC, EVAL_VERSION, HEADER_BYTES, GPT2Config, InputError,  # noqa: E402
-                      gpt2_backward, gpt2_forward, gpt2_init, gpt2_update, gpt2_zero_grad, padded_vocab)
+from llmc import evalloader  # noqa: E402
+from gpt2_cpu import GPT2Config, gpt2_backward, gpt2_forward, gpt2_init, gpt2_update, gpt2_zero_grad, padded_vocab  # noqa: E402
+from llmc.evalloader import EVAL_MAGIC, EVAL_VERSION  # noqa: E402
+from llmc.formats import HEADER_BYTES  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 EXAMPLES = [
     {"index": 0, "label": 2, "context": [5, 6, 7], "completions": [[1], [2, 3], [4], [8, 9, 10]]},
@@ -46,7 +48,7 @@ EXAMPLE2_BYTES = 2 * (5 + 1 + 40 + 4 * 2)           # the longest: 40 context to
 @pytest.fixture
 def eval_path(tmp_path):
     path = str(tmp_path / "eval.bin")
-    assert gpt2_cpu.write_eval_file(path, EXAMPLES) == EXAMPLE2_BYTES
+    assert evalloader.write_eval_file(path, EXAMPLES) == EXAMPLE2_BYTES
     return path
 
 
@@ -64,7 +66,7 @@ def test_byte_layout(eval_path):
 
 
 def test_round_trip(eval_path):
-    assert gpt2_cpu.read_eval_file(eval_path) == EXAMPLES
+    assert evalloader.read_eval_file(eval_path) == EXAMPLES
 
 
 def corrupt(path, offset, value, fmt="<u2"):
@@ -87,7 +89,7 @@ def corrupt(path, offset, value, fmt="<u2"):
 def test_corrupt_files_rejected(eval_path, offset, value, fmt, message):
     corrupt(eval_path, offset, value, fmt)
     with pytest.raises(InputError, match=message):
-        gpt2_cpu.read_eval_file(eval_path)
+        evalloader.read_eval_file(eval_path)
 
 
 def test_truncated_and_trailing(eval_path):
@@ -95,13 +97,13 @@ def test_truncated_and_trailing(eval_path):
     for cut in (2, 1, EXAMPLE2_BYTES - 2, len(data) - HEADER_BYTES):
         open(eval_path, "wb").write(data[:-cut])
         with pytest.raises(InputError, match="truncated"):
-            gpt2_cpu.read_eval_file(eval_path)
+            evalloader.read_eval_file(eval_path)
     open(eval_path, "wb").write(data + b"\x00\x00")
     with pytest.raises(InputError, match="after the last"):
-        gpt2_cpu.read_eval_file(eval_path)
+        evalloader.read_eval_file(eval_path)
     open(eval_path, "wb").write(data[:100])
     with pytest.raises(InputError, match="header"):
-        gpt2_cpu.read_eval_file(eval_path)
+        evalloader.read_eval_file(eval_path)
 
 
 def test_write_rejects_unrepresentable(tmp_path):
@@ -113,7 +115,7 @@ def test_write_rejects_unrepresentable(tmp_path):
                          ({**good, "completions": [[1], [], [2], [3]]}, "empty"),
                          ({**good, "context": [1] * 40000}, "bytes")]:
         with pytest.raises(ValueError, match=message):
-            gpt2_cpu.write_eval_file(path, [bad])
+            evalloader.write_eval_file(path, [bad])
     assert not os.path.exists(path)
 
 
@@ -122,8 +124,8 @@ def test_write_rejects_unrepresentable(tmp_path):
 
 def test_completion_rows_by_hand():
     ex = {"index": 0, "label": 1, "context": [5, 6, 7], "completions": [[1], [2, 3], [4], [8, 9]]}
-    inputs, targets, mask = gpt2_cpu.completion_rows(ex, T=6)
-    P = gpt2_cpu.PAD_TOKEN
+    inputs, targets, mask = evalloader.completion_rows(ex, T=6)
+    P = evalloader.PAD_TOKEN
     np.testing.assert_array_equal(inputs, [[5, 6, 7, 1, P, P], [5, 6, 7, 2, 3, P],
                                            [5, 6, 7, 4, P, P], [5, 6, 7, 8, 9, P]])
     np.testing.assert_array_equal(targets, [[6, 7, 1, P, P, P], [6, 7, 2, 3, P, P],
@@ -138,16 +140,16 @@ def test_completion_rows_by_hand():
 
 def test_completion_rows_truncate_context_from_the_left():
     ex = {"index": 0, "label": 0, "context": [1, 2, 3, 4, 5], "completions": [[6], [7, 8, 9], [10], [11]]}
-    inputs, targets, mask = gpt2_cpu.completion_rows(ex, T=5)   # room for 2 context tokens
+    inputs, targets, mask = evalloader.completion_rows(ex, T=5)   # room for 2 context tokens
     np.testing.assert_array_equal(inputs[1], [4, 5, 7, 8, 9])
     np.testing.assert_array_equal(targets[1][mask[1]], [7, 8, 9])
-    np.testing.assert_array_equal(inputs[0], [4, 5, 6, gpt2_cpu.PAD_TOKEN, gpt2_cpu.PAD_TOKEN])
+    np.testing.assert_array_equal(inputs[0], [4, 5, 6, evalloader.PAD_TOKEN, evalloader.PAD_TOKEN])
     with pytest.raises(InputError, match="does not fit"):
-        gpt2_cpu.completion_rows(ex, T=3)
+        evalloader.completion_rows(ex, T=3)
 
 
 def test_completion_batches_yields_every_example():
-    out = list(gpt2_cpu.completion_batches(EXAMPLES, T=64))
+    out = list(evalloader.completion_batches(EXAMPLES, T=64))
     assert [label for *_, label in out] == [ex["label"] for ex in EXAMPLES]
     assert all(x.shape == y.shape == m.shape == (4, 64) for x, y, m, _ in out)
 
@@ -164,12 +166,12 @@ def test_score_example_uses_the_masked_mean():
     losses[1, 2:6] = 1.5                 # mean 1.5, sum 6.0: lowest mean
     losses[2, 2:4] = [1.0, 3.0]          # mean 2.0
     losses[3, 2:4] = [1.6, 1.6]          # mean 1.6
-    assert gpt2_cpu.score_example(losses, mask) == 1
-    np.testing.assert_allclose(gpt2_cpu.completion_losses(losses, mask), [2.0, 1.5, 2.0, 1.6])
+    assert evalloader.score_example(losses, mask) == 1
+    np.testing.assert_allclose(evalloader.completion_losses(losses, mask), [2.0, 1.5, 2.0, 1.6])
     losses[3, 2:4] = 1.4
-    assert gpt2_cpu.score_example(losses, mask) == 3
+    assert evalloader.score_example(losses, mask) == 3
     with pytest.raises(ValueError):
-        gpt2_cpu.score_example(losses, np.zeros((4, 8), dtype=bool))
+        evalloader.score_example(losses, np.zeros((4, 8), dtype=bool))
 
 
 # ----------------------------------------------------------------------------
@@ -193,7 +195,7 @@ def test_render_and_build(tmp_path):
     out = str(tmp_path / "hs.bin")
     n, longest = hellaswag.build_eval_file(str(jsonl), out, byte_encode)
     assert n == 2
-    got = gpt2_cpu.read_eval_file(out)
+    got = evalloader.read_eval_file(out)
     assert [ex["index"] for ex in got] == [0, 1] and [ex["label"] for ex in got] == [3, 0]
     assert bytes(got[0]["context"]) == b"A man is sitting on a roof. he"
     assert bytes(got[0]["completions"][3]) == b" starts pulling up roofing."    # leading space
@@ -242,10 +244,10 @@ def tiny_examples():
 def score_all(model, examples, T):
     """(predictions, margin per example: best wrong mean loss - right mean loss)."""
     preds, margins = [], []
-    for inputs, targets, mask, label in gpt2_cpu.completion_batches(examples, T):
+    for inputs, targets, mask, label in evalloader.completion_batches(examples, T):
         gpt2_forward(model, inputs, targets)
-        per_row = gpt2_cpu.completion_losses(model.acts["losses"], mask)
-        preds.append(gpt2_cpu.score_example(model.acts["losses"], mask))
+        per_row = evalloader.completion_losses(model.acts["losses"], mask)
+        preds.append(evalloader.score_example(model.acts["losses"], mask))
         margins.append(np.min(np.delete(per_row, label)) - per_row[label])
     return preds, np.array(margins)
 
@@ -258,7 +260,7 @@ def test_trained_model_picks_the_right_completion():
     _, margins_before = score_all(model, examples, T)
     assert not np.all(margins_before > TRAINED_MARGIN)           # untrained: not already right by the margin
     # train on the right rows only: context followed by the labelled completion
-    rows = [gpt2_cpu.completion_rows(ex, T) for ex in examples]
+    rows = [evalloader.completion_rows(ex, T) for ex in examples]
     inputs = np.stack([x[ex["label"]] for (x, _, _), ex in zip(rows, examples)])    # (4, T)
     targets = np.stack([y[ex["label"]] for (_, y, _), ex in zip(rows, examples)])
     for step in range(1, TRAIN_STEPS + 1):

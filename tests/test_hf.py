@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "dev", "eval"))
 sys.path.insert(0, REPO_ROOT)
 import export_hf  # noqa: E402
 import import_hf  # noqa: E402
-from gpt2_cpu import (GPT2Config, InputError, config_from_descriptor, gpt2_forward, gpt2_init,  # noqa: E402
-                      padded_vocab, read_model, write_model)
+from gpt2_cpu import GPT2Config, config_from_descriptor, gpt2_forward, gpt2_init, padded_vocab, read_model, write_model  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 # logits are compared relative to their largest magnitude: fp32 sums over C <= 128 terms and the
 # two implementations order them differently (HF: addmm / its own GELU and softmax), observed

@@ -8,7 +8,7 @@ Checked against independent facts rather than the compiler's say-so alone:
 - the precision macro reaches the code: the bf16 build converts with cvt.rn.bf16.f32, the fp32
   build never does;
 - a broken source fails with an error that names the file and carries NVRTC's own diagnostic;
-- the options are gpt2_cuda.kernel_compile_options itself (one source for the check and the
+- the options are llmc.cuda.kernel_compile_options itself (one source for the check and the
   trainer), and importing the script needs no CuPy.
 Skips (with the reason) only when the NVRTC library cannot be loaded at all.
 Run: pytest tests/test_kernels_compile.py   (about 15 s on 2 cores)
@@ -114,18 +114,18 @@ def test_compile_options():
 
 def test_compile_options_have_one_source():
     # the CI check compiles with exactly the options gpt2_cuda.py hands to cupy.RawModule
-    import gpt2_cuda
-    assert nc.kernel_compile_options is gpt2_cuda.kernel_compile_options
-    assert nc.KERNELS_DIR == gpt2_cuda.KERNELS_DIR == os.path.join(ROOT, "kernels")
-    assert nc.cuda_include_dir() == gpt2_cuda.cuda_include_dir()
-    assert f"-I{nc.cuda_include_dir()}" in gpt2_cuda.kernel_compile_options("fp32")
+    import llmc.cuda as llmc_cuda
+    assert nc.kernel_compile_options is llmc_cuda.kernel_compile_options
+    assert nc.KERNELS_DIR == llmc_cuda.KERNELS_DIR == os.path.join(ROOT, "kernels")
+    assert nc.cuda_include_dir() == llmc_cuda.cuda_include_dir()
+    assert f"-I{nc.cuda_include_dir()}" in llmc_cuda.kernel_compile_options("fp32")
 
 
 def test_missing_cuda_headers_are_named(monkeypatch, tmp_path):
-    import gpt2_cuda
-    monkeypatch.setattr(gpt2_cuda, "cuda_include_dirs", lambda: [str(tmp_path)])
-    with pytest.raises(gpt2_cuda.KernelCompileError, match=re.escape(f"cuda_bf16.h not found (looked in {tmp_path})")):
-        gpt2_cuda.kernel_compile_options("bf16")
+    import llmc.cuda as llmc_cuda
+    monkeypatch.setattr(llmc_cuda, "cuda_include_dirs", lambda: [str(tmp_path)])
+    with pytest.raises(llmc_cuda.KernelCompileError, match=re.escape(f"cuda_bf16.h not found (looked in {tmp_path})")):
+        llmc_cuda.kernel_compile_options("bf16")
     with pytest.raises(nc.NvrtcUnavailable, match="cuda_bf16.h not found"):
         nc.cuda_include_dir()
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import gpt2_cpu as g
+from llmc import check
 
 H = 1e-6            # finite-difference step
 RTOL = 1e-6         # see the module docstring
@@ -36,7 +37,7 @@ def numerical_grad(f, x, h=H, idx=None):
 
 
 def assert_close(a, ref, label):
-    assert g.check_tensor(a, ref, label, ATOL, RTOL), label
+    assert check.check_tensor(a, ref, label, ATOL, RTOL), label
 
 
 @pytest.fixture

@@ -22,7 +22,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, "dev", "data"))
 sys.path.insert(0, REPO_ROOT)
 import sharding  # noqa: E402
-from gpt2_cpu import GPT2_EOT, HEADER_BYTES, InputError, SHARD_MAGIC, SHARD_VERSION  # noqa: E402
+from llmc.formats import HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION  # noqa: E402
+from llmc.tokenizer import GPT2_EOT  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 SHARD_SIZE = 64
 DOCUMENTS = [

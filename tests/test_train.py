@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import gpt2_cpu as g
+from llmc import cli, evalloader, formats, tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = g.GPT2Config(max_seq_len=64, num_layers=2, num_heads=2, channels=32)
@@ -111,7 +112,7 @@ def test_mpi_two_ranks_equal_one_process(shakespeare, small_model):
 # ---------------------------------------------------------------------------- bad input
 
 def bad_shard(path, kind):
-    g.write_shard(str(path), np.arange(1000) % 50257)
+    formats.write_shard(str(path), np.arange(1000) % 50257)
     raw = path.read_bytes()
     if kind == "magic":
         path.write_bytes(b"\x01\x02\x03\x04" + raw[4:])
@@ -122,7 +123,7 @@ def bad_shard(path, kind):
     elif kind == "empty":
         path.write_bytes(b"")
     elif kind == "short":
-        g.write_shard(str(path), np.arange(10))
+        formats.write_shard(str(path), np.arange(10))
 
 
 @pytest.mark.parametrize("kind,message", [
@@ -195,9 +196,9 @@ def test_generate_from_prompt_is_deterministic(shakespeare, small_model):
     assert a.stdout.startswith("ROMEO:") and len(a.stdout) > len("ROMEO:\n")
     # the streamed text is the decoded sample of the library call with the same RNG
     model = g.read_model(small_model)
-    prompt = g.gpt2_encoding().encode("ROMEO:")
-    ids = g.generate(model, prompt, 12, g.SamplerRNG(g.SAMPLE_SEED), 0.8, 40)
-    assert a.stdout == "ROMEO:" + g.Tokenizer().decode(ids) + "\n"
+    prompt = tokenizer.gpt2_encoding().encode("ROMEO:")
+    ids = g.generate(model, prompt, 12, g.SamplerRNG(cli.SAMPLE_SEED), 0.8, 40)
+    assert a.stdout == "ROMEO:" + tokenizer.Tokenizer().decode(ids) + "\n"
 
 
 @pytest.mark.parametrize("args,message", [
@@ -221,7 +222,7 @@ def test_eval_only_hellaswag(shakespeare, small_model, tmp_path):
                  "completions": [rng.integers(0, 50257, int(rng.integers(1, 4))).tolist() for _ in range(4)]}
                 for i in range(6)]
     path = tmp_path / "hs.bin"
-    g.write_eval_file(str(path), examples)
+    evalloader.write_eval_file(str(path), examples)
     train, _ = shakespeare
     out = run(["-e", small_model, "-i", train, "-j", "", "-b", "8", "-t", "16", "-h", "1",
                "--hellaswag-file", str(path), "--eval-only"])
@@ -230,9 +231,9 @@ def test_eval_only_hellaswag(shakespeare, small_model, tmp_path):
     model = g.read_model(small_model)
     correct = 0
     for ex in examples:
-        inputs, targets, mask = g.completion_rows(ex, 16)
+        inputs, targets, mask = evalloader.completion_rows(ex, 16)
         g.gpt2_forward(model, inputs, targets)
-        correct += g.score_example(model.acts["losses"], mask) == ex["label"]
+        correct += evalloader.score_example(model.acts["losses"], mask) == ex["label"]
     assert acc == pytest.approx(correct / 6, abs=1e-4)
     # during training: every -v steps and at the end, logged as s:<step> eval:<acc>
     log_dir = tmp_path / "log"

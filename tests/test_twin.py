@@ -26,6 +26,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import gpt2_cpu as cpu  # noqa: E402
+from llmc import dataloader, formats  # noqa: E402
 
 
 def _load_module(name, path):
@@ -170,10 +171,10 @@ def test_ten_adamw_steps_match(tmp_path):
     steps, lr, warmup, final_frac, wd, clip = 10, 1e-2, 3, 0.1, 0.1, 2.5   # norms run 1.3..17
     shard = str(tmp_path / "train.bin")
     pattern = np.random.default_rng(3).integers(0, config.vocab_size, 3 * T)   # a text to memorize
-    cpu.write_shard(shard, np.resize(pattern, steps * B * T + 1))
+    formats.write_shard(shard, np.resize(pattern, steps * B * T + 1))
     model, t = make_pair(config)
 
-    loader = cpu.DataLoader(shard, B, T)
+    loader = dataloader.DataLoader(shard, B, T)
     cpu_losses, cpu_norms = [], []
     for step in range(steps):
         x, y = loader.next_batch()
@@ -189,7 +190,7 @@ def test_ten_adamw_steps_match(tmp_path):
 
     twin_loader = twin.TokenLoader(shard, B, T)
     batches = [twin_loader.next_batch() for _ in range(steps)]
-    check_loader = cpu.DataLoader(shard, B, T)
+    check_loader = dataloader.DataLoader(shard, B, T)
     for x, y in batches:                                        # the twin reads the same batches
         cx, cy = check_loader.next_batch()
         assert np.array_equal(x.numpy(), cx) and np.array_equal(y.numpy(), cy)
@@ -227,10 +228,10 @@ def test_checkpoint_files_both_ways(tmp_path):
 
     t.save_checkpoint(str(tmp_path / "m16.bin"), "bfloat16")
     header = np.fromfile(str(tmp_path / "m16.bin"), dtype="<i4", count=8)
-    assert list(header[:2]) == [cpu.MODEL_MAGIC, cpu.MODEL_VERSION_BF16]
+    assert list(header[:2]) == [formats.MODEL_MAGIC, formats.MODEL_VERSION_BF16]
     m16 = cpu.read_model(str(tmp_path / "m16.bin"))
     for (name, _), p in zip(m16.param_shapes, fp32):
-        rounded = cpu.bfloat16_bits_to_float32(cpu.float32_to_bfloat16_bits(p))
+        rounded = formats.bfloat16_bits_to_float32(formats.float32_to_bfloat16_bits(p))
         assert np.array_equal(m16.P[name], rounded), name
     assert list(m16.P["lnfb"][:ties.size]) == [1.0, 1 + 2 ** -6, -1.0, 2 ** -9]
     assert not np.array_equal(m16.P["qkvw"], m32.P["qkvw"])    # bf16 really rounded
@@ -252,7 +253,7 @@ def test_debug_state_layout(tmp_path):
     t = twin.Twin.init(config, SEED)
     x, y = random_batch(config.vocab_size, B, T, seed=4)
     logits, loss, grads = t.write_debug_state(str(tmp_path / "s.bin"), x, y)
-    state = cpu.read_debug_state(str(tmp_path / "s.bin"), config)
+    state = formats.read_debug_state(str(tmp_path / "s.bin"), config.vocab_size, cpu.parameter_shapes(config))
     assert np.array_equal(state["x"], x) and np.array_equal(state["y"], y)
     assert state["logits"].shape == (B, T, config.vocab_size) and np.array_equal(state["logits"], logits)
     assert state["loss"] == np.float32(loss)
@@ -261,7 +262,7 @@ def test_debug_state_layout(tmp_path):
     assert np.all(state["grads"]["wte"][config.vocab_size:] == 0)  # padded rows: no gradient
     size = os.path.getsize(tmp_path / "s.bin")
     P = cpu.num_elements(cpu.parameter_shapes(config))
-    assert size == cpu.HEADER_BYTES + 4 * (2 * B * T + B * T * config.vocab_size + 1 + P)
+    assert size == formats.HEADER_BYTES + 4 * (2 * B * T + B * T * config.vocab_size + 1 + P)
 
 
 # ----------------------------------------------------------------------------
@@ -273,7 +274,7 @@ def test_check_gpt2_end_to_end(tmp_path):
     gradient, and rejects bad files with one line."""
     config, B, T = cpu.config_from_descriptor("d2"), 2, 32
     shard = str(tmp_path / "train.bin")
-    cpu.write_shard(shard, np.random.default_rng(5).integers(0, config.vocab_size, 8 * B * T + 1))
+    formats.write_shard(shard, np.random.default_rng(5).integers(0, config.vocab_size, 8 * B * T + 1))
     model_path, state_path = str(tmp_path / "d2.bin"), str(tmp_path / "d2_debug.bin")
     r = run_twin(["-e", "d2", "--seed", str(SEED), "-i", shard, "-b", str(B), "-t", str(T), "-x", "2",
                   "-l", "1e-3", "-u", "1", "-c", "0.1", "--write-model", model_path, "--write-debug-state", state_path])
@@ -282,7 +283,7 @@ def test_check_gpt2_end_to_end(tmp_path):
                    if line.startswith("step")]
 
     model = cpu.gpt2_init(config, SEED)
-    loader = cpu.DataLoader(shard, B, T)
+    loader = dataloader.DataLoader(shard, B, T)
     cpu_losses = []
     for step in range(2):
         x, y = loader.next_batch()
@@ -302,13 +303,13 @@ def test_check_gpt2_end_to_end(tmp_path):
     assert r.stdout.count("TENSOR OK") == 18                 # logits, loss, 16 gradients
 
     # corrupt one gradient element by 1e-3 of the tensor's largest value (50x the tolerance)
-    state = cpu.read_debug_state(state_path, config)
+    state = formats.read_debug_state(state_path, config.vocab_size, cpu.parameter_shapes(config))
     grads = dict(state["grads"])
     qkvw = grads["qkvw"].copy()
     qkvw[1, 5, 7] += 1e-3 * np.abs(qkvw).max()
     grads["qkvw"] = qkvw
     bad_path = str(tmp_path / "bad_debug.bin")
-    cpu.write_debug_state(bad_path, state["x"], state["y"], state["logits"], state["loss"],
+    formats.write_debug_state(bad_path, state["x"], state["y"], state["logits"], state["loss"],
                           [grads[n] for n in cpu.PARAMETER_NAMES])
     r = run_check(model_path, bad_path)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -319,7 +320,7 @@ def test_check_gpt2_end_to_end(tmp_path):
     # bad magic: one line on stderr naming the file, exit 1
     junk = str(tmp_path / "junk.bin")
     with open(junk, "wb") as f:
-        f.write(np.full(cpu.HEADER_INTS, 7, dtype="<i4").tobytes())
+        f.write(np.full(formats.HEADER_INTS, 7, dtype="<i4").tobytes())
     for args in ((junk, state_path), (model_path, junk)):
         r = run_check(*args)
         assert r.returncode == 1 and r.stdout == ""

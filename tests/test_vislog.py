@@ -21,7 +21,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, "dev"))
 sys.path.insert(0, REPO_ROOT)
 import vislog  # noqa: E402
-from gpt2_cpu import InputError, Logger  # noqa: E402
+from llmc.logger import Logger  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000            # an empty 640x480 figure is ~5 KB; curves, text and legends add more

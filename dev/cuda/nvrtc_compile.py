@@ -11,7 +11,7 @@ kernels; it proves they compile, not that they compute the right thing (tests ma
 
 What it deliberately is not: a build system. Nothing is cached or written; gpt2_cuda.py compiles
 the kernels itself with cupy.RawModule. The compile options have one source,
-gpt2_cuda.kernel_compile_options, imported here (gpt2_cuda imports CuPy only when it runs on a
+llmc.cuda.kernel_compile_options, imported here (llmc.cuda imports CuPy only when it runs on a
 GPU, so importing it needs neither CuPy's device runtime nor a driver).
 
 Run it:
@@ -36,8 +36,8 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
-import gpt2_cuda  # noqa: E402
-from gpt2_cuda import KERNELS_DIR, PRECISION_DEFINES, kernel_compile_options  # noqa: E402
+from llmc import cuda  # noqa: E402
+from llmc.cuda import KERNELS_DIR, PRECISION_DEFINES, kernel_compile_options  # noqa: E402
 
 PTX_ARCHS = ("compute_80", "compute_90")         # virtual: PTX, JIT-compiled by the driver
 CUBIN_ARCHS = ("sm_80", "sm_90")                 # real: SASS, also runs ptxas
@@ -72,12 +72,12 @@ def _nvidia_package_dirs():
 
 
 def cuda_include_dir():
-    """The directory holding cuda_bf16.h, found as gpt2_cuda finds it (gpt2_cuda.cuda_include_dir:
+    """The directory holding cuda_bf16.h, found as the trainer finds it (llmc.cuda.cuda_include_dir:
     the nvidia-cuda-runtime-cu12 wheel's include/, else $CUDA_PATH, $CUDA_HOME, /usr/local/cuda).
     Raises NvrtcUnavailable when none has it."""
     try:
-        return gpt2_cuda.cuda_include_dir()
-    except gpt2_cuda.KernelCompileError as error:
+        return cuda.cuda_include_dir()
+    except cuda.KernelCompileError as error:
         raise NvrtcUnavailable(str(error)) from None
 
 

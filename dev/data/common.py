@@ -6,8 +6,8 @@ dev/data/common.py: what every dataset script in dev/data/ needs besides its own
     2. tiktoken's own download, tiktoken.get_encoding("gpt2") (or tiktoken's cache);
     3. offline fallback: this project's machines reach PyPI but not the rest of the internet,
        and the openai-whisper sdist on PyPI ships the GPT-2 ranks as whisper/assets/gpt2.tiktoken
-       (the same file as tiktoken's r50k_base.tiktoken, sha256 gpt2_cpu.GPT2_BPE_SHA256). It is
-       copied to data/gpt2.tiktoken, where gpt2_cpu.gpt2_encoding() finds it later.
+       (the same file as tiktoken's r50k_base.tiktoken, sha256 tokenizer.GPT2_BPE_SHA256). It is
+       copied to data/gpt2.tiktoken, where tokenizer.gpt2_encoding() finds it later.
 - Writing gpt2_tokenizer.bin (token id -> bytes, what the trainers decode with) and token shards,
   each with llm.c's one-line "writing N tokens to PATH (B bytes)" log.
 - Fetching a URL with a short timeout, and a source distribution from PyPI with pip.
@@ -27,13 +27,13 @@ import tempfile
 import urllib.request
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO_ROOT)       # gpt2_cpu.py lives at the repository root
-import gpt2_cpu  # noqa: E402
+sys.path.insert(0, REPO_ROOT)       # llmc/ lives at the repository root
+from llmc import formats, paths, tokenizer, utils  # noqa: E402
 
 URL_TIMEOUT_S = 10                  # a dead network fails fast instead of hanging the build
 PIP_TIMEOUT_S = 300                 # pip download of one sdist (a few MB) takes seconds
-BPE_FILENAME = os.path.basename(gpt2_cpu.DEFAULT_BPE)              # gpt2.tiktoken
-TOKENIZER_FILENAME = os.path.basename(gpt2_cpu.DEFAULT_TOKENIZER)  # gpt2_tokenizer.bin
+BPE_FILENAME = os.path.basename(paths.DEFAULT_BPE)              # gpt2.tiktoken
+TOKENIZER_FILENAME = os.path.basename(paths.DEFAULT_TOKENIZER)  # gpt2_tokenizer.bin
 GPT2_VOCAB_SIZE = 50257             # V: 50,000 merges + 256 byte tokens + <|endoftext|>
 WHISPER_REQUIREMENT = "openai-whisper==20250625"   # pinned: the version checked to hold the file
 WHISPER_BPE_MEMBER = "whisper/assets/gpt2.tiktoken"  # path inside the sdist, below its top folder
@@ -118,10 +118,10 @@ def bpe_from_whisper_sdist(bpe_path):
         raise DataError(f"{WHISPER_REQUIREMENT}: the sdist holds no {WHISPER_BPE_MEMBER}")
     ranks = files[WHISPER_BPE_MEMBER]
     digest = hashlib.sha256(ranks).hexdigest()
-    if digest != gpt2_cpu.GPT2_BPE_SHA256:
-        raise DataError(f"{WHISPER_REQUIREMENT}: {WHISPER_BPE_MEMBER} has sha256 {digest}, expected {gpt2_cpu.GPT2_BPE_SHA256}")
+    if digest != tokenizer.GPT2_BPE_SHA256:
+        raise DataError(f"{WHISPER_REQUIREMENT}: {WHISPER_BPE_MEMBER} has sha256 {digest}, expected {tokenizer.GPT2_BPE_SHA256}")
     os.makedirs(os.path.dirname(bpe_path), exist_ok=True)
-    gpt2_cpu.atomic_write(bpe_path, lambda f: f.write(ranks))
+    utils.atomic_write(bpe_path, lambda f: f.write(ranks))
 
 
 def load_gpt2_encoding(data_dir):
@@ -133,8 +133,8 @@ def load_gpt2_encoding(data_dir):
     failures = []
     if os.path.isfile(bpe_path):
         try:
-            return gpt2_cpu.gpt2_encoding(bpe_path), f"local {display_path(bpe_path)} (sha256 ok)"
-        except (ValueError, OSError, gpt2_cpu.InputError) as e:   # tiktoken: ValueError on a bad hash
+            return tokenizer.gpt2_encoding(bpe_path), f"local {display_path(bpe_path)} (sha256 ok)"
+        except (ValueError, OSError, utils.InputError) as e:   # tiktoken: ValueError on a bad hash
             failures.append(f"{bpe_path}: {one_line(e)}")
     try:
         return tiktoken.get_encoding("gpt2"), "tiktoken.get_encoding('gpt2') (download or tiktoken's cache)"
@@ -142,7 +142,7 @@ def load_gpt2_encoding(data_dir):
         failures.append(f"tiktoken.get_encoding('gpt2'): {type(e).__name__}")
     try:
         bpe_from_whisper_sdist(bpe_path)
-        return (gpt2_cpu.gpt2_encoding(bpe_path),
+        return (tokenizer.gpt2_encoding(bpe_path),
                 f"offline fallback: {WHISPER_BPE_MEMBER} from the PyPI sdist {WHISPER_REQUIREMENT} "
                 f"(sha256 ok), saved as {display_path(bpe_path)}")
     except DataError as e:
@@ -156,15 +156,15 @@ def load_gpt2_encoding(data_dir):
 def write_gpt2_tokenizer(path, enc):
     """Write gpt2_tokenizer.bin from `enc`: token i's bytes are enc.decode_single_token_bytes(i)
     for i in 0..V-1 (the last, 50256, is b"<|endoftext|>"). Raises DataError if `enc` is not GPT-2's."""
-    if enc.n_vocab != GPT2_VOCAB_SIZE or enc.eot_token != gpt2_cpu.GPT2_EOT:
+    if enc.n_vocab != GPT2_VOCAB_SIZE or enc.eot_token != tokenizer.GPT2_EOT:
         raise DataError(f"encoding {enc.name!r} has {enc.n_vocab} tokens and EOT {enc.eot_token}; "
-                        f"expected GPT-2's {GPT2_VOCAB_SIZE} and {gpt2_cpu.GPT2_EOT}")
+                        f"expected GPT-2's {GPT2_VOCAB_SIZE} and {tokenizer.GPT2_EOT}")
     token_bytes = [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]
-    gpt2_cpu.write_tokenizer(path, token_bytes, eot_token=enc.eot_token)
+    tokenizer.write_tokenizer(path, token_bytes, eot_token=enc.eot_token)
     print(f"writing {len(token_bytes):,} tokens to {display_path(path)} ({os.path.getsize(path):,} bytes)")
 
 
 def write_datafile(path, tokens):
     """Write a token shard (uint16 tokens behind the 1024-byte header) and log it like llm.c."""
-    gpt2_cpu.write_shard(path, tokens)
+    formats.write_shard(path, tokens)
     print(f"writing {len(tokens):,} tokens to {display_path(path)} ({os.path.getsize(path):,} bytes)")

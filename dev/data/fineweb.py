@@ -26,7 +26,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from gpt2_cpu import DEFAULT_DATA_DIR, InputError  # noqa: E402
+from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 from sharding import DEFAULT_CHUNKSIZE, load_hf_texts, report, write_shards  # noqa: E402
 
 FINEWEB_SHARD_SIZE = 10**8          # tokens per shard, as in llm.c (200 MB of uint16)

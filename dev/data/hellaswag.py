@@ -29,8 +29,10 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from gpt2_cpu import (DEFAULT_DATA_DIR, NUM_COMPLETIONS, InputError, atomic_write,  # noqa: E402
-                      gpt2_encoding, write_eval_file)
+from llmc.evalloader import NUM_COMPLETIONS, write_eval_file  # noqa: E402
+from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
+from llmc.tokenizer import gpt2_encoding  # noqa: E402
+from llmc.utils import InputError, atomic_write  # noqa: E402
 
 HELLASWAG_VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_DIR = os.path.join(DEFAULT_DATA_DIR, "hellaswag")

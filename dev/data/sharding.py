@@ -32,7 +32,9 @@ from multiprocessing import Pool
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from gpt2_cpu import GPT2_EOT, InputError, gpt2_encoding, read_shard, write_shard  # noqa: E402
+from llmc.formats import read_shard, write_shard  # noqa: E402
+from llmc.tokenizer import GPT2_EOT, gpt2_encoding  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 TOKEN_LIMIT = 2**16                 # shards store uint16 tokens
 DEFAULT_CHUNKSIZE = 16              # documents per imap task: amortizes the inter-process pickling

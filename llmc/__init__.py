@@ -1,0 +1,23 @@
+"""
+llmc: the host infrastructure both trainers share, one module per concern, as llm.c keeps its
+in llmc/*.h. Nothing here is the algorithm: gpt2_cpu.py defines that, and gpt2_cuda.py runs it on
+a GPU. The dependency runs one way: llmc never imports gpt2_cpu or gpt2_cuda; where it needs the
+model's shape it takes it as an argument (a config object, a parameter table).
+
+    utils.py       InputError (bad input: one line, exit 1), atomic writes, stale temporaries
+    formats.py     file headers, model and debug-state files, token shards, bf16 bit patterns
+    tokenizer.py   the tokenizer file, decoding, the GPT-2 BPE (tiktoken) for encoding
+    dataloader.py  batches from token shards, split across ranks, optionally shuffled
+    evalloader.py  the multiple-choice (HellaSwag) file, its rows and its scoring rule
+    checkpoint.py  training state files, DONE markers, saving and resuming a run
+    comm.py        data parallelism: MPI (mpi4py) on the host, NCCL on GPUs
+    logger.py      llm.c's main.log
+    check.py       check_tensor and the one table of tolerances
+    cli.py         the shared flags and the loop around the training step (validate, eval,
+                   sample, checkpoint, print)
+    cuda.py        CuPy plumbing: lazy import, NVRTC options, kernel cache, launch, argument
+                   checks, cuBLAS
+    mfu.py         model FLOPs utilization
+
+Files are byte-compatible with llm.c's (shared/docs/file-formats.md).
+"""

@@ -1,0 +1,87 @@
+"""
+llmc/check.py: comparing tensors against a reference (tests, tests/check_gpt2.py, gpt2_cuda.py
+--check, dev/cuda), and the one table of tolerances every such comparison uses.
+"""
+
+import numpy as np
+
+# ----------------------------------------------------------------------------
+# the tolerances: one table, each entry with how it was chosen
+#
+# (atol, rtol): a tensor passes when every element has |got - ref| <= atol' + rtol * |ref|, where
+# atol' = atol * max|ref| in the SCALED groups (so one entry serves gradients of 1e-6 and
+# activations of 10, and a tensor of tiny values cannot pass just by being tiny), and atol' = atol
+# in the others (kernel tests, whose inputs are ~N(0,1)).
+TOLERANCES = {
+    # gpt2_cpu fp32 vs the PyTorch twin (MKL) or a debug state (tests/check_gpt2.py, test_twin.py).
+    # Measured at the GPT-2 124M shape (d12), random init, B=4, T=64: max|diff|/max|ref| reached
+    # 1.1e-6 for the logits and up to 2.2e-6 for the gradients (wpe; most ~1e-6); the loss agreed
+    # to 1.2e-7 relative. About 10x that: room for longer sequences and other BLAS builds, and
+    # 50x tighter than one gradient element off by 1e-3 of max|ref| (test_twin.py checks that fails).
+    "reference_fp32": {"logits": (1e-5, 0.0), "loss": (0.0, 1e-5), "grad": (2e-5, 0.0)},
+    # gpt2_cpu fp64 vs the fp64 twin, from the same float32 draws: measured ~1e-15 on every tensor
+    # (small config); 1e-13 leaves 100x for summation order.
+    "reference_fp64": {"logits": (1e-13, 0.0), "loss": (0.0, 1e-13), "grad": (1e-13, 0.0)},
+    # ten fp32 AdamW steps, gpt2_cpu vs the twin (tests/test_twin.py): Adam divides by sqrt(v),
+    # which amplifies rounding differences in near-zero gradients; the losses agreed to 7e-7
+    # relative (2e-6 overfitting one batch at lr 1e-2), the grad norms to ~1e-6.
+    "reference_train": {"loss": (0.0, 2e-5), "norm": (0.0, 1e-5)},
+    # gpt2_cuda vs gpt2_cpu, every activation and gradient of one batch (--check). fp32: cuBLAS
+    # and warp reductions sum in another order than NumPy, a few float eps per op compounded over
+    # L layers. bf16: every stored tensor is rounded to 8 bits of mantissa (2^-9 relative), so
+    # activations carry ~1% and gradients several % of error; TF32 matmuls (10 bits) use bf16's.
+    # PROVISIONAL: not yet run on a GPU; to be tightened from the first GPU run's errors.
+    "cuda_fp32": {"activation": (1e-4, 1e-3), "statistic": (1e-4, 1e-3), "logits": (1e-4, 1e-3),
+                  "loss": (0.0, 1e-5), "grad": (1e-3, 1e-2)},
+    "cuda_bf16": {"activation": (3e-2, 5e-2), "statistic": (3e-2, 5e-2), "logits": (5e-2, 5e-2),
+                  "loss": (0.0, 1e-2), "grad": (1e-1, 1e-1)},
+    # one kernel vs its NumPy layer on inputs ~N(0,1), absolute atol (tests/test_cuda.py part 2).
+    # fp32: a few ulp of reordered fp32 sums (rows of <= 4C terms). bf16: every output rounded to
+    # bf16 (2^-9 = 2e-3 relative) after fp32 arithmetic on bf16 inputs, so 1e-2 relative with an
+    # atol for values near 0; sums over many rows (bias, dweight) get more. PROVISIONAL likewise.
+    "kernel_fp32": {"encoder_forward": (1e-6, 1e-6), "encoder_backward": (1e-5, 1e-5),
+                    "layernorm_forward": (1e-5, 1e-5), "layernorm_backward": (1e-4, 1e-4),
+                    "residual_forward": (1e-6, 1e-6), "gelu": (1e-5, 1e-5), "matmul": (1e-4, 1e-4),
+                    "attention": (1e-4, 1e-4), "classifier": (1e-5, 1e-5), "adamw": (1e-6, 1e-5),
+                    "global_norm": (0.0, 1e-5), "cast": (0.0, 0.0)},
+    "kernel_bf16": {"encoder_forward": (1e-2, 1e-2), "encoder_backward": (5e-2, 1e-2),
+                    "layernorm_forward": (2e-2, 1e-2), "layernorm_backward": (1e-1, 2e-2),
+                    "residual_forward": (1e-2, 1e-2), "gelu": (1e-2, 1e-2), "matmul": (1e-1, 2e-2),
+                    "attention": (5e-2, 2e-2), "classifier": (2e-2, 1e-2), "adamw": (1e-5, 1e-2),
+                    "global_norm": (0.0, 1e-3), "cast": (0.0, 0.0)},
+}
+SCALED = ("reference_fp32", "reference_fp64", "cuda_fp32", "cuda_bf16")   # atol is a fraction of max|ref|
+
+
+# ----------------------------------------------------------------------------
+# comparing
+
+def check_tensor(a, ref, label, atol, rtol, show=3, verbose=True):
+    """Compare array a with reference ref elementwise: ok where |a - ref| <= atol + rtol * |ref|
+    (numpy.isclose's rule) and nothing is NaN. Prints the first `show` pairs and a one-line verdict
+    `label: TENSOR OK, maxdiff=...` or `TENSOR NOT OK`; returns True/False."""
+    a = np.asarray(a, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if a.shape != ref.shape:
+        print(f"{label}: TENSOR NOT OK, shape {a.shape} != reference {ref.shape}")
+        return False
+    diff = np.abs(a - ref)
+    bad = ~(diff <= atol + rtol * np.abs(ref))          # NaN compares False, so NaN is bad
+    maxdiff = float(diff.max()) if diff.size else 0.0           # NaN if any NaN
+    rel = maxdiff / max(float(np.abs(ref).max()) if ref.size else 0.0, 1e-30)
+    ok = not bad.any()
+    if verbose:
+        flat_a, flat_r = a.ravel(), ref.ravel()
+        pairs = " ".join(f"{flat_a[i]:.6g}/{flat_r[i]:.6g}" for i in range(min(show, flat_a.size)))
+        verdict = "TENSOR OK" if ok else f"TENSOR NOT OK ({int(bad.sum())} of {bad.size} outside tolerance)"
+        print(f"{label}: {verdict}, maxdiff={maxdiff:.3e} (rel to max|ref| {rel:.3e}) | first: {pairs}")
+    return ok
+
+
+def check_against(a, ref, label, group, kind, verbose=True):
+    """check_tensor with the tolerance TOLERANCES[group][kind], its atol scaled by max|ref| when
+    the group is SCALED. Returns True/False."""
+    atol, rtol = TOLERANCES[group][kind]
+    if group in SCALED:
+        atol *= float(np.abs(np.asarray(ref, dtype=np.float64)).max()) if np.size(ref) else 0.0
+    return check_tensor(a, ref, label, atol, rtol, verbose=verbose)

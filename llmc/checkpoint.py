@@ -1,0 +1,147 @@
+"""
+llmc/checkpoint.py: checkpoints for resuming a run, in llm.c's files: per step a model file
+model_<step>.bin (llmc/formats.py), one training-state file per rank state_<step>_<rank>.bin
+(AdamW's moments, optional fp32 master weights, the step, the RNG states, the data loader's
+position), and, written last, an empty DONE_<step> marker. Every file is written under a
+temporary name and renamed, so a crash never leaves a checkpoint that looks complete, and a
+resume only ever reads a step that has its marker.
+
+Both trainers write and read the same files, so either one resumes the other's run.
+"""
+
+import glob
+import os
+
+import numpy as np
+
+from llmc.formats import make_header, read_exact, read_header, read_model_file, write_model_file
+from llmc.utils import InputError, atomic_write
+
+STATE_MAGIC = 20240527
+STATE_VERSION = 1
+# int32 header slots of the state file (shared/docs/file-formats.md)
+STATE_SLOT_NUM_PROCESSES = 2
+STATE_SLOT_RANK = 3
+STATE_SLOT_MASTER_WEIGHTS = 4          # 1 if fp32 master weights follow v
+STATE_SLOT_SHUFFLE = 5                 # 1 if the loader's permutation state follows
+STATE_SLOT_STEP = 10
+# uint64 fields: header.view("<u8")[k] covers int32 slots 2k and 2k+1
+STATE_U64_SAMPLE_RNG = 10              # slots 20-21: the sampler's xorshift state
+STATE_U64_RNG_LAST_UPDATE = 11         # slots 22-23: the stochastic-rounding RNG at the last update
+STATE_U64_SHARD = 15                   # slots 30-31: the loader's current shard index
+STATE_U64_SAMPLE = 16                  # slots 32-33: the loader's sample index within the shard
+UINT64_MASK = (1 << 64) - 1            # the loader's 128-bit PCG64 state is stored as two uint64
+
+
+def checkpoint_paths(out_dir, step, rank=0):
+    """(model, state, DONE-marker) file paths of the checkpoint at `step`, llm.c's names."""
+    return (os.path.join(out_dir, f"model_{step:08d}.bin"),
+            os.path.join(out_dir, f"state_{step:08d}_{rank:05d}.bin"),
+            os.path.join(out_dir, f"DONE_{step:08d}"))
+
+
+def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rng_state,
+                rng_state_last_update=0, master_weights=None):
+    """Write the training-state file atomically: the header, fp32 AdamW m and v (flat), optional
+    fp32 master weights, then, if the loader shuffles, its permutation state: as in llm.c, uint64
+    shard count, int32 shard order, uint64 sample count, int32 sample order; then, where llm.c
+    puts its Mersenne-Twister state, ours: the PCG64 state as 4 uint64 (state hi/lo, inc hi/lo)."""
+    ls = loader.state()
+    header = make_header(STATE_MAGIC, STATE_VERSION, {
+        STATE_SLOT_NUM_PROCESSES: num_processes, STATE_SLOT_RANK: process_rank,
+        STATE_SLOT_MASTER_WEIGHTS: int(master_weights is not None), STATE_SLOT_SHUFFLE: int(loader.shuffle),
+        STATE_SLOT_STEP: step})
+    as_u64 = header.view("<u8")
+    as_u64[STATE_U64_SAMPLE_RNG] = sample_rng_state
+    as_u64[STATE_U64_RNG_LAST_UPDATE] = rng_state_last_update
+    as_u64[STATE_U64_SHARD] = ls["shard"]
+    as_u64[STATE_U64_SAMPLE] = ls["sample"]
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(np.asarray(m, "<f4").tobytes())
+        f.write(np.asarray(v, "<f4").tobytes())
+        if master_weights is not None:
+            f.write(np.asarray(master_weights, "<f4").tobytes())
+        if loader.shuffle:
+            f.write(np.asarray([ls["shard_order"].size], "<u8").tobytes())
+            f.write(np.asarray(ls["shard_order"], "<i4").tobytes())
+            f.write(np.asarray([ls["sample_order"].size], "<u8").tobytes())
+            f.write(np.asarray(ls["sample_order"], "<i4").tobytes())
+            st = ls["rng"]["state"]
+            words = [st["state"] >> 64, st["state"] & UINT64_MASK, st["inc"] >> 64, st["inc"] & UINT64_MASK]
+            f.write(np.asarray(words, "<u8").tobytes())
+    atomic_write(path, write)
+
+
+def read_state(path, num_parameters, process_rank, num_processes):
+    """Read a training-state file. Returns a dict: step, sample_rng_state, rng_state_last_update,
+    m, v, master_weights (or None), loader (position dict for DataLoader.restore), shuffle.
+    Raises InputError on a missing, corrupt or mismatched file."""
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such state file")
+    with open(path, "rb") as f:
+        h = read_header(f, path, STATE_MAGIC, (STATE_VERSION,), "training state")
+        if h[STATE_SLOT_NUM_PROCESSES] != num_processes or h[STATE_SLOT_RANK] != process_rank:
+            raise InputError(f"{path}: written by rank {h[STATE_SLOT_RANK]} of {h[STATE_SLOT_NUM_PROCESSES]} processes, "
+                             f"but this is rank {process_rank} of {num_processes}")
+        u64 = h.view("<u8")
+        out = {"step": int(h[STATE_SLOT_STEP]), "sample_rng_state": int(u64[STATE_U64_SAMPLE_RNG]),
+               "rng_state_last_update": int(u64[STATE_U64_RNG_LAST_UPDATE]), "shuffle": bool(h[STATE_SLOT_SHUFFLE])}
+        out["m"] = read_exact(f, path, num_parameters, "<f4", "AdamW m")
+        out["v"] = read_exact(f, path, num_parameters, "<f4", "AdamW v")
+        out["master_weights"] = (read_exact(f, path, num_parameters, "<f4", "master weights")
+                                 if h[STATE_SLOT_MASTER_WEIGHTS] else None)
+        loader = {"shard": int(u64[STATE_U64_SHARD]), "sample": int(u64[STATE_U64_SAMPLE])}
+        if h[STATE_SLOT_SHUFFLE]:
+            ns = int(read_exact(f, path, 1, "<u8", "shard count")[0])
+            loader["shard_order"] = read_exact(f, path, ns, "<i4", "shard order")
+            nb = int(read_exact(f, path, 1, "<u8", "sample count")[0])
+            loader["sample_order"] = read_exact(f, path, nb, "<i4", "sample order")
+            w = [int(x) for x in read_exact(f, path, 4, "<u8", "shuffle RNG state")]
+            loader["rng"] = {"bit_generator": "PCG64", "state": {"state": (w[0] << 64) | w[1], "inc": (w[2] << 64) | w[3]},
+                             "has_uint32": 0, "uinteger": 0}
+        if f.read(1):
+            raise InputError(f"{path}: trailing bytes: the state file does not match a model of {num_parameters} parameters")
+    if not (np.isfinite(out["m"]).all() and np.isfinite(out["v"]).all() and (out["v"] >= 0).all()):
+        raise InputError(f"{path}: corrupt state file: AdamW moments are not finite")
+    out["loader"] = loader
+    return out
+
+
+def latest_checkpoint_step(out_dir):
+    """The largest step with a DONE_<step> marker in out_dir, or None."""
+    steps = [int(os.path.basename(p)[5:]) for p in glob.glob(os.path.join(glob.escape(out_dir), "DONE_*"))
+             if os.path.basename(p)[5:].isdigit()]
+    return max(steps) if steps else None
+
+
+def save_checkpoint(out_dir, step, config, params, m, v, loader, sample_rng_state, process_rank=0,
+                    num_processes=1, master_weights=None, rng_state_last_update=0):
+    """Write model_<step>.bin (fp32 params, rank 0 only) and state_<step>_<rank>.bin from host
+    arrays (params, m, v, master_weights: flat fp32). Returns the DONE_<step> path, which the
+    caller writes last with write_done_marker, after a barrier when there are several ranks."""
+    model_path, state_path, done_path = checkpoint_paths(out_dir, step, process_rank)
+    if process_rank == 0:
+        write_model_file(model_path, config, params)
+    write_state(state_path, step, process_rank, num_processes, m, v, loader, sample_rng_state,
+                rng_state_last_update, master_weights)
+    return done_path
+
+
+def write_done_marker(done_path):
+    """Write the empty DONE_<step> file that marks a checkpoint complete (always last)."""
+    atomic_write(done_path, lambda f: None)
+
+
+def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_of):
+    """Read the checkpoint of `step` in out_dir for this rank. num_parameters_of(shape) as in
+    llmc.formats.read_model_file. Returns read_state's dict plus "shape" (the model file's
+    shape dict), "params" (fp32: the master weights when the state has them, which are the
+    exact values the run had, else the model file's) and "state_path". Raises InputError."""
+    model_path, state_path, _ = checkpoint_paths(out_dir, step, process_rank)
+    shape, params = read_model_file(model_path, num_parameters_of)
+    st = read_state(state_path, params.size, process_rank, num_processes)
+    st["shape"], st["state_path"] = shape, state_path
+    st["params"] = st["master_weights"] if st["master_weights"] is not None else params
+    return st

@@ -1,0 +1,63 @@
+"""
+llmc/comm.py: data parallelism (llm.c's llmc/zero.cuh and the MPI parts of train_gpt2.cu).
+Comm is MPI through mpi4py (rank, world size, averages of host values, barriers), imported only
+under mpiexec; NcclComm all-reduces device arrays with NCCL (cupy.cuda.nccl), one GPU per rank.
+"""
+
+import os
+
+import numpy as np
+
+class Comm:
+    """Rank, world size and averaging across processes. Without mpiexec (no PMI_SIZE /
+    OMPI_COMM_WORLD_SIZE in the environment) this is a single process and mpi4py is not imported."""
+
+    def __init__(self):
+        size = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+        self.comm = None
+        self.rank, self.size = 0, 1
+        if size > 1:
+            from mpi4py import MPI
+            self.MPI = MPI
+            self.comm = MPI.COMM_WORLD
+            self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def mean_(self, arr):
+        """In-place mean of a numpy array across all processes."""
+        if self.comm is not None:
+            self.comm.Allreduce(self.MPI.IN_PLACE, arr, op=self.MPI.SUM)
+            arr /= self.size
+        return arr
+
+    def sum(self, x):
+        """Sum of a Python float across all processes."""
+        return self.mean(x) * self.size
+
+    def mean(self, x):
+        """Mean of a Python float across all processes."""
+        return float(self.mean_(np.array([x], dtype=np.float64))[0])
+
+    def barrier(self):
+        """Wait until every process gets here (a no-op without MPI)."""
+        if self.comm is not None:
+            self.comm.Barrier()
+
+
+class NcclComm:
+    """All-reduce (mean) of device arrays across the processes of `comm` (a Comm), one GPU
+    each: rank 0 makes the NCCL unique id, MPI broadcasts it, every rank joins the communicator."""
+
+    def __init__(self, comm):
+        from cupy.cuda import nccl
+        self.nccl = nccl
+        uid = nccl.get_unique_id() if comm.rank == 0 else None
+        uid = comm.comm.bcast(uid, root=0)
+        self.communicator = nccl.NcclCommunicator(comm.size, uid, comm.rank)
+
+    def mean_(self, arr):
+        """In place: arr = mean of arr over all ranks (NCCL_AVG), on the current stream."""
+        import cupy
+        dtype = {np.dtype(np.uint16): self.nccl.NCCL_BFLOAT16,
+                 np.dtype(np.float32): self.nccl.NCCL_FLOAT32}[np.dtype(arr.dtype)]
+        self.communicator.allReduce(arr.data.ptr, arr.data.ptr, arr.size, dtype, self.nccl.NCCL_AVG,
+                                    cupy.cuda.get_current_stream().ptr)

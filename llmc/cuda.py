@@ -1,0 +1,296 @@
+"""
+llmc/cuda.py: the CuPy plumbing under gpt2_cuda.py (llm.c's llmc/cuda_common.h, cublas_common.h):
+CuPy imported lazily, NVRTC options, each kernels/<file>.cu compiled once per process and
+precision, the launch helper, the checks every launcher makes on its arguments, launch grids,
+the cuBLAS GEMM (a library call) and binding a process to its GPU.
+
+CuPy has no bfloat16 dtype, so bf16 tensors live in CuPy as uint16 arrays holding the raw bit
+patterns ("floatX" is uint16 in bf16 and float32 in fp32); only the kernels and cuBLAS see them as
+__nv_bfloat16. Nothing here imports CuPy until it is called, so the host logic imports without it.
+"""
+
+import hashlib
+import os
+
+import numpy as np
+
+KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+PRECISIONS = ("bf16", "fp32")
+PRECISION_DEFINES = {"bf16": "-DENABLE_BF16", "fp32": "-DENABLE_FP32"}
+FLOATX_DTYPES = {"bf16": np.dtype(np.uint16), "fp32": np.dtype(np.float32)}
+FLOATX_PRECISION = {np.dtype(np.uint16): "bf16", np.dtype(np.float32): "fp32"}
+VECTOR_BYTES = 16                      # kernels/common.cuh Packed128: one 128-bit load or store
+CUDA_HEADER = "cuda_bf16.h"            # the one CUDA header the kernels include (via common.cuh)
+CXX_STANDARD = "--std=c++17"           # `if constexpr` in common.cuh
+
+WARP_SIZE = 32
+BLOCK_SIZE = 256                       # elementwise and grid-stride kernels
+WARP_ROW_BLOCK_SIZE = 256              # warp-per-row kernels (LayerNorm, softmax): 8 rows per block
+MAX_THREADS_PER_BLOCK = 1024
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernels/*.cu file; the message names the file and carries NVRTC's log."""
+
+
+def ceil_div(a, b):
+    """Smallest integer >= a / b, for positive ints (grid sizes)."""
+    return -(-a // b)
+
+
+def vector_size(precision):
+    """Elements per 16-byte vector (x128::size in kernels/common.cuh): 8 bf16 or 4 floats."""
+    return VECTOR_BYTES // FLOATX_DTYPES[precision].itemsize
+
+
+# ----------------------------------------------------------------------------
+# CuPy, imported lazily
+
+def cuda_unavailable_reason():
+    """None if CuPy imports and sees a CUDA device, else a short reason (for the one-line exit)."""
+    try:
+        import cupy
+    except Exception as e:                 # ImportError, or a CUDA library that fails to load
+        return f"CuPy is not importable: {type(e).__name__}: {e}".splitlines()[0]
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:                 # no driver, driver too old, no device
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None if count > 0 else "the CUDA runtime reports 0 devices"
+
+
+def cupy():
+    """The cupy module (imported on first use). Tests replace this function with a NumPy stand-in."""
+    import cupy as cp
+    return cp
+
+
+def address(arr):
+    """Device (CuPy) or host (NumPy) address of an array's first element."""
+    return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+
+
+def select_device(comm):
+    """Bind this process to one GPU: its local rank (MPI launchers set it) modulo the GPU count.
+    Returns (device index, device name, compute capability as an int, e.g. 90)."""
+    cp = cupy()
+    local = (os.environ.get("MPI_LOCALRANKID") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
+             or os.environ.get("PMI_LOCAL_RANK") or comm.rank)
+    device = int(local) % cp.cuda.runtime.getDeviceCount()
+    cp.cuda.Device(device).use()
+    props = cp.cuda.runtime.getDeviceProperties(device)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return device, name, props["major"] * 10 + props["minor"]
+
+
+# ----------------------------------------------------------------------------
+# kernel modules: each kernels/<file>.cu compiled once per process per precision
+
+_MODULES = {}      # (file, precision) -> cupy.RawModule, compiled
+_FUNCTIONS = {}    # (file, precision, kernel name) -> cupy.RawKernel
+
+
+def cuda_include_dirs():
+    """Candidate directories for the CUDA headers, in order: the pip CUDA runtime
+    (nvidia-cuda-runtime-cu12/13, via cuda.pathfinder where installed, else the `nvidia` namespace
+    package), then $CUDA_PATH/include, $CUDA_HOME/include, /usr/local/cuda/include."""
+    dirs = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            dirs.append(found)
+    except Exception:                      # cuda.pathfinder missing or too old: look ourselves
+        pass
+    try:
+        import nvidia
+        dirs += [os.path.join(d, "cuda_runtime", "include") for d in getattr(nvidia, "__path__", [])]
+    except ImportError:
+        pass
+    dirs += [os.path.join(root, "include") for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"),
+                                                        "/usr/local/cuda") if root]
+    return list(dict.fromkeys(dirs))       # unique, in order
+
+
+def cuda_include_dir():
+    """The first of cuda_include_dirs() that holds cuda_bf16.h. Raises KernelCompileError (saying
+    where it looked and what to install) when none does."""
+    candidates = cuda_include_dirs()
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, CUDA_HEADER)):
+            return d
+    raise KernelCompileError(f"{CUDA_HEADER} not found (looked in {', '.join(candidates)}): "
+                             "pip install nvidia-cuda-runtime-cu12")
+
+
+def common_header_digest():
+    """First 16 hex digits of the SHA-256 of kernels/common.cuh."""
+    with open(os.path.join(KERNELS_DIR, "common.cuh"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def kernel_compile_options(precision):
+    """NVRTC options for kernels/*.cu in `precision` ("bf16" or "fp32"), without -arch (CuPy adds
+    it for the current device). The one source of these options: cupy.RawModule gets this tuple,
+    and dev/cuda/nvrtc_compile.py imports this function, so the CI compile check compiles exactly
+    what runs (and CuPy's on-disk cache serves both). C++17, the floatX define, the kernels
+    directory (for common.cuh), the CUDA headers (cuda_bf16.h), and an unused macro holding
+    common.cuh's digest, because CuPy keys its cache on the source text and the options, not on
+    included headers: without it an edit of common.cuh would keep serving stale kernels.
+    Raises ValueError for an unknown precision, KernelCompileError without the CUDA headers."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    return (CXX_STANDARD, PRECISION_DEFINES[precision], f"-I{KERNELS_DIR}", f"-I{cuda_include_dir()}",
+            f"-DCOMMON_CUH_DIGEST=sha256_{common_header_digest()}")
+
+
+def load_module(file, precision):
+    """kernels/<file>.cu compiled for `precision`, once per process (CuPy also caches the binary
+    on disk). Raises KernelCompileError naming the file, with NVRTC's log."""
+    key = (file, precision)
+    if key not in _MODULES:
+        cp = cupy()
+        path = os.path.join(KERNELS_DIR, f"{file}.cu")
+        with open(path) as f:
+            code = f.read()
+        module = cp.RawModule(code=code, options=kernel_compile_options(precision))
+        try:
+            module.compile()               # RawModule compiles lazily; do it here, once
+        except cp.cuda.compiler.CompileException as e:
+            raise KernelCompileError(f"{path}: NVRTC failed to compile it with {PRECISION_DEFINES[precision]}:\n"
+                                     f"{e.get_message()}") from None
+        _MODULES[key] = module
+    return _MODULES[key]
+
+
+def load_modules(files, precision):
+    """Compile (or fetch from CuPy's disk cache) every kernel file before training starts, so that
+    a compile error surfaces at once and the first step's time does not include NVRTC."""
+    for file in files:
+        load_module(file, precision)
+
+
+def launch(file, precision, name, grid, block, args):
+    """Launch kernel `name` of kernels/<file>.cu. grid: int or (x, y); block: threads; args: CuPy
+    arrays and NumPy scalars typed exactly as the C signature (np.int32, np.float32, np.uint64,
+    ...), since CuPy does not check them against it."""
+    key = (file, precision, name)
+    if key not in _FUNCTIONS:
+        _FUNCTIONS[key] = load_module(file, precision).get_function(name)
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    _FUNCTIONS[key](grid, (block,), args)
+
+
+# ----------------------------------------------------------------------------
+# launch grids and argument checks
+
+def elementwise_grid(n, block_size=BLOCK_SIZE):
+    """Blocks for a grid-stride kernel over n work items: one item per thread, at least 1 block."""
+    return max(1, ceil_div(n, block_size))
+
+
+def warp_row_grid(num_rows, block_size=WARP_ROW_BLOCK_SIZE):
+    """Blocks for a warp-per-row kernel: block_size // 32 rows per block."""
+    return max(1, ceil_div(num_rows, block_size // WARP_SIZE))
+
+
+def precision_of(arr):
+    """'bf16' or 'fp32' from a floatX array's dtype (uint16 bits or float32). Raises TypeError."""
+    try:
+        return FLOATX_PRECISION[np.dtype(arr.dtype)]
+    except KeyError:
+        raise TypeError(f"floatX arrays are uint16 (bf16 bits) or float32, not {arr.dtype}") from None
+
+
+def check_array(arr, dtype, size, name, aligned=True):
+    """Raise unless arr has `dtype`, is C-contiguous, holds exactly `size` elements and (for
+    kernels with 16-byte vector loads) starts 16-byte aligned."""
+    if np.dtype(arr.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype).name}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+    if arr.size != size:
+        raise ValueError(f"{name}: has {arr.size} elements, expected {size}")
+    if aligned and address(arr) % VECTOR_BYTES:
+        raise ValueError(f"{name}: not {VECTOR_BYTES}-byte aligned (address {address(arr):#x})")
+
+
+def require(condition, message):
+    """Raise ValueError(message) unless condition holds."""
+    if not condition:
+        raise ValueError(message)
+
+
+def check_launch(kernel, floatX, float32=(), int32=(), vector_dim=None, aligned=None, unaligned=()):
+    """The checks every launcher makes, in one call. floatX, float32, int32: (name, array, size)
+    for each argument of that type; the floatX arrays share one precision, which is returned.
+    vector_dim: (name, value) of the dimension the kernel reads in 16-byte vectors, which must
+    then be a multiple of the vector size. aligned (default: whether there is a vector_dim): every
+    floatX array not named in `unaligned` must start 16-byte aligned, for the kernel's vector
+    loads. Raises TypeError or ValueError naming the kernel and the argument."""
+    precision = precision_of(floatX[0][1])
+    X, vec = FLOATX_DTYPES[precision], vector_size(precision)
+    if vector_dim is not None:
+        require(vector_dim[1] % vec == 0, f"{kernel}: {vector_dim[0]}={vector_dim[1]} must be a multiple of {vec}")
+    aligned = vector_dim is not None if aligned is None else aligned
+    for name, arr, size in floatX:
+        check_array(arr, X, size, f"{kernel}: {name}", aligned=aligned and name not in unaligned)
+    for name, arr, size in float32:
+        check_array(arr, np.float32, size, f"{kernel}: {name}", aligned=False)
+    for name, arr, size in int32:
+        check_array(arr, np.int32, size, f"{kernel}: {name}", aligned=False)
+    return precision
+
+
+# ----------------------------------------------------------------------------
+# cuBLAS (library call) on raw pointers
+#
+# cuBLAS is column-major; our tensors are row-major. A row-major (R, K) matrix is, byte for byte,
+# the column-major (K, R) matrix with leading dimension K: its transpose. So every row-major
+# product out = X @ Y is computed as the column-major product out^T = Y^T X^T, where each ^T
+# costs nothing (it is how cuBLAS reads our memory) and an explicit op T undoes a transpose.
+# gpt2_cuda.py works out each call's transposes next to it.
+
+# cuBLAS / CUDA library enums (cublas_api.h, library_types.h); tests/test_cuda.py checks them
+# against CuPy's copies
+CUBLAS_OP_N = 0                        # use the matrix as stored
+CUBLAS_OP_T = 1                        # use its transpose
+CUDA_R_32F = 0                         # cudaDataType_t: float
+CUDA_R_16BF = 14                       # cudaDataType_t: __nv_bfloat16
+CUBLAS_COMPUTE_32F = 68                # fp32 accumulation (bf16 inputs still use tensor cores)
+CUBLAS_COMPUTE_32F_FAST_TF32 = 77      # fp32 inputs rounded to TF32 for tensor cores
+CUBLAS_GEMM_DEFAULT = -1               # let cuBLAS pick the algorithm
+CUBLAS_POINTER_MODE_HOST = 0           # alpha and beta are read from host memory
+CUBLAS_DATA_TYPES = {"bf16": CUDA_R_16BF, "fp32": CUDA_R_32F}
+# TF32 is a process-wide choice, like llm.c's global cublas_compute (set by the trainer from -f)
+MATMUL_OPTIONS = {"tf32": False}
+
+
+def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,
+         batch=1, stride_a=0, stride_b=0, stride_c=0):
+    """Library call: C (m,n) = op(A) (m,k) @ op(B) (k,n) [+ C], column-major, one or `batch`
+    strided products. A, B, C are floatX CuPy arrays whose first elements start the matrices; all
+    three have the same precision; fp32 accumulation (CUBLAS_COMPUTE_32F, or TF32 inputs when
+    MATMUL_OPTIONS["tf32"] is set in fp32 mode). alpha = 1, beta = 1 if accumulate else 0, both
+    host floats (pointer mode host)."""
+    cp = cupy()
+    from cupy_backends.cuda.libs import cublas
+    precision = precision_of(C)
+    for arr, name in ((A, "A"), (B, "B")):
+        if precision_of(arr) != precision:
+            raise TypeError(f"gemm: {name} is {arr.dtype} but C is {C.dtype}")
+    data_type = CUBLAS_DATA_TYPES[precision]
+    compute = CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "fp32" and MATMUL_OPTIONS["tf32"] else CUBLAS_COMPUTE_32F
+    alpha = np.ones(1, np.float32)
+    beta = np.full(1, 1.0 if accumulate else 0.0, np.float32)
+    handle = cp.cuda.device.get_cublas_handle()     # CuPy binds it to the current stream per call
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    if batch == 1:
+        cublas.gemmEx(handle, transa, transb, m, n, k, alpha.ctypes.data,
+                      A.data.ptr, data_type, lda, B.data.ptr, data_type, ldb,
+                      beta.ctypes.data, C.data.ptr, data_type, ldc, compute, CUBLAS_GEMM_DEFAULT)
+    else:
+        cublas.gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha.ctypes.data,
+                                    A.data.ptr, data_type, lda, stride_a, B.data.ptr, data_type, ldb, stride_b,
+                                    beta.ctypes.data, C.data.ptr, data_type, ldc, stride_c,
+                                    batch, compute, CUBLAS_GEMM_DEFAULT)

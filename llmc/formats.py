@@ -1,0 +1,220 @@
+"""
+llmc/formats.py: llm.c's binary files (shared/docs/file-formats.md), byte for byte.
+
+Every file opens with a header of 256 little-endian int32: slot 0 the magic number, slot 1 the
+version, the rest per format (named below, never bare indices). Then the payload:
+    model checkpoint   the parameters in the order of the model's parameter table, fp32 or bf16
+    debug state        inputs, targets, logits, loss and every gradient of one batch (test vectors)
+    token shard        uint16 token ids
+The tokenizer file lives in llmc/tokenizer.py, the multiple-choice eval file in
+llmc/evalloader.py and the training-state file in llmc/checkpoint.py; they use the helpers here.
+
+This module knows nothing of GPT-2's parameter table: the model file's readers take the number
+of parameters (or the table) from the caller, so the dependency runs from the trainers to here.
+"""
+
+import math
+import os
+
+import numpy as np
+
+from llmc.utils import InputError, atomic_write
+
+HEADER_INTS = 256                      # every file starts with 256 int32
+HEADER_BYTES = HEADER_INTS * 4
+SLOT_MAGIC, SLOT_VERSION = 0, 1        # the two slots every header shares
+
+MODEL_MAGIC = 20240326
+MODEL_VERSION_FP32 = 3
+MODEL_VERSION_BF16 = 5
+# model header slots 2-7: the model's shape, in llm.c's order (GPT2Config's field names)
+MODEL_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5, "channels": 6,
+               "padded_vocab_size": 7}
+MODEL_DTYPES = {MODEL_VERSION_FP32: np.dtype("<f4"), MODEL_VERSION_BF16: np.dtype("<u2")}
+
+DEBUG_STATE_MAGIC = 20240327
+DEBUG_STATE_VERSION = 2
+DEBUG_SLOT_B, DEBUG_SLOT_T = 2, 3
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_SLOT_NUM_TOKENS = 2
+
+
+# ----------------------------------------------------------------------------
+# headers
+
+def read_header(f, path, magic, versions, what):
+    """Read and check a 256-int32 header from the open file f. Returns it as an int32 array.
+    Raises InputError naming the file on truncation, a bad magic or an unsupported version."""
+    raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES:
+        raise InputError(f"{path}: truncated {what} file: {len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype="<i4")
+    if header[SLOT_MAGIC] != magic:
+        raise InputError(f"{path}: bad magic number {header[SLOT_MAGIC]} (expected {magic}): not a {what} file")
+    if header[SLOT_VERSION] not in versions:
+        raise InputError(f"{path}: unsupported {what} version {header[SLOT_VERSION]} "
+                         f"(expected {' or '.join(map(str, versions))})")
+    return header
+
+
+def make_header(magic, version, values=None):
+    """A 256-int32 header: magic, version, `values` {slot: int}, every other slot 0."""
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[SLOT_MAGIC], header[SLOT_VERSION] = magic, version
+    for slot, value in (values or {}).items():
+        header[slot] = value
+    return header
+
+
+def read_exact(f, path, count, dtype, what):
+    """Read exactly `count` items of `dtype` from f, or raise InputError (truncated)."""
+    dtype = np.dtype(dtype)
+    raw = f.read(count * dtype.itemsize)
+    if len(raw) != count * dtype.itemsize:
+        raise InputError(f"{path}: truncated {what}: expected {count * dtype.itemsize} bytes, got {len(raw)}")
+    return np.frombuffer(raw, dtype=dtype).copy()
+
+
+# ----------------------------------------------------------------------------
+# bfloat16 bit patterns (NumPy has no bfloat16; the files and the CUDA side keep raw uint16 bits)
+
+BF16_QUIET_NAN = 0x7FC0
+BF16_ROUND_BIAS = 0x7FFF               # added before truncating: rounds to nearest, ties to even
+
+
+def float32_to_bfloat16_bits(x):
+    """Round float32 values to bfloat16, round-to-nearest-even, returned as uint16 bit patterns
+    (the same rounding as the kernels' __float2bfloat16_rn). NaN stays a quiet NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(BF16_ROUND_BIAS)      # ties go to the even mantissa
+    out = ((bits + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32).ravel()).reshape(bits.shape)
+    out[nan] = BF16_QUIET_NAN
+    return out
+
+
+def bfloat16_bits_to_float32(bits):
+    """uint16 bfloat16 bit patterns -> float32 (exact)."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+# ----------------------------------------------------------------------------
+# model checkpoint: header, then every parameter in table order (fp32 version 3, bf16 version 5)
+
+def read_model_file(path, num_parameters_of):
+    """Read a model checkpoint. num_parameters_of(shape) -> int gives the parameter count of a
+    model of `shape` (a dict with MODEL_SLOTS' keys, padded_vocab_size 0 in old files), so this
+    module needs no parameter table. Returns (shape dict, fp32 parameters (num_parameters,)).
+    The dimensions are checked for consistency and against the file's size before anything is
+    allocated. Raises InputError on a missing file, bad header, impossible shape or wrong size."""
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such model checkpoint")
+    with open(path, "rb") as f:
+        h = read_header(f, path, MODEL_MAGIC, tuple(MODEL_DTYPES), "model checkpoint")
+        shape = {name: int(h[slot]) for name, slot in MODEL_SLOTS.items()}
+        if min(v for k, v in shape.items() if k != "padded_vocab_size") <= 0 or shape["padded_vocab_size"] < 0 \
+                or shape["channels"] % shape["num_heads"] \
+                or 0 < shape["padded_vocab_size"] < shape["vocab_size"]:
+            raise InputError(f"{path}: impossible model header {shape}")
+        dtype = MODEL_DTYPES[int(h[SLOT_VERSION])]
+        n = num_parameters_of(shape)
+        payload = os.path.getsize(path) - HEADER_BYTES
+        if payload != n * dtype.itemsize:
+            problem = "truncated" if payload < n * dtype.itemsize else "trailing bytes after the parameters"
+            raise InputError(f"{path}: {problem}: the header's model has {n:,} parameters "
+                             f"({n * dtype.itemsize:,} bytes), the file holds {payload:,} bytes after the header")
+        data = read_exact(f, path, n, dtype, "parameters")
+    params = bfloat16_bits_to_float32(data) if dtype == MODEL_DTYPES[MODEL_VERSION_BF16] else data.astype(np.float32)
+    return shape, params
+
+
+def write_model_file(path, config, params, dtype="float32"):
+    """Write a model checkpoint atomically. config: any object with MODEL_SLOTS' attributes;
+    params: the flat fp32 parameters; dtype "float32" (version 3) or "bfloat16" (version 5,
+    rounded to nearest even). Raises ValueError for another dtype."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
+    version = MODEL_VERSION_FP32 if dtype == "float32" else MODEL_VERSION_BF16
+    params = np.asarray(params, dtype=np.float32)
+    data = params.astype("<f4") if dtype == "float32" else float32_to_bfloat16_bits(params).astype("<u2")
+    header = make_header(MODEL_MAGIC, version, {slot: getattr(config, name) for name, slot in MODEL_SLOTS.items()})
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(data.tobytes())
+    atomic_write(path, write)
+
+
+# ----------------------------------------------------------------------------
+# debug state: llm.c's test vectors for one batch
+
+def write_debug_state(path, x, y, logits, loss, grads):
+    """Write llm.c's debug-state test vectors: x, y (B,T) int32; logits (B,T,V) fp32 (unpadded);
+    loss (scalar); grads: the parameter gradients in table order (wte's padded to Vp)."""
+    B, T = np.shape(x)
+
+    def write(f):
+        f.write(make_header(DEBUG_STATE_MAGIC, DEBUG_STATE_VERSION, {DEBUG_SLOT_B: B, DEBUG_SLOT_T: T}).tobytes())
+        for arr, dtype in ((x, "<i4"), (y, "<i4"), (logits, "<f4"), ([loss], "<f4")):
+            f.write(np.asarray(arr, dtype).tobytes())
+        for g in grads:
+            f.write(np.asarray(g, "<f4").tobytes())
+    atomic_write(path, write)
+
+
+def read_debug_state(path, vocab_size, param_shapes):
+    """Read a debug-state file for a model with vocab_size V and parameter table param_shapes
+    (list of (name, shape)). Returns a dict with x, y (B,T) int32, logits (B,T,V), loss (float),
+    grads {name: array of that shape}. Raises InputError on a bad or mismatched file."""
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such debug-state file")
+    with open(path, "rb") as f:
+        h = read_header(f, path, DEBUG_STATE_MAGIC, (DEBUG_STATE_VERSION,), "debug state")
+        B, T = int(h[DEBUG_SLOT_B]), int(h[DEBUG_SLOT_T])
+        x = read_exact(f, path, B * T, "<i4", "inputs").reshape(B, T)
+        y = read_exact(f, path, B * T, "<i4", "targets").reshape(B, T)
+        logits = read_exact(f, path, B * T * vocab_size, "<f4", "logits").reshape(B, T, vocab_size)
+        loss = float(read_exact(f, path, 1, "<f4", "loss")[0])
+        grads = {name: read_exact(f, path, math.prod(shape), "<f4", f"gradient {name}").reshape(shape)
+                 for name, shape in param_shapes}
+        if f.read(1):
+            raise InputError(f"{path}: trailing bytes: the debug state does not belong to this model")
+    return {"x": x, "y": y, "logits": logits, "loss": loss, "grads": grads}
+
+
+# ----------------------------------------------------------------------------
+# token shards: header, then uint16 token ids
+
+def write_shard(path, tokens):
+    """Write a token data shard atomically: header + uint16 tokens. Raises ValueError if a token
+    id does not fit in uint16."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
+        raise ValueError("token ids must fit in uint16")
+    header = make_header(SHARD_MAGIC, SHARD_VERSION, {SHARD_SLOT_NUM_TOKENS: tokens.size})
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    atomic_write(path, write)
+
+
+def read_shard(path):
+    """Memory-map a token shard's tokens (uint16, read-only) after checking its header and that
+    the file is exactly HEADER_BYTES + 2N bytes. Raises InputError naming the file."""
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such data shard")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise InputError(f"{path}: empty data shard")
+    with open(path, "rb") as f:
+        h = read_header(f, path, SHARD_MAGIC, (SHARD_VERSION,), "token shard")
+    n = int(h[SHARD_SLOT_NUM_TOKENS])
+    if size != HEADER_BYTES + 2 * n:
+        raise InputError(f"{path}: file is {size} bytes but its header says {n} tokens "
+                         f"({HEADER_BYTES + 2 * n} bytes): truncated or corrupt")
+    if n == 0:
+        raise InputError(f"{path}: data shard holds no tokens")
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
