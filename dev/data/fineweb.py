@@ -27,8 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
-from sharding import DEFAULT_CHUNKSIZE, load_hf_texts, report, write_shards  # noqa: E402
+from sharding import shard_flags, shard_hf_dataset  # noqa: E402
 
 FINEWEB_SHARD_SIZE = 10**8          # tokens per shard, as in llm.c (200 MB of uint16)
 DATASETS = {   # flag -> (Hugging Face dataset, subset, output directory, shard name)
@@ -41,26 +40,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Download FineWeb 10B (or FineWeb-Edu) and write GPT-2 token shards.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--edu", action="store_true", help="FineWeb-Edu instead of FineWeb")
-    p.add_argument("-s", "--shard-size", type=int, default=FINEWEB_SHARD_SIZE, help="tokens per shard")
-    p.add_argument("-o", "--output-dir", default=None, help="where the shards go; None: data/fineweb10B, or data/edu_fineweb10B with --edu")
-    p.add_argument("-w", "--workers", type=int, default=None, help="tokenizer processes; None: half the cores")
-    p.add_argument("--chunksize", type=int, default=DEFAULT_CHUNKSIZE, help="documents per worker task")
+    shard_flags(p, FINEWEB_SHARD_SIZE, "where the shards go; None: data/fineweb10B, or data/edu_fineweb10B with --edu")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     dataset, subset, dirname, name = DATASETS[args.edu]
-    output_dir = args.output_dir or os.path.join(DEFAULT_DATA_DIR, dirname)
-    try:
-        texts, num_docs = load_hf_texts(dataset, subset, split="train")
-        paths = write_shards(texts, output_dir, name, args.shard_size, num_workers=args.workers,
-                             chunksize=args.chunksize, total_docs=num_docs)
-    except (InputError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    report(paths)
-    return 0
+    return shard_hf_dataset(dataset, subset, args.output_dir or os.path.join(DEFAULT_DATA_DIR, dirname), name, args)
 
 
 if __name__ == "__main__":

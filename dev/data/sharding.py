@@ -201,3 +201,29 @@ def report(paths):
         print(f"{path}: {read_shard(path).size:,} tokens")
     if len(paths) == 1:
         print("warning: everything fit in the val shard; lower --shard-size to get train shards", file=sys.stderr)
+
+
+def shard_flags(parser, shard_size, output_help, output_default=None):
+    """The flags every Hugging Face dataset script takes: -s tokens per shard, -o output
+    directory, -w tokenizer processes, --chunksize."""
+    p = parser.add_argument
+    p("-s", "--shard-size", type=int, default=shard_size, help="tokens per shard")
+    p("-o", "--output-dir", default=output_default, help=output_help)
+    p("-w", "--workers", type=int, default=None, help="tokenizer processes; None: half the cores")
+    p("--chunksize", type=int, default=DEFAULT_CHUNKSIZE, help="documents per worker task")
+    return parser
+
+
+def shard_hf_dataset(dataset, subset, output_dir, name, args):
+    """Download a Hugging Face dataset's train split and write it as GPT-2 token shards named
+    `name` in output_dir, with shard_flags' settings. Returns the exit code: 0, or 1 with one
+    `error:` line on stderr."""
+    try:
+        texts, num_docs = load_hf_texts(dataset, subset, split="train")
+        paths = write_shards(texts, output_dir, name, args.shard_size, num_workers=args.workers,
+                             chunksize=args.chunksize, total_docs=num_docs)
+    except (InputError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    report(paths)
+    return 0

@@ -27,8 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
-from sharding import DEFAULT_CHUNKSIZE, load_hf_texts, report, write_shards  # noqa: E402
+from sharding import shard_flags, shard_hf_dataset  # noqa: E402
 
 TINYSTORIES_DATASET = "roneneldan/TinyStories"
 TINYSTORIES_SHARD_SIZE = 10**7      # tokens per shard: ~47 shards for the ~470M-token train split
@@ -38,24 +37,12 @@ TINYSTORIES_DIR = os.path.join(DEFAULT_DATA_DIR, "tinystories")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Download TinyStories and write GPT-2 token shards.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("-s", "--shard-size", type=int, default=TINYSTORIES_SHARD_SIZE, help="tokens per shard")
-    p.add_argument("-o", "--output-dir", default=TINYSTORIES_DIR, help="where the shards go")
-    p.add_argument("-w", "--workers", type=int, default=None, help="tokenizer processes; None: half the cores")
-    p.add_argument("--chunksize", type=int, default=DEFAULT_CHUNKSIZE, help="documents per worker task")
-    return p.parse_args(argv)
+    return shard_flags(p, TINYSTORIES_SHARD_SIZE, "where the shards go", TINYSTORIES_DIR).parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        texts, num_docs = load_hf_texts(TINYSTORIES_DATASET, split="train")
-        paths = write_shards(texts, args.output_dir, "tinystories", args.shard_size,
-                             num_workers=args.workers, chunksize=args.chunksize, total_docs=num_docs)
-    except (InputError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    report(paths)
-    return 0
+    return shard_hf_dataset(TINYSTORIES_DATASET, None, args.output_dir, "tinystories", args)
 
 
 if __name__ == "__main__":
