@@ -44,6 +44,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ import numpy as np
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import SAMPLE_SEED, TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt
 from llmc.comm import Comm
-from llmc.formats import read_model_file, write_model_file
+from llmc.formats import read_model_file, read_model_shape, write_model_file
 from llmc.utils import InputError
 
 # ----------------------------------------------------------------------------
@@ -525,6 +526,11 @@ def build_model(spec, seed):
     return read_model(spec) if is_checkpoint_path(spec) else gpt2_init(config_from_descriptor(spec), seed)
 
 
+def model_config(spec):
+    """The GPT2Config that -e names, without building the model (a checkpoint's header is read)."""
+    return config_from_header(read_model_shape(spec)) if is_checkpoint_path(spec) else config_from_descriptor(spec)
+
+
 # ----------------------------------------------------------------------------
 # AdamW
 
@@ -619,6 +625,8 @@ class SamplerRNG:
     MASK = (1 << 64) - 1
 
     def __init__(self, state=SAMPLE_SEED):
+        if state & self.MASK == 0:
+            raise ValueError("xorshift's state must be nonzero: from 0 it draws 0 forever")
         self.state = state & self.MASK
 
     def random_u32(self):
@@ -647,28 +655,163 @@ def sample_token(logits, V, rng, temperature=1.0, top_k=0):
     return int(min(np.searchsorted(cdf, coin, side="right"), V - 1))
 
 
-def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, on_token=None, forward=None):
-    """Autoregressive sampling. prompt: list of token ids (at least one). Runs the full forward
-    over a fixed window of min(maxT, len(prompt)+max_new_tokens) tokens each step (no KV cache:
-    causal attention makes the padding after position t irrelevant) and reads the logits at t-1.
-    forward(x (1,window) int32) -> logits (1,window,Vp) defaults to gpt2_forward on this model
-    (gpt2_cuda.py passes its own). Calls on_token(id) as each token is produced. Returns the new
-    token ids. Raises InputError if the prompt is empty or longer than max_seq_len."""
+# ----------------------------------------------------------------------------
+# sampler: a KV cache, so that each new token runs the model on its own row only
+#
+# Without a cache every new token reruns the whole forward over the window: O(window) rows
+# through every matmul and an O(window^2) attention, to read one row of logits. But a position's
+# key and value depend only on the tokens up to it (causal attention), so they never change once
+# computed: keep them, per layer, and run only the new token through the model, its one query
+# row attending to every cached key. Per token that is one row through each matmul plus an
+# O(window) attention. The classifier, the largest matmul of a small model, runs on the last
+# row only, as the sampler reads no other.
+
+@dataclass
+class KVCache:
+    """The keys and values of the positions run so far, per layer, for gpt2_forward_cached.
+    k, v (L,B,NH,maxT,HS); positions 0..length-1 are filled (the rest is scratch)."""
+    k: np.ndarray
+    v: np.ndarray
+    length: int = 0
+
+
+def kv_cache_shape(config, B):
+    """Shape of KVCache.k and .v: (L,B,NH,maxT,HS)."""
+    NH = config.num_heads
+    return (config.num_layers, B, NH, config.max_seq_len, config.channels // NH)
+
+
+def kv_cache_new(config, B, dtype=np.float32):
+    """An empty KVCache for B sequences of up to maxT positions."""
+    shape = kv_cache_shape(config, B)
+    return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype))
+
+
+def attention_forward_cached(qkv, k_cache, v_cache, pos, NH):
+    """attention_forward for T new positions pos..pos+T-1, the keys and values of the positions
+    before them cached. qkv (B,T,3C) of the new positions; k_cache, v_cache (B,NH,maxT,HS) with
+    positions 0..pos-1 filled -> out (B,T,C). Writes the new k, v at pos..pos+T-1, then each
+    query attends to the keys up to its own position. Decoding one token (T=1) is one query row
+    against every cached key, the newest one included: nothing to mask. A prefill (pos=0, the
+    whole context at once) masks as attention_forward does."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    HS = C // NH
+    q, k, v = _split_heads(qkv, NH)                           # each (B,NH,T,HS)
+    k_cache[:, :, pos:pos + T] = k
+    v_cache[:, :, pos:pos + T] = v
+    keys, values = k_cache[:, :, :pos + T], v_cache[:, :, :pos + T]  # (B,NH,pos+T,HS): every position so far
+    preatt = (q @ keys.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))  # (B,NH,T,HS) @ (B,NH,HS,pos+T) -> (B,NH,T,pos+T)
+    future = np.arange(pos + T)[None, :] > pos + np.arange(T)[:, None]  # (T,pos+T): key after the query
+    preatt[..., future] = -np.inf
+    preatt -= preatt.max(axis=-1, keepdims=True)              # a query's own key is never masked: max is finite
+    att = np.exp(preatt)
+    att /= att.sum(axis=-1, keepdims=True)
+    out = att @ values                                        # (B,NH,T,pos+T) @ (B,NH,pos+T,HS) -> (B,NH,T,HS)
+    return out.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+
+def gpt2_forward_cached(model, inputs, cache):
+    """gpt2_forward for the T tokens inputs (B,T) at positions cache.length..cache.length+T-1,
+    the earlier positions' keys and values read from `cache` (a KVCache), the new ones appended
+    to it. Returns the logits (B,Vp) of the last position only. The layers are gpt2_forward's,
+    but attention is attention_forward_cached and no activation is kept (no backward follows).
+    Raises InputError if the positions pass maxT or a token id is out of range."""
+    cfg = model.config
+    B, T = inputs.shape
+    L, NH, V = cfg.num_layers, cfg.num_heads, cfg.vocab_size
+    pos = cache.length
+    if pos + T > cfg.max_seq_len:
+        raise InputError(f"positions {pos}..{pos + T - 1} pass the model's max_seq_len {cfg.max_seq_len}")
+    if inputs.min() < 0 or inputs.max() >= V:
+        raise InputError(f"token id out of range [0, {V}): {inputs.min()}..{inputs.max()}")
+    P = model.P
+
+    residual = encoder_forward(inputs, P["wte"], P["wpe"][pos:])              # (B,T,C), positions pos..pos+T-1
+    for l in range(L):
+        p = layer_params(P, l)
+        # forward pass 1: attention block
+        ln1, _, _ = layernorm_forward(residual, p["ln1w"], p["ln1b"])
+        qkv = matmul_forward(ln1, p["qkvw"], p["qkvb"])                       # (B,T,3C)
+        atty = attention_forward_cached(qkv, cache.k[l], cache.v[l], pos, NH)  # (B,T,C)
+        attproj = matmul_forward(atty, p["attprojw"], p["attprojb"])
+        residual2 = residual_forward(residual, attproj)
+        # forward pass 2: MLP block
+        ln2, _, _ = layernorm_forward(residual2, p["ln2w"], p["ln2b"])
+        fch = matmul_forward(ln2, p["fcw"], p["fcb"])                         # (B,T,4C)
+        fch_gelu = gelu_forward(fch)
+        fcproj = matmul_forward(fch_gelu, p["fcprojw"], p["fcprojb"])         # (B,T,C)
+        residual = residual_forward(residual2, fcproj)                        # residual3: the next layer's input
+    # forward pass 3: final LayerNorm and the classifier tied to wte, for the last position only
+    lnf, _, _ = layernorm_forward(residual[:, T - 1:], P["lnfw"], P["lnfb"])  # (B,1,C)
+    logits = matmul_forward(lnf, P["wte"], None)                              # (B,1,C) @ (C,Vp) -> (B,1,Vp)
+    cache.length = pos + T
+    return logits[:, 0]                                                       # (B,Vp)
+
+
+@dataclass(frozen=True)
+class SamplingForward:
+    """The forward passes generate runs on one model, for one sequence (B=1):
+        full(x (1,window) int32) -> logits (1,window,Vp)   every position, no cache
+        cached(x (1,T) int32, cache) -> logits (1,Vp)      the last position; appends T positions to cache
+        new_cache() -> an empty cache for `cached`
+    Calling it runs `full`, so it also serves where a plain forward function is expected."""
+    full: Callable
+    cached: Callable
+    new_cache: Callable
+
+    def __call__(self, x):
+        return self.full(x)
+
+
+def sampling_forward(model):
+    """generate's forwards on this (NumPy) model: gpt2_forward and gpt2_forward_cached."""
+    return SamplingForward(full=lambda x: gpt2_forward(model, x),
+                           cached=lambda x, cache: gpt2_forward_cached(model, x, cache),
+                           new_cache=lambda: kv_cache_new(model.config, 1, model.params.dtype))
+
+
+def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, on_token=None, forward=None,
+             kv_cache=True):
+    """Autoregressive sampling. prompt: list of token ids (at least one). Each token is drawn by
+    sample_token from the logits of the last position of the context, the last maxT tokens at
+    most. Calls on_token(id) as each token is produced. Returns the new token ids. Raises
+    InputError if the prompt is empty or longer than max_seq_len.
+    forward: a SamplingForward (default sampling_forward(model); gpt2_cuda.py passes its own), or
+    a plain full forward x (1,window) int32 -> logits (1,window,Vp), which runs as kv_cache=False.
+    kv_cache=True: the prompt goes through forward.cached at once (the prefill), then each new
+    token alone, attending to the cached keys and values. When the context is full (more than
+    maxT tokens) it slides by one token per step, as without the cache; the kept tokens then all
+    sit one position earlier, and with absolute position embeddings (wpe) every cached key and
+    value changes: the cache cannot shift, so it is recomputed from the last maxT tokens (a
+    prefill, with the logits of one row) for each token from then on.
+    kv_cache=False: the full forward over a fixed window of min(maxT, len(prompt)+max_new_tokens)
+    tokens for every token (causal attention makes the padding after the context irrelevant),
+    the logits read at its last position: the reference the cache is tested against."""
     V, maxT = model.config.vocab_size, model.config.max_seq_len
     if not prompt:
         raise InputError("empty prompt: give at least one token")
     if len(prompt) > maxT:
         raise InputError(f"prompt of {len(prompt)} tokens is longer than max_seq_len {maxT}")
-    forward = forward or (lambda x: gpt2_forward(model, x))
+    forward = forward or sampling_forward(model)
+    use_cache = kv_cache and isinstance(forward, SamplingForward)
+    cache = forward.new_cache() if use_cache else None
     window = min(maxT, len(prompt) + max_new_tokens)
     tokens = list(prompt)
     out = []
     for _ in range(max_new_tokens):
         ctx = tokens[-window:]
-        x = np.zeros((1, window), dtype=np.int32)       # positions after the context: any valid id
-        x[0, :len(ctx)] = ctx
-        logits = forward(x)
-        nxt = sample_token(logits[0, len(ctx) - 1], V, rng, temperature, top_k)
+        if use_cache:
+            if cache.length in (0, maxT):               # the first token, or the context slid: (re)fill the cache
+                cache.length = 0
+                logits = forward.cached(np.array([ctx], dtype=np.int32), cache)[0]
+            else:                                       # the cache holds ctx[:-1]: run the newest token alone
+                logits = forward.cached(np.array([ctx[-1:]], dtype=np.int32), cache)[0]
+        else:
+            x = np.zeros((1, window), dtype=np.int32)   # positions after the context: any valid id
+            x[0, :len(ctx)] = ctx
+            logits = forward(x)[0, len(ctx) - 1]
+        nxt = sample_token(logits, V, rng, temperature, top_k)
         tokens.append(nxt)
         out.append(nxt)
         if on_token:
@@ -689,7 +832,9 @@ def train(args):
     if args.generate > 0:
         rng = SamplerRNG(args.sample_seed)
         return sample_from_prompt(args, lambda prompt, n, on_token: generate(
-            model, prompt, n, rng, args.temperature, args.top_k, on_token))
+            model, prompt, n, rng, args.temperature, args.top_k, on_token), model.config.max_seq_len)
+    if run.resuming:
+        run.check_resumed_model(model_config(args.model), model.config)
     run.prepare(model.config)
 
     def batch_loss(inputs, targets):                      # validation
@@ -705,21 +850,22 @@ def train(args):
         return model
     run.banner(model.config, model.num_parameters)
     sample_rng = SamplerRNG(args.sample_seed)
-    start_step = 0
+    start_step, outliers = 0, None
     if run.resuming:
         st = load_checkpoint(args.output_dir, run.resume_step, comm.rank, comm.size,
                              lambda shape: model.num_parameters)
         model.params[...], model.m, model.v = st["params"], st["m"], st["v"]
         run.train_loader.restore(st["loader"])
-        sample_rng.state, start_step = st["sample_rng_state"], st["step"]
+        sample_rng.state, start_step, outliers = st["sample_rng_state"], st["step"], st["outliers"]
         run.say(f"resumed from {st['state_path']} at step {start_step}")
-    run.start(start_step)
+    if not run.start(start_step, outliers):
+        return model
 
     def save(step):
         m = model.m if model.m is not None else np.zeros_like(model.params)
         v = model.v if model.v is not None else np.zeros_like(model.params)
         return save_checkpoint(args.output_dir, step, model.config, model.params, m, v, run.train_loader,
-                               sample_rng.state, comm.rank, comm.size)
+                               sample_rng.state, comm.rank, comm.size, outliers=run.outlier_state())
 
     for step in range(start_step, run.num_steps + 1):
         if run.between_steps(step, batch_loss, forward_losses,
@@ -739,11 +885,13 @@ def train(args):
         comm.mean_(model.grads)                           # data parallel: average over processes
         loss = comm.mean(loss)
         norm = gpt2_grad_norm(model)
+        skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
-        gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
-        run.log_step(step, loss, norm, lr, time.perf_counter() - t0)
+        if not skip:
+            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+        run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
     return model
 
 

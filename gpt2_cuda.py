@@ -42,8 +42,9 @@ import time
 import numpy as np
 
 import gpt2_cpu
-from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LR_SCHEDULES, SamplerRNG,
-                      build_model, generate, layer_params, learning_rate_at, num_elements, parameter_shapes, tensor_views)
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LR_SCHEDULES, KVCache, SamplerRNG,
+                      SamplingForward, build_model, generate, kv_cache_shape, layer_params, learning_rate_at,
+                      model_config, num_elements, parameter_shapes, tensor_views)
 from llmc import cuda
 from llmc.check import check_against
 from llmc.checkpoint import load_checkpoint, save_checkpoint
@@ -694,11 +695,17 @@ def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_s
 
 
 # ----------------------------------------------------------------------------
-# sampler: gpt2_cpu.generate (the same SamplerRNG and draws) with a forward pass on the GPU
+# sampler: gpt2_cpu.generate (the same SamplerRNG and draws) with forward passes on the GPU
 #
-# gpt2_cpu.generate runs forward(x) on a fixed window of min(maxT, len(prompt) + new tokens)
-# tokens and draws from one row of the logits: given a forward that runs this model, the CUDA
-# trainer samples exactly as the CPU one. train() allocates the (1, window) activations up front.
+# gpt2_cpu.generate draws each token from one row of logits, computed by the SamplingForward it
+# is given: given forwards that run this model, the CUDA trainer samples exactly as the CPU one.
+# Two forwards, as in gpt2_cpu: `full`, gpt2_forward on a fixed window of min(maxT, len(prompt) +
+# new tokens) tokens (train() allocates its (1, window) activations up front), and `cached`,
+# gpt2_forward_cached below, which runs only the new tokens against a KV cache (generate's
+# default). The cached forward is the sampler's, not the training hot path: it reuses the layer
+# launchers, but its attention is CuPy array operations (cuBLAS matmuls, CuPy's elementwise
+# kernels) in fp32 rather than a kernel of ours, and its few buffers come from CuPy's memory pool
+# per call (the KV cache, fp32 (L,1,NH,maxT,HS) keys and values, once per sample).
 
 class HostLogits:
     """The (B,T,Vp) logits of the last forward pass, left on the device; indexing copies just the
@@ -717,12 +724,99 @@ class HostLogits:
         return as_float32(self.logits.get()).astype(dtype or np.float32, copy=False)
 
 
+def kv_cache_new(config, B):
+    """An empty gpt2_cpu.KVCache on the device: k, v (L,B,NH,maxT,HS) fp32 in either precision
+    (attention_forward_cached computes in fp32; bf16 k, v convert to fp32 exactly)."""
+    cp = cuda.cupy()
+    shape = kv_cache_shape(config, B)
+    return KVCache(cp.zeros(shape, np.float32), cp.zeros(shape, np.float32))
+
+
+def attention_forward_cached(out, qkv, k_cache, v_cache, pos, B, T, C, NH):
+    """gpt2_cpu.attention_forward_cached on the device: out (B,T,C) floatX = the heads of
+    softmax(q k^T / sqrt(HS), causal) @ v for T new positions pos..pos+T-1, from qkv (B,T,3C)
+    floatX, their projection. k_cache, v_cache (B,NH,maxT,HS) fp32, positions 0..pos-1 filled,
+    get the new k, v at pos..pos+T-1. Library calls: CuPy array operations in fp32 between two
+    cast kernels (see the section's header for why)."""
+    cp = cuda.cupy()
+    HS, n = C // NH, pos + T
+    qkv32 = cp.zeros((B, T, 3, NH, HS), np.float32)
+    cast_floatX_to_float(qkv32.reshape(-1), qkv.reshape(-1), B * T * 3 * C)
+    q, k, v = (qkv32[:, :, i].transpose(0, 2, 1, 3) for i in range(3))       # each (B,NH,T,HS)
+    k_cache[:, :, pos:n] = k
+    v_cache[:, :, pos:n] = v
+    keys, values = k_cache[:, :, :n], v_cache[:, :, :n]                      # (B,NH,n,HS): every position so far
+    preatt = (q @ keys.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))        # (B,NH,T,HS) @ (B,NH,HS,n) -> (B,NH,T,n)
+    if T > 1:                                      # a prefill: mask the keys after each query (one row: none)
+        future = np.arange(n)[None, :] > pos + np.arange(T)[:, None]        # (T,n) on the host
+        mask = cp.zeros((T, n), np.float32)
+        mask.set(np.where(future, -np.inf, 0.0).astype(np.float32))
+        preatt += mask
+    preatt -= preatt.max(axis=-1, keepdims=True)   # a query's own key is never masked: max is finite
+    att = np.exp(preatt)                           # on the device: CuPy implements NumPy's ufunc protocol (NEP 13)
+    att /= att.sum(axis=-1, keepdims=True)
+    y = cp.zeros((B, T, NH, HS), np.float32)
+    y[...] = (att @ values).transpose(0, 2, 1, 3)  # (B,NH,T,n) @ (B,NH,n,HS) -> (B,NH,T,HS) -> (B,T,NH,HS)
+    cast_float_to_floatX(out.reshape(-1), y.reshape(-1), B * T * C)
+
+
+def gpt2_forward_cached(model, inputs, cache):
+    """gpt2_cpu.gpt2_forward_cached on the device: the T tokens inputs (B,T) (host ints) at
+    positions cache.length..cache.length+T-1 against the KV cache (kv_cache_new), which gets
+    their keys and values. Returns the logits (B,Vp) of the last position, float32 on the host.
+    The layers are gpt2_cpu's order with this file's launchers (residual_forward, then
+    layernorm_forward: the unfused pair, as gpt2_cpu writes them). Raises InputError if the
+    positions pass maxT or a token id is out of range."""
+    cp = cuda.cupy()
+    cfg = model.config
+    inputs = np.asarray(inputs)
+    B, T = inputs.shape
+    C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
+    pos = cache.length
+    if pos + T > cfg.max_seq_len:
+        raise InputError(f"positions {pos}..{pos + T - 1} pass the model's max_seq_len {cfg.max_seq_len}")
+    if inputs.min() < 0 or inputs.max() >= V:
+        raise InputError(f"token id out of range [0, {V}): {inputs.min()}..{inputs.max()}")
+    P, X, f32 = model.P, model.floatX, np.float32
+    tokens = cp.zeros((B, T), np.int32)
+    tokens.set(np.ascontiguousarray(inputs, dtype=np.int32))
+    residual, residual2, ln = cp.zeros((B, T, C), X), cp.zeros((B, T, C), X), cp.zeros((B, T, C), X)
+    mean, rstd = cp.zeros((B, T), f32), cp.zeros((B, T), f32)                # written, never read
+    qkv, atty, proj = cp.zeros((B, T, 3 * C), X), cp.zeros((B, T, C), X), cp.zeros((B, T, C), X)
+    fch, fch_gelu = cp.zeros((B, T, 4 * C), X), cp.zeros((B, T, 4 * C), X)
+
+    encoder_forward(residual, tokens, P["wte"], P["wpe"][pos:], B, T, C)     # (B,T,C), positions pos..pos+T-1
+    for l in range(L):
+        p = layer_params(P, l)
+        # forward pass 1: attention block
+        layernorm_forward(ln, mean, rstd, residual, p["ln1w"], p["ln1b"], B, T, C)
+        matmul_forward(qkv, ln, p["qkvw"], p["qkvb"], B, T, C, 3 * C)              # (B,T,3C)
+        attention_forward_cached(atty, qkv, cache.k[l], cache.v[l], pos, B, T, C, NH)
+        matmul_forward(proj, atty, p["attprojw"], p["attprojb"], B, T, C, C)        # attproj
+        residual_forward(residual2, residual, proj, B * T * C)
+        # forward pass 2: MLP block
+        layernorm_forward(ln, mean, rstd, residual2, p["ln2w"], p["ln2b"], B, T, C)
+        matmul_forward(fch, ln, p["fcw"], p["fcb"], B, T, C, 4 * C)                 # (B,T,4C)
+        gelu_forward(fch_gelu, fch, B * T * 4 * C)
+        matmul_forward(proj, fch_gelu, p["fcprojw"], p["fcprojb"], B, T, 4 * C, C)  # fcproj (B,T,C)
+        residual_forward(residual, residual2, proj, B * T * C)                      # residual3: the next layer's input
+    # forward pass 3: final LayerNorm and the classifier tied to wte, for the last position only
+    last, lnf = cp.zeros((B, 1, C), X), cp.zeros((B, 1, C), X)
+    last[...] = residual[:, T - 1:]                                                 # (B,1,C), contiguous
+    layernorm_forward(lnf, prefix(mean, (B, 1)), prefix(rstd, (B, 1)), last, P["lnfw"], P["lnfb"], B, 1, C)
+    logits = cp.zeros((B, 1, Vp), X)
+    matmul_forward(logits, lnf, P["wte"], None, B, 1, C, Vp)                        # (B,1,C) @ (C,Vp) -> (B,1,Vp)
+    cache.length = pos + T
+    return as_float32(logits.reshape(B, Vp).get())                                   # (B,Vp) to the host
+
+
 def sampling_forward(model):
-    """The forward for gpt2_cpu.generate / sample_from_prompt: x (1,window) int32 token ids on
-    the host -> HostLogits (1,window,Vp), from a forward pass of this model without targets."""
-    def forward(x):
-        return HostLogits(gpt2_forward(model, x))
-    return forward
+    """gpt2_cpu.generate's forwards on this model (a gpt2_cpu.SamplingForward), for token ids on
+    the host: full(x (1,window)) -> HostLogits (1,window,Vp) from gpt2_forward without targets;
+    cached(x (1,T), cache) -> logits (1,Vp) float32 on the host from gpt2_forward_cached."""
+    return SamplingForward(full=lambda x: HostLogits(gpt2_forward(model, x)),
+                           cached=lambda x, cache: gpt2_forward_cached(model, x, cache),
+                           new_cache=lambda: kv_cache_new(model.config, 1))
 
 
 # ----------------------------------------------------------------------------
@@ -788,7 +882,8 @@ def check_against_cpu(model, inputs, targets, cpu_dtype=np.float32, verbose=True
 # ----------------------------------------------------------------------------
 # checkpoints: llmc/checkpoint.py's files, so either trainer resumes the other's run
 
-def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, process_rank=0, num_processes=1):
+def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, process_rank=0, num_processes=1,
+                          outliers=None):
     """Write the checkpoint of `step` (llmc.checkpoint.save_checkpoint) from the device: fp32
     parameters (the master weights when there are some, which are also written to the state
     file so the exact fp32 values resume), AdamW's m and v, the stochastic-rounding RNG. Returns
@@ -796,13 +891,13 @@ def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, proces
     params = download_parameters(model)
     return save_checkpoint(out_dir, step, model.config, params, model.m.get(), model.v.get(), loader, sample_rng_state,
                            process_rank, num_processes, master_weights=params if model.master is not None else None,
-                           rng_state_last_update=model.rng_state_last_update)
+                           rng_state_last_update=model.rng_state_last_update, outliers=outliers)
 
 
 def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_processes):
     """Resume from the checkpoint of `step` in out_dir (written by either trainer): parameters,
     AdamW's m and v, the loader position, the stochastic-rounding RNG. Returns (step,
-    sample_rng_state, state_path). bf16 parameters are the master weights rounded to nearest: at
+    sample_rng_state, state_path, the outlier detectors' state or None). bf16 parameters are the master weights rounded to nearest: at
     most 1 bf16 ulp from the stochastically rounded values the run had (llm.c re-derives those
     with the last update's seed)."""
     st = load_checkpoint(out_dir, step, process_rank, num_processes, lambda shape: model.num_parameters)
@@ -812,7 +907,7 @@ def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_proces
     if st["rng_state_last_update"]:                   # 0 from gpt2_cpu: keep the initial seed
         model.update_rng.state = model.rng_state_last_update = st["rng_state_last_update"]
     loader.restore(st["loader"])
-    return st["step"], st["sample_rng_state"], st["state_path"]
+    return st["step"], st["sample_rng_state"], st["state_path"], st["outliers"]
 
 
 # ----------------------------------------------------------------------------
@@ -834,12 +929,32 @@ def build_parser(prog="gpt2_cuda.py"):
     a("-r", "--recompute", type=int, default=1, choices=(0, 1), help="1: recompute GELU in the backward (saves L-1 (B,T,4C) buffers)")
     a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
     a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
+    a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
     return p
 
 
 def parse_args(argv=None):
     """gpt2_cpu.py's flags plus the GPU options -> argparse.Namespace."""
     return build_parser().parse_args(argv)
+
+
+def gpu_status_line(device):
+    """-lg: one line of this GPU's memory (the CUDA runtime) and, where NVML (nvidia-ml-py) is
+    installed, its utilization, temperature and power."""
+    cp = cuda.cupy()
+    free, total = cp.cuda.runtime.memGetInfo()
+    line = f"gpu {device}: memory {(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB in use"
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        temperature = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+        power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000
+        line += f" | utilization {util.gpu}% | {temperature} C | {power:.0f} W"
+    except Exception:                      # no NVML: memory only
+        line += " | utilization n/a (pip install nvidia-ml-py)"
+    return line
 
 
 def setup_model(args, compute_capability, spec=None):
@@ -911,7 +1026,9 @@ def train(args):
         cuda.load_modules(KERNEL_FILES, model.precision)
         rng, forward = SamplerRNG(args.sample_seed), sampling_forward(model)    # allocates (1, window) itself
         return sample_from_prompt(args, lambda prompt, n, on_token: generate(
-            model, prompt, n, rng, args.temperature, args.top_k, on_token, forward))
+            model, prompt, n, rng, args.temperature, args.top_k, on_token, forward), model.config.max_seq_len)
+    if run.resuming:
+        run.check_resumed_model(model_config(args.model), model.config)
     run.prepare(model.config)
     B, T, cfg = run.B, run.T, model.config
     sizes = [(B, T)] + ([(eval_rows(B), T)] if run.examples else [])
@@ -937,19 +1054,20 @@ def train(args):
             f"{cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
     nccl = NcclComm(comm) if comm.size > 1 else None
     sample_rng = SamplerRNG(args.sample_seed)
-    start_step = 0
+    start_step, outliers = 0, None
     if run.resuming:
-        start_step, sample_rng.state, state_path = load_model_checkpoint(args.output_dir, run.resume_step, model,
-                                                                         run.train_loader, comm.rank, comm.size)
+        start_step, sample_rng.state, state_path, outliers = load_model_checkpoint(
+            args.output_dir, run.resume_step, model, run.train_loader, comm.rank, comm.size)
         run.say(f"resumed from {state_path} at step {start_step}")
-    run.start(start_step)
+    if not run.start(start_step, outliers):
+        return model
 
     def sample(prompt, n):
         return generate(model, prompt, n, sample_rng, forward=sampling_forward(model))
 
     def save(step):
         return save_model_checkpoint(args.output_dir, step, model, run.train_loader, sample_rng.state,
-                                     comm.rank, comm.size)
+                                     comm.rank, comm.size, run.outlier_state())
 
     for step in range(start_step, run.num_steps + 1):
         if run.between_steps(step, batch_loss, forward_losses, sample, save):
@@ -969,16 +1087,21 @@ def train(args):
         if nccl is not None:
             nccl.mean_(model.grads)                                           # data parallel: average over GPUs
         norm = gpt2_grad_norm(model)                                          # sync 1 of 2
+        loss = float(A["loss_accum"].sum(dtype=np.float64)) / (B * T * run.grad_accum_steps)  # sync 2 of 2
+        loss = comm.mean(loss)
+        skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
-        gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
-        loss = float(A["loss_accum"].sum(dtype=np.float64)) / (B * T * run.grad_accum_steps)  # sync 2 of 2
-        loss = comm.mean(loss)
+        if not skip:
+            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+        cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update
         dt = time.perf_counter() - t0
         util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,
                    device_name, model.precision, MATMUL_OPTIONS["tf32"])
-        run.log_step(step, loss, norm, lr, dt, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
+        run.log_step(step, loss, norm, lr, dt, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
+        if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
+            run.say(gpu_status_line(device))
     return model
 
 

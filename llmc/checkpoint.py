@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from llmc.formats import make_header, read_exact, read_header, read_model_file, write_model_file
+from llmc.outlier import OUTLIER_STATE_FLOATS
 from llmc.utils import InputError, atomic_write
 
 STATE_MAGIC = 20240527
@@ -24,13 +25,15 @@ STATE_SLOT_NUM_PROCESSES = 2
 STATE_SLOT_RANK = 3
 STATE_SLOT_MASTER_WEIGHTS = 4          # 1 if fp32 master weights follow v
 STATE_SLOT_SHUFFLE = 5                 # 1 if the loader's permutation state follows
+STATE_SLOT_OUTLIERS = 6                # this project's: 1 if the outlier detectors' state follows (llmc/outlier.py)
 STATE_SLOT_STEP = 10
 # uint64 fields: header.view("<u8")[k] covers int32 slots 2k and 2k+1
 STATE_U64_SAMPLE_RNG = 10              # slots 20-21: the sampler's xorshift state
 STATE_U64_RNG_LAST_UPDATE = 11         # slots 22-23: the stochastic-rounding RNG at the last update
 STATE_U64_SHARD = 15                   # slots 30-31: the loader's current shard index
 STATE_U64_SAMPLE = 16                  # slots 32-33: the loader's sample index within the shard
-UINT64_MASK = (1 << 64) - 1            # the loader's 128-bit PCG64 state is stored as two uint64
+UINT64_MASK = (1 << 64) - 1
+OUTLIER_DETECTORS_FLOATS = 2 * OUTLIER_STATE_FLOATS   # the loss and the grad-norm detector            # the loader's 128-bit PCG64 state is stored as two uint64
 
 
 def checkpoint_paths(out_dir, step, rank=0):
@@ -41,16 +44,18 @@ def checkpoint_paths(out_dir, step, rank=0):
 
 
 def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rng_state,
-                rng_state_last_update=0, master_weights=None):
+                rng_state_last_update=0, master_weights=None, outliers=None):
     """Write the training-state file atomically: the header, fp32 AdamW m and v (flat), optional
     fp32 master weights, then, if the loader shuffles, its permutation state: as in llm.c, uint64
     shard count, int32 shard order, uint64 sample count, int32 sample order; then, where llm.c
-    puts its Mersenne-Twister state, ours: the PCG64 state as 4 uint64 (state hi/lo, inc hi/lo)."""
+    puts its Mersenne-Twister state, ours: the PCG64 state as 4 uint64 (state hi/lo, inc hi/lo).
+    Last, if given, `outliers`: the loss and grad-norm outlier detectors' state, float64 (llm.c
+    keeps none and stops reading before it)."""
     ls = loader.state()
     header = make_header(STATE_MAGIC, STATE_VERSION, {
         STATE_SLOT_NUM_PROCESSES: num_processes, STATE_SLOT_RANK: process_rank,
         STATE_SLOT_MASTER_WEIGHTS: int(master_weights is not None), STATE_SLOT_SHUFFLE: int(loader.shuffle),
-        STATE_SLOT_STEP: step})
+        STATE_SLOT_OUTLIERS: int(outliers is not None), STATE_SLOT_STEP: step})
     as_u64 = header.view("<u8")
     as_u64[STATE_U64_SAMPLE_RNG] = sample_rng_state
     as_u64[STATE_U64_RNG_LAST_UPDATE] = rng_state_last_update
@@ -71,12 +76,15 @@ def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rn
             st = ls["rng"]["state"]
             words = [st["state"] >> 64, st["state"] & UINT64_MASK, st["inc"] >> 64, st["inc"] & UINT64_MASK]
             f.write(np.asarray(words, "<u8").tobytes())
+        if outliers is not None:
+            f.write(np.asarray(outliers, "<f8").tobytes())
     atomic_write(path, write)
 
 
 def read_state(path, num_parameters, process_rank, num_processes):
     """Read a training-state file. Returns a dict: step, sample_rng_state, rng_state_last_update,
-    m, v, master_weights (or None), loader (position dict for DataLoader.restore), shuffle.
+    m, v, master_weights (or None), loader (position dict for DataLoader.restore), shuffle,
+    outliers (OUTLIER_DETECTORS_FLOATS float64, or None when the file has none).
     Raises InputError on a missing, corrupt or mismatched file."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such state file")
@@ -85,6 +93,8 @@ def read_state(path, num_parameters, process_rank, num_processes):
         if h[STATE_SLOT_NUM_PROCESSES] != num_processes or h[STATE_SLOT_RANK] != process_rank:
             raise InputError(f"{path}: written by rank {h[STATE_SLOT_RANK]} of {h[STATE_SLOT_NUM_PROCESSES]} processes, "
                              f"but this is rank {process_rank} of {num_processes}")
+        if h[STATE_SLOT_STEP] < 0:
+            raise InputError(f"{path}: corrupt state file: step {h[STATE_SLOT_STEP]}")
         u64 = h.view("<u8")
         out = {"step": int(h[STATE_SLOT_STEP]), "sample_rng_state": int(u64[STATE_U64_SAMPLE_RNG]),
                "rng_state_last_update": int(u64[STATE_U64_RNG_LAST_UPDATE]), "shuffle": bool(h[STATE_SLOT_SHUFFLE])}
@@ -101,6 +111,8 @@ def read_state(path, num_parameters, process_rank, num_processes):
             w = [int(x) for x in read_exact(f, path, 4, "<u8", "shuffle RNG state")]
             loader["rng"] = {"bit_generator": "PCG64", "state": {"state": (w[0] << 64) | w[1], "inc": (w[2] << 64) | w[3]},
                              "has_uint32": 0, "uinteger": 0}
+        out["outliers"] = (read_exact(f, path, OUTLIER_DETECTORS_FLOATS, "<f8", "outlier detectors")
+                           if h[STATE_SLOT_OUTLIERS] else None)
         if f.read(1):
             raise InputError(f"{path}: trailing bytes: the state file does not match a model of {num_parameters} parameters")
     if not (np.isfinite(out["m"]).all() and np.isfinite(out["v"]).all() and (out["v"] >= 0).all()):
@@ -117,7 +129,7 @@ def latest_checkpoint_step(out_dir):
 
 
 def save_checkpoint(out_dir, step, config, params, m, v, loader, sample_rng_state, process_rank=0,
-                    num_processes=1, master_weights=None, rng_state_last_update=0):
+                    num_processes=1, master_weights=None, rng_state_last_update=0, outliers=None):
     """Write model_<step>.bin (fp32 params, rank 0 only) and state_<step>_<rank>.bin from host
     arrays (params, m, v, master_weights: flat fp32). Returns the DONE_<step> path, which the
     caller writes last with write_done_marker, after a barrier when there are several ranks."""
@@ -125,7 +137,7 @@ def save_checkpoint(out_dir, step, config, params, m, v, loader, sample_rng_stat
     if process_rank == 0:
         write_model_file(model_path, config, params)
     write_state(state_path, step, process_rank, num_processes, m, v, loader, sample_rng_state,
-                rng_state_last_update, master_weights)
+                rng_state_last_update, master_weights, outliers)
     return done_path
 
 
@@ -145,3 +157,30 @@ def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_o
     st["shape"], st["state_path"] = shape, state_path
     st["params"] = st["master_weights"] if st["master_weights"] is not None else params
     return st
+
+
+def delete_checkpoint(out_dir, step, process_rank):
+    """Remove the checkpoint of `step`: its DONE marker first (so a half-deleted checkpoint never
+    looks complete), then the model file (rank 0) and this rank's state file."""
+    model_path, state_path, done_path = checkpoint_paths(out_dir, step, process_rank)
+    for path in ([done_path, model_path] if process_rank == 0 else []) + [state_path]:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def rotate_checkpoints(out_dir, step, checkpoint_every, keep, major_every, process_rank):
+    """llm.c's -nk / -nm, after the checkpoint of `step` was written: with keep > 0, keep only the
+    newest `keep` of the checkpoints a run writes (every checkpoint_every steps, and `step`
+    itself), except major ones (major_every > 0 and the step a multiple of it), which are never
+    deleted. Returns the steps deleted (those that were on disk)."""
+    if keep <= 0:
+        return []
+    written = sorted(set(range(checkpoint_every, step, checkpoint_every)) | {step})
+    deleted = []
+    for old in written[:-keep]:
+        if major_every > 0 and old % major_every == 0:
+            continue
+        if os.path.exists(checkpoint_paths(out_dir, old, process_rank)[1]):
+            delete_checkpoint(out_dir, old, process_rank)
+            deleted.append(old)
+    return deleted

@@ -11,16 +11,21 @@ forward for HellaSwag, sampling, saving a checkpoint).
 
 import argparse
 import codecs
+import math
 import os
 import sys
 
-from llmc.checkpoint import checkpoint_paths, latest_checkpoint_step, write_done_marker
+import numpy as np
+
+from llmc.checkpoint import checkpoint_paths, latest_checkpoint_step, rotate_checkpoints, write_done_marker
+from llmc.comm import abort_all_ranks
 from llmc.dataloader import DataLoader
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
 from llmc.logger import Logger
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
 from llmc.tokenizer import GPT2_EOT, Tokenizer, gpt2_encoding
-from llmc.utils import InputError
+from llmc.outlier import OUTLIER_STATE_FLOATS, OutlierDetector, skip_reason
+from llmc.utils import TMP_SUFFIX, InputError, stale_temporaries
 
 SAMPLE_SEED = 1337                     # llm.c's sampler seed (--sample-seed)
 
@@ -29,46 +34,97 @@ SAMPLE_SEED = 1337                     # llm.c's sampler seed (--sample-seed)
 # the flags
 
 def build_parser(prog, description, lr_schedules):
-    """The trainers' argparse parser: llm.c's one-letter flags, each with a long alias. -h is
-    HellaSwag in llm.c, so help is --help only. lr_schedules: the names -k accepts (the trainer's
-    learning_rate_at implements them). gpt2_cuda.py adds its GPU flags to this parser."""
+    """The trainers' argparse parser: llm.c's one-letter flags, each with a long alias and llm.c's
+    default (train_gpt2.cu), then NEWCOMER_DEFAULTS on top (see there). -h is HellaSwag in llm.c,
+    so help is --help only. lr_schedules: the names -k accepts (the trainer's learning_rate_at
+    implements them). gpt2_cuda.py adds its GPU flags to this parser."""
     p = argparse.ArgumentParser(prog=prog, add_help=False, description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--help", action="help", help="show this help and exit")
     a("-i", "--input-bin", default=DEFAULT_TRAIN, help="train data: file or glob of shards")
     a("-j", "--input-val-bin", default=DEFAULT_VAL, help="validation data: file or glob ('' for none)")
-    a("-e", "--model", default="d4", help="checkpoint .bin to start from, or a descriptor (d2 d4 d6 d12 d24 d36 d48, 124M ...)")
+    a("-e", "--model", default="gpt2_124M_bf16.bin", help="checkpoint .bin to start from, or a descriptor (d2 d4 d6 d12 d24 d36 d48, 124M ...)")
     a("-o", "--output-dir", default=None, help="directory for main.log and checkpoints")
     a("-b", "--batch-size", type=int, default=4, help="micro-batch size B (sequences)")
-    a("-t", "--seq-len", type=int, default=64, help="sequence length T (tokens)")
+    a("-t", "--seq-len", type=int, default=1024, help="sequence length T (tokens)")
     a("-d", "--total-batch-size", type=int, default=-1, help="tokens per optimizer step (-1: B*T*processes, no accumulation)")
-    a("-x", "--max-steps", type=int, default=400, help="optimizer steps (-1: one epoch of the train data)")
+    a("-x", "--max-steps", type=int, default=-1, help="optimizer steps (-1: one epoch of the train data)")
     a("-k", "--lr-schedule", default="cosine", choices=lr_schedules, help="learning-rate schedule")
     a("-l", "--learning-rate", type=float, default=3e-4, help="peak learning rate")
     a("-u", "--warmup-iters", type=int, default=0, help="linear warmup steps")
-    a("-q", "--final-lr-frac", type=float, default=0.0, help="final learning rate as a fraction of the peak")
+    a("-q", "--final-lr-frac", type=float, default=1.0, help="final learning rate as a fraction of the peak")
     a("-c", "--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    a("-v", "--val-every", type=int, default=100, help="validation loss every N steps (0: never)")
+    a("-sl", "--skip-update-lossz", type=float, default=0.0, help="skip the update of a step whose loss z-score exceeds this (0: off)")
+    a("-sg", "--skip-update-gradz", type=float, default=0.0, help="skip the update of a step whose grad-norm z-score exceeds this (0: off)")
+    a("-v", "--val-every", type=int, default=20, help="validation loss every N steps (0: never)")
     a("-m", "--val-max-steps", type=int, default=20, help="batches per validation (-1: whole split)")
-    a("-s", "--sample-every", type=int, default=100, help="print a generated sample every N steps (0: never)")
+    a("-s", "--sample-every", type=int, default=20, help="print a generated sample every N steps (0: never)")
     a("-g", "--gen-tokens", type=int, default=64, help="tokens per generated sample")
     a("-n", "--checkpoint-every", type=int, default=0, help="write a checkpoint every N steps and at the end (0: never; needs -o)")
+    a("-nk", "--checkpoints-keep", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
+    a("-nm", "--major-checkpoint-every", type=int, default=0, help="checkpoints at multiples of M steps are never deleted (0: none)")
     a("-y", "--resume", type=int, default=0, choices=(0, 1), help="1: resume from the newest complete checkpoint in -o")
     a("-a", "--overfit-single-batch", type=int, default=0, choices=(0, 1), help="1: train on the first batch only")
     a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
     a("--shuffle", type=int, default=0, choices=(0, 1), help="1: shuffle the train shards and batches (seeded)")
-    a("--seed", type=int, default=42, help="seed for the random init and the loader shuffle")
+    a("--seed", type=int, default=42, help="seed for the random init and the loader shuffle (>= 0)")
     a("--tokenizer", default=DEFAULT_TOKENIZER, help="tokenizer .bin for printing samples")
     a("-h", "--hellaswag", type=int, default=0, choices=(0, 1), help="1: HellaSwag accuracy every -v steps")
     a("--hellaswag-file", default=DEFAULT_HELLASWAG, help="multiple-choice eval file (dev/data/hellaswag.py)")
     a("--eval-only", action="store_true", help="evaluate -e once (val loss, HellaSwag with -h 1) and exit")
     a("--generate", type=int, default=0, metavar="N", help="sample N tokens from -e after --prompt and exit")
     a("--prompt", default="", help="text to continue with --generate ('' starts from <|endoftext|>)")
-    a("--temperature", type=float, default=1.0, help="sampling temperature (--generate)")
+    a("--temperature", type=float, default=1.0, help="sampling temperature (>= 0; 0: the most likely token)")
     a("--top-k", type=int, default=0, help="sample among the k most likely tokens only (0: all)")
-    a("--sample-seed", type=int, default=SAMPLE_SEED, help="seed of the sampler's xorshift RNG")
+    a("--sample-seed", type=int, default=SAMPLE_SEED, help="seed of the sampler's xorshift RNG (nonzero)")
+    newcomer_defaults(p)
     return p
+
+
+# The run `python gpt2_cpu.py` (and `make train`) gives a newcomer with no flags: a small model
+# that learns Shakespeare in about two minutes on a laptop CPU. Every other default is llm.c's.
+NEWCOMER_DEFAULTS = {"model": "d4", "seq_len": 64, "max_steps": 400, "final_lr_frac": 0.0,
+                     "val_every": 100, "sample_every": 100}
+
+
+def newcomer_defaults(parser):
+    """Set NEWCOMER_DEFAULTS over llm.c's defaults, and say so in each flag's --help."""
+    for action in parser._actions:
+        if action.dest in NEWCOMER_DEFAULTS:
+            action.help += f" [llm.c's default: {action.default}; this trainer's newcomer run sets it]"
+    parser.set_defaults(**NEWCOMER_DEFAULTS)
+
+
+def check_args(args):
+    """One InputError for flags that make no sense, before anything runs (llm.c accepts some of
+    these silently; here each is one clear line)."""
+    checks = [
+        (args.batch_size > 0 and args.seq_len > 0,
+         f"batch size and sequence length must be positive (got -b {args.batch_size} -t {args.seq_len})"),
+        (args.max_steps > 0 or args.max_steps == -1, f"-x {args.max_steps}: the number of steps must be positive, or -1 for one epoch"),
+        (args.total_batch_size > 0 or args.total_batch_size == -1, f"-d {args.total_batch_size}: tokens per step must be positive, or -1"),
+        (math.isfinite(args.learning_rate) and args.learning_rate >= 0, f"-l {args.learning_rate}: the learning rate must be a number >= 0"),
+        (args.warmup_iters >= 0, f"-u {args.warmup_iters}: warmup steps must be >= 0"),
+        (math.isfinite(args.final_lr_frac) and 0 <= args.final_lr_frac <= 1, f"-q {args.final_lr_frac}: must be in [0, 1]"),
+        (math.isfinite(args.weight_decay) and args.weight_decay >= 0, f"-c {args.weight_decay}: weight decay must be >= 0"),
+        (math.isfinite(args.grad_clip) and args.grad_clip >= 0, f"--grad-clip {args.grad_clip}: must be >= 0"),
+        (args.skip_update_lossz >= 0 and args.skip_update_gradz >= 0, "-sl and -sg must be >= 0 (0: off)"),
+        (args.checkpoint_every >= 0 and args.checkpoints_keep >= 0 and args.major_checkpoint_every >= 0,
+         "-n, -nk and -nm must be >= 0"),
+        (args.checkpoint_every == 0 or args.output_dir, f"-n {args.checkpoint_every} needs -o DIR to write the checkpoints in"),
+        (not args.resume or args.output_dir or args.generate, "-y 1 needs -o DIR to find the checkpoint in"),
+        (args.val_every >= 0 and args.sample_every >= 0 and args.gen_tokens >= 0, "-v, -s and -g must be >= 0"),
+        (args.val_max_steps > 0 or args.val_max_steps == -1, f"-m {args.val_max_steps}: must be positive, or -1 for the whole split"),
+        (args.seed >= 0, f"--seed {args.seed}: seeds must be >= 0"),
+        (math.isfinite(args.temperature) and args.temperature >= 0, f"--temperature {args.temperature}: must be >= 0"),
+        (args.top_k >= 0, f"--top-k {args.top_k}: must be >= 0"),
+        (args.sample_seed > 0, f"--sample-seed {args.sample_seed}: must be positive (xorshift's state is never 0)"),
+        (args.generate >= 0, f"--generate {args.generate}: must be >= 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise InputError(message)
 
 
 def is_checkpoint_path(spec):
@@ -79,12 +135,15 @@ def is_checkpoint_path(spec):
 # ----------------------------------------------------------------------------
 # --generate: a prompt in, sampled text streamed out
 
-def sample_from_prompt(args, generate):
+def sample_from_prompt(args, generate, max_seq_len):
     """--generate N: encode --prompt, then stream N sampled tokens to stdout as they come (bytes
     are decoded incrementally, so a character split across tokens prints whole).
-    generate(prompt ids, n, on_token) -> ids runs the trainer's sampler. Returns the ids."""
+    generate(prompt ids, n, on_token) -> ids runs the trainer's sampler. Returns the ids.
+    Raises InputError (before printing anything) if the prompt is longer than max_seq_len tokens."""
     tokenizer = Tokenizer(args.tokenizer)
     prompt = gpt2_encoding().encode(args.prompt, allowed_special="all") if args.prompt else [tokenizer.eot_token]
+    if len(prompt) > max_seq_len:
+        raise InputError(f"--prompt is {len(prompt)} tokens, longer than max_seq_len {max_seq_len}")
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
 
@@ -106,18 +165,16 @@ class TrainingRun:
     the training step and log_step() after it. Raises InputError on bad flags or files."""
 
     def __init__(self, args, comm):
+        check_args(args)
         self.args, self.comm = args, comm
         self.master = comm.rank == 0
         self.B, self.T = args.batch_size, args.seq_len
-        if self.B <= 0 or self.T <= 0:
-            raise InputError(f"batch size and sequence length must be positive (got -b {self.B} -t {self.T})")
-        if args.resume and not args.output_dir and not args.generate:
-            raise InputError("-y 1 needs -o DIR to find the checkpoint in")
         self.resuming = bool(args.resume) and not args.eval_only and not args.generate
         self.resume_step = latest_checkpoint_step(args.output_dir) if self.resuming else None
         if self.resuming and self.resume_step is None:
             raise InputError(f"{args.output_dir}: no complete checkpoint (DONE_* marker) to resume from")
         self.start_step = 0
+        self.loss_outliers, self.grad_outliers = OutlierDetector(), OutlierDetector()
 
     def say(self, *parts, **kwargs):
         """print() on rank 0 only."""
@@ -130,9 +187,20 @@ class TrainingRun:
             return checkpoint_paths(self.args.output_dir, self.resume_step, self.comm.rank)[0]
         return self.args.model
 
+    def check_resumed_model(self, requested, loaded):
+        """Resuming: the checkpoint's model (loaded, a config) must be the one -e asks for
+        (requested), or the run would silently continue another run. Raises InputError."""
+        if requested != loaded:
+            def shape(c):
+                return f"L={c.num_layers} NH={c.num_heads} C={c.channels} maxT={c.max_seq_len} V={c.vocab_size}"
+            raise InputError(f"{self.model_spec()}: the checkpoint in -o {self.args.output_dir} is a model of "
+                             f"{shape(loaded)}, but -e {self.args.model} is {shape(requested)}: pass the -e it was "
+                             f"trained with, or another -o")
+
     def prepare(self, config):
         """Everything that needs the model's shape: checks T, works out gradient accumulation,
-        opens the loaders and the HellaSwag file, loads the tokenizer for samples."""
+        opens the loaders and the HellaSwag file, loads the tokenizer for samples, makes -o (and
+        removes the temporary files a killed run left there)."""
         args, comm, B, T = self.args, self.comm, self.B, self.T
         if T > config.max_seq_len:
             raise InputError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")
@@ -145,7 +213,7 @@ class TrainingRun:
         self.val_loader = DataLoader(args.input_val_bin, B, T, comm.rank, comm.size) if args.input_val_bin else None
         self.num_steps = args.max_steps if args.max_steps > 0 else self.train_loader.num_tokens // self.total_batch
         if args.output_dir:
-            os.makedirs(args.output_dir, exist_ok=True)
+            self.make_output_dir(args.output_dir)
         self.examples = read_hellaswag(args.hellaswag_file) if args.hellaswag else None
         self.sampling = self.master and args.sample_every > 0 and not args.eval_only
         self.tokenizer = None
@@ -155,6 +223,21 @@ class TrainingRun:
             except InputError as e:
                 self.say(f"note: {e}; samples will print token ids")
 
+    def make_output_dir(self, out_dir):
+        """Create -o if needed and check it can be written; on rank 0 remove the `*.tmp<pid>`
+        files that a run killed mid-write left behind. Raises InputError."""
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            probe = os.path.join(out_dir, f".write_probe{TMP_SUFFIX}{os.getpid()}")
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise InputError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
+        if self.master:
+            for path in stale_temporaries(out_dir):
+                os.remove(path)
+
     def banner(self, config, num_parameters):
         """The model and batch lines every run starts with."""
         self.say(f"model: L={config.num_layers} NH={config.num_heads} C={config.channels} maxT={config.max_seq_len} "
@@ -163,10 +246,34 @@ class TrainingRun:
                  f"{self.total_batch} tokens/step | train {self.train_loader.num_tokens:,} tokens in "
                  f"{len(self.train_loader.files)} shard(s) | {self.num_steps} steps")
 
-    def start(self, start_step=0):
-        """Open main.log (appending when resuming) at the step the loop starts from."""
+    def start(self, start_step=0, outliers=None):
+        """Open main.log (appending when resuming) at the step the loop starts from; restore the
+        outlier detectors' state (a checkpoint's `outliers`) if given. Returns False, having said
+        why, when a resumed run is already at or past -x: nothing to train."""
         self.start_step = start_step
+        if outliers is not None:
+            self.loss_outliers.restore(outliers[:OUTLIER_STATE_FLOATS])
+            self.grad_outliers.restore(outliers[OUTLIER_STATE_FLOATS:])
+        if start_step >= self.num_steps:
+            self.say(f"the checkpoint is at step {start_step}, at or past -x {self.num_steps}: nothing to train "
+                     f"(raise -x to train further)")
+            return False
         self.logger = Logger(self.args.output_dir if self.master else None, resuming=self.resuming)
+        return True
+
+    def outlier_state(self):
+        """Both outlier detectors' state, for the checkpoint (llmc.checkpoint's `outliers`)."""
+        return np.concatenate([self.loss_outliers.state(), self.grad_outliers.state()])
+
+    def skip_update(self, loss, norm):
+        """Feed this step's loss and gradient norm to the outlier detectors (llm.c's -sl / -sg).
+        Returns (skip, zloss, zgrad): skip is True, having said so, when the update is to be
+        skipped."""
+        zloss, zgrad = self.loss_outliers.update(loss), self.grad_outliers.update(norm)
+        reason = skip_reason(zloss, zgrad, self.args.skip_update_lossz, self.args.skip_update_gradz)
+        if reason:
+            self.say(reason)
+        return reason is not None, zloss, zgrad
 
     def validate(self, batch_loss):
         """Mean validation loss over -m batches (-1: the whole split), averaged across ranks.
@@ -215,25 +322,33 @@ class TrainingRun:
             if self.master:
                 write_done_marker(done)
                 self.say(f"checkpoint written: step {step} in {args.output_dir}")
+            rotate_checkpoints(args.output_dir, step, args.checkpoint_every, args.checkpoints_keep,
+                               args.major_checkpoint_every, self.comm.rank)
         return last_step
 
-    def log_step(self, step, loss, norm, lr, seconds, extra=""):
-        """The step line (llm.c's, plus tok/s) and main.log's train line."""
-        self.say(f"step {step + 1:4d}/{self.num_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
-                 f"{seconds * 1000:.1f} ms | {self.total_batch / seconds:.0f} tok/s{extra}")
+    def log_step(self, step, loss, norm, lr, seconds, zloss=math.nan, zgrad=math.nan, extra=""):
+        """The step line (llm.c's, plus tok/s; the z-scores once the outlier windows are full) and
+        main.log's train line."""
+        def z(score):
+            return f" ({score:+.2f}z)" if math.isfinite(score) else ""
+        self.say(f"step {step + 1:4d}/{self.num_steps} | loss {loss:.6f}{z(zloss)} | norm {norm:.4f}{z(zgrad)} | "
+                 f"lr {lr:.2e} | {seconds * 1000:.1f} ms | {self.total_batch / seconds:.0f} tok/s{extra}")
         self.logger.log_train(step, loss, lr, norm)
 
 
 def run_main(fn, args, errors=(InputError,)):
     """Run fn(args) as a command and return the exit code: fn's own if it returns an int (e.g.
     gpt2_cuda.py --check), else 0; 1 with one `error:` line on stderr for bad input (any of
-    `errors`); 130 on Ctrl-C."""
+    `errors`) or a failed write (OSError: disk full, permissions; atomic_write leaves no
+    temporary file); 130 on Ctrl-C. Under mpiexec an error on one rank ends every rank."""
     try:
         result = fn(args)
-    except errors as e:
+    except errors + (OSError,) as e:
         print(f"error: {e}", file=sys.stderr)
+        abort_all_ranks(1)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        abort_all_ranks(130)
         return 130
     return result if type(result) is int else 0

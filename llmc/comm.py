@@ -8,12 +8,29 @@ import os
 
 import numpy as np
 
+
+def launched_size():
+    """The number of processes mpiexec started (PMI_SIZE / OMPI_COMM_WORLD_SIZE), 1 without it."""
+    return int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+
+
+def abort_all_ranks(code):
+    """After an error on this rank: under mpiexec, end every rank of the job now (MPI_Abort), so
+    the others do not wait forever in a collective this rank will never reach; else nothing."""
+    if launched_size() > 1:
+        import sys
+        from mpi4py import MPI
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
+
+
 class Comm:
     """Rank, world size and averaging across processes. Without mpiexec (no PMI_SIZE /
     OMPI_COMM_WORLD_SIZE in the environment) this is a single process and mpi4py is not imported."""
 
     def __init__(self):
-        size = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+        size = launched_size()
         self.comm = None
         self.rank, self.size = 0, 1
         if size > 1:

@@ -72,7 +72,13 @@ class DataLoader:
                 "rng": self.rng.bit_generator.state}
 
     def restore(self, state):
-        """Resume at a saved position. Raises InputError if it does not fit these files."""
+        """Resume at a saved position. Raises InputError if it does not fit these files, or if the
+        saved run shuffled and this one does not, or the other way round (a shuffled position
+        means nothing in the unshuffled order)."""
+        saved_shuffle = "shard_order" in state
+        if saved_shuffle != self.shuffle:
+            raise InputError(f"the checkpoint was written with --shuffle {int(saved_shuffle)}: resume with the same "
+                             f"--shuffle (this run has --shuffle {int(self.shuffle)})")
         if self.shuffle:
             self.shard_order = np.asarray(state["shard_order"])
         if not 0 <= state["shard"] < len(self.files):

@@ -103,6 +103,16 @@ def bfloat16_bits_to_float32(bits):
 # ----------------------------------------------------------------------------
 # model checkpoint: header, then every parameter in table order (fp32 version 3, bf16 version 5)
 
+def read_model_shape(path):
+    """The shape dict (MODEL_SLOTS' keys) of a model checkpoint, from its header alone.
+    Raises InputError on a missing file or a bad header."""
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such model checkpoint")
+    with open(path, "rb") as f:
+        h = read_header(f, path, MODEL_MAGIC, tuple(MODEL_DTYPES), "model checkpoint")
+    return {name: int(h[slot]) for name, slot in MODEL_SLOTS.items()}
+
+
 def read_model_file(path, num_parameters_of):
     """Read a model checkpoint. num_parameters_of(shape) -> int gives the parameter count of a
     model of `shape` (a dict with MODEL_SLOTS' keys, padded_vocab_size 0 in old files), so this

@@ -896,7 +896,7 @@ def test_emulated_bf16_training_writes_master_weights(emulated_gpu, tmp_path):
     # resuming restores all of it: master weights, bf16 params rounded from them, m, v, RNG, loader
     model = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True)
     loader = dataloader.DataLoader(data, 2, 16)
-    step, sample_state, _ = gpt2_cuda.load_model_checkpoint(out, 2, model, loader, 0, 1)
+    step, sample_state, _, _ = gpt2_cuda.load_model_checkpoint(out, 2, model, loader, 0, 1)
     assert step == 2 and sample_state == st["sample_rng_state"] and loader.current_sample_idx == 2
     np.testing.assert_array_equal(model.master.get(), st["master_weights"])
     np.testing.assert_array_equal(model.params.get(), float32_to_bfloat16_bits(st["master_weights"]))

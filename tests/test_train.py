@@ -213,6 +213,7 @@ def test_generate_errors(shakespeare, small_model, args, message):
     out = run([x for kv in base.items() for x in kv])
     assert out.returncode == 1 and out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
     assert message in out.stderr
+    assert out.stdout == "", "nothing (not even the prompt) is printed before the error"
 
 
 def test_eval_only_hellaswag(shakespeare, small_model, tmp_path):

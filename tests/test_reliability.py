@@ -1,0 +1,262 @@
+"""Reliability of the command line and llm.c's remaining training features, as a user meets them:
+an error on one MPI rank ends the whole job; a resume never silently continues another run; bad
+flags and files give one `error:` line, never a traceback; killed runs' temporary files are
+cleaned up; checkpoints rotate (-nk, -nm); outlier steps are skipped (-sl, -sg) and the detectors
+resume exactly. The same code path serves gpt2_cuda.py (llmc/cli.py), which tests/test_cuda.py
+runs through its NumPy stand-ins.
+
+A small model keeps these fast: 2 layers, 2 heads, 32 channels, the real GPT-2 vocabulary.
+Run: pytest tests/test_reliability.py   (about a minute on 2 cores)
+"""
+
+import errno
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import gpt2_cpu as g
+from llmc import checkpoint, formats
+from llmc.outlier import OUTLIER_WINDOW, OutlierDetector, skip_reason
+from llmc.utils import atomic_write
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = g.GPT2Config(max_seq_len=64, num_layers=2, num_heads=2, channels=32)
+TRAIN = os.path.join(ROOT, "data", "tinyshakespeare", "tiny_shakespeare_train.bin")
+
+
+def run(args, mpi=0, timeout=300):
+    cmd = [sys.executable, os.path.join(ROOT, "gpt2_cpu.py")] + args
+    if mpi:
+        cmd = ["mpiexec", "-n", str(mpi)] + cmd
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def losses(stdout):
+    return [float(x) for x in re.findall(r"\| loss ([0-9.]+)", stdout)]
+
+
+def one_error_line(out):
+    """Exit 1 with exactly one `error:` line on stderr and no traceback."""
+    lines = out.stderr.strip().splitlines()
+    return out.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+
+
+@pytest.fixture(scope="module")
+def data():
+    if not os.path.exists(TRAIN):
+        subprocess.run([sys.executable, os.path.join(ROOT, "dev", "data", "tinyshakespeare.py")], check=True)
+    return TRAIN
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "small.bin"
+    g.write_model(str(path), g.gpt2_init(SMALL, seed=0))
+    return str(path)
+
+
+def common(model, data, **extra):
+    args = {"-e": model, "-i": data, "-j": "", "-b": "2", "-t": "16", "-s": "0", "-k": "constant", "-l": "1e-3"}
+    args.update(extra)
+    return [x for kv in args.items() for x in kv]
+
+
+# ----------------------------------------------------------------------------
+# 1. an error on one rank ends every rank
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec (pip install mpich mpi4py)")
+def test_error_on_one_rank_ends_the_job(data, small_model, tmp_path):
+    out = run(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}), mpi=2)
+    assert out.returncode == 0, out.stderr
+    os.remove(tmp_path / "state_00000002_00001.bin")           # rank 1 will fail, rank 0 will not
+    start = time.monotonic()
+    out = run(common(small_model, data, **{"-x": "4", "-o": str(tmp_path), "-y": "1"}), mpi=2, timeout=120)
+    assert time.monotonic() - start < 60, "the job must end within seconds, not hang"
+    assert out.returncode != 0
+    assert "state_00000002_00001.bin: no such state file" in out.stderr
+
+
+# ----------------------------------------------------------------------------
+# 2. resume never silently continues another run
+
+def test_resume_checks_the_model_and_the_step(data, small_model, tmp_path):
+    out = run(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}))
+    assert out.returncode == 0, out.stderr
+    other = run(common("d2", data, **{"-x": "4", "-o": str(tmp_path), "-y": "1"}))
+    assert one_error_line(other)
+    assert "-e d2" in other.stderr and "L=2 NH=2 C=32" in other.stderr and "L=2 NH=4 C=128" in other.stderr
+    done = run(common(small_model, data, **{"-x": "2", "-o": str(tmp_path), "-y": "1"}))
+    assert done.returncode == 0 and "at or past -x 2: nothing to train" in done.stdout and not losses(done.stdout)
+    more = run(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1"}))
+    assert more.returncode == 0 and "at step 2" in more.stdout and len(losses(more.stdout)) == 1
+    assert "L=2 NH=2 C=32" in more.stdout, "the banner describes the model loaded"
+
+
+# ----------------------------------------------------------------------------
+# 3. --shuffle must match the checkpoint
+
+@pytest.mark.parametrize("before,after", [("0", "1"), ("1", "0")])
+def test_resume_with_other_shuffle_is_refused(data, small_model, tmp_path, before, after):
+    out = run(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path), "--shuffle": before}))
+    assert out.returncode == 0, out.stderr
+    out = run(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1", "--shuffle": after}))
+    assert one_error_line(out)
+    assert f"written with --shuffle {before}" in out.stderr
+
+
+# ----------------------------------------------------------------------------
+# 4. one line, never a traceback
+
+def test_output_dir_that_cannot_be_written(data, small_model, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for out_dir in (a_file, a_file / "sub"):
+        out = run(common(small_model, data, **{"-x": "1", "-o": str(out_dir)}))
+        assert one_error_line(out)
+        assert f"-o {out_dir}: cannot write there" in out.stderr
+
+
+def test_disk_full_while_checkpointing(data, small_model, tmp_path, monkeypatch, capsys):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    code = g.main(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and "No space left" in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["main.log"], "no temporary file and no checkpoint left behind"
+
+
+def test_model_header_with_impossible_dimensions(data, tmp_path):
+    path = tmp_path / "huge.bin"
+    header = formats.make_header(formats.MODEL_MAGIC, formats.MODEL_VERSION_FP32,
+                                 {2: 1024, 3: 50257, 4: 100000, 5: 12, 6: 76800, 7: 50304})
+    path.write_bytes(header.tobytes() + b"\0" * 400)
+    out = run(["-e", str(path), "-i", data, "-x", "1"])
+    assert one_error_line(out)
+    assert "truncated" in out.stderr and "parameters" in out.stderr
+
+
+def test_state_file_with_a_negative_step(data, small_model, tmp_path):
+    out = run(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}))
+    assert out.returncode == 0, out.stderr
+    path = tmp_path / "state_00000001_00000.bin"
+    raw = bytearray(path.read_bytes())
+    raw[4 * checkpoint.STATE_SLOT_STEP:4 * checkpoint.STATE_SLOT_STEP + 4] = np.int32(-3).tobytes()
+    path.write_bytes(bytes(raw))
+    out = run(common(small_model, data, **{"-x": "2", "-o": str(tmp_path), "-y": "1"}))
+    assert one_error_line(out) and "step -3" in out.stderr
+
+
+# ----------------------------------------------------------------------------
+# 5. litter: stale temporaries, checkpoint rotation
+
+def test_stale_temporaries_are_removed_at_start(data, small_model, tmp_path):
+    stale = [tmp_path / "model_00000004.bin.tmp12345", tmp_path / "state_00000004_00000.bin.tmp999"]
+    for path in stale:
+        path.write_bytes(b"\0" * 1000)
+    keep = tmp_path / "notes.tmp"                               # not ours: no pid suffix
+    keep.write_text("mine")
+    out = run(common(small_model, data, **{"-x": "1", "-o": str(tmp_path)}))
+    assert out.returncode == 0, out.stderr
+    assert not any(p.exists() for p in stale) and keep.exists()
+
+
+def test_checkpoint_rotation_keeps_newest_and_major(data, small_model, tmp_path):
+    out = run(common(small_model, data, **{"-x": "10", "-n": "2", "-nk": "2", "-nm": "4", "-o": str(tmp_path)}))
+    assert out.returncode == 0, out.stderr
+    steps = sorted(int(name[5:]) for name in os.listdir(tmp_path) if name.startswith("DONE_"))
+    assert steps == [4, 8, 10], "the newest two (8, 10) and the major ones (4, 8); 2 and 6 deleted"
+    for step in (2, 6):
+        assert not any(name.startswith((f"model_{step:08d}", f"state_{step:08d}")) for name in os.listdir(tmp_path))
+    out = run(common(small_model, data, **{"-x": "12", "-o": str(tmp_path), "-y": "1", "-n": "2", "-nk": "2"}))
+    assert out.returncode == 0 and "at step 10" in out.stdout, out.stderr
+
+
+# ----------------------------------------------------------------------------
+# 6. nonsense flags: one line each, nothing created
+
+@pytest.mark.parametrize("flags,message", [
+    (["-x", "0"], "-x 0"), (["-x", "-5"], "-x -5"), (["-d", "-8"], "-d -8"), (["-d", "0"], "-d 0"),
+    (["-n", "5"], "needs -o"), (["-l", "nan"], "-l nan"), (["-l", "-0.001"], "-l -0.001"),
+    (["--temperature", "-1"], "--temperature -1"), (["--seed", "-1"], "--seed -1"),
+    (["--sample-seed", "0"], "--sample-seed 0"), (["-q", "2"], "-q 2"), (["-m", "0"], "-m 0"),
+])
+def test_nonsense_flags(data, small_model, flags, message):
+    out = run(["-e", small_model, "-i", data] + flags)
+    assert one_error_line(out)
+    assert message in out.stderr
+
+
+def test_resume_into_a_new_directory_creates_nothing(data, small_model, tmp_path):
+    new = tmp_path / "new"
+    out = run(common(small_model, data, **{"-x": "1", "-o": str(new), "-y": "1"}))
+    assert one_error_line(out) and "no complete checkpoint" in out.stderr
+    assert not new.exists()
+
+
+def test_sampler_rng_refuses_a_zero_state():
+    with pytest.raises(ValueError):
+        g.SamplerRNG(0)
+
+
+def test_llmc_defaults_with_newcomer_overrides():
+    args = g.parse_args([])
+    assert (args.final_lr_frac, args.seq_len, args.max_steps, args.model) == (0.0, 64, 400, "d4")   # newcomer run
+    parser = g.build_parser("gpt2_cpu.py", "", g.LR_SCHEDULES)
+    llmc_defaults = {a.dest: a.default for a in parser._actions}
+    assert llmc_defaults["batch_size"] == 4 and llmc_defaults["learning_rate"] == 3e-4     # llm.c's, untouched
+    help_text = " ".join(parser.format_help().split())                     # unwrapped
+    assert "[llm.c's default: 1.0; this trainer's newcomer run sets it]" in help_text       # -q
+    assert "[llm.c's default: 1024; this trainer's newcomer run sets it]" in help_text      # -t
+
+
+# ----------------------------------------------------------------------------
+# outlier skipping (-sl, -sg)
+
+def test_outlier_detector_matches_numpy():
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(300) + 5.0
+    d = OutlierDetector()
+    z = [d.update(float(v)) for v in values]
+    assert all(math.isnan(x) for x in z[:OUTLIER_WINDOW])
+    for i in (OUTLIER_WINDOW, 200, 299):
+        window = values[i - OUTLIER_WINDOW + 1:i + 1]         # the last 128 values, the new one included
+        assert z[i] == pytest.approx((values[i] - window.mean()) / window.std(), rel=1e-9)
+    assert skip_reason(3.5, 0.0, 3.0, 0.0).startswith("skipping update due to loss z-score of 3.5")
+    assert skip_reason(1.0, 9.0, 3.0, 5.0).startswith("skipping update due to grad z-score of 9.0")
+    assert skip_reason(math.nan, math.nan, 1.0, 1.0) is None and skip_reason(9.0, 9.0, 0.0, 0.0) is None
+
+
+def test_outlier_skipping_prints_and_resumes_exactly(data, small_model, tmp_path):
+    steps, half = OUTLIER_WINDOW + 8, OUTLIER_WINDOW + 4
+    flags = {"-t": "8", "-b": "1", "-sg": "0.001"}
+    straight = run(common(small_model, data, **flags, **{"-x": str(steps)}))
+    assert straight.returncode == 0, straight.stderr
+    z_lines = re.findall(r"\| loss [0-9.]+ \(([+-][0-9.]+)z\) \| norm [0-9.]+ \(([+-][0-9.]+)z\)", straight.stdout)
+    assert len(z_lines) == steps - OUTLIER_WINDOW, "z-scores once the window is full (from step 129)"
+    assert "skipping update due to grad z-score" in straight.stdout
+    first = run(common(small_model, data, **flags, **{"-x": str(half), "-n": str(half), "-o": str(tmp_path)}))
+    second = run(common(small_model, data, **flags, **{"-x": str(steps), "-o": str(tmp_path), "-y": "1"}))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    skips = [out.stdout.count("skipping update") for out in (first, second, straight)]
+    assert skips[0] + skips[1] == skips[2] >= 1
+    assert losses(first.stdout) + losses(second.stdout) == losses(straight.stdout)
+    tail = lambda out: re.findall(r"step +\d+/\d+ \| .*?\| lr", out)   # noqa: E731
+    assert tail(second.stdout) == tail(straight.stdout)[half:], "the same z-scores after the resume"
+
+
+def test_atomic_write_leaves_nothing_on_error(tmp_path):
+    def boom(f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError):
+        atomic_write(str(tmp_path / "x.bin"), boom)
+    assert os.listdir(tmp_path) == []
