@@ -598,8 +598,9 @@ def _fake_cupy():
 
     stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
     pool = types.SimpleNamespace(total_bytes=lambda: 0)
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (6 * 2**30, 8 * 2**30))    # (free, total) bytes
     return types.SimpleNamespace(zeros=zeros, add=np.add, get_default_memory_pool=lambda: pool,
-                                 cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+                                 cuda=types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime))
 
 
 @pytest.fixture
@@ -829,6 +830,18 @@ def test_emulated_training_evals_and_samples_match_gpt2_cpu(emulated_gpu, tmp_pa
     for got, ref in zip(_train_losses(os.path.join(cuda_dir, "main.log")).values(),
                         _train_losses(os.path.join(cpu_dir, "main.log")).values()):
         assert got == pytest.approx(ref, rel=1e-5)
+
+
+def test_emulated_log_gpu_every(emulated_gpu, tmp_path, capsys):
+    # -lg 2: a memory line every 2 steps (the stand-in reports 2 of 8 GiB in use; NVML is absent here)
+    data = _write_shards(tmp_path)
+    model = str(tmp_path / "tiny.bin")
+    gpt2_cpu.write_model(model, gpt2_cpu.gpt2_init(TINY, 42))
+    common = ["-e", model, "-i", data, "-j", "", "-b", "1", "-t", "8", "-x", "4", "-s", "0", "-l", "1e-3"]
+    assert gpt2_cuda.main(common + ["--precision", "fp32", "-lg", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("gpu 0: memory")]
+    assert len(lines) == 2 and lines[0].startswith("gpu 0: memory 2.00 of 8.00 GiB in use")
 
 
 def _write_shards(tmp_path, n_tokens=4000, V=TINY.vocab_size):
