@@ -8,18 +8,14 @@ Python twin of llm.c's train_gpt2.c and the reference the CUDA trainer (gpt2_cud
 against, layer by layer. Everything else (file formats, data loader, tokenizer, checkpoints,
 MPI, logging, the command line) is host infrastructure in llmc/, as llm.c keeps it in llmc/*.h.
 
-What it deliberately is not: fast on big models, or clever. There are no Python loops over B, T
-or heads (everything is vectorized NumPy), but also no fusion, no caching beyond what a backward
-pass needs, and no mixed precision.
+What it deliberately is not: fast on big models, or clever. No Python loops over B, T or heads
+(everything is vectorized NumPy), but no fusion and no mixed precision either.
 
-Run it (after `make data`):
-    python gpt2_cpu.py
-trains a small GPT-2 (d4, 16M parameters) from scratch on Shakespeare: 400 steps of B=4 x T=64
-tokens, about two minutes on 2 CPU cores, printing one line per step, e.g.
+Run it (after `make data`): `python gpt2_cpu.py` trains a small GPT-2 (d4, 16M parameters) from
+scratch on Shakespeare, 400 steps of B=4 x T=64 tokens in about two minutes on 2 CPU cores:
     step    1/400 | loss 10.925585 | norm 6.6749 | lr 3.00e-04 | 316.7 ms | 808 tok/s
-the validation loss every 100 steps (10.9 at the start, about 6.1 at the end) and a sample of
-generated text every 100 steps, which turns from noise into verse-shaped lines.
-`python gpt2_cpu.py --help` lists every flag (llm.c's one-letter flags, each with a long alias).
+with the validation loss (10.9 at the start, about 6.1 at the end) and a sample of generated
+text every 100 steps. `--help` lists every flag (llm.c's one-letter flags, with long aliases).
 Step through one training step in a debugger: `python -m pdb gpt2_cpu.py -x 1 -v 0 -s 0`.
 
 Dimension legend (used in every shape comment):
@@ -51,9 +47,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmc.checkpoint import load_checkpoint, save_checkpoint
-from llmc.cli import SAMPLE_SEED, TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt
+from llmc.cli import TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt
 from llmc.comm import Comm
 from llmc.formats import read_model_file, read_model_shape, write_model_file
+from llmc.sampler import SamplerRNG, sample_token
 from llmc.utils import InputError
 
 # ----------------------------------------------------------------------------
@@ -65,6 +62,7 @@ GELU_CUBIC_COEFF = 0.044715            # tanh-approximation GELU (Hendrycks & Gi
 INIT_STD = 0.02                        # GPT-2 weight init std (Radford et al. 2019)
 VOCAB_PAD_MULTIPLE = 128               # Vp is V rounded up to this (tensor-core friendly)
 ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS = 0.9, 0.95, 1e-8   # llm.c's CUDA trainer defaults
+ADAMW_CHUNK = 1 << 17                  # floats per AdamW slice (speed only): a slice's temporaries stay in cache
 
 # ----------------------------------------------------------------------------
 # model configuration
@@ -535,12 +533,10 @@ def model_config(spec):
 # AdamW
 
 def adamw_update(p, g, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-    """One AdamW step, in place, on one slice of the flat buffers: parameters p, gradients g, first
-    and second moments m, v, all (n,). t is the 1-based step count. Loshchilov & Hutter 2019,
-    Alg. 2, with Adam's bias correction (Kingma & Ba 2015, Alg. 1), line by line below;
-    grad_scale multiplies the gradient first (global-norm clipping passes max_norm / norm).
-    The decay is decoupled: it shrinks p directly instead of entering the gradient, so Adam's
-    per-parameter scaling does not weaken it."""
+    """One AdamW step, in place, on parameters p, gradients g and moments m, v, all (n,), t the
+    1-based step (Loshchilov & Hutter 2019, Alg. 2; bias correction: Kingma & Ba 2015, Alg. 1).
+    grad_scale multiplies the gradient first (clipping passes max_norm / norm). The decay is
+    decoupled: it shrinks p directly, so Adam's per-parameter scaling does not weaken it."""
     g = grad_scale * g                                        # clipped gradient
     m[...] = beta1 * m + (1.0 - beta1) * g                    # first moment: running mean of g
     v[...] = beta2 * v + (1.0 - beta2) * g * g                # second moment: running mean of g^2
@@ -549,16 +545,10 @@ def adamw_update(p, g, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, 
     p -= learning_rate * (m_hat / (np.sqrt(v_hat) + eps) + weight_decay * p)
 
 
-ADAMW_CHUNK = 1 << 17                  # floats per chunk: the slices and temporaries of one chunk stay in cache
-
-
 def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-    """AdamW over the whole model: adamw_update on every parameter, with weight decay on
-    DECAYED_PARAMETERS only. The math is all in adamw_update; this only cuts the flat buffers into
-    slices. For speed (the update is memory-bound, and NumPy's elementwise ops use one core) the
-    slices are ADAMW_CHUNK floats long, so each stays in cache through adamw_update's passes, and
-    are shared out over one thread per core (NumPy releases the GIL inside its loops). Every
-    element sees the same arithmetic whatever the chunking."""
+    """AdamW over the model: adamw_update on slices of the flat buffers, weight decay on
+    DECAYED_PARAMETERS only. For speed only (the same arithmetic per element): slices of
+    ADAMW_CHUNK floats stay in cache, and one thread per core shares them (NumPy frees the GIL)."""
     if model.m is None:
         model.m = np.zeros_like(model.params)
         model.v = np.zeros_like(model.params)
@@ -617,54 +607,13 @@ def learning_rate_at(step, schedule, learning_rate, warmup_iters, train_num_batc
 
 
 # ----------------------------------------------------------------------------
-# sampler: llm.c's xorshift* RNG, so the CPU and CUDA trainers draw the same numbers
-
-class SamplerRNG:
-    """xorshift64* (Marsaglia 2003; Vigna 2016), the RNG llm.c uses for sampling. state is a
-    nonzero uint64; random_f32() returns a float in [0, 1) from the top 24 bits."""
-    MASK = (1 << 64) - 1
-
-    def __init__(self, state=SAMPLE_SEED):
-        if state & self.MASK == 0:
-            raise ValueError("xorshift's state must be nonzero: from 0 it draws 0 forever")
-        self.state = state & self.MASK
-
-    def random_u32(self):
-        s = self.state
-        s ^= s >> 12
-        s ^= (s << 25) & self.MASK
-        s ^= s >> 27
-        self.state = s
-        return ((s * 0x2545F4914F6CDD1D) & self.MASK) >> 32
-
-    def random_f32(self):
-        return (self.random_u32() >> 8) / 16777216.0
-
-
-def sample_token(logits, V, rng, temperature=1.0, top_k=0):
-    """Draw one token id from logits (Vp,) restricted to the first V. temperature > 0 divides the
-    logits; top_k > 0 keeps only the k most likely tokens. Uses one rng.random_f32() coin and
-    inverse-CDF sampling, in float64, so it is deterministic given the logits and the RNG state."""
-    z = np.asarray(logits[:V], dtype=np.float64) / max(temperature, 1e-8)
-    if 0 < top_k < V:
-        kth = np.partition(z, V - top_k)[V - top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max())
-    cdf = np.cumsum(p / p.sum())
-    coin = rng.random_f32()
-    return int(min(np.searchsorted(cdf, coin, side="right"), V - 1))
-
-
-# ----------------------------------------------------------------------------
-# sampler: a KV cache, so that each new token runs the model on its own row only
+# sampler: generate, with a KV cache (the RNG and the draw, shared with gpt2_cuda.py: llmc/sampler.py)
 #
-# Without a cache every new token reruns the whole forward over the window: O(window) rows
-# through every matmul and an O(window^2) attention, to read one row of logits. But a position's
-# key and value depend only on the tokens up to it (causal attention), so they never change once
-# computed: keep them, per layer, and run only the new token through the model, its one query
-# row attending to every cached key. Per token that is one row through each matmul plus an
-# O(window) attention. The classifier, the largest matmul of a small model, runs on the last
-# row only, as the sampler reads no other.
+# The KV cache. Without one, every new token reruns the whole forward over the window to read one
+# row of logits. But a position's key and value depend only on the tokens up to it (causal
+# attention), so they never change once computed: keep them per layer and run only the new token
+# through the model, its one query row attending to every cached key; the classifier, the largest
+# matmul of a small model, runs on the last row only.
 
 @dataclass
 class KVCache:
@@ -677,14 +626,12 @@ class KVCache:
 
 def kv_cache_shape(config, B):
     """Shape of KVCache.k and .v: (L,B,NH,maxT,HS)."""
-    NH = config.num_heads
-    return (config.num_layers, B, NH, config.max_seq_len, config.channels // NH)
+    return (config.num_layers, B, config.num_heads, config.max_seq_len, config.channels // config.num_heads)
 
 
 def kv_cache_new(config, B, dtype=np.float32):
     """An empty KVCache for B sequences of up to maxT positions."""
-    shape = kv_cache_shape(config, B)
-    return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype))
+    return KVCache(np.zeros(kv_cache_shape(config, B), dtype), np.zeros(kv_cache_shape(config, B), dtype))
 
 
 def attention_forward_cached(qkv, k_cache, v_cache, pos, NH):
@@ -751,11 +698,9 @@ def gpt2_forward_cached(model, inputs, cache):
 
 @dataclass(frozen=True)
 class SamplingForward:
-    """The forward passes generate runs on one model, for one sequence (B=1):
-        full(x (1,window) int32) -> logits (1,window,Vp)   every position, no cache
-        cached(x (1,T) int32, cache) -> logits (1,Vp)      the last position; appends T positions to cache
-        new_cache() -> an empty cache for `cached`
-    Calling it runs `full`, so it also serves where a plain forward function is expected."""
+    """generate's forwards on one model, B=1: full(x (1,window)) -> logits (1,window,Vp);
+    cached(x (1,T), cache) -> logits (1,Vp) of the last position, appending T positions to the
+    cache; new_cache() -> an empty cache. Calling it runs `full`, as a plain forward would."""
     full: Callable
     cached: Callable
     new_cache: Callable
@@ -773,21 +718,16 @@ def sampling_forward(model):
 
 def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, on_token=None, forward=None,
              kv_cache=True):
-    """Autoregressive sampling. prompt: list of token ids (at least one). Each token is drawn by
-    sample_token from the logits of the last position of the context, the last maxT tokens at
-    most. Calls on_token(id) as each token is produced. Returns the new token ids. Raises
-    InputError if the prompt is empty or longer than max_seq_len.
-    forward: a SamplingForward (default sampling_forward(model); gpt2_cuda.py passes its own), or
-    a plain full forward x (1,window) int32 -> logits (1,window,Vp), which runs as kv_cache=False.
-    kv_cache=True: the prompt goes through forward.cached at once (the prefill), then each new
-    token alone, attending to the cached keys and values. When the context is full (more than
-    maxT tokens) it slides by one token per step, as without the cache; the kept tokens then all
-    sit one position earlier, and with absolute position embeddings (wpe) every cached key and
-    value changes: the cache cannot shift, so it is recomputed from the last maxT tokens (a
-    prefill, with the logits of one row) for each token from then on.
-    kv_cache=False: the full forward over a fixed window of min(maxT, len(prompt)+max_new_tokens)
-    tokens for every token (causal attention makes the padding after the context irrelevant),
-    the logits read at its last position: the reference the cache is tested against."""
+    """Autoregressive sampling: each new token is drawn by sample_token from the logits of the
+    context's last position (the context: the last maxT tokens at most); on_token(id) is called
+    as each comes. Returns the new ids. Raises InputError for an empty or too long prompt.
+    forward: a SamplingForward (default sampling_forward(model); gpt2_cuda.py passes its own) or
+    a plain full forward x (1,window) -> logits (1,window,Vp), which runs as kv_cache=False.
+    kv_cache=True: the prompt in one cached pass (the prefill), then each new token alone. Once the
+    context slides past maxT every kept token sits one position earlier and, with absolute
+    position embeddings, every cached key and value changes: the cache is refilled per token.
+    kv_cache=False: the full forward over a fixed window of min(maxT, len(prompt)+new tokens) for
+    every token (causal attention ignores the padding after the context): the reference."""
     V, maxT = model.config.vocab_size, model.config.max_seq_len
     if not prompt:
         raise InputError("empty prompt: give at least one token")

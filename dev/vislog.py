@@ -38,6 +38,7 @@ FIGURE_INCHES_PER_PANEL = (6.4, 4.8)
 FIGURE_DPI = 100
 TRAIN_ALPHA = 0.35                 # the noisy per-step train loss stays in the background
 REF_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.0}
+BINARY_SNIFF_BYTES = 8192          # a text log has no NUL byte; look this far before parsing
 
 
 # ----------------------------------------------------------------------------
@@ -47,12 +48,21 @@ def parse_log(path):
     """Parse a main.log -> {key: (steps int64 array, values float64 array)}, one entry per key
     that occurs ("trl", "lr", "norm", "tel", "eval", ...), sorted by step; when a step repeats,
     its last value wins. Blank lines are skipped. Raises InputError naming the file and line on
-    anything else that is not `s:<int>` followed by `key:<float>` fields."""
+    anything else that is not `s:<int>` followed by `key:<float>` fields, and on a binary file
+    (a NUL byte in its first BINARY_SNIFF_BYTES, as grep and git decide) or bytes not UTF-8."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such log file")
     series = {}                                             # key -> {step: value}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:                             # lines end at b"\n" only, as the Logger writes
+        if b"\0" in f.read(BINARY_SNIFF_BYTES):
+            raise InputError(f"{path}: a binary file, not a main.log (a checkpoint or token file?)")
+        f.seek(0)
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): "
+                                 "not a main.log") from None
             fields = line.split()
             if not fields:
                 continue
@@ -65,7 +75,8 @@ def parse_log(path):
                     key, value = field.split(":")
                     series.setdefault(key, {})[step] = float(value)
             except ValueError:
-                raise InputError(f"{path}:{lineno}: not a log line (expected 's:<step> key:<value> ...'): {line.strip()[:80]}")
+                excerpt = repr(line.strip()[:80])           # quoted, control characters escaped: one line
+                raise InputError(f"{path}:{lineno}: not a log line (expected 's:<step> key:<value> ...'): {excerpt}")
     return {key: (np.array(sorted(d), dtype=np.int64), np.array([d[s] for s in sorted(d)], dtype=np.float64))
             for key, d in series.items()}
 

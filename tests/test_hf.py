@@ -12,7 +12,8 @@ Checks, each against an independent reference:
 - round trips ours -> HF -> ours are byte-identical: the fp32 file, and a bf16 file through
   import's bf16 writer;
 - refusals, one line each: not plain GPT-2 (activation), an untied lm_head, a missing tensor,
-  an unreachable hub id; and export of a model whose vocabulary padding is not zero.
+  an unreachable hub id; and export of a model whose vocabulary padding is not zero;
+- the exported files' permissions follow the umask (0644 under 022), model.safetensors included.
 
 Run: python -m pytest tests/test_hf.py -q   (about 20 s; needs transformers, safetensors, torch)
 """
@@ -157,6 +158,22 @@ def test_import_refusals(tmp_path):
     # the hub's original files name tensors without the "transformer." prefix: also accepted
     save_file({k[len("transformer."):]: v for k, v in tensors.items()}, weights, metadata={"format": "pt"})
     assert import_hf.import_hf(hf_dir).config == TINY
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)],
+                         ids=["umask022", "umask077", "umask002"])
+def test_export_file_modes_follow_umask(tmp_path, umask, mode):
+    """Both exported files get the mode an ordinary open() gives under the umask (0644 under the
+    usual 022), not one of their own; the export runs in a child process, where setting the
+    umask cannot leak into other tests."""
+    write_model(str(tmp_path / "model.bin"), random_model(TINY, seed=5))
+    hf_dir = tmp_path / "hf"
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "dev", "eval", "export_hf.py"),
+                        "-i", str(tmp_path / "model.bin"), "-o", str(hf_dir)],
+                       capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(umask))
+    assert r.returncode == 0, r.stderr
+    modes = {name: oct(os.stat(hf_dir / name).st_mode & 0o777) for name in sorted(os.listdir(hf_dir))}
+    assert modes == {"config.json": oct(mode), "model.safetensors": oct(mode)}
 
 
 def test_export_refuses_nonzero_padding(tmp_path):

@@ -6,7 +6,8 @@ and its own schedules; nothing is shared with gpt2_cpu.py but the algorithm. Che
 the random init (bit for bit), logits / loss / all 16 gradients in fp32 (small config, d2, and
 the GPT-2 124M shape d12) and in fp64 (much tighter), ten AdamW steps with clipping, a cosine
 schedule with warmup and weight decay, the checkpoint files (fp32 and bf16) both ways, and
-tests/check_gpt2.py end to end (a pass, a corrupted gradient, bad files).
+tests/check_gpt2.py end to end (a pass, a corrupted gradient, bad files, a valid model whose
+training losses bounce, expected losses from --losses FILE and --gpt2-124M-losses).
 
 Run it (about a minute on 2 cores; -s prints the error reached on every tensor):
     python -m pytest -q tests/test_twin.py
@@ -81,9 +82,14 @@ def run_twin(args, env=None):
     return subprocess.run([sys.executable, TWIN_PATH] + args, capture_output=True, text=True, env=env, timeout=300)
 
 
-def run_check(model_path, state_path):
-    return subprocess.run([sys.executable, CHECK_PATH, "-e", model_path, "-s", state_path],
+def run_check(model_path, state_path, *extra):
+    return subprocess.run([sys.executable, CHECK_PATH, "-e", model_path, "-s", state_path, *extra],
                           capture_output=True, text=True, timeout=300)
+
+
+def printed_losses(stdout):
+    """The ten training losses check_gpt2.py printed ("step k: loss X ...")."""
+    return [float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")]
 
 
 # ----------------------------------------------------------------------------
@@ -347,3 +353,92 @@ def test_twin_cli_bad_input(tmp_path):
     missing = str(tmp_path / "nope.bin")
     r = run_twin(["-e", missing])
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and missing in r.stderr
+
+
+# ----------------------------------------------------------------------------
+# check_gpt2.py's verdict on the ten training losses
+
+# A random-init model that is deep and wide enough bounces under check_gpt2's un-clipped AdamW
+# (lr 1e-4) on one short batch, like the random-init GPT-2 124M of issue 12 (10.69, 5.91, 2.42,
+# 2.93, ...), at a third of its size: on this batch the losses went 5.90, 2.66, 0.83, 3.21, 0.25, ...
+BOUNCING = cpu.GPT2Config(max_seq_len=64, vocab_size=256, padded_vocab_size=cpu.padded_vocab(256),
+                          num_layers=12, num_heads=8, channels=512)
+BOUNCING_BATCH_SEED = 2
+
+
+def test_losses_verdict():
+    """losses_ok: without expected losses only last < first counts; with them, each within LOSS_ATOL."""
+    bounce = [5.9, 2.66, 0.83, 3.21, 0.25, 0.21, 0.16, 0.13, 0.10, 0.08]
+    assert check_gpt2.losses_ok(bounce)[0]
+    assert not check_gpt2.losses_ok([5.9, 5.0, 4.0, 3.0, 2.0, 1.0, 2.0, 3.0, 4.0, 5.9])[0]    # last == first
+    assert not check_gpt2.losses_ok([5.9] + [float("nan")] * 9)[0]
+    expected = list(check_gpt2.GPT2_124M_EXPECTED_LOSSES)
+    near = [e + (0.9 if i % 2 else -0.9) * check_gpt2.LOSS_ATOL for i, e in enumerate(expected)]
+    assert check_gpt2.losses_ok(near, expected)[0]
+    off = list(expected)
+    off[7] += 1.1 * check_gpt2.LOSS_ATOL
+    assert not check_gpt2.losses_ok(off, expected)[0]
+    assert not check_gpt2.losses_ok(bounce, expected)[0]      # expected losses replace last < first
+
+
+def test_check_gpt2_passes_when_losses_bounce(tmp_path):
+    """A valid model (files written by the twin, every tensor matches) whose ten AdamW losses go
+    up at one step: check_gpt2.py passes it, since the last loss is below the first."""
+    model_path, state_path = str(tmp_path / "bouncing.bin"), str(tmp_path / "bouncing_debug.bin")
+    t = twin.Twin.init(BOUNCING, SEED)
+    t.save_checkpoint(model_path)
+    t.write_debug_state(state_path, *random_batch(BOUNCING.vocab_size, 1, 8, seed=BOUNCING_BATCH_SEED))
+    del t
+    r = run_check(model_path, state_path)
+    print("\n" + r.stdout)
+    losses = printed_losses(r.stdout)
+    assert len(losses) == check_gpt2.TRAIN_STEPS, r.stdout + r.stderr
+    assert any(b > a for a, b in zip(losses, losses[1:])), f"premise lost: these losses do not bounce: {losses}"
+    assert r.stdout.count("TENSOR OK") == 18 and "NOT OK" not in r.stdout
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "overall okay: True" in r.stdout
+
+
+def test_check_gpt2_expected_losses(tmp_path):
+    """--losses FILE: ten numbers (lines or any whitespace) matched within LOSS_ATOL: the losses
+    themselves pass, one of them off by 5 x LOSS_ATOL fails at that step; --gpt2-124M-losses
+    (llm.c's pretrained numbers) fails on a random model; a bad losses file is one line, exit 1."""
+    config, B, T = CONFIGS["small"]
+    model_path, state_path = str(tmp_path / "small.bin"), str(tmp_path / "small_debug.bin")
+    t = twin.Twin.init(config, SEED)
+    t.save_checkpoint(model_path)
+    x, y = random_batch(config.vocab_size, B, T)
+    t.write_debug_state(state_path, x, y)
+    losses = check_gpt2.cpu_train_steps(cpu.read_model(model_path), x, y, check_gpt2.TRAIN_STEPS)
+
+    same = tmp_path / "same.txt"             # one per line, then several on a line, tabs and spaces
+    same.write_text("\n".join(f"{v:.6f}" for v in losses[:5]) + "\n" +
+                    "  ".join(f"{v:.6f}" for v in losses[5:8]) + "\t" + " ".join(f"{v:.6f}" for v in losses[8:]))
+    r = run_check(model_path, state_path, "--losses", str(same))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(", OK)") == check_gpt2.TRAIN_STEPS and "overall okay: True" in r.stdout
+    assert printed_losses(r.stdout) == [float(f"{v:.6f}") for v in losses]
+
+    off = list(losses)
+    off[6] += 5 * check_gpt2.LOSS_ATOL
+    wrong = tmp_path / "wrong.txt"
+    wrong.write_text("\n".join(f"{v:.6f}" for v in off))
+    r = run_check(model_path, state_path, "--losses", str(wrong))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "overall okay: False" in r.stdout
+    assert [line.split(":")[0] for line in r.stdout.splitlines() if "NOT OK)" in line] == ["step 6"]
+    assert r.stdout.count("TENSOR OK") == 18                  # the tensors still pass
+
+    r = run_check(model_path, state_path, "--gpt2-124M-losses")
+    assert r.returncode == 2 and "overall okay: False" in r.stdout, r.stdout + r.stderr
+    assert "llm.c's GPT-2 124M" in r.stdout
+
+    nine = tmp_path / "nine.txt"
+    nine.write_text("\n".join(f"{v:.6f}" for v in losses[:9]))
+    text = tmp_path / "text.txt"
+    text.write_text("5.27 4.06 three 2.80\n")
+    for path, reason in ((nine, "9 numbers, expected 10"), (text, "not a number"), (tmp_path / "nope.txt", "cannot read")):
+        r = run_check(model_path, state_path, "--losses", str(path))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and r.stdout == "" and len(lines) == 1, r.stdout + r.stderr
+        assert lines[0].startswith("error: ") and str(path) in lines[0] and reason in lines[0]

@@ -5,7 +5,8 @@ Checks: parse_log on a hand-written log (the series compared value by value, a r
 keeps its last value, a malformed line is rejected naming the line); run labels from `DIR`,
 `DIR:label` and a log path; the PNG: PNG magic, a non-trivial size, read back with
 matplotlib.image with several distinct colors (runs, reference lines), two panels when accuracy
-was logged (wider than tall) and one when not; the CLI's one-line error.
+was logged (wider than tall) and one when not; the CLI's one-line error, also for a binary file
+(a checkpoint given by mistake) and for bytes that are not UTF-8.
 
 Run: python -m pytest tests/test_vislog.py -q   (a few seconds)
 """
@@ -140,3 +141,26 @@ def test_cli_missing_log(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and "no such log file" in lines[0], r.stderr
     assert not os.path.exists(tmp_path / "x.png")
+
+
+BINARY_FILES = {
+    # a model checkpoint's start: int32 header slots (NUL bytes), then float32 weights
+    "checkpoint": np.array([20240326, 3, 1024, 50257, 12, 12, 768, 50304], dtype="<i4").tobytes()
+                  + np.random.default_rng(0).standard_normal(4096).astype("<f4").tobytes(),
+    # no NUL byte, but line 2 is not UTF-8 (and holds \x0c, which splitlines() would break at)
+    "latin1": b"s:1 trl:2.0 lr:0.1 norm:1.0\ns:2 trl:\xff\xfe\x0c1.5\n",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BINARY_FILES))
+def test_cli_binary_file(tmp_path, kind):
+    """A file that is not text: one `error:` line naming it, exit 1, no traceback, no PNG."""
+    path = tmp_path / "model.bin"
+    path.write_bytes(BINARY_FILES[kind])
+    out = tmp_path / "x.png"
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "dev", "vislog.py"), str(path), "-o", str(out)],
+                       capture_output=True, text=True, errors="replace", timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {path}") and "Traceback" not in r.stderr
+    assert not out.exists()

@@ -2,7 +2,7 @@
 dev/data/common.py: what every dataset script in dev/data/ needs besides its own text.
 
 - The GPT-2 BPE (a tiktoken Encoding), from the first source that works:
-    1. a local copy, data/gpt2.tiktoken, checked against its sha256;
+    1. a local copy, data/gpt2.tiktoken, checked against its sha256 (a damaged copy is removed);
     2. tiktoken's own download, tiktoken.get_encoding("gpt2") (or tiktoken's cache);
     3. offline fallback: this project's machines reach PyPI but not the rest of the internet,
        and the openai-whisper sdist on PyPI ships the GPT-2 ranks as whisper/assets/gpt2.tiktoken
@@ -124,6 +124,36 @@ def bpe_from_whisper_sdist(bpe_path):
     utils.atomic_write(bpe_path, lambda f: f.write(ranks))
 
 
+def bpe_file_problem(bpe_path):
+    """None if the file at bpe_path holds the GPT-2 ranks (sha256 GPT2_BPE_SHA256), else why not.
+    Read here rather than through tiktoken, whose cache is keyed on the path and would hide a
+    damaged file behind an earlier good read."""
+    try:
+        with open(bpe_path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        return f"{display_path(bpe_path)}: cannot read it ({e.strerror})"
+    if digest != tokenizer.GPT2_BPE_SHA256:
+        return f"{display_path(bpe_path)} has sha256 {digest}, expected {tokenizer.GPT2_BPE_SHA256}"
+    return None
+
+
+def gpt2_bpe_problem(data_dir):
+    """None if the GPT-2 BPE can be had the way tokenizer.gpt2_encoding() (what `--prompt` and the
+    dataset scripts use) looks for it: data_dir/gpt2.tiktoken with the right sha256, or, where that
+    file is absent, tiktoken's own download or cache. Else the problem, one line. This is the BPE
+    part of a script's "is up to date" check: offline, a deleted gpt2.tiktoken must be fetched again."""
+    import tiktoken
+    bpe_path = os.path.join(data_dir, BPE_FILENAME)
+    if os.path.isfile(bpe_path):
+        return bpe_file_problem(bpe_path)
+    try:
+        tiktoken.get_encoding("gpt2")
+        return None
+    except Exception as e:      # as in load_gpt2_encoding: requests' errors offline, ValueError on a bad hash
+        return f"{display_path(bpe_path)} is missing and tiktoken.get_encoding('gpt2') fails ({type(e).__name__})"
+
+
 def load_gpt2_encoding(data_dir):
     """The GPT-2 tiktoken Encoding from the first source that works (see the file docstring).
     Returns (encoding, source: a one-line description for the log). Raises DataError naming
@@ -133,7 +163,11 @@ def load_gpt2_encoding(data_dir):
     failures = []
     if os.path.isfile(bpe_path):
         try:
-            return tokenizer.gpt2_encoding(bpe_path), f"local {display_path(bpe_path)} (sha256 ok)"
+            problem = bpe_file_problem(bpe_path)
+            if problem is None:
+                return tokenizer.gpt2_encoding(bpe_path), f"local {display_path(bpe_path)} (sha256 ok)"
+            os.remove(bpe_path)     # a damaged copy: gpt2_encoding() would prefer it to tiktoken's
+            failures.append(f"{problem} (removed)")
         except (ValueError, OSError, utils.InputError) as e:   # tiktoken: ValueError on a bad hash
             failures.append(f"{bpe_path}: {one_line(e)}")
     try:

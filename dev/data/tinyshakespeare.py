@@ -43,7 +43,10 @@ and offline (PyPI only)
     writing 32,768 tokens to data/tinyshakespeare/tiny_shakespeare_val.bin (66,560 bytes)
     writing 1,471,975 tokens to data/tinyshakespeare/tiny_shakespeare_train.bin (2,944,974 bytes)
 Run again, it checks the outputs and prints "... is up to date" without writing anything;
---force rebuilds. If every text or BPE source fails: one line "error: ..." and exit status 1.
+--force rebuilds. The check includes the BPE that encoding (`--prompt`) needs: data/gpt2.tiktoken
+with the right sha256, or, without it, tiktoken's own download or cache; if only that is missing
+(e.g. gpt2.tiktoken deleted offline), only the BPE is fetched again, the shards are left alone.
+If every text or BPE source fails: one line "error: ..." and exit status 1.
 """
 
 import argparse
@@ -191,6 +194,12 @@ def outputs_problem(paths):
     return None
 
 
+def build_bpe(data_dir):
+    """Only the BPE is missing (the shards are fine): fetch it, as build() would. Raises DataError."""
+    _, bpe_source = common.load_gpt2_encoding(data_dir)
+    print(f"BPE: {bpe_source}")
+
+
 def build(data_dir, url):
     """Fetch, tokenize and write everything. Raises DataError."""
     text, text_source = load_text(url)
@@ -219,14 +228,21 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     data_dir = os.path.abspath(args.data_dir)
+    rebuild = True
     if not args.force:
         problem = outputs_problem(output_paths(data_dir))
-        if problem is None:
-            print(f"{display_path(data_dir)} is up to date (tokenizer, val and train shards); nothing to do (--force rebuilds)")
+        bpe_problem = common.gpt2_bpe_problem(data_dir)
+        if problem is None and bpe_problem is None:
+            print(f"{display_path(data_dir)} is up to date (tokenizer, val and train shards, GPT-2 BPE); "
+                  "nothing to do (--force rebuilds)")
             return 0
-        print(f"building: {problem}")
+        rebuild = problem is not None
+        print(f"building: {problem or bpe_problem}")
     try:
-        build(data_dir, args.url)
+        if rebuild:
+            build(data_dir, args.url)
+        else:
+            build_bpe(data_dir)
     except (DataError, OSError) as e:      # OSError: e.g. an unwritable --data-dir
         print(f"error: {common.one_line(e)}", file=sys.stderr)
         return 1

@@ -1,10 +1,10 @@
 """
 dev/eval/export_hf.py: our model checkpoint (.bin, fp32 or bf16) -> a Hugging Face GPT-2 directory.
 
-Writes DIR/config.json and DIR/model.safetensors (fp32), which
-transformers.GPT2LMHeadModel.from_pretrained(DIR) loads as is, so that a model trained here can be
-evaluated with other tools (lm-evaluation-harness, the HF generate() API, ...). The mapping,
-parameter by parameter (HF_LAYER_TENSORS below):
+Writes DIR/config.json and DIR/model.safetensors (fp32), both with the mode the umask gives (0644
+under 022), which transformers.GPT2LMHeadModel.from_pretrained(DIR) loads as is, so that a model
+trained here can be evaluated with other tools (lm-evaluation-harness, the HF generate() API, ...).
+The mapping, parameter by parameter (HF_LAYER_TENSORS below):
   - Hugging Face's GPT-2 uses Conv1D layers that compute `out = inp @ W + b` with W stored
     (in_features, out_features): our (OC, C) matmul weights are written transposed;
   - our qkvw (3C, C) is HF's c_attn, whose output columns are q | k | v, heads in order, as ours;
@@ -37,6 +37,7 @@ HF_PREFIX = "transformer."          # GPT2LMHeadModel keeps the transformer unde
 HF_WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
 HF_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")   # both are the tanh approximation we use
+NEW_FILE_MODE = 0o666               # what open() asks for; the umask then takes bits away
 # our per-layer tensor -> (HF name inside transformer.h.<l>., stored transposed?)
 HF_LAYER_TENSORS = {
     "ln1w": ("ln_1.weight", False), "ln1b": ("ln_1.bias", False),
@@ -79,6 +80,14 @@ def hf_state_dict(model):
     return {name: np.ascontiguousarray(t) for name, t in tensors.items()}
 
 
+def umask_file_mode():
+    """The mode open() gives a new file under the current umask (0644 under the usual 022).
+    The umask can only be read by setting it, so it is set and put straight back."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return NEW_FILE_MODE & ~umask
+
+
 def export_hf(model, out_dir):
     """Write config.json and model.safetensors for `model` into out_dir (created if needed).
     Raises InputError if wte's padding rows are not zero (they would be lost)."""
@@ -88,8 +97,12 @@ def export_hf(model, out_dir):
         raise InputError(f"wte rows {cfg.vocab_size}..{cfg.padded_vocab_size - 1} (vocabulary padding) are not zero: "
                          "Hugging Face has no place for them")
     os.makedirs(out_dir, exist_ok=True)
+    weights_path = os.path.join(out_dir, HF_WEIGHTS)
     # transformers refuses a safetensors file without {"format": "pt"} metadata
-    save_file(hf_state_dict(model), os.path.join(out_dir, HF_WEIGHTS), metadata={"format": "pt"})
+    save_file(hf_state_dict(model), weights_path, metadata={"format": "pt"})
+    # save_file leaves the file at mode 0600 whatever the umask (seen with safetensors 0.8.0):
+    # give it the mode config.json gets from open()
+    os.chmod(weights_path, umask_file_mode())
     with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
         json.dump(hf_config(cfg), f, indent=2)
         f.write("\n")
