@@ -14,8 +14,8 @@ On a GPU, first run `make test-gpu` (dev/run_gpu_tests.py; logs in dev/results/)
 
 What it deliberately is not: a framework. No autograd, no graph capture, no flash attention yet
 (the (T,T) attention matrix is materialized, as in llm.c without cuDNN), no ZeRO sharding. All
-device memory is allocated before the first step; a step's only device-to-host synchronizations
-read the gradient norm and the loss.
+training memory is allocated before the first step (only the sampler's KV cache comes from CuPy's
+pool when it samples); a step's only device-to-host synchronizations read the norm and the loss.
 
 Precision (--precision): bf16 (the default from compute capability 8.0) stores parameters,
 gradients and activations as bfloat16 with fp32 arithmetic inside every kernel, fp32 AdamW moments

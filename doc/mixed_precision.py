@@ -23,8 +23,12 @@ and redraws doc/mixed_precision_format.png and doc/mixed_precision_stall.png.
 
 import math
 import os
+import sys
 
 import numpy as np
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # doc/: tutorial.py, which puts the root on sys.path
+from tutorial import print_numbers, pyplot  # noqa: E402
 
 # ----------------------------------------------------------------------------
 # bf16: the top 16 bits of a float32 (1 sign, 8 exponent, 7 mantissa bits)
@@ -98,12 +102,12 @@ def bf16_round_stochastic(x, seed):
     """float32 (n,), per-element seeds uint32 (n,) -> bf16 bits uint16 (n,): common.cuh's
     stochastic_rounding. A uniform 16-bit random number is added to the float's bits, which carries
     into the kept part with probability (discarded bits) / 2^16, then the low 16 bits are cut off
-    (__float2bfloat16_rz). If the sum is a NaN pattern the conversion gives the canonical NaN,
-    so this models that too (it makes an infinite input a NaN unless the random number is 0)."""
+    (the high half taken as it is, so +-inf stays inf and a carry out of the largest finite value
+    gives inf). A NaN input rounds to nearest: the canonical NaN."""
     random = squirrel_noise5(0, seed) & BF16_LOW_MASK                  # (n,) in [0, 2^16)
     bits = float32_bits(x) + random                                   # (n,) uint32
     out = (bits >> BF16_SHIFT).astype(np.uint16)
-    out[is_nan_bits(bits)] = BF16_CANONICAL_NAN
+    out[is_nan_bits(float32_bits(x))] = BF16_CANONICAL_NAN
     return out
 
 
@@ -244,9 +248,7 @@ def lost_update_threshold(update):
 
 
 def draw_format(fig_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [1.2, 1]})
     # left: the bf16 numbers around 1.0, and where 1 + 1e-3 lands
@@ -348,9 +350,7 @@ def stall_experiment(fig_dir):
 
 
 def draw_stall(fig_dir, h, final_sr, exact):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     steps = np.arange(NUM_STEPS + 1)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [1.6, 1]})
@@ -416,5 +416,4 @@ def compute(fig_dir):
 
 
 if __name__ == "__main__":
-    for key, value in compute(os.path.dirname(os.path.abspath(__file__))).items():
-        print(f"{key} = {value}")
+    print_numbers(compute)

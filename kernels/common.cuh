@@ -289,12 +289,19 @@ __device__ inline unsigned int squirrel_noise5(unsigned int position, unsigned i
 // that even structured seeds give uncorrelated rounding bits.
 // How: adding a uniform random 16-bit number to the float's bits carries into bit 16 exactly
 // when random >= 2^16 - low16, i.e. with probability low16 / 2^16; truncating then gives the
-// rounded value (a carry into the exponent is the correct next bf16 value too). Inf stays inf
-// (its low bits are 0); a NaN whose payload lies only in the low 16 bits would become inf.
+// rounded value (a carry into the exponent is the correct next bf16 value too, and a carry out of
+// the largest finite value gives inf). The kept high 16 bits are taken as they are, not through
+// __float2bfloat16_rz: the sum for +-inf (low bits 0) or for a carry out of the largest finite
+// value is a NaN bit pattern as a float, which rz would turn into NaN; its high half is inf.
+// A NaN input rounds to nearest (a NaN with its payload only in the low bits would become inf).
 __device__ inline void stochastic_rounding(float in, __nv_bfloat16* out, unsigned int seed) {
+    if (isnan(in)) {
+        *out = __float2bfloat16_rn(in);
+        return;
+    }
     const unsigned int random = squirrel_noise5(0u, seed) & BF16_DISCARDED_MASK;
     const unsigned int bits = __float_as_uint(in) + random;
-    *out = __float2bfloat16_rz(__uint_as_float(bits));       // rz = truncate the low 16 bits
+    *out = __ushort_as_bfloat16((unsigned short)(bits >> 16));   // truncate the low 16 bits
 }
 
 // fp32 build: nothing is discarded, so storing is exact

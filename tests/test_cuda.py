@@ -1136,6 +1136,22 @@ def test_classifier_kernel(gpu_rng, precision, B, T, V, Vp):
 
 
 @pytest.mark.gpu
+def test_stochastic_rounding_near_the_largest_float_never_gives_nan():
+    # AdamW's bf16 store of a value just under float32's largest: the stochastic carry out of the
+    # largest finite bf16 must give inf (the high half 0x7F80), never NaN (kernels/common.cuh)
+    cp = _cp()
+    n = 4096
+    big = np.full(n, np.finfo(np.float32).max, np.float32)
+    params, master = cp.asarray(float32_to_bfloat16_bits(big)), cp.asarray(big)
+    zeros = cp.zeros(n, np.float32)
+    grads = cp.zeros(n, np.uint16)
+    gpt2_cuda.adamw_update(params, master, grads, zeros, zeros.copy(), n, 0.0, 0.9, 0.95, 0.1, 0.05, 1e-8, 0.0, 1.0, 7)
+    bits = params.get()
+    assert set(np.unique(bits).tolist()) <= {0x7F7F, 0x7F80}, "the largest finite bf16 or +inf"
+    assert (bits == 0x7F80).any(), "some draws carry out of the largest finite value"
+
+
+@pytest.mark.gpu
 @PRECISION_PARAMS
 @pytest.mark.parametrize("n", [1, 1000, 1 << 20])
 def test_adamw_norm_and_cast_kernels(gpu_rng, precision, n):
