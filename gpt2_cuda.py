@@ -134,7 +134,9 @@ def encoder_backward_segments(inp):
     so that dwte[seg_token[s]] += sum of dout[positions[j]] over segment s: np.add.at semantics,
     with one GPU block per distinct token and no atomics."""
     flat = np.ascontiguousarray(inp, dtype=np.int32).ravel()
-    positions = np.argsort(flat, kind="stable").astype(np.int32)
+    # a stable sort of uint16 keys is NumPy's radix sort (linear time: ~1 ms at N=65,536)
+    keys = flat.astype(np.uint16) if flat.size and flat.max() <= np.iinfo(np.uint16).max else flat
+    positions = np.argsort(keys, kind="stable").astype(np.int32)
     sorted_tokens = flat[positions]
     starts = np.flatnonzero(np.diff(sorted_tokens, prepend=np.int32(-1)))   # token ids are >= 0
     seg_start = np.append(starts, flat.size).astype(np.int32)
@@ -462,6 +464,7 @@ class GPT2:
         self.views = {}                              # (B,T) -> name -> view
         self.BT = None                               # (B,T) of the last forward
         self.num_segments = 0
+        self.host_inputs = None                      # the last forward's token ids, for gpt2_backward
         self.has_targets = False
 
 
@@ -545,11 +548,7 @@ def gpt2_forward(model, inputs, targets=None):
     model.BT, model.has_targets = (B, T), targets is not None
     if targets is not None:
         A["targets"].set(np.ascontiguousarray(targets, dtype=np.int32), stream=stream)
-        positions, seg_start, seg_token = encoder_backward_segments(inputs)   # for the backward
-        model.num_segments = seg_token.size
-        A["positions"].set(positions, stream=stream)
-        A["seg_start"][:seg_start.size].set(seg_start, stream=stream)
-        A["seg_token"][:seg_token.size].set(seg_token, stream=stream)
+        model.host_inputs = inputs                    # gpt2_backward sorts them for the encoder's backward
 
     encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"], B, T, C)        # (B,T,C)
     layernorm_forward(A["ln1"][0], A["ln1_mean"][0], A["ln1_rstd"][0], A["encoded"], P["ln1w"][0], P["ln1b"][0], B, T, C)
@@ -607,6 +606,15 @@ def gpt2_backward(model, loss_scale=1.0):
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
     scratch = model.scratch
+    # the encoder backward's segments (a host sort), computed here rather than in the forward: only
+    # a backward needs them (validation does not), and the GPU is still busy with the forward the
+    # host launched asynchronously, so the sort overlaps it
+    positions, seg_start, seg_token = encoder_backward_segments(model.host_inputs)
+    stream = cuda.cupy().cuda.get_current_stream()
+    model.num_segments = seg_token.size
+    A["positions"].set(positions, stream=stream)
+    A["seg_start"][:seg_start.size].set(seg_start, stream=stream)
+    A["seg_token"][:seg_token.size].set(seg_token, stream=stream)
 
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
     # The fused classifier runs again, now writing dlogits over the logits in place (the forward

@@ -23,9 +23,8 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # doc/: tutorial.py, which puts the root on sys.path
+from tutorial import print_numbers, pyplot  # noqa: E402
 
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LR_SCHEDULES,  # noqa: E402
                       GPT2Config, gpt2_backward, gpt2_forward, gpt2_grad_norm, gpt2_init,
@@ -181,9 +180,7 @@ def bias_correction(fig_dir, steps=5000):
     """With a constant gradient g = 1 the ideal normalized step m_hat/sqrt(v_hat) is 1 at every t;
     without the correction it is (1 - beta1^t) / sqrt(1 - beta2^t). Draw that over `steps` steps
     for llm.c's beta2 and for Adam's default 0.999, return its first value and its peak."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t = np.arange(1, steps + 1)
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
@@ -217,9 +214,7 @@ def bias_correction(fig_dir, steps=5000):
 # the four learning-rate schedules
 
 def schedules(fig_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     steps = np.arange(SCHEDULE_STEPS)
     curves = {name: np.array([learning_rate_at(int(s), name, SCHEDULE_LR, SCHEDULE_WARMUP, SCHEDULE_STEPS,
@@ -282,5 +277,4 @@ def compute(fig_dir):
 
 
 if __name__ == "__main__":
-    for key, value in compute(os.path.dirname(os.path.abspath(__file__))).items():
-        print(f"{key} = {value}")
+    print_numbers(compute)
