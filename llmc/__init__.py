@@ -5,6 +5,7 @@ a GPU. The dependency runs one way: llmc never imports gpt2_cpu or gpt2_cuda; wh
 model's shape it takes it as an argument (a config object, a parameter table).
 
     utils.py       InputError (bad input: one line, exit 1), atomic writes, stale temporaries
+    paths.py       where the default data lives (data/)
     formats.py     file headers, model and debug-state files, token shards, bf16 bit patterns
     tokenizer.py   the tokenizer file, decoding, the GPT-2 BPE (tiktoken) for encoding
     dataloader.py  batches from token shards, split across ranks, optionally shuffled
@@ -12,6 +13,8 @@ model's shape it takes it as an argument (a config object, a parameter table).
     checkpoint.py  training state files, DONE markers, saving and resuming a run
     comm.py        data parallelism: MPI (mpi4py) on the host, NCCL on GPUs
     logger.py      llm.c's main.log
+    outlier.py     z-scores of the loss and gradient norm, for skipping outlier steps (-sl, -sg)
+    sampler.py     llm.c's xorshift* RNG and the token draw (temperature, top-k)
     check.py       check_tensor and the one table of tolerances
     cli.py         the shared flags and the loop around the training step (validate, eval,
                    sample, checkpoint, print)
