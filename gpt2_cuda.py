@@ -1094,13 +1094,13 @@ def train(args):
             gpt2_backward(model, loss_scale=1.0 / run.grad_accum_steps)
         if nccl is not None:
             nccl.mean_(model.grads)                                           # data parallel: average over GPUs
+        lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
+                              args.final_lr_frac)
         norm = gpt2_grad_norm(model)                                          # sync 1 of 2
+        grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         loss = float(A["loss_accum"].sum(dtype=np.float64)) / (B * T * run.grad_accum_steps)  # sync 2 of 2
         loss = comm.mean(loss)
         skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
-        grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
-        lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
-                              args.final_lr_frac)
         if not skip:
             gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
         cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update

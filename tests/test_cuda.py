@@ -844,6 +844,29 @@ def test_emulated_log_gpu_every(emulated_gpu, tmp_path, capsys):
     assert len(lines) == 2 and lines[0].startswith("gpu 0: memory 2.00 of 8.00 GiB in use")
 
 
+def test_emulated_outlier_skipping_matches_gpt2_cpu(emulated_gpu, tmp_path, capsys):
+    # -sg through llmc/cli.py: once the 128-step windows are full both trainers print the same
+    # z-scores and skip the same updates (fp32, so the norms agree to ~1e-6)
+    data = _write_shards(tmp_path, n_tokens=20000)
+    model = str(tmp_path / "tiny.bin")
+    gpt2_cpu.write_model(model, gpt2_cpu.gpt2_init(TINY, 42))
+    common = ["-e", model, "-i", data, "-j", "", "-b", "1", "-t", "8", "-x", "136", "-s", "0", "-l", "1e-3",
+              "-k", "constant", "-sg", "0.001"]
+    assert gpt2_cpu.main(common) == 0
+    cpu_out = capsys.readouterr().out
+    assert gpt2_cuda.main(common + ["--precision", "fp32"]) == 0
+    cuda_out = capsys.readouterr().out
+
+    def skips_and_z(out):
+        return (re.findall(r"skipping update due to grad z-score of (-?[0-9.]+)", out),
+                re.findall(r"\| norm [0-9.]+ \(([+-][0-9.]+)z\)", out))
+    (cpu_skips, cpu_z), (cuda_skips, cuda_z) = skips_and_z(cpu_out), skips_and_z(cuda_out)
+    assert len(cpu_z) == 8 and cuda_z == cpu_z
+    assert len(cpu_skips) >= 1 and len(cuda_skips) == len(cpu_skips)
+    # a z-score divides by the window's spread: 130 steps of fp32 reordering show at ~3e-3 of it
+    np.testing.assert_allclose(np.array(cuda_skips, float), np.array(cpu_skips, float), rtol=1e-2)
+
+
 def _write_shards(tmp_path, n_tokens=4000, V=TINY.vocab_size):
     rng = np.random.default_rng(0)
     path = str(tmp_path / "train.bin")
