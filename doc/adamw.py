@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # doc/: tutorial.py, which puts the root on sys.path
-from tutorial import print_numbers, pyplot  # noqa: E402
+from tutorial import print_numbers, pyplot, save_figure  # noqa: E402
 
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LR_SCHEDULES,  # noqa: E402
                       GPT2Config, gpt2_backward, gpt2_forward, gpt2_grad_norm, gpt2_init,
@@ -204,9 +204,7 @@ def bias_correction(fig_dir, steps=5000):
     ax.set_ylim(0, None)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "adamw_bias_correction.png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "adamw_bias_correction.png", dpi=110)
     return numbers
 
 
@@ -231,9 +229,7 @@ def schedules(fig_dir):
         ax.set_ylabel("learning rate (x 1e-4)")
     fig.suptitle(f"learning_rate_at: lr {SCHEDULE_LR:g}, warmup {SCHEDULE_WARMUP}, "
                  f"{SCHEDULE_STEPS} steps, final_lr_frac {SCHEDULE_FINAL_FRAC:g}")
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "adamw_schedules.png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "adamw_schedules.png", dpi=110)
 
     mid = (SCHEDULE_WARMUP + SCHEDULE_STEPS) // 2                                 # halfway through the decay
     late = SCHEDULE_WARMUP + 3 * (SCHEDULE_STEPS - SCHEDULE_WARMUP) // 4          # three quarters through it

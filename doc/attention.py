@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # doc/: tutorial.py, which puts the root on sys.path
-from tutorial import numerical_grad, print_numbers, pyplot, rel_err  # noqa: E402
+from tutorial import numerical_grad, print_numbers, pyplot, rel_err, save_figure  # noqa: E402
 
 from gpt2_cpu import GPT2Config, attention_backward, attention_forward  # noqa: E402
 
@@ -159,9 +159,7 @@ def pattern_experiment(rng, fig_dir):
         ax.set_ylabel("query position t")
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.suptitle(f"one head, T={T}, HS={HS}: the upper triangle of att and dpreatt is exactly 0", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "attention_pattern.png"), dpi=100)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "attention_pattern.png", dpi=100)
     return numbers
 
 
@@ -216,9 +214,7 @@ def memory_experiment(fig_dir):
     ax.set_title(f"GPT-2 124M (L={L}, NH={NH}, C={C}) at B={B}", fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ax.grid(True, which="major", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "attention_memory.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, fig_dir, "attention_memory.png", dpi=100, bbox_inches="tight")
     return numbers
 
 
@@ -267,9 +263,7 @@ def flash_experiment(rng, fig_dir):
                        Patch(color=colors[2], label="computed, masked to -inf"),
                        Patch(color=colors[0], label="skipped (all in the future)")],
               loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "attention_blocks.png"), dpi=100)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "attention_blocks.png", dpi=100)
     return numbers
 
 

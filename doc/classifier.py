@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # doc/: tutorial.py, which puts the root on sys.path
-from tutorial import numerical_grad, print_numbers, pyplot, rel_err  # noqa: E402
+from tutorial import numerical_grad, print_numbers, pyplot, rel_err, save_figure  # noqa: E402
 
 from gpt2_cpu import (VOCAB_PAD_MULTIPLE, GPT2Config, crossentropy_forward,  # noqa: E402
                       crossentropy_softmax_backward, encoder_backward, gpt2_backward, gpt2_forward,
@@ -185,9 +185,7 @@ def gradient_experiment(rng, fig_dir):
     axes[1].set_xlabel("vocabulary column i")
     for ax in axes:
         ax.axvspan(Vf - 0.5, Vpf - 0.5, color="gray", alpha=0.2)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "classifier_gradient.png"), dpi=100)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "classifier_gradient.png", dpi=100)
     return numbers
 
 
@@ -314,9 +312,7 @@ def fused_kernel_experiment(rng, fig_dir):
     axes[1].set_xlabel("k (values read so far)")
     axes[1].legend(fontsize=8, loc="upper left",
                    title="dotted: a new max, the old sum rescaled by exp(m_old - m_new)", title_fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "classifier_online.png"), dpi=100)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "classifier_online.png", dpi=100)
     return numbers
 
 

@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # doc/: tutorial.py, which puts the root on sys.path
-from tutorial import FD_STEP, numerical_grad, print_numbers, pyplot, rel_err  # noqa: E402
+from tutorial import FD_STEP, numerical_grad, print_numbers, pyplot, rel_err, save_figure  # noqa: E402
 
 from gpt2_cpu import (GELU_CUBIC_COEFF, GELU_SCALING_FACTOR, GPT2Config,  # noqa: E402
                       attention_backward, crossentropy_softmax_backward, gelu_backward, gelu_forward,
@@ -137,9 +137,7 @@ def gelu_experiment(rng, fig_dir):
     for ax in axes:
         ax.legend(fontsize=8, loc="upper left")
         ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "gelu_and_matmul_gelu.png"), dpi=100)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "gelu_and_matmul_gelu.png", dpi=100)
     return numbers
 
 
@@ -229,9 +227,7 @@ def residual_experiment(rng, fig_dir):
     ax.set_ylim(0, 1.25 * max(max(s[1], s[2]) for s in steps))
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "gelu_and_matmul_residual.png"), dpi=100)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "gelu_and_matmul_residual.png", dpi=100)
     return numbers
 
 

@@ -28,7 +28,7 @@ import sys
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # doc/: tutorial.py, which puts the root on sys.path
-from tutorial import print_numbers, pyplot  # noqa: E402
+from tutorial import print_numbers, pyplot, save_figure  # noqa: E402
 
 # ----------------------------------------------------------------------------
 # bf16: the top 16 bits of a float32 (1 sign, 8 exponent, 7 mantissa bits)
@@ -279,9 +279,7 @@ def draw_format(fig_dir):
     right.set_title("range and precision of three formats")
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "mixed_precision_format.png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "mixed_precision_format.png", dpi=110)
 
 
 # ----------------------------------------------------------------------------
@@ -379,9 +377,7 @@ def draw_stall(fig_dir, h, final_sr, exact):
     right.set_ylabel(f"count of {NUM_WEIGHTS} weights (bins 2^-6 wide)")
     right.set_title("where the stochastic runs end")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(fig_dir, "mixed_precision_stall.png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, fig_dir, "mixed_precision_stall.png", dpi=110)
 
 
 # ----------------------------------------------------------------------------

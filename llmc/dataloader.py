@@ -44,6 +44,7 @@ class DataLoader:
         self.load_shard(0)
 
     def load_shard(self, idx):
+        """Map shard `idx` of the (possibly shuffled) order and start at its first batch."""
         self.current_shard_idx = idx
         self.tokens = read_shard(self.files[self.shard_order[idx]])
         self.shard_num_samples = (self.tokens.size - 1) // (self.B * self.T * self.num_processes)

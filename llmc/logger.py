@@ -23,10 +23,13 @@ class Logger:
                 f.write(line + "\n")
 
     def log_train(self, step, loss, lr, norm):
+        """`s:<step> trl:<loss> lr:<lr> norm:<norm>`"""
         self._write(f"s:{step} trl:{loss:.6f} lr:{lr:.6f} norm:{norm:.4f}")
 
     def log_val(self, step, loss):
+        """`s:<step> tel:<val loss>`"""
         self._write(f"s:{step} tel:{loss:.6f}")
 
     def log_eval(self, step, acc):
+        """`s:<step> eval:<accuracy>`"""
         self._write(f"s:{step} eval:{acc:.6f}")

@@ -47,6 +47,7 @@ class OutlierDetector:
         return np.concatenate([[self.count, self.index, self.sum, self.sum_sq], self.buffer])
 
     def restore(self, state):
+        """Set the detector from state()'s OUTLIER_STATE_FLOATS float64 (a checkpoint's)."""
         state = np.asarray(state, dtype=np.float64)
         self.count, self.index = int(state[0]), int(state[1])
         self.sum, self.sum_sq = float(state[2]), float(state[3])

@@ -20,6 +20,7 @@ class SamplerRNG:
         self.state = state & self.MASK
 
     def random_u32(self):
+        """Advance the state (xorshift: shifts 12, 25, 27) and return the top 32 bits of state * M."""
         s = self.state
         s ^= s >> 12
         s ^= (s << 25) & self.MASK
@@ -28,6 +29,7 @@ class SamplerRNG:
         return ((s * 0x2545F4914F6CDD1D) & self.MASK) >> 32
 
     def random_f32(self):
+        """A float in [0, 1): the top 24 bits of random_u32() / 2^24."""
         return (self.random_u32() >> 8) / 16777216.0
 
 

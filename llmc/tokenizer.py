@@ -66,6 +66,7 @@ class Tokenizer:
         self.token_bytes, self.eot_token = read_tokenizer(path)
 
     def decode_bytes(self, ids):
+        """Token ids -> their bytes, concatenated (a character may span tokens)."""
         return b"".join(self.token_bytes[i] for i in ids)
 
     def decode(self, ids):
