@@ -12,10 +12,15 @@ NOT YET RUN ON A GPU: written and tested on machines without one (tests/test_cud
 it with NumPy stand-ins for CuPy, the kernels and cuBLAS; CI compiles every kernel with NVRTC).
 On a GPU, first run `make test-gpu` (dev/run_gpu_tests.py; logs in dev/results/).
 
-What it deliberately is not: a framework. No autograd, no graph capture, no flash attention yet
-(the (T,T) attention matrix is materialized, as in llm.c without cuDNN), no ZeRO sharding. All
-training memory is allocated before the first step (only the sampler's KV cache comes from CuPy's
-pool when it samples); a step's only device-to-host synchronizations read the norm and the loss.
+What it deliberately is not: a framework. No autograd, no ZeRO beyond stage 1 (-z 1: AdamW's state
+sharded over the ranks). All training memory is allocated before the first step (only the
+sampler's KV cache comes from CuPy's pool when it samples); a step's only device-to-host
+synchronizations read the norm and the loss.
+
+The fast paths, each a flag and off by default until it has run on a GPU: --attention flash (our
+kernels/flash_attention.cu) or cudnn (llmc/cudnn_attention.py) instead of the materialized (T,T)
+matrix; --cublaslt 1 (llmc/cublaslt.py: bias, GELU and bias gradient fused into the matmuls);
+--cuda-graph 1 (each micro-batch's forward + backward replayed as one CUDA graph).
 
 Precision (--precision): bf16 (the default from compute capability 8.0) stores parameters,
 gradients and activations as bfloat16 with fp32 arithmetic inside every kernel, fp32 AdamW moments
@@ -38,6 +43,7 @@ gradient; parameter gradients always accumulate.
 import math
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,6 +69,11 @@ from llmc.utils import InputError
 # constants: launch configuration, precision
 
 KERNEL_FILES = ("encoder", "layernorm", "attention", "gelu", "bias", "classifier", "adamw", "global_norm", "cast")
+# the attention layer: naive materializes the (B,NH,T,T) matrix (cuBLAS + softmax kernels, the
+# easiest to read); flash is ours (kernels/flash_attention.cu); cudnn is NVIDIA's fused attention
+# (llmc/cudnn_attention.py). The default stays naive until the other two have run on a GPU.
+ATTENTION_PATHS = ("naive", "flash", "cudnn")
+DEFAULT_ATTENTION = "naive"
 LAYERNORM_BACKWARD_BLOCK_SIZE = 512
 LAYERNORM_BACKWARD_GRID = 512          # scratch slots of layernorm_backward: fixed, so results reproduce
 BIAS_BACKWARD_CHUNKS = 256             # row chunks (scratch slots) of bias_backward: fixed, likewise
@@ -77,33 +88,46 @@ UPDATE_SEED = 13371337                 # llm.c's initial rng_state, the seeds of
 # ----------------------------------------------------------------------------
 # activation table: every device buffer, allocated once (parameters: gpt2_cpu.parameter_shapes)
 
-def activation_shapes(config, B, T, recompute=True):
+def activation_shapes(config, B, T, recompute=True, attention="naive"):
     """Every device buffer a forward + backward pass uses, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Each buffer is allocated once, as large as its
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
-    gpt2_cpu.activation_shapes; the differences are llm.c's: qkvr holds q, k, v split into heads;
-    attproj, fcproj and probs are never kept (fused kernels consume them); with recompute,
-    fch_gelu is kept for one layer; the logits live in `output`, a scratch shared with qkv,
-    preatt and the per-head outputs; scratch_* are reused by every layer of the backward."""
+    gpt2_cpu.activation_shapes; the differences are llm.c's: attproj, fcproj and probs are never
+    kept (fused kernels consume them); with recompute, fch_gelu is kept for one layer; the logits
+    live in `output`; scratch_* are reused by every layer of the backward. The attention path
+    (ATTENTION_PATHS) decides the attention buffers:
+      naive:         qkvr (q, k, v split into heads) and att (L,B,NH,T,T) are kept; `output` is
+                     also the scratch of qkv, preatt, the per-head outputs and datt (B,NH,T,T);
+      flash, cudnn:  qkv (L,B,T,3C) itself and lse (L,B,NH,T), the log-sum-exp of each query's
+                     scores, are kept: no (T,T) buffer exists, and no per-head copies."""
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
     HS = C // NH
+    naive = attention == "naive"
+    if naive:
+        attention_kept = [("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X")]
+        output_floats = B * T * max(3 * C, NH * T, Vp)   # qkv | preatt | per-head y | logits | datt
+        attention_scratch = [("dqkvr", (3, B, NH, T, HS), "X"),   # attention backward: dq, dk, dv per head
+                             ("dy", (B, NH, T, HS), "X")]         # attention backward: dout per head
+    else:
+        attention_kept = [("qkv", (L, B, T, 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
+        output_floats = B * T * Vp                       # logits | dlogits
+        attention_scratch = [("att_D", (B, NH, T), "f32")]        # flash backward: rowsum(dout * out)
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
         ("ln1", (L, B, T, C), "X"), ("ln1_mean", (L, B, T), "f32"), ("ln1_rstd", (L, B, T), "f32"),
-        ("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X"), ("atty", (L, B, T, C), "X"),
+        *attention_kept, ("atty", (L, B, T, C), "X"),
         ("residual2", (L, B, T, C), "X"),
         ("ln2", (L, B, T, C), "X"), ("ln2_mean", (L, B, T), "f32"), ("ln2_rstd", (L, B, T), "f32"),
         ("fch", (L, B, T, 4 * C), "X"), ("fch_gelu", (1 if recompute else L, B, T, 4 * C), "X"),
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
-        ("output", (B * T * max(3 * C, NH * T, Vp),), "X"),   # qkv | preatt | per-head y | logits | datt
+        ("output", (output_floats,), "X"),
         ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj; in the backward dlnf, dln2, datty, dln1
         ("scratch_bt4c", (B, T, 4 * C), "X"),  # in the backward dfch, then dqkv (B,T,3C)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
-        ("dqkvr", (3, B, NH, T, HS), "X"),     # attention backward: dq, dk, dv per head
-        ("dy", (B, NH, T, HS), "X"),           # attention backward: dout per head
+        *attention_scratch,
         ("positions", (B * T,), "i32"), ("seg_start", (B * T + 1,), "i32"), ("seg_token", (B * T,), "i32"),
     ]
 
@@ -214,6 +238,9 @@ def matmul_forward(out, inp, weight, bias, B, T, C, OC):
     (C,N): weight's memory is the column-major (C,OC) matrix weight^T, so op(A) = T; inp's memory
     is already inp^T, op(B) = N. cuBLAS adds the bias itself: out is first filled with the bias
     broadcast over the N rows (a copy), then the gemm accumulates onto it (beta = 1)."""
+    if MATMUL_OPTIONS["cublaslt"]:                                      # the bias in the epilogue
+        from llmc import cublaslt
+        return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC)
     N = B * T
     floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
     check_launch("matmul_forward", floatX + ([("bias", bias, OC)] if bias is not None else []))
@@ -227,7 +254,12 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, O
     accumulates dweight (OC,C) and dbias (OC,) (dbias may be None). scratch: fp32 for bias_backward.
         dinp     = dout @ weight     column-major: dinp^T (C,N) = weight^T (C,OC) @ dout^T (OC,N), both as stored
         dweight += dout^T @ inp      column-major: dweight^T (C,OC) = inp^T (C,N) @ dout (N,OC), op(B) = T
-        dbias   += sum over rows of dout   (kernels/bias.cu)"""
+        dbias   += sum over rows of dout   (kernels/bias.cu, or cuBLASLt's BGRADB epilogue)"""
+    if MATMUL_OPTIONS["cublaslt"]:
+        from llmc import cublaslt
+        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC) and dbias is not None:
+            bias_backward(dbias, dout, scratch, N=B * T, OC=OC)         # no BGRADB for this layout
+        return
     N = B * T
     check_launch("matmul_backward", [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC),
                                      ("inp", inp, N * C), ("weight", weight, OC * C)])
@@ -235,6 +267,33 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, O
     cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, accumulate=True)
     if dbias is not None:
         bias_backward(dbias, dout, scratch, N, OC)
+
+
+def matmul_gelu_forward(out, pre_gelu, inp, weight, bias, B, T, C, OC):
+    """The MLP's first layer: pre_gelu (B,T,OC) = inp @ weight^T + bias (kept for the backward)
+    and out = gelu(pre_gelu). With --cublaslt one cuBLASLt call (the GELU_AUX_BIAS epilogue applies
+    the bias and the same tanh GELU to the fp32 accumulator, and stores both); else matmul_forward
+    then gelu_forward."""
+    if MATMUL_OPTIONS["cublaslt"]:
+        from llmc import cublaslt
+        return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu)
+    matmul_forward(pre_gelu, inp, weight, bias, B, T, C, OC)
+    gelu_forward(out, pre_gelu, B * T * OC)
+
+
+def matmul_dgelu_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, scratch, B, T, C, OC):
+    """Backward of the MLP's second layer, whose input inp = gelu(pre_gelu) (B,T,C): dinp is the
+    gradient of pre_gelu, (dout @ weight) * gelu'(pre_gelu); dweight, dbias accumulate as in
+    matmul_backward. With --cublaslt the gelu' is the DGELU epilogue of the dinp product; else
+    matmul_backward then gelu_backward_inplace."""
+    if MATMUL_OPTIONS["cublaslt"]:
+        from llmc import cublaslt
+        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC,
+                                           pre_gelu=pre_gelu) and dbias is not None:
+            bias_backward(dbias, dout, scratch, B * T, OC)
+        return
+    matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC)
+    gelu_backward_inplace(dinp, pre_gelu, B * T * C)
 
 
 def bias_backward(dbias, dout, scratch, N, OC):
@@ -359,6 +418,99 @@ def attention_backward(dinp, dqkvr, datt_scratch, dy, dout, qkvr, att, B, T, C, 
                 (dinp, dq, dk, dv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
 
 
+# flash attention (kernels/flash_attention.cu): the same attention without the (B,NH,T,T) matrix.
+# The tile sizes are compile-time constants of the kernels; these restate its rule for the grid.
+FLASH_HEAD_SIZES = (16, 32, 64, 128)   # head sizes with entry points: GPT-2's 64, the tiny test models' 16
+FLASH_ROWS_PER_WARP = 16               # one 16x16 tensor-core tile of rows per warp
+FLASH_MAX_OWNED_ROWS = 64              # rows a block owns: at most 4 warps
+FLASH_MAX_STREAMED_ROWS = 32           # rows streamed through shared memory per step
+FLASH_OWNED_TILE_BYTES = 8192          # one tile of owned rows is at most 8 KiB: a kernel's tiles fit in 48 KiB
+FLASH_ATTENTION_KERNELS = {            # head size -> (forward, dk/dv, dq) entry points
+    HS: (f"flash_attention_forward_hs{HS}", f"flash_attention_backward_dkdv_hs{HS}", f"flash_attention_backward_dq_hs{HS}")
+    for HS in FLASH_HEAD_SIZES}
+
+
+def flash_attention_supported(HS):
+    """True when kernels/flash_attention.cu has entry points for head size HS."""
+    return HS in FLASH_HEAD_SIZES
+
+
+def flash_attention_tiles(precision, HS):
+    """(owned, streamed) rows of kernels/flash_attention.cu's FlashTiles<HS>: a block owns `owned`
+    rows (16 per warp) and streams blocks of `streamed` rows of the other side, e.g. bf16 HS=64:
+    (64, 32); fp32 HS=128: (16, 16)."""
+    owned = min(FLASH_MAX_OWNED_ROWS, FLASH_OWNED_TILE_BYTES // (HS * FLOATX_DTYPES[precision].itemsize))
+    return owned, min(FLASH_MAX_STREAMED_ROWS, owned)
+
+
+def flash_attention_launch(precision, HS, B, T, NH):
+    """(grid, block) of the forward, dk/dv and dq kernels: one block per (b*NH + h, block of owned
+    rows), 32 threads per 16 owned rows. Raises ValueError for an unsupported head size."""
+    require(flash_attention_supported(HS), f"flash attention: no kernel for head size {HS} (have {FLASH_HEAD_SIZES})")
+    owned, _ = flash_attention_tiles(precision, HS)
+    return (B * NH, ceil_div(T, owned)), owned // FLASH_ROWS_PER_WARP * WARP_SIZE
+
+
+def flash_attention_forward(out, lse, qkv, B, T, C, NH):
+    """Causal multi-head attention, fused: out (B,T,C) and lse (B,NH,T) fp32 from qkv (B,T,3C).
+        out[b,t,head h] = sum_{j<=t} softmax_j(q_t . k_j / sqrt(HS)) v_j,   lse[b,h,t] = log sum_{j<=t} exp(q_t . k_j / sqrt(HS))
+    as gpt2_cpu.attention_forward, by Dao et al. 2022 Alg. 1 in FlashAttention-2's loop order (Dao
+    2023, Alg. 1): online softmax over key blocks, read straight from qkv's columns, nothing of size
+    T x T stored. lse is what flash_attention_backward needs in place of att."""
+    require(C % NH == 0 and T >= 1, f"flash_attention_forward: need C={C} a multiple of NH={NH} and T >= 1")
+    HS = C // NH
+    precision = check_launch("flash_attention_forward", [("out", out, B * T * C), ("qkv", qkv, 3 * B * T * C)],
+                             float32=[("lse", lse, B * NH * T)], vector_dim=("HS", HS))
+    grid, block = flash_attention_launch(precision, HS, B, T, NH)
+    cuda.launch("flash_attention", precision, FLASH_ATTENTION_KERNELS[HS][0], grid, block,
+                (out, lse, qkv, np.int32(B), np.int32(T), np.int32(NH)))
+
+
+def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH):
+    """Backward of flash_attention_forward: writes dqkv (B,T,3C) = (dq | dk | dv) in qkv's layout,
+    from dout (B,T,C) and the forward's out, qkv and lse; D (B,NH,T) fp32 is scratch. FlashAttention-2
+    Alg. 2 (Dao 2023), recomputing p = exp(q.k / sqrt(HS) - lse) block by block, deterministic:
+        D[t]  = dout_t . out_t                               (preprocess kernel)
+        dS    = p (dout_t . v_j - D[t])
+        dv_j  = sum_{t>=j} p dout_t,  dk_j = sum_{t>=j} dS q_t / sqrt(HS)   (one kernel, per key block)
+        dq_t  = sum_{j<=t} dS k_j / sqrt(HS)                                (one kernel, per query block)
+    Every element of dqkv is written (=) by exactly one thread: no atomics, bitwise reproducible."""
+    require(C % NH == 0 and T >= 1, f"flash_attention_backward: need C={C} a multiple of NH={NH} and T >= 1")
+    HS = C // NH
+    precision = check_launch("flash_attention_backward",
+                             [("dqkv", dqkv, 3 * B * T * C), ("dout", dout, B * T * C), ("out", out, B * T * C),
+                              ("qkv", qkv, 3 * B * T * C)],
+                             float32=[("D", D, B * NH * T), ("lse", lse, B * NH * T)], vector_dim=("HS", HS))
+    grid, block = flash_attention_launch(precision, HS, B, T, NH)
+    _, dkdv_kernel, dq_kernel = FLASH_ATTENTION_KERNELS[HS]
+    cuda.launch("flash_attention", precision, "flash_attention_backward_preprocess", elementwise_grid(B * T * NH),
+                BLOCK_SIZE, (D, dout, out, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
+    scalars = (np.int32(B), np.int32(T), np.int32(NH))
+    cuda.launch("flash_attention", precision, dkdv_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
+    cuda.launch("flash_attention", precision, dq_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
+
+
+def fused_attention_forward(path, out, lse, qkv, B, T, C, NH):
+    """Attention without the (T,T) matrix, on `path` "flash" (ours) or "cudnn": out (B,T,C) from
+    qkv (B,T,3C) read in place, and lse (B,NH,T) fp32, each query row's log-sum-exp of its scaled
+    scores (cuDNN's softmax "stats"), which the backward needs to recompute the probabilities."""
+    if path == "flash":
+        flash_attention_forward(out, lse, qkv, B, T, C, NH)
+    else:
+        from llmc import cudnn_attention
+        cudnn_attention.attention_forward_cudnn(out, lse, qkv, B, T, NH, C // NH)
+
+
+def fused_attention_backward(path, dqkv, D, dout, out, qkv, lse, B, T, C, NH):
+    """Backward of fused_attention_forward: writes dqkv (B,T,3C) in the layout of qkv from dout
+    (B,T,C) and the forward's out, qkv and lse. D (B,NH,T) fp32 is the flash path's scratch."""
+    if path == "flash":
+        flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH)
+    else:
+        from llmc import cudnn_attention
+        cudnn_attention.attention_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, C // NH)
+
+
 def gelu_forward(out, inp, n):
     """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise over n values."""
     precision = check_launch("gelu_forward", [("out", out, n), ("inp", inp, n)], aligned=True)
@@ -431,10 +583,13 @@ class GPT2:
     fp32 AdamW moments m, v, optional fp32 master weights, and the activation buffers (allocated
     by gpt2_allocate, once). precision is "bf16" or "fp32"."""
 
-    def __init__(self, config, precision="bf16", master_weights=True, recompute=True):
+    def __init__(self, config, precision="bf16", master_weights=True, recompute=True, attention="naive",
+                 zero_stage=0, process_rank=0, num_processes=1):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
+        if attention not in ATTENTION_PATHS:
+            raise InputError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {attention}")
         vec = vector_size(precision)
         if config.channels % config.num_heads or (config.channels // config.num_heads) % vec:
             raise InputError(f"the CUDA kernels need the head size C/NH = {config.channels}/{config.num_heads} "
@@ -442,18 +597,27 @@ class GPT2:
         self.config = config
         self.precision = precision
         self.recompute = bool(recompute)
+        self.attention = attention                   # ATTENTION_PATHS: which attention layer runs
         self.floatX = FLOATX_DTYPES[precision]
         self.param_shapes = parameter_shapes(config)
         self.num_parameters = num_elements(self.param_shapes)
         n = self.num_parameters
-        self.params = cp.zeros(n, dtype=self.floatX)
-        self.grads = cp.zeros(n, dtype=self.floatX)
+        # -z 1 (ZeRO-1, the AdamW section): m, v and the master weights hold only this rank's shard
+        # of S floats; params and grads stay whole, allocated padded to num_processes * S for
+        # NCCL's equal counts (padding 0, never read by the model). -z 0: S = n, no padding
+        self.zero_stage = zero_stage
+        self.shard = optimizer_shard(n, zero_stage, process_rank, num_processes)
+        self.params_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
+        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
+        self.params = self.params_memory[:n]                         # (n,) views: what the model uses
+        self.grads = self.grads_memory[:n]
         self.P = tensor_views(self.params, self.param_shapes)        # name -> view into params
         self.G = tensor_views(self.grads, self.param_shapes)         # name -> view into grads
+        S = self.shard.size
         # fp32 master weights only make sense when the parameters themselves are not fp32
-        self.master = cp.zeros(n, dtype=np.float32) if master_weights and precision == "bf16" else None
-        self.m = cp.zeros(n, dtype=np.float32)                       # AdamW moments, fp32 always
-        self.v = cp.zeros(n, dtype=np.float32)
+        self.master = cp.zeros(S, dtype=np.float32) if master_weights and precision == "bf16" else None
+        self.m = cp.zeros(S, dtype=np.float32)                       # AdamW moments, fp32 always
+        self.v = cp.zeros(S, dtype=np.float32)
         self.scratch = cp.zeros(scratch_floats(config), dtype=np.float32)
         self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
         self.norm = cp.zeros(1, dtype=np.float32)
@@ -462,6 +626,7 @@ class GPT2:
         self.buffers = None                          # name -> flat device buffer (gpt2_allocate)
         self.allocated = []                          # the (B,T) sizes the buffers were sized for
         self.views = {}                              # (B,T) -> name -> view
+        self.graphs = {}                             # (B,T,loss_scale) -> captured CUDA graph (gpt2_micro_batch)
         self.BT = None                               # (B,T) of the last forward
         self.num_segments = 0
         self.host_inputs = None                      # the last forward's token ids, for gpt2_backward
@@ -477,8 +642,9 @@ def gpt2_allocate(model, *sizes):
     cp = cuda.cupy()
     dtypes = {"X": model.floatX, "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
     sizes = list(dict.fromkeys(sizes))                                # unique, in order
-    tables = [activation_shapes(model.config, B, T, model.recompute) for B, T in sizes]
+    tables = [activation_shapes(model.config, B, T, model.recompute, model.attention) for B, T in sizes]
     model.buffers = model.views = None                                # free the old set first
+    model.graphs = {}                                                 # they point into the old buffers
     model.buffers = {name: cp.zeros(max(math.prod(table[i][1]) for table in tables), dtype=dtypes[kind])
                      for i, (name, _, kind) in enumerate(tables[0])}
     model.allocated = sizes
@@ -492,7 +658,7 @@ def gpt2_activations(model, B, T):
     reallocated for (B,T) and the sizes allocated before (views fetched earlier are then stale:
     fetch them again)."""
     if (B, T) not in model.views:
-        table = activation_shapes(model.config, B, T, model.recompute)
+        table = activation_shapes(model.config, B, T, model.recompute, model.attention)
         if model.buffers is None or any(math.prod(shape) > model.buffers[name].size for name, shape, _ in table):
             gpt2_allocate(model, *model.allocated, (B, T))
         model.views[(B, T)] = {name: prefix(model.buffers[name], shape) for name, shape, _ in table}
@@ -502,20 +668,24 @@ def gpt2_activations(model, B, T):
 def upload_parameters(model, params):
     """Set the model's parameters from a flat fp32 host array (a checkpoint, or gpt2_cpu's init):
     the master weights get it exactly; bf16 parameters get it rounded to nearest even (the same
-    rounding as cast_float_to_floatX, done on the host to need no fp32 copy on the device)."""
+    rounding as cast_float_to_floatX, done on the host to need no fp32 copy on the device). With
+    ZeRO-1 the master weights get this rank's shard of it (model.shard; the padding 0)."""
     params = np.ascontiguousarray(params, dtype=np.float32)
     if params.size != model.num_parameters:
         raise InputError(f"{params.size} parameters do not fit a model of {model.num_parameters}")
     if model.master is not None:
-        model.master.set(params)
+        padded = np.zeros(model.shard.padded, dtype=np.float32)
+        padded[:params.size] = params
+        model.master.set(padded[model.shard.offset:model.shard.offset + model.shard.size])
     model.params.set(float32_to_bfloat16_bits(params) if model.precision == "bf16" else params)
 
 
 def download_parameters(model, master=True):
-    """The parameters as a flat fp32 host array: the master weights when there are some and
-    `master`, else the floatX parameters upcast (exact). Checkpoints use the former; --check the
-    latter (the values the kernels actually compute with)."""
-    if master and model.master is not None:
+    """The parameters as a flat fp32 host array: the master weights when there are some, `master`,
+    and this rank holds all of them (not a ZeRO-1 shard of several), else the floatX parameters
+    upcast (exact). Checkpoints use the former; --check the latter (the values the kernels
+    actually compute with)."""
+    if master and model.master is not None and model.shard.num_processes == 1:
         return model.master.get()
     return as_float32(model.params.get())
 
@@ -531,17 +701,24 @@ def gpt2_forward(model, inputs, targets=None):
     forward or backward, which overwrites it with dlogits). With targets, the per-position losses
     (B,T) fp32 are computed too (model.buffers' `losses`; gpt2_mean_loss reads their mean).
     Raises InputError if T > maxT or a token id is out of range."""
+    B, T = upload_batch(model, inputs, targets)
+    return gpt2_forward_kernels(model, B, T, targets is not None)
+
+
+def upload_batch(model, inputs, targets):
+    """The host half of gpt2_forward: check the token ids, copy them (and the targets) into the
+    device buffers of their (B,T), and remember them for the backward. Returns (B,T)."""
     cp = cuda.cupy()
     cfg = model.config
     inputs = np.asarray(inputs)
     B, T = inputs.shape
-    C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
+    V = cfg.vocab_size
     if T > cfg.max_seq_len:
         raise InputError(f"sequence length T={T} exceeds the model's max_seq_len {cfg.max_seq_len}")
     for name, ids in (("token", inputs), ("target", targets)):
         if ids is not None and (ids.min() < 0 or ids.max() >= V):
             raise InputError(f"{name} id out of range [0, {V}): {ids.min()}..{ids.max()}")
-    P, A = model.P, gpt2_activations(model, B, T)
+    A = gpt2_activations(model, B, T)
     stream = cp.cuda.get_current_stream()
     # host -> device: asynchronous (pageable memory is staged at once, so the host arrays may go)
     A["inputs"].set(np.ascontiguousarray(inputs, dtype=np.int32), stream=stream)
@@ -549,7 +726,17 @@ def gpt2_forward(model, inputs, targets=None):
     if targets is not None:
         A["targets"].set(np.ascontiguousarray(targets, dtype=np.int32), stream=stream)
         model.host_inputs = inputs                    # gpt2_backward sorts them for the encoder's backward
+    return B, T
 
+
+def gpt2_forward_kernels(model, B, T, with_loss):
+    """The device half of gpt2_forward: every launch of the forward pass, reading the token ids
+    (and targets) already on the device. Launches only: no host work, no synchronization, the
+    same arguments every call for a given (B,T), so a CUDA graph can capture it (gpt2_micro_batch).
+    Returns the logits view (B,T,Vp)."""
+    cfg = model.config
+    C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
+    P, A = model.P, gpt2_activations(model, B, T)
     encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"], B, T, C)        # (B,T,C)
     layernorm_forward(A["ln1"][0], A["ln1_mean"][0], A["ln1_rstd"][0], A["encoded"], P["ln1w"][0], P["ln1b"][0], B, T, C)
     for l in range(L):
@@ -557,17 +744,20 @@ def gpt2_forward(model, inputs, targets=None):
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]               # (B,T,C)
         fch_gelu = A["fch_gelu"][0 if model.recompute else l]
         # forward pass 1: attention block (ln1[l] was written by the previous fused residual)
-        qkv = prefix(A["output"], (B, T, 3 * C))
-        matmul_forward(qkv, A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)      # (B,T,3C)
-        attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["output"], B, T, C, NH)
+        if model.attention == "naive":                                             # (T,T) att kept
+            qkv = prefix(A["output"], (B, T, 3 * C))
+            matmul_forward(qkv, A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)  # (B,T,3C)
+            attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["output"], B, T, C, NH)
+        else:                                                                      # qkv and lse kept
+            matmul_forward(A["qkv"][l], A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)
+            fused_attention_forward(model.attention, A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH)
         attproj = A["scratch_btc"]
         matmul_forward(attproj, A["atty"][l], p["attprojw"], p["attprojb"], B, T, C, C)
         # residual2 = residual + attproj, and ln2 = layernorm(residual2), in one kernel
         fused_residual_forward(A["residual2"][l], A["ln2"][l], A["ln2_mean"][l], A["ln2_rstd"][l],
                                residual, attproj, p["ln2w"], p["ln2b"], B * T, C)
         # forward pass 2: MLP block
-        matmul_forward(A["fch"][l], A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C)  # (B,T,4C)
-        gelu_forward(fch_gelu, A["fch"][l], B * T * 4 * C)
+        matmul_gelu_forward(fch_gelu, A["fch"][l], A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C)  # (B,T,4C)
         fcproj = A["scratch_btc"]
         matmul_forward(fcproj, fch_gelu, p["fcprojw"], p["fcprojb"], B, T, 4 * C, C)  # (B,T,C)
         # residual3 = residual2 + fcproj, and the next LayerNorm: layer l+1's ln1, or the final lnf
@@ -580,7 +770,7 @@ def gpt2_forward(model, inputs, targets=None):
     # forward pass 3: classifier tied to wte (lnf was written by the last fused residual), loss
     logits = prefix(A["output"], (B, T, Vp))
     matmul_forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)                  # (B,T,C) @ (C,Vp) -> (B,T,Vp)
-    if targets is not None:
+    if with_loss:
         fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
     return logits
 
@@ -601,21 +791,40 @@ def gpt2_backward(model, loss_scale=1.0):
     gradient of loss_scale * mean(losses) into model.grads (loss_scale = 1/n over n micro-batches)."""
     if not model.has_targets:
         raise RuntimeError("gpt2_backward needs a forward pass with targets")
+    upload_segments(model, padded=False)
+    gpt2_backward_kernels(model, loss_scale, model.num_segments)
+
+
+def upload_segments(model, padded):
+    """Sort the last forward's token ids into the encoder backward's segments (a host sort) and
+    copy them to the device. Done at the backward rather than the forward: only a backward needs
+    them (validation does not), and the GPU is still busy with the forward the host launched
+    asynchronously, so the sort overlaps it. padded: fill all B*T segment slots, those past the S
+    real ones empty (seg_start = N), so that the encoder backward always launches over B*T
+    segments, the fixed arguments a CUDA graph needs; empty segments change nothing."""
+    B, T = model.BT
+    A = gpt2_activations(model, B, T)
+    positions, seg_start, seg_token = encoder_backward_segments(model.host_inputs)
+    model.num_segments = seg_token.size
+    if padded:
+        N, S = B * T, seg_token.size
+        seg_start = np.concatenate([seg_start, np.full(N - S, N, dtype=np.int32)])       # (N+1,)
+        seg_token = np.concatenate([seg_token, np.full(N - S, -1, dtype=np.int32)])      # (N,): never read
+    stream = cuda.cupy().cuda.get_current_stream()
+    A["positions"].set(positions, stream=stream)
+    A["seg_start"][:seg_start.size].set(seg_start, stream=stream)
+    A["seg_token"][:seg_token.size].set(seg_token, stream=stream)
+
+
+def gpt2_backward_kernels(model, loss_scale, num_segments):
+    """The device half of gpt2_backward: every launch of the backward pass of the (B,T) forward,
+    the encoder's segments already on the device (num_segments of them). Launches only, with the
+    same arguments every call for given (B,T), loss_scale and num_segments: graph-capturable."""
     cfg = model.config
     B, T = model.BT
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
     scratch = model.scratch
-    # the encoder backward's segments (a host sort), computed here rather than in the forward: only
-    # a backward needs them (validation does not), and the GPU is still busy with the forward the
-    # host launched asynchronously, so the sort overlaps it
-    positions, seg_start, seg_token = encoder_backward_segments(model.host_inputs)
-    stream = cuda.cupy().cuda.get_current_stream()
-    model.num_segments = seg_token.size
-    A["positions"].set(positions, stream=stream)
-    A["seg_start"][:seg_start.size].set(seg_start, stream=stream)
-    A["seg_token"][:seg_token.size].set(seg_token, stream=stream)
-
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
     # The fused classifier runs again, now writing dlogits over the logits in place (the forward
     # left them intact for sampling and validation; llm.c fuses this into the forward).
@@ -638,8 +847,8 @@ def gpt2_backward(model, loss_scale=1.0):
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
         # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
         dfch = A["scratch_bt4c"]
-        matmul_backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], scratch, B, T, 4 * C, C)
-        gelu_backward_inplace(dfch, A["fch"][l], B * T * 4 * C)                    # dfch_gelu -> dfch
+        matmul_dgelu_backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], A["fch"][l], scratch,
+                              B, T, 4 * C, C)                                     # dfch, through gelu
         dln2 = A["scratch_btc"]
         matmul_backward(dln2, g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"], scratch, B, T, C, 4 * C)
         layernorm_backward(dresidual, g["ln2w"], g["ln2b"], scratch, dln2, A["residual2"][l], p["ln2w"],
@@ -648,15 +857,51 @@ def gpt2_backward(model, loss_scale=1.0):
         datty = A["scratch_btc"]
         matmul_backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], scratch, B, T, C, C)
         dqkv = prefix(A["scratch_bt4c"], (B, T, 3 * C))
-        attention_backward(dqkv, A["dqkvr"], A["output"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH)
+        if model.attention == "naive":
+            attention_backward(dqkv, A["dqkvr"], A["output"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH)
+        else:
+            fused_attention_backward(model.attention, dqkv, A["att_D"], datty, A["atty"][l], A["qkv"][l],
+                                     A["lse"][l], B, T, C, NH)
         dln1 = A["scratch_btc"]                                                     # datty was consumed above
         matmul_backward(dln1, g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"], scratch, B, T, C, 3 * C)
         layernorm_backward(dresidual, g["ln1w"], g["ln1b"], scratch, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
     # backward of the encoder: encoded = wte[inputs] + wpe
-    S = model.num_segments
+    S = num_segments
     encoder_backward(G["wte"], G["wpe"], dresidual, A["positions"], A["seg_start"][:S + 1], A["seg_token"][:S], S,
                      B, T, C)
+
+
+def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
+    """One micro-batch of a training step: the forward with targets, its losses added into
+    loss_accum on the device, and the backward, accumulating the gradient of loss_scale *
+    mean(losses) into model.grads. With cuda_graph, the ~25 L + 20 launches of the three are
+    captured into a CUDA graph on the first call for their ((B,T), loss_scale), and replayed as one
+    launch on the calls after: the host stops being the bottleneck of small models. The host part
+    (the token ids, targets and the encoder's padded segments, copied to their fixed device
+    buffers) runs before it, outside the graph. Both paths give bitwise the same results: the same
+    kernels with the same arguments in the same order (the padding segments do nothing)."""
+    cp = cuda.cupy()
+    B, T = upload_batch(model, inputs, targets)
+    A = gpt2_activations(model, B, T)
+    if not cuda_graph:
+        gpt2_forward_kernels(model, B, T, True)
+        cp.add(A["loss_accum"], A["losses"], out=A["loss_accum"])
+        gpt2_backward(model, loss_scale)
+        return
+    upload_segments(model, padded=True)
+    key = (B, T, loss_scale)
+    if key not in model.graphs:
+        stream = cp.cuda.get_current_stream()        # a created stream: the legacy one cannot capture
+        stream.begin_capture()
+        try:
+            gpt2_forward_kernels(model, B, T, True)
+            cp.add(A["loss_accum"], A["losses"], out=A["loss_accum"])
+            gpt2_backward_kernels(model, loss_scale, B * T)
+        finally:
+            graph = stream.end_capture()             # captured, not run: it runs below
+        model.graphs[key] = graph
+    model.graphs[key].launch(cp.cuda.get_current_stream())
 
 
 def gpt2_grad_norm(model):
@@ -684,22 +929,152 @@ def adamw_update(params, master_params, grads, m, v, n, learning_rate, beta1, be
                  np.uint32(seed)))
 
 
-def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+# ZeRO-1 (-z 1; Rajbhandari et al. 2020, "ZeRO", stage 1 = optimizer state partitioning; llm.c's
+# llmc/zero.cuh): with N data-parallel ranks, rank r keeps AdamW's m, v and the fp32 master
+# weights only for its shard, elements [r*S, (r+1)*S) of the flat parameter vector, so each rank
+# holds 1/N of the 8 (12 with master weights) bytes per parameter. A step becomes: reduce-scatter
+# the gradients (each rank receives the mean of its shard only), AdamW on the shard, all-gather
+# the updated parameters into every rank's full buffer. Without ZeRO-1 the "shard" is rank 0 of 1:
+# the whole vector, so one code path serves both. Unlike llm.c, which splits every tensor into N
+# pieces (every tensor's size must divide by N; where the total does not, it runs stage 0), we cut the flat
+# vector once, padded to N*S: a cut may fall inside a tensor, and gpt2_update then updates the
+# intersection of the shard with each tensor.
+
+ZERO_STAGES = (0, 1)                   # llm.c's -z also names 2 and 3, but runs only 0 and 1
+ZERO_SHARD_ALIGN = 8                   # S is a multiple of 8 elements: every shard starts 16-byte aligned
+SQ5_BIT_NOISE1 = 0xD2A80A3F            # kernels/common.cuh's squirrel_noise5 multiplier (tests check it)
+UINT32_MASK = 0xFFFFFFFF
+
+
+class Shard(NamedTuple):
+    """One rank's part of the flat parameter vector (zero_shard): elements [offset, offset + size)
+    of the vector padded to `padded` = num_processes * size elements; the real parameters are the
+    first num_parameters, so the last shards may end in padding (never updated, never read)."""
+    rank: int
+    num_processes: int
+    num_parameters: int                # n, the real parameters
+    size: int                          # S, the elements of every shard (m, v, master weights hold S floats)
+
+    @property
+    def offset(self):
+        return self.rank * self.size
+
+    @property
+    def padded(self):
+        return self.num_processes * self.size
+
+
+class ShardPiece(NamedTuple):
+    """The intersection of a shard with one parameter tensor (shard_slices)."""
+    name: str                          # the tensor (gpt2_cpu.parameter_shapes)
+    flat: slice                        # its elements in the flat parameter / gradient vector
+    local: slice                       # the same elements in the shard's m, v, master weights
+    start: int                         # the index of its first element within the tensor
+
+
+def zero_shard(n, rank, num_processes):
+    """Rank `rank`'s shard of a flat vector of n elements split over num_processes ranks:
+    S = ceil(n / num_processes) rounded up to a multiple of ZERO_SHARD_ALIGN, so all shards are
+    the same size (NCCL's reduce-scatter and all-gather take one count for every rank) and start
+    aligned. The shards cover [0, num_processes * S) exactly once; the padding is < num_processes
+    * ZERO_SHARD_ALIGN elements. One process: S = n, no padding (one shard is everything).
+    Raises ValueError for a rank outside [0, num_processes)."""
+    if not 0 <= rank < num_processes:
+        raise ValueError(f"rank {rank} is not one of {num_processes} processes")
+    if num_processes == 1:
+        return Shard(0, 1, n, n)
+    S = ceil_div(ceil_div(n, num_processes), ZERO_SHARD_ALIGN) * ZERO_SHARD_ALIGN
+    return Shard(rank, num_processes, n, S)
+
+
+def optimizer_shard(n, zero_stage, rank, num_processes):
+    """The shard of the optimizer state this rank keeps for -z zero_stage: with 1, zero_shard;
+    with 0, everything (zero_shard's rank 0 of 1). Raises InputError for another stage."""
+    if zero_stage not in ZERO_STAGES:
+        raise InputError(f"-z {zero_stage}: ZeRO stage {zero_stage} is not supported (stages 0 and 1 are; "
+                         f"llm.c runs stage 2 and 3 as 0)")
+    return zero_shard(n, rank, num_processes) if zero_stage == 1 else zero_shard(n, 0, 1)
+
+
+def shard_slices(param_shapes, shard):
+    """The pieces (ShardPiece, in parameter order) in which `shard` cuts the tensors of
+    param_shapes: for each tensor [t0, t1) of the flat vector that meets the shard [o, o+S), its
+    intersection [max(t0, o), min(t1, o+S)): at the same indices in params and grads (`flat`), at
+    those minus o in m, v, master (`local`), and `start` = max(t0, o) - t0 into the tensor. A shard
+    is one contiguous range, so a tensor has at most one piece."""
+    pieces, t0 = [], 0
+    lo_shard, hi_shard = shard.offset, shard.offset + shard.size
+    for name, shape in param_shapes:
+        t1 = t0 + math.prod(shape)
+        lo, hi = max(t0, lo_shard), min(t1, hi_shard)
+        if lo < hi:
+            pieces.append(ShardPiece(name, slice(lo, hi), slice(lo - lo_shard, hi - lo_shard), lo - t0))
+        t0 = t1
+    return pieces
+
+
+def rounding_seed(seed, start):
+    """The seed that makes adamw_update's stochastic rounding of a piece of a tensor that begins
+    at element `start` draw the same bits as one launch over the whole tensor: the kernel hashes
+    squirrel_noise5(i, seed) with i counted from the launch's first element, and the hash begins
+    with i * SQ5_BIT_NOISE1 + seed (mod 2^32), so
+        squirrel_noise5(start + j, seed) == squirrel_noise5(j, seed + start * SQ5_BIT_NOISE1).
+    Then a sharded run rounds every element as the unsharded one does (same bits, bf16 too)."""
+    return (seed + start * SQ5_BIT_NOISE1) & UINT32_MASK
+
+
+def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None):
     """One AdamW step (the math of gpt2_cpu.gpt2_update; t is the 1-based step count), one kernel
-    launch per parameter tensor so that weight decay applies to DECAYED_PARAMETERS only. Each
-    launch gets its own stochastic-rounding seed from model.update_rng."""
+    launch per parameter tensor so that weight decay applies to DECAYED_PARAMETERS only, over the
+    tensor's piece in this rank's shard (model.shard, shard_slices: the whole tensor without
+    ZeRO-1). Each tensor gets its own stochastic-rounding seed from model.update_rng, drawn on
+    every rank for every tensor, so all ranks and an unsharded run draw the same seeds; a piece
+    starting inside its tensor gets rounding_seed's shifted seed. With ZeRO-1 over several ranks,
+    nccl (llmc.comm.NcclComm) then all-gathers the updated shards into every rank's params."""
     bc1 = 1.0 - beta1 ** t
     bc2 = 1.0 - beta2 ** t
-    offset = 0
-    for name, shape in model.param_shapes:
-        n = math.prod(shape)
+    pieces = {piece.name: piece for piece in shard_slices(model.param_shapes, model.shard)}
+    for name, _ in model.param_shapes:
+        seed = model.update_rng.random_u32()
+        if name not in pieces:                                  # the tensor lies in other ranks' shards
+            continue
+        piece = pieces[name]
+        n = piece.flat.stop - piece.flat.start
         wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
-        part = slice(offset, offset + n)
-        master = model.master[part] if model.master is not None else None
-        adamw_update(model.params[part], master, model.grads[part], model.m[part], model.v[part], n,
-                     learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale, model.update_rng.random_u32())
-        offset += n
+        master = model.master[piece.local] if model.master is not None else None
+        adamw_update(model.params[piece.flat], master, model.grads[piece.flat], model.m[piece.local],
+                     model.v[piece.local], n, learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale,
+                     rounding_seed(seed, piece.start))
     model.rng_state_last_update = model.update_rng.state
+    if nccl is not None and model.shard.num_processes > 1:
+        nccl.all_gather_(model.params_memory)                  # (padded,): every rank's shard to every rank
+
+
+def gpt2_average_gradients(model, nccl):
+    """Data parallelism: average the gradients over the ranks of nccl (llmc.comm.NcclComm). Without
+    ZeRO-1, all of them (all-reduce); with it, only this rank's shard receives the mean
+    (reduce-scatter: half the traffic), the rest of model.grads is stale until the next step."""
+    if model.shard.num_processes > 1:
+        nccl.reduce_scatter_mean_(model.grads_memory)          # (padded,) -> the mean of this rank's shard
+    else:
+        nccl.mean_(model.grads)
+
+
+def gpt2_global_grad_norm(model, comm):
+    """The L2 norm of the whole averaged gradient, a Python float, the same on every rank. Without
+    ZeRO-1 (or on one rank) gpt2_grad_norm. With it, each rank holds only its shard's mean, so:
+    the squared norm of the shard's real elements (global_norm's kernels on grads[o:min(o+S, n)],
+    never the padding, which the reduce-scatter does not promise to leave 0), summed over the
+    ranks on the host (comm.sum, an MPI all-reduce of one float64), then the root. The squares of
+    the shards' fp32 norms carry ~1e-7 relative error: the result agrees with the unsharded norm
+    to that, not bit for bit (the kernel's sum order differs anyway)."""
+    if model.shard.num_processes == 1:
+        return gpt2_grad_norm(model)
+    shard = model.shard
+    grads = model.grads[shard.offset:shard.offset + shard.size]           # (n,) view: stops at n
+    global_norm(model.norm, model.norm_partial, grads, grads.size)
+    shard_norm = float(model.norm.get()[0])                   # a device sync, as gpt2_grad_norm
+    return math.sqrt(comm.sum(shard_norm * shard_norm))
 
 
 # ----------------------------------------------------------------------------
@@ -836,6 +1211,19 @@ def tolerance_group(model):
     return "cuda_fp32" if model.precision == "fp32" and not MATMUL_OPTIONS["tf32"] else "cuda_bf16"
 
 
+def attention_lse(qkv, NH):
+    """The log-sum-exp over keys j <= t of the scaled scores s q_t . k_j, s = 1/sqrt(HS), per
+    (b, head, t): (B,NH,T) from qkv (B,T,3C) (any float dtype; computed in its precision). What the
+    flash and cuDNN paths keep for the backward (Dao et al. 2022, Alg. 1's m + log l)."""
+    B, T, C3 = qkv.shape
+    HS = C3 // 3 // NH
+    q, k, _ = (qkv[..., i * C3 // 3:(i + 1) * C3 // 3].reshape(B, T, NH, HS).transpose(0, 2, 1, 3) for i in range(3))
+    scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(HS)                   # (B,NH,T,T)
+    scores[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+    top = scores.max(axis=-1, keepdims=True)
+    return (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
+
+
 def check_against_cpu(model, inputs, targets, cpu_dtype=np.float32, verbose=True):
     """Run one batch through gpt2_cpu (in cpu_dtype, with exactly the GPU's parameter values) and
     through this model, and compare every activation (forward order), the loss, then every
@@ -859,20 +1247,25 @@ def check_against_cpu(model, inputs, targets, cpu_dtype=np.float32, verbose=True
         results.append(check_against(gpu, ref, label, group, kind, verbose=verbose))
 
     CA = cpu.acts
-    fetch = {name: as_float32(A[name].get()) for name in
-             ("encoded", "ln1", "ln1_mean", "ln1_rstd", "qkvr", "att", "atty", "residual2", "ln2", "ln2_mean",
-              "ln2_rstd", "fch", "fch_gelu", "residual3", "lnf", "lnf_mean", "lnf_rstd", "losses")}
+    # the attention buffers of the path (activation_shapes), and their gpt2_cpu counterparts
+    if model.attention == "naive":
+        attention_names = ("qkvr", "att")
+        refs = {"qkvr": CA["qkv"].reshape(L, B, T, 3, NH, C // NH).transpose(0, 3, 1, 4, 2, 5)}  # (L,3,B,NH,T,HS)
+    else:
+        attention_names = ("qkv", "lse")
+        refs = {"lse": np.stack([attention_lse(CA["qkv"][l], NH) for l in range(L)])}            # (L,B,NH,T)
+    names = ("encoded", "ln1", "ln1_mean", "ln1_rstd") + attention_names + (
+        "atty", "residual2", "ln2", "ln2_mean", "ln2_rstd", "fch", "fch_gelu", "residual3", "lnf", "lnf_mean", "lnf_rstd")
+    fetch = {name: as_float32(A[name].get()) for name in names + ("losses",)}
     logits = as_float32(prefix(A["output"], (B, T, cfg.padded_vocab_size)).get())
-    cpu_qkvr = CA["qkv"].reshape(L, B, T, 3, NH, C // NH).transpose(0, 3, 1, 4, 2, 5)  # -> (L,3,B,NH,T,HS)
     if verbose:
-        print(f"forward: {B}x{T} tokens, {model.precision} vs gpt2_cpu {np.dtype(cpu_dtype).name}, tolerances '{group}'")
-    for name in ("encoded", "ln1", "ln1_mean", "ln1_rstd", "qkvr", "att", "atty", "residual2", "ln2", "ln2_mean",
-                 "ln2_rstd", "fch", "fch_gelu", "residual3", "lnf", "lnf_mean", "lnf_rstd"):
+        print(f"forward: {B}x{T} tokens, {model.precision} vs gpt2_cpu {np.dtype(cpu_dtype).name}, "
+              f"{model.attention} attention, tolerances '{group}'")
+    for name in names:
         if name == "fch_gelu" and model.recompute:
             continue                       # kept for one layer only: the next check (residual3) covers it
-        ref = cpu_qkvr if name == "qkvr" else CA[name]
-        kind = "statistic" if name.endswith(("_mean", "_rstd")) else "activation"
-        compare(name, fetch[name], ref, kind)
+        kind = "statistic" if name.endswith(("_mean", "_rstd")) or name == "lse" else "activation"
+        compare(name, fetch[name], refs.get(name, CA.get(name)), kind)
     compare("logits", logits[..., :V], CA["logits"][..., :V], "logits")
     compare("losses", fetch["losses"], CA["losses"], "loss")
     compare("mean loss", np.array([fetch["losses"].mean(dtype=np.float64)]), np.array([cpu.mean_loss]), "loss")
@@ -895,11 +1288,15 @@ def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, proces
     """Write the checkpoint of `step` (llmc.checkpoint.save_checkpoint) from the device: fp32
     parameters (the master weights when there are some, which are also written to the state
     file so the exact fp32 values resume), AdamW's m and v, the stochastic-rounding RNG. Returns
-    the DONE_<step> path for the caller to write last."""
-    params = download_parameters(model)
-    return save_checkpoint(out_dir, step, model.config, params, model.m.get(), model.v.get(), loader, sample_rng_state,
-                           process_rank, num_processes, master_weights=params if model.master is not None else None,
-                           rng_state_last_update=model.rng_state_last_update, outliers=outliers)
+    the DONE_<step> path for the caller to write last. With ZeRO-1 over several ranks each
+    rank's state file holds its shard of m, v and master weights (S floats each, as llm.c's),
+    and the model file the bf16 parameters upcast (download_parameters: no rank has all the
+    master weights), which are the exact values the run computes with."""
+    master = model.master.get() if model.master is not None else None
+    return save_checkpoint(out_dir, step, model.config, download_parameters(model), model.m.get(), model.v.get(),
+                           loader, sample_rng_state, process_rank, num_processes, master_weights=master,
+                           rng_state_last_update=model.rng_state_last_update, outliers=outliers,
+                           zero_stage=model.zero_stage)
 
 
 def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_processes):
@@ -907,9 +1304,15 @@ def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_proces
     AdamW's m and v, the loader position, the stochastic-rounding RNG. Returns (step,
     sample_rng_state, state_path, the outlier detectors' state or None). bf16 parameters are the master weights rounded to nearest: at
     most 1 bf16 ulp from the stochastically rounded values the run had (llm.c re-derives those
-    with the last update's seed)."""
-    st = load_checkpoint(out_dir, step, process_rank, num_processes, lambda shape: model.num_parameters)
+    with the last update's seed). With ZeRO-1 over several ranks (the same -z and number of
+    ranks as the run that wrote it, else InputError) the parameters are the model file's, exactly
+    the run's bf16 values, and this rank's master weights its state file's shard: the run
+    resumes bit for bit."""
+    st = load_checkpoint(out_dir, step, process_rank, num_processes, lambda shape: model.num_parameters,
+                         model.shard.size, model.zero_stage)
     upload_parameters(model, st["params"])
+    if model.master is not None and st["master_weights"] is not None:
+        model.master.set(np.ascontiguousarray(st["master_weights"], dtype=np.float32))   # exact: this rank's shard
     model.m.set(np.ascontiguousarray(st["m"], dtype=np.float32))
     model.v.set(np.ascontiguousarray(st["v"], dtype=np.float32))
     if st["rng_state_last_update"]:                   # 0 from gpt2_cpu: keep the initial seed
@@ -935,6 +1338,15 @@ def build_parser(prog="gpt2_cuda.py"):
     a("-f", "--tf32", type=int, default=1, choices=(0, 1), help="1: TF32 tensor cores for fp32 matmuls")
     a("-w", "--master-weights", type=int, default=1, choices=(0, 1), help="1: fp32 master weights in bf16")
     a("-r", "--recompute", type=int, default=1, choices=(0, 1), help="1: recompute GELU in the backward (saves L-1 (B,T,4C) buffers)")
+    a("-z", "--zero-stage", type=int, default=0, help="ZeRO stage: 0 off; 1 shards AdamW's m, v and the master "
+                                                      "weights over the data-parallel ranks (2, 3: refused)")
+    a("--attention", default=DEFAULT_ATTENTION, choices=ATTENTION_PATHS,
+      help="naive: the (T,T) matrix (cuBLAS + softmax); flash: ours, kernels/flash_attention.cu; "
+           "cudnn: cuDNN's fused attention (bf16; falls back to flash, saying so, where unavailable)")
+    a("--cublaslt", type=int, default=0, choices=(0, 1),
+      help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused")
+    a("--cuda-graph", type=int, default=0, choices=(0, 1),
+      help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch")
     a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
     a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
     a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
@@ -965,19 +1377,53 @@ def gpu_status_line(device):
     return line
 
 
-def setup_model(args, compute_capability, spec=None):
+def resolve_attention(requested, precision, HS):
+    """The attention path to run for --attention `requested`: (path, None), or (fallback, one line
+    saying why) where the requested path cannot run here: cudnn falls back to flash (or naive),
+    flash to naive for a head size it has no kernel for."""
+    if requested == "cudnn":
+        from llmc import cudnn_attention
+        reason = cudnn_attention.unavailable_reason(precision, HS)
+        if reason is None:
+            return "cudnn", None
+        path, _ = resolve_attention("flash", precision, HS)
+        return path, f"cuDNN attention unavailable ({reason}): using {path} attention"
+    if requested == "flash" and not flash_attention_supported(HS):
+        return "naive", f"flash attention has no kernel for head size {HS}: using naive attention"
+    return requested, None
+
+
+def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     """The model on the GPU from `spec` (default -e: a checkpoint or a descriptor), in the
-    precision of the flags. Sets the process-wide TF32 choice."""
+    precision and attention path of the flags (a fallback is reported through `say`), with -z's
+    optimizer shard of this rank of comm (default: one process). Sets the process-wide TF32 choice."""
     precision = args.precision
     if precision == "auto":
         precision = "bf16" if compute_capability >= BF16_MIN_COMPUTE_CAPABILITY else "fp32"
     if precision == "bf16" and compute_capability < BF16_MIN_COMPUTE_CAPABILITY:
         raise InputError(f"--precision bf16 needs compute capability >= 8.0 (this GPU: {compute_capability / 10:.1f})")
     MATMUL_OPTIONS["tf32"] = bool(args.tf32) and compute_capability >= BF16_MIN_COMPUTE_CAPABILITY
+    MATMUL_OPTIONS["cublaslt"] = False
+    if args.cublaslt:
+        from llmc import cublaslt
+        reason = cublaslt.unavailable_reason()
+        if reason:
+            say(f"gpt2_cuda.py: cuBLASLt unavailable ({reason}): using cuBLAS")
+        MATMUL_OPTIONS["cublaslt"] = reason is None
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
-    model = GPT2(host.config, precision, bool(args.master_weights), bool(args.recompute))
+    cfg = host.config
+    attention, fallback = resolve_attention(args.attention, precision, cfg.channels // cfg.num_heads)
+    if fallback:
+        say(f"gpt2_cuda.py: {fallback}")
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    model = GPT2(cfg, precision, bool(args.master_weights), bool(args.recompute), attention, args.zero_stage, rank, size)
     upload_parameters(model, host.params)
     return model
+
+
+def kernel_files(model):
+    """The kernels/*.cu files the model launches (compiled before the first step)."""
+    return KERNEL_FILES + (("flash_attention",) if model.attention == "flash" else ())
 
 
 def run_check(args, model):
@@ -1029,9 +1475,12 @@ def train(args):
     comm = Comm()
     run = TrainingRun(args, comm)
     device, device_name, capability = cuda.select_device(comm)
-    model = setup_model(args, capability, run.model_spec())
+    if args.cuda_graph:                     # a graph is captured on a created stream, never the legacy one
+        graph_stream = cp.cuda.Stream()     # (blocking: ordered after any work on the legacy stream)
+        graph_stream.use()
+    model = setup_model(args, capability, run.model_spec(), say=run.say, comm=comm)
     if args.generate > 0:
-        cuda.load_modules(KERNEL_FILES, model.precision)
+        cuda.load_modules(kernel_files(model), model.precision)
         rng, forward = SamplerRNG(args.sample_seed), sampling_forward(model)    # allocates (1, window) itself
         return sample_from_prompt(args, lambda prompt, n, on_token: generate(
             model, prompt, n, rng, args.temperature, args.top_k, on_token, forward), model.config.max_seq_len)
@@ -1042,7 +1491,7 @@ def train(args):
     sizes = [(B, T)] + ([(eval_rows(B), T)] if run.examples else [])
     if run.sampling:                                               # the samples start from one token
         sizes.append((1, sample_window(cfg, 1, args.gen_tokens)))
-    cuda.load_modules(KERNEL_FILES, model.precision)
+    cuda.load_modules(kernel_files(model), model.precision)
     activation_bytes = gpt2_allocate(model, *sizes)                # every activation, once
 
     def batch_loss(inputs, targets):                               # validation
@@ -1056,7 +1505,9 @@ def train(args):
     run.say(f"device: {device_name} (cuda:{device}, compute capability {capability / 10:.1f}) | {model.precision}"
             f"{' + fp32 master weights' if model.master is not None else ''}"
             f"{' | TF32 matmuls' if model.precision == 'fp32' and MATMUL_OPTIONS['tf32'] else ''}"
-            f" | recompute {int(model.recompute)}")
+            f" | recompute {int(model.recompute)} | {model.attention} attention"
+            f"{' | cuBLASLt epilogues' if MATMUL_OPTIONS['cublaslt'] else ''}"
+            f"{' | CUDA graph' if args.cuda_graph else ''}")
     run.banner(cfg, model.num_parameters)
     run.say(f"memory: activations {activation_bytes / 2**30:.2f} GiB, total in use "
             f"{cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
@@ -1089,20 +1540,19 @@ def train(args):
             if args.overfit_single_batch:
                 run.train_loader.reset()
             inputs, targets = run.train_loader.next_batch()
-            gpt2_forward(model, inputs, targets)
-            cp.add(A["loss_accum"], A["losses"], out=A["loss_accum"])          # on the device, no sync
-            gpt2_backward(model, loss_scale=1.0 / run.grad_accum_steps)
+            # forward, the loss added up on the device (no sync), backward: eager or a CUDA graph
+            gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, bool(args.cuda_graph))
         if nccl is not None:
-            nccl.mean_(model.grads)                                           # data parallel: average over GPUs
+            gpt2_average_gradients(model, nccl)                               # data parallel (-z 1: this rank's shard)
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
-        norm = gpt2_grad_norm(model)                                          # sync 1 of 2
+        norm = gpt2_global_grad_norm(model, comm)                             # sync 1 of 2
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         loss = float(A["loss_accum"].sum(dtype=np.float64)) / (B * T * run.grad_accum_steps)  # sync 2 of 2
         loss = comm.mean(loss)
         skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
         if not skip:
-            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl)
         cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update
         dt = time.perf_counter() - t0
         util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,

@@ -3,28 +3,31 @@ dev/bench.py: training throughput of GPT-2 124M on one GPU, gpt2_cuda.py against
 (dev/torch_reference.py with bf16 autocast, torch.compile, SDPA flash attention and fused AdamW),
 measured in the same run on the same GPU.
 
-For each trainer: T = 1024, bf16, the largest power-of-two micro-batch B that fits (found by
-probing B = 8, 16, 32, ... until one runs out of memory; each probe is a fresh subprocess, since
-an out-of-memory error can leave a process's CUDA state unusable), then `--warmup` untimed and
-`--steps` timed training steps on a fixed random batch. Each step is timed on the host from its
-start to the read of its loss, which waits for the GPU. Reported: median ms/step, tokens/s, MFU
-(llmc.mfu.mfu: llm.c's 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), and the
-device memory in use at the end (total - free: the CUDA context, the allocator's pool, library
-workspaces), and the ratio of the two trainers' tokens/s.
+For each micro-batch size B of --batch-sizes (default 16, 32, 64) and each trainer: T = 1024,
+bf16, `--warmup` untimed and `--steps` timed training steps on a fixed random batch, each in a
+fresh subprocess (an out-of-memory error can leave a process's CUDA state unusable; a B that does
+not fit is reported as such). Each step is timed on the host from its start to the read of its
+loss, which waits for the GPU. Reported: median ms/step, tokens/s, MFU (llmc.mfu.mfu: llm.c's
+6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), the device memory in use at the end
+(total - free: the CUDA context, the allocator's pool, library workspaces), and the ratio of the
+two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph) are passed through.
+Then, for gpt2_cuda.py, a breakdown of one step by kernel (CUDA events around every launch,
+cuBLAS call and cuDNN call; the events themselves cost a little), largest first. It ends with
+one line per configuration, in a fixed form that later runs can be compared with:
+    bench: model=d12 T=1024 B=16 precision=bf16 ours=<tok/s> torch=<tok/s> ratio=<ours/torch> mfu=<%> mem_ours_gib=<x> mem_torch_gib=<y>
+(`n/a` where a trainer did not run or B did not fit). `--search` also probes for the largest
+power-of-two B that fits each trainer (B = 8, 16, 32, ...), as the first version of this script did.
 
 What it deliberately is not: a kernel benchmark (dev/cuda/ times kernels one by one) or a
 convergence test (the batch is random tokens; only speed is measured).
 
 Run it (`make bench`):
     python dev/bench.py
-prints a table such as
-    GPT-2 124M (d12), T=1024, bf16 on NVIDIA H100 80GB HBM3
-    trainer                      B   ms/step     tok/s    MFU   memory GiB
-    gpt2_cuda.py (CuPy)          ..
-    PyTorch twin (compile)       ..
-    gpt2_cuda.py / PyTorch tokens/s: ...
+prints the table (trainer, B, ms/step, tok/s, MFU, memory GiB), the breakdowns and the
+summary lines.
 Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
-    python dev/bench.py --only cupy -b 16          # one trainer, a fixed B (no search)
+    python dev/bench.py --only cupy -b 16          # one trainer, one B
+    python dev/bench.py --attention flash --cuda-graph 1
     python dev/bench.py --json dev/results/bench_h100.json
 """
 
@@ -81,30 +84,113 @@ def device_memory_and_name(trainer):
     return total - free, props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
 
 
-def cupy_steps(model_name, B, T, num_steps):
-    """Train gpt2_cuda.py's model num_steps steps on one fixed batch; return (seconds per step, losses)."""
+def cupy_model(model_name, B, T, attention):
+    """gpt2_cuda.py's model in bf16 with its buffers for (B,T), on a created stream (a CUDA graph
+    cannot be captured on the legacy default stream), and the fixed batch."""
     cupy = llmc.cuda.cupy()
     llmc.cuda.select_device(comm.Comm())
+    stream = cupy.cuda.Stream()
+    stream.use()
     cfg = gpt2_cpu.config_from_descriptor(model_name)
-    model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True)
+    path, fallback = gpt2_cuda.resolve_attention(attention, "bf16", cfg.channels // cfg.num_heads)
+    if fallback:
+        print(f"dev/bench.py: {fallback}", file=sys.stderr)
+    model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True, attention=path)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
+    llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), model.precision)
     gpt2_cuda.gpt2_allocate(model, (B, T))
-    x, y = fixed_batch(cfg, B, T)
-    losses_accum = gpt2_cuda.gpt2_activations(model, B, T)["losses"]
+    model.bench_stream = stream                                   # kept alive with the model
+    return model, cfg, fixed_batch(cfg, B, T)
+
+
+def cupy_step(model, x, y, step, cuda_graph):
+    """One training step of gpt2_cuda.py as its train() runs it (one micro-batch); returns the
+    loss as a device scalar (reading it waits for the step)."""
+    B, T = x.shape
+    A = gpt2_cuda.gpt2_activations(model, B, T)
+    gpt2_cuda.gpt2_zero_grad(model)
+    A["loss_accum"].fill(0)
+    gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph)
+    loss = A["loss_accum"].sum(dtype=np.float64)                  # queued now, read after the update
+    norm = gpt2_cuda.gpt2_grad_norm(model)
+    gpt2_cuda.gpt2_update(model, LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
+                          0.0, step, 1.0 / norm if norm > 1.0 else 1.0)
+    return loss
+
+
+def cupy_steps(model_name, B, T, num_steps, attention="naive", cuda_graph=False):
+    """Train gpt2_cuda.py's model num_steps steps on one fixed batch; return (seconds per step,
+    losses, config, the model, the batch)."""
+    model, cfg, (x, y) = cupy_model(model_name, B, T, attention)
     times, losses = [], []
     for step in range(1, num_steps + 1):
         t0 = time.perf_counter()
-        gpt2_cuda.gpt2_zero_grad(model)
-        gpt2_cuda.gpt2_forward(model, x, y)
-        loss = losses_accum.sum(dtype=np.float64)                 # queued now, read after the update
-        gpt2_cuda.gpt2_backward(model)
-        norm = gpt2_cuda.gpt2_grad_norm(model)
-        gpt2_cuda.gpt2_update(model, LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
-                              0.0, step, 1.0 / norm if norm > 1.0 else 1.0)
+        loss = cupy_step(model, x, y, step, cuda_graph)
         losses.append(float(loss) / (B * T))                      # waits for the whole step
         times.append(time.perf_counter() - t0)
-    cupy.cuda.get_current_stream().synchronize()
-    return times, losses, cfg
+    llmc.cuda.cupy().cuda.get_current_stream().synchronize()
+    return times, losses, cfg, model, (x, y)
+
+
+# ----------------------------------------------------------------------------
+# where one step's time goes: CUDA events around every device call
+
+def summarize_breakdown(records):
+    """records: (name, ms) per device call of one step -> [(name, calls, total ms)], largest
+    total first (ties by name, so the order is reproducible)."""
+    totals = {}
+    for name, ms in records:
+        calls, total = totals.get(name, (0, 0.0))
+        totals[name] = (calls + 1, total + ms)
+    return sorted(((name, calls, total) for name, (calls, total) in totals.items()), key=lambda r: (-r[2], r[0]))
+
+
+def format_breakdown(rows, step_ms, top=20):
+    """The breakdown table: name, calls, ms, share of the summed device time and of the step."""
+    device_ms = sum(total for _, _, total in rows)
+    lines = [f"{'kernel / library call':44s} {'calls':>5s} {'ms':>8s} {'% device':>8s} {'% step':>7s}"]
+    for name, calls, total in rows[:top]:
+        lines.append(f"{name:44s} {calls:5d} {total:8.3f} {100 * total / device_ms:8.1f} {100 * total / step_ms:7.1f}")
+    if len(rows) > top:
+        rest = sum(total for _, _, total in rows[top:])
+        lines.append(f"{f'({len(rows) - top} more)':44s} {'':5s} {rest:8.3f} {100 * rest / device_ms:8.1f} "
+                     f"{100 * rest / step_ms:7.1f}")
+    lines.append(f"{'sum of device calls':44s} {'':5s} {device_ms:8.3f} {100.0:8.1f} {100 * device_ms / step_ms:7.1f}")
+    return lines
+
+
+def kernel_breakdown(model, x, y, step):
+    """Run one eager step with a pair of CUDA events around each kernel launch (llmc.cuda.launch),
+    cuBLAS call (llmc.cuda.gemm) and cuDNN call; return summarize_breakdown of their times."""
+    cupy = llmc.cuda.cupy()
+    events = []
+
+    def timed(name_of, fn):
+        def call(*args, **kwargs):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            events.append((name_of(*args), start, end))
+            return out
+        return call
+
+    launch, gemm = llmc.cuda.launch, llmc.cuda.gemm
+    originals = [(llmc.cuda, "launch", launch), (llmc.cuda, "gemm", gemm)]
+    llmc.cuda.launch = timed(lambda file, precision, name, *rest: f"{file}.cu:{name}", launch)
+    llmc.cuda.gemm = timed(lambda transa, transb, m, n, k, *rest: f"cuBLAS gemm {m}x{n}x{k}", gemm)
+    if model.attention == "cudnn":
+        from llmc import cudnn_attention
+        for fn_name in ("attention_forward_cudnn", "attention_backward_cudnn"):
+            fn = getattr(cudnn_attention, fn_name)
+            originals.append((cudnn_attention, fn_name, fn))
+            setattr(cudnn_attention, fn_name, timed(lambda *args, n=fn_name: f"cuDNN {n}", fn))
+    try:
+        float(cupy_step(model, x, y, step, cuda_graph=False))
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+    return summarize_breakdown([(name, cupy.cuda.get_elapsed_time(start, end)) for name, start, end in events])
 
 
 def torch_steps(model_name, B, T, num_steps, compile_model):
@@ -132,9 +218,13 @@ def is_out_of_memory(error):
 def worker(args):
     """Run one trainer at one B; print RESULT_PREFIX + JSON, or exit OOM_EXIT if it does not fit."""
     num_steps = PROBE_STEPS if args.probe else args.warmup + args.steps
+    breakdown = None
     try:
         if args.worker == "cupy":
-            times, losses, cfg = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps)
+            times, losses, cfg, model, (x, y) = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps,
+                                                           args.attention, bool(args.cuda_graph))
+            if not args.probe:
+                breakdown = kernel_breakdown(model, x, y, num_steps + 1)
         else:
             times, losses, cfg = torch_steps(args.model, args.batch_size, args.seq_len, num_steps,
                                              compile_model=not args.probe)
@@ -153,7 +243,7 @@ def worker(args):
     util = llmc.mfu.mfu(num_parameters, cfg.num_layers, cfg.channels, args.seq_len, tok_s, device, "bf16", False)
     result = {"trainer": args.worker, "B": args.batch_size, "T": args.seq_len, "ms_median": ms,
               "ms_all": [t * 1000 for t in timed], "tok_s": tok_s, "mfu": util, "memory_bytes": memory,
-              "device": device, "losses": losses}
+              "device": device, "losses": losses, "breakdown": breakdown}
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -163,7 +253,8 @@ def worker(args):
 def run_worker(trainer, B, args, probe):
     """Run a worker subprocess. Returns its result dict, or None if B ran out of memory."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "-b", str(B), "-t", str(args.seq_len),
-           "-e", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--probe"] if probe else [])
+           "-e", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--attention", args.attention, "--cuda-graph", str(args.cuda_graph)] + (["--probe"] if probe else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode == OOM_EXIT:
         return None
@@ -193,17 +284,31 @@ def largest_batch(trainer, args):
     return best
 
 
-def print_table(results, args):
-    first = next(iter(results.values()))
-    print(f"\nGPT-2 124M ({args.model}), T={args.seq_len}, bf16 on {first['device']}, "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+def print_table(runs, args):
+    """runs: [(B, {trainer: result or None})] -> the table (a result of None: B did not fit)."""
+    device = next(r["device"] for _, results in runs for r in results.values() if r)
+    print(f"\nGPT-2 124M ({args.model}), T={args.seq_len}, bf16 on {device}, "
+          f"median of {args.steps} steps after {args.warmup} warm-up; ours: {args.attention} attention, "
+          f"CUDA graph {args.cuda_graph}")
     print(f"{'trainer':26s} {'B':>4s} {'ms/step':>9s} {'tok/s':>10s} {'MFU':>7s} {'memory GiB':>11s}")
-    for trainer, r in results.items():
-        util = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        print(f"{TRAINERS[trainer]:26s} {r['B']:4d} {r['ms_median']:9.1f} {r['tok_s']:10.0f} {util:>7s} "
-              f"{r['memory_bytes'] / 2**30:11.2f}")
-    if "cupy" in results and "torch" in results:
-        print(f"gpt2_cuda.py / PyTorch tokens/s: {results['cupy']['tok_s'] / results['torch']['tok_s']:.2f}")
+    for B, results in runs:
+        for trainer, r in results.items():
+            if r is None:
+                print(f"{TRAINERS[trainer]:26s} {B:4d} {'does not fit in memory':>40s}")
+                continue
+            util = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+            print(f"{TRAINERS[trainer]:26s} {r['B']:4d} {r['ms_median']:9.1f} {r['tok_s']:10.0f} {util:>7s} "
+                  f"{r['memory_bytes'] / 2**30:11.2f}")
+
+
+def summary_line(model, T, B, ours, torch):
+    """The fixed-form line of one configuration; ours/torch: a worker's result dict or None."""
+    def fmt(r, key, scale, digits):
+        return "n/a" if r is None or r.get(key) is None else f"{r[key] * scale:.{digits}f}"
+    ratio = f"{ours['tok_s'] / torch['tok_s']:.3f}" if ours and torch else "n/a"
+    return (f"bench: model={model} T={T} B={B} precision=bf16 ours={fmt(ours, 'tok_s', 1, 0)} "
+            f"torch={fmt(torch, 'tok_s', 1, 0)} ratio={ratio} mfu={fmt(ours, 'mfu', 100, 1)} "
+            f"mem_ours_gib={fmt(ours, 'memory_bytes', 2**-30, 2)} mem_torch_gib={fmt(torch, 'memory_bytes', 2**-30, 2)}")
 
 
 def parse_args(argv=None):
@@ -211,8 +316,13 @@ def parse_args(argv=None):
     p.add_argument("--only", choices=("both",) + tuple(TRAINERS), default="both", help="which trainer(s) to time")
     p.add_argument("-e", "--model", default="d12", help="model descriptor")
     p.add_argument("-t", "--seq-len", type=int, default=1024, help="sequence length T")
-    p.add_argument("-b", "--batch-size", type=int, default=0, help="micro-batch B (0: the largest power of two that fits)")
+    p.add_argument("--batch-sizes", default="16,32,64", help="the micro-batch sizes B to time, comma-separated")
+    p.add_argument("-b", "--batch-size", type=int, default=0, help="time this one B only (overrides --batch-sizes)")
+    p.add_argument("--search", action="store_true", help="also find and time each trainer's largest power-of-two B")
     p.add_argument("--max-batch", type=int, default=512, help="largest B the search tries")
+    p.add_argument("--attention", default="naive", choices=gpt2_cuda.ATTENTION_PATHS, help="gpt2_cuda.py's attention")
+    p.add_argument("--cuda-graph", type=int, default=0, choices=(0, 1), help="gpt2_cuda.py: 1 replays a CUDA graph")
+    p.add_argument("--breakdown-top", type=int, default=20, help="rows of the per-kernel breakdown")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, autotuning)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -231,33 +341,45 @@ def main(argv=None):
         worker(args)
         return 0
     trainers = tuple(TRAINERS) if args.only == "both" else (args.only,)
-    results = {}
+    if "torch" in trainers:
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                raise ImportError("this PyTorch has no CUDA")
+        except ImportError as e:
+            print(f"skipping the PyTorch twin: {e}", file=sys.stderr)
+            trainers = tuple(t for t in trainers if t != "torch")
+    sizes = [args.batch_size] if args.batch_size else [int(b) for b in args.batch_sizes.split(",")]
+    runs = []                                                    # [(B, {trainer: result or None})]
     try:
-        for trainer in trainers:
-            if trainer == "torch":
-                try:
-                    import torch
-                    if not torch.cuda.is_available():
-                        raise ImportError("this PyTorch has no CUDA")
-                except ImportError as e:
-                    print(f"skipping the PyTorch twin: {e}", file=sys.stderr)
-                    continue
-            B = args.batch_size or largest_batch(trainer, args)
-            print(f"timing {TRAINERS[trainer]} at B={B} ...", flush=True)
-            result = run_worker(trainer, B, args, probe=False)
-            if result is None:
-                raise RuntimeError(f"{TRAINERS[trainer]}: B={B} ran out of memory")
-            results[trainer] = result
+        if args.search:
+            sizes += [B for B in (largest_batch(trainer, args) for trainer in trainers) if B not in sizes]
+        for B in sizes:
+            results = {}
+            for trainer in trainers:
+                print(f"timing {TRAINERS[trainer]} at B={B} ...", flush=True)
+                results[trainer] = run_worker(trainer, B, args, probe=False)    # None: out of memory
+            runs.append((B, results))
     except RuntimeError as e:
         print(f"dev/bench.py: {e}", file=sys.stderr)
         return 1
-    if not results:
-        print("dev/bench.py: nothing was timed", file=sys.stderr)
+    if not any(r for _, results in runs for r in results.values()):
+        print("dev/bench.py: nothing was timed (no B fit in memory)", file=sys.stderr)
         return 1
-    print_table(results, args)
+    print_table(runs, args)
+    for B, results in runs:
+        ours = results.get("cupy")
+        if ours and ours.get("breakdown"):
+            print(f"\ngpt2_cuda.py at B={B}: one step by kernel (CUDA events; eager, {args.attention} attention)")
+            print("\n".join(format_breakdown([tuple(r) for r in ours["breakdown"]], ours["ms_median"],
+                                             args.breakdown_top)))
+    print()
+    for B, results in runs:
+        print(summary_line(args.model, args.seq_len, B, results.get("cupy"), results.get("torch")))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "T": args.seq_len, "results": results}, f, indent=1)
+            json.dump({"model": args.model, "T": args.seq_len, "attention": args.attention,
+                       "cuda_graph": args.cuda_graph, "runs": runs}, f, indent=1)
     return 0
 
 

@@ -7,6 +7,10 @@ It runs, in order, and keeps going after a failure so that one log shows everyth
                                               # the kernels, the 124M model, training, resume)
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16
+    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0 --attention flash
+    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention flash
+    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention cudnn
+    python gpt2_cuda.py --check -e d12 -b 1 -t 1024 --precision bf16 --attention <each of the three>
 (--check reads its batch from the default -i, the Shakespeare shards: `make data` first.)
 Each command's output (stdout and stderr, interleaved as printed) goes to the terminal and to
     dev/results/<UTC date>_<device>_test-gpu.log      e.g. 2026-11-22_nvidia-h100-80gb-hbm3_test-gpu.log
@@ -43,11 +47,16 @@ NO_GPU_EXIT = 2
 def commands():
     """The commands of a run, as argument lists (run from the repository root)."""
     python = sys.executable
+    fp32, bf16 = ["--precision", "fp32", "-f", "0"], ["--precision", "bf16"]
+    long = ["--check", "-e", "d12", "-b", "1", "-t", "1024"]
     return [
         [python, "-m", "pytest", "-m", "gpu", "-v", "tests"],
-        [python, "gpt2_cuda.py"] + CHECK_ARGS + ["--precision", "fp32", "-f", "0"],
-        [python, "gpt2_cuda.py"] + CHECK_ARGS + ["--precision", "bf16"],
-    ]
+        [python, "gpt2_cuda.py"] + CHECK_ARGS + fp32,
+        [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16,
+        [python, "gpt2_cuda.py"] + CHECK_ARGS + fp32 + ["--attention", "flash"],
+        [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16 + ["--attention", "flash"],
+        [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16 + ["--attention", "cudnn"],
+    ] + [[python, "gpt2_cuda.py"] + long + bf16 + ["--attention", path] for path in ("naive", "flash", "cudnn")]
 
 
 def device_name():

@@ -76,7 +76,9 @@ extern "C" __global__ void encoder_backward_wpe(floatX* dwpe, const floatX* dout
 // dwte (Vp,C): for each segment s (a distinct token seg_token[s]),
 //     dwte[seg_token[s], :] += sum over j in [seg_start[s], seg_start[s+1]) of dout[positions[j], :]
 // positions (N,) are the flat positions b*T+t sorted (stably) by token id, so the sum runs in
-// increasing position order: the same order every run, hence deterministic.
+// increasing position order: the same order every run, hence deterministic. An empty segment
+// (seg_start[s] == seg_start[s+1]) is skipped before its seg_token is read: gpt2_cuda pads the
+// segments to N with empty ones so that a captured CUDA graph's launch has fixed arguments.
 extern "C" __global__ void encoder_backward_wte(floatX* dwte, const floatX* dout,
                                                 const int* positions, const int* seg_start,
                                                 const int* seg_token, int num_segments, int C) {
@@ -84,6 +86,9 @@ extern "C" __global__ void encoder_backward_wte(floatX* dwte, const floatX* dout
     for (int s = blockIdx.x; s < num_segments; s += gridDim.x) {
         const int begin = seg_start[s];
         const int end = seg_start[s + 1];
+        if (begin == end) {
+            continue;      // an empty segment (the padding of a CUDA graph's fixed grid): no token
+        }
         floatX* dwte_row = dwte + (size_t)seg_token[s] * C;
         for (int group = threadIdx.x; group < groups_per_row; group += blockDim.x) {
             const int c = group * x128::size;

@@ -20,6 +20,10 @@ model's shape it takes it as an argument (a config object, a parameter table).
                    sample, checkpoint, print)
     cuda.py        CuPy plumbing: lazy import, NVRTC options, kernel cache, launch, argument
                    checks, cuBLAS
+    cublaslt.py    cuBLASLt matmuls with fused epilogues (bias, GELU, bias gradient) through
+                   nvmath-python (optional; gpt2_cuda --cublaslt 1)
+    cudnn_attention.py  cuDNN's fused attention through the cudnn frontend package (optional;
+                   gpt2_cuda --attention cudnn)
     mfu.py         model FLOPs utilization
 
 Files are byte-compatible with llm.c's (shared/docs/file-formats.md).

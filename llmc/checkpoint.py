@@ -26,6 +26,7 @@ STATE_SLOT_RANK = 3
 STATE_SLOT_MASTER_WEIGHTS = 4          # 1 if fp32 master weights follow v
 STATE_SLOT_SHUFFLE = 5                 # 1 if the loader's permutation state follows
 STATE_SLOT_OUTLIERS = 6                # this project's: 1 if the outlier detectors' state follows (llmc/outlier.py)
+STATE_SLOT_ZERO_STAGE = 7              # this project's: 1 if m, v (and master weights) are this rank's ZeRO-1 shard
 STATE_SLOT_STEP = 10
 # uint64 fields: header.view("<u8")[k] covers int32 slots 2k and 2k+1
 STATE_U64_SAMPLE_RNG = 10              # slots 20-21: the sampler's xorshift state
@@ -44,9 +45,10 @@ def checkpoint_paths(out_dir, step, rank=0):
 
 
 def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rng_state,
-                rng_state_last_update=0, master_weights=None, outliers=None):
+                rng_state_last_update=0, master_weights=None, outliers=None, zero_stage=0):
     """Write the training-state file atomically: the header, fp32 AdamW m and v (flat), optional
-    fp32 master weights, then, if the loader shuffles, its permutation state: as in llm.c, uint64
+    fp32 master weights (with zero_stage 1 all three are this rank's shard, as in llm.c's -z 1
+    state files: gpt2_cuda.zero_shard), then, if the loader shuffles, its permutation state: as in llm.c, uint64
     shard count, int32 shard order, uint64 sample count, int32 sample order; then, where llm.c
     puts its Mersenne-Twister state, ours: the PCG64 state as 4 uint64 (state hi/lo, inc hi/lo).
     Last, if given, `outliers`: the loss and grad-norm outlier detectors' state, float64 (llm.c
@@ -55,7 +57,7 @@ def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rn
     header = make_header(STATE_MAGIC, STATE_VERSION, {
         STATE_SLOT_NUM_PROCESSES: num_processes, STATE_SLOT_RANK: process_rank,
         STATE_SLOT_MASTER_WEIGHTS: int(master_weights is not None), STATE_SLOT_SHUFFLE: int(loader.shuffle),
-        STATE_SLOT_OUTLIERS: int(outliers is not None), STATE_SLOT_STEP: step})
+        STATE_SLOT_OUTLIERS: int(outliers is not None), STATE_SLOT_ZERO_STAGE: zero_stage, STATE_SLOT_STEP: step})
     as_u64 = header.view("<u8")
     as_u64[STATE_U64_SAMPLE_RNG] = sample_rng_state
     as_u64[STATE_U64_RNG_LAST_UPDATE] = rng_state_last_update
@@ -81,11 +83,13 @@ def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rn
     atomic_write(path, write)
 
 
-def read_state(path, num_parameters, process_rank, num_processes):
-    """Read a training-state file. Returns a dict: step, sample_rng_state, rng_state_last_update,
+def read_state(path, num_parameters, process_rank, num_processes, zero_stage=0):
+    """Read a training-state file. num_parameters: the floats of each of m, v, master weights
+    (with zero_stage 1, this rank's shard). Returns a dict: step, sample_rng_state, rng_state_last_update,
     m, v, master_weights (or None), loader (position dict for DataLoader.restore), shuffle,
-    outliers (OUTLIER_DETECTORS_FLOATS float64, or None when the file has none).
-    Raises InputError on a missing, corrupt or mismatched file."""
+    outliers (OUTLIER_DETECTORS_FLOATS float64, or None when the file has none), zero_stage.
+    Raises InputError on a missing, corrupt or mismatched file (a run of several processes must
+    resume with the -z it was written with: the shards and the full state differ in size)."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such state file")
     with open(path, "rb") as f:
@@ -93,11 +97,15 @@ def read_state(path, num_parameters, process_rank, num_processes):
         if h[STATE_SLOT_NUM_PROCESSES] != num_processes or h[STATE_SLOT_RANK] != process_rank:
             raise InputError(f"{path}: written by rank {h[STATE_SLOT_RANK]} of {h[STATE_SLOT_NUM_PROCESSES]} processes, "
                              f"but this is rank {process_rank} of {num_processes}")
+        if num_processes > 1 and h[STATE_SLOT_ZERO_STAGE] != zero_stage:    # one process: the same layout
+            raise InputError(f"{path}: written with -z {h[STATE_SLOT_ZERO_STAGE]}, but this run has -z {zero_stage}: "
+                             f"resume with -z {h[STATE_SLOT_ZERO_STAGE]}")
         if h[STATE_SLOT_STEP] < 0:
             raise InputError(f"{path}: corrupt state file: step {h[STATE_SLOT_STEP]}")
         u64 = h.view("<u8")
         out = {"step": int(h[STATE_SLOT_STEP]), "sample_rng_state": int(u64[STATE_U64_SAMPLE_RNG]),
-               "rng_state_last_update": int(u64[STATE_U64_RNG_LAST_UPDATE]), "shuffle": bool(h[STATE_SLOT_SHUFFLE])}
+               "rng_state_last_update": int(u64[STATE_U64_RNG_LAST_UPDATE]), "shuffle": bool(h[STATE_SLOT_SHUFFLE]),
+               "zero_stage": int(h[STATE_SLOT_ZERO_STAGE])}
         out["m"] = read_exact(f, path, num_parameters, "<f4", "AdamW m")
         out["v"] = read_exact(f, path, num_parameters, "<f4", "AdamW v")
         out["master_weights"] = (read_exact(f, path, num_parameters, "<f4", "master weights")
@@ -129,15 +137,16 @@ def latest_checkpoint_step(out_dir):
 
 
 def save_checkpoint(out_dir, step, config, params, m, v, loader, sample_rng_state, process_rank=0,
-                    num_processes=1, master_weights=None, rng_state_last_update=0, outliers=None):
+                    num_processes=1, master_weights=None, rng_state_last_update=0, outliers=None, zero_stage=0):
     """Write model_<step>.bin (fp32 params, rank 0 only) and state_<step>_<rank>.bin from host
-    arrays (params, m, v, master_weights: flat fp32). Returns the DONE_<step> path, which the
+    arrays (params, m, v, master_weights: flat fp32; with zero_stage 1, m, v and master_weights
+    are this rank's shard, params still the whole model). Returns the DONE_<step> path, which the
     caller writes last with write_done_marker, after a barrier when there are several ranks."""
     model_path, state_path, done_path = checkpoint_paths(out_dir, step, process_rank)
     if process_rank == 0:
         write_model_file(model_path, config, params)
     write_state(state_path, step, process_rank, num_processes, m, v, loader, sample_rng_state,
-                rng_state_last_update, master_weights, outliers)
+                rng_state_last_update, master_weights, outliers, zero_stage)
     return done_path
 
 
@@ -146,16 +155,20 @@ def write_done_marker(done_path):
     atomic_write(done_path, lambda f: None)
 
 
-def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_of):
+def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_of, state_num_parameters=None,
+                    zero_stage=0):
     """Read the checkpoint of `step` in out_dir for this rank. num_parameters_of(shape) as in
-    llmc.formats.read_model_file. Returns read_state's dict plus "shape" (the model file's
-    shape dict), "params" (fp32: the master weights when the state has them, which are the
-    exact values the run had, else the model file's) and "state_path". Raises InputError."""
+    llmc.formats.read_model_file; state_num_parameters: the floats of m, v, master weights in
+    the state file (default: the model's; with zero_stage 1, this rank's shard). Returns
+    read_state's dict plus "shape" (the model file's shape dict), "params" (fp32, the whole
+    model: the master weights when the state has all of them, which are the exact values the
+    run had, else the model file's) and "state_path". Raises InputError."""
     model_path, state_path, _ = checkpoint_paths(out_dir, step, process_rank)
     shape, params = read_model_file(model_path, num_parameters_of)
-    st = read_state(state_path, params.size, process_rank, num_processes)
+    st = read_state(state_path, state_num_parameters or params.size, process_rank, num_processes, zero_stage)
     st["shape"], st["state_path"] = shape, state_path
-    st["params"] = st["master_weights"] if st["master_weights"] is not None else params
+    master = st["master_weights"]
+    st["params"] = master if master is not None and master.size == params.size else params
     return st
 
 

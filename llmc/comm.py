@@ -1,7 +1,8 @@
 """
 llmc/comm.py: data parallelism (llm.c's llmc/zero.cuh and the MPI parts of train_gpt2.cu).
 Comm is MPI through mpi4py (rank, world size, averages of host values, barriers), imported only
-under mpiexec; NcclComm all-reduces device arrays with NCCL (cupy.cuda.nccl), one GPU per rank.
+under mpiexec; NcclComm all-reduces device arrays with NCCL (cupy.cuda.nccl), one GPU per rank,
+and for ZeRO-1 (gpt2_cuda.py -z 1) reduce-scatters the gradients and all-gathers the parameters.
 """
 
 import os
@@ -70,11 +71,45 @@ class NcclComm:
         uid = nccl.get_unique_id() if comm.rank == 0 else None
         uid = comm.comm.bcast(uid, root=0)
         self.communicator = nccl.NcclCommunicator(comm.size, uid, comm.rank)
+        self.rank, self.size = comm.rank, comm.size
+
+    def nccl_dtype(self, arr):
+        """NCCL's name for arr's element type: bf16 (stored as uint16 bits) or fp32."""
+        return {np.dtype(np.uint16): self.nccl.NCCL_BFLOAT16,
+                np.dtype(np.float32): self.nccl.NCCL_FLOAT32}[np.dtype(arr.dtype)]
 
     def mean_(self, arr):
         """In place: arr = mean of arr over all ranks (NCCL_AVG), on the current stream."""
         import cupy
-        dtype = {np.dtype(np.uint16): self.nccl.NCCL_BFLOAT16,
-                 np.dtype(np.float32): self.nccl.NCCL_FLOAT32}[np.dtype(arr.dtype)]
-        self.communicator.allReduce(arr.data.ptr, arr.data.ptr, arr.size, dtype, self.nccl.NCCL_AVG,
+        self.communicator.allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.nccl_dtype(arr), self.nccl.NCCL_AVG,
                                     cupy.cuda.get_current_stream().ptr)
+
+    def reduce_scatter_mean_(self, arr):
+        """ZeRO-1's gradient reduction, in place. arr (size * S,) contiguous, S = arr.size // size:
+        afterwards this rank's slice arr[rank*S:(rank+1)*S] holds the mean over all ranks of that
+        slice (NCCL_AVG); the other slices keep this rank's own, unaveraged values and must not be
+        read. NCCL's in-place form: the receive buffer is the send buffer at rank * recvcount.
+        Moves (size-1)/size of arr per rank, half of mean_'s all-reduce. Raises ValueError if
+        arr.size is not a multiple of size (gpt2_cuda pads its buffers to one)."""
+        import cupy
+        S = self.shard_elements(arr)
+        self.communicator.reduceScatter(arr.data.ptr, arr.data.ptr + self.rank * S * arr.itemsize, S,
+                                        self.nccl_dtype(arr), self.nccl.NCCL_AVG, cupy.cuda.get_current_stream().ptr)
+
+    def all_gather_(self, arr):
+        """ZeRO-1's parameter broadcast, in place: every rank's slice arr[r*S:(r+1)*S] (S as in
+        reduce_scatter_mean_) is copied into the same slice of arr on every rank, so that each
+        rank ends with the full array. In-place form: the send buffer is the receive buffer at
+        rank * sendcount. Raises ValueError if arr.size is not a multiple of size."""
+        import cupy
+        S = self.shard_elements(arr)
+        self.communicator.allGather(arr.data.ptr + self.rank * S * arr.itemsize, arr.data.ptr, S,
+                                    self.nccl_dtype(arr), cupy.cuda.get_current_stream().ptr)
+
+    def shard_elements(self, arr):
+        """S = arr.size // size, the elements of one rank's slice. Raises ValueError unless arr
+        is contiguous and splits evenly (NCCL's counts are the same on every rank)."""
+        if arr.size % self.size or not arr.flags.c_contiguous:
+            raise ValueError(f"NCCL shards: {arr.size} elements (contiguous: {arr.flags.c_contiguous}) "
+                             f"do not split evenly over {self.size} ranks")
+        return arr.size // self.size

@@ -262,8 +262,10 @@ CUBLAS_COMPUTE_32F_FAST_TF32 = 77      # fp32 inputs rounded to TF32 for tensor 
 CUBLAS_GEMM_DEFAULT = -1               # let cuBLAS pick the algorithm
 CUBLAS_POINTER_MODE_HOST = 0           # alpha and beta are read from host memory
 CUBLAS_DATA_TYPES = {"bf16": CUDA_R_16BF, "fp32": CUDA_R_32F}
-# TF32 is a process-wide choice, like llm.c's global cublas_compute (set by the trainer from -f)
-MATMUL_OPTIONS = {"tf32": False}
+# Process-wide choices, like llm.c's global cublas_compute, set by the trainer from its flags:
+# tf32 (-f) rounds fp32 matmul inputs to TF32; cublaslt (--cublaslt) sends the linear layers
+# through llmc/cublaslt.py, with the bias, GELU and bias gradient fused into the matmuls
+MATMUL_OPTIONS = {"tf32": False, "cublaslt": False}
 
 
 def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,

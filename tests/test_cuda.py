@@ -251,7 +251,9 @@ def _launched_kernels():
     """(file, kernel name) of every cuda.launch call in gpt2_cuda.py's source."""
     with open(os.path.join(ROOT, "gpt2_cuda.py")) as f:
         src = f.read()
-    return set(re.findall(r'cuda\.launch\("(\w+)", precision, "(\w+)"', src))
+    launched = set(re.findall(r'cuda\.launch\("(\w+)", precision, "(\w+)"', src))
+    # the flash attention kernels are picked by head size from gpt2_cuda.FLASH_ATTENTION_KERNELS
+    return launched | {("flash_attention", name) for names in gpt2_cuda.FLASH_ATTENTION_KERNELS.values() for name in names}
 
 
 def _c_parameters(file, kernel):
@@ -271,7 +273,7 @@ def test_every_launch_names_a_kernel_of_its_file_and_the_emulation_matches_its_s
             with open(os.path.join(ROOT, "kernels", path)) as f:
                 defined |= {(path[:-3], k) for k in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', f.read())}
     assert launched == defined - {("cast", "fill_float")}                # every kernel but the fill has a launcher
-    assert set(gpt2_cuda.KERNEL_FILES) == {file for file, _ in defined}
+    assert set(gpt2_cuda.KERNEL_FILES) | {"flash_attention"} == {file for file, _ in defined}   # flash: kernel_files(model)
     for file, kernel in launched:
         params = _c_parameters(file, kernel)
         emulated = list(inspect.signature(EMULATED_KERNELS[kernel]).parameters)[2:]   # after grid, block
@@ -409,10 +411,11 @@ def k_encoder_backward_wpe(grid, block, dwpe, dout, B, T, C):
 
 def k_encoder_backward_wte(grid, block, dwte, dout, positions, seg_start, seg_token, num_segments, C):
     starts, tokens = seg_start.reshape(-1), seg_token.reshape(-1)[:num_segments]
-    assert len(set(tokens.tolist())) == num_segments, "two segments would write the same dwte row"
+    real = [s for s in range(num_segments) if starts[s] != starts[s + 1]]     # empty segments are skipped
+    assert len(set(tokens[real].tolist())) == len(real), "two segments would write the same dwte row"
     d = _load(dout, dout.size).reshape(-1, C)
     pos = positions.reshape(-1)
-    for s in range(num_segments):
+    for s in real:
         row = _load(dwte, C, int(tokens[s]) * C) + d[pos[starts[s]:starts[s + 1]]].sum(axis=0)
         _store(dwte, row, int(tokens[s]) * C)
 
@@ -569,7 +572,137 @@ def k_cast_floatX_to_float(grid, block, out, inp, n):
     out[:int(n)] = _load(inp, int(n))
 
 
+# flash attention (kernels/flash_attention.cu), block by block as the kernels compute it: the same
+# tiles (a block owns `owned` rows, streams blocks of `streamed` rows), the online softmax over key
+# blocks up to the diagonal, lse, D, and the two-kernel backward; P and dS rounded to floatX before
+# their products, as the kernels do. All (b, h) at once along the first axis.
+
+def _flash_tiles(grid, block, precision, B, T, NH, HS):
+    """The kernel's FlashTiles<HS>, restated from its header (not from gpt2_cuda), and checked
+    against the launch: blockDim = owned/16 warps, grid = (B*NH, ceil(T/owned))."""
+    owned = min(64, 8192 // (HS * llmc.cuda.FLOATX_DTYPES[precision].itemsize))
+    assert block == owned // 16 * 32, f"blockDim {block} does not match FlashTiles<{HS}> ({owned} rows)"
+    assert grid == (B * NH, math.ceil(T / owned)), grid
+    return owned, min(32, owned)
+
+
+def _heads(x, B, T, NH, HS):
+    """(B,T,NH*HS) -> (B*NH,T,HS)."""
+    return x.reshape(B, T, NH, HS).transpose(0, 2, 1, 3).reshape(B * NH, T, HS)
+
+
+def _flash_qkv(qkv, B, T, NH, HS):
+    x = _load(qkv, B * T * 3 * NH * HS).reshape(B, T, 3, NH * HS)
+    return [_heads(x[:, :, i], B, T, NH, HS) for i in range(3)]            # q, k, v each (B*NH,T,HS)
+
+
+def _round_floatX(x, precision):
+    return _to_f32(_from_f32(x, precision))
+
+
+def _flash_forward(grid, block, out, lse, qkv, B, T, NH, HS):
+    precision = _prec(qkv)
+    owned, streamed = _flash_tiles(grid, block, precision, B, T, NH, HS)
+    q, k, v = _flash_qkv(qkv, B, T, NH, HS)
+    scale = np.float32(1.0 / math.sqrt(HS))
+    o, lse_bh = np.zeros((B * NH, T, HS), np.float32), np.zeros((B * NH, T), np.float32)
+    for q0 in range(0, T, owned):                                         # one thread block each
+        t = np.arange(q0, min(q0 + owned, T))
+        m = np.full((B * NH, t.size), -np.inf, np.float32)
+        l = np.zeros((B * NH, t.size), np.float32)
+        acc = np.zeros((B * NH, t.size, HS), np.float32)
+        for k0 in range(0, t[-1] + 1, streamed):                          # key blocks up to the diagonal
+            j = np.arange(k0, min(k0 + streamed, T))
+            s = scale * (q[:, t] @ k[:, j].transpose(0, 2, 1))             # (BNH,rows,HS) @ (BNH,HS,cols)
+            s[:, j[None, :] > t[:, None]] = -np.inf                        # causal mask
+            m_new = np.maximum(m, s.max(axis=-1))                          # finite: key 0 is in block 0
+            alpha = np.exp(m - m_new)
+            p = np.exp(s - m_new[..., None])
+            l = alpha * l + p.sum(axis=-1)
+            acc = alpha[..., None] * acc + _round_floatX(p, precision) @ v[:, j]
+            m = m_new
+        o[:, t] = acc / l[..., None]
+        lse_bh[:, t] = m + np.log(l)
+    _store(out, o.reshape(B, NH, T, HS).transpose(0, 2, 1, 3))
+    lse.reshape(-1)[:B * NH * T] = lse_bh.ravel()
+
+
+def k_flash_attention_backward_preprocess(grid, block, D, dout, out, B, T, NH, HS):
+    prod = _load(dout, B * T * NH * HS) * _load(out, B * T * NH * HS)
+    D.reshape(-1)[:B * NH * T] = prod.reshape(B, T, NH, HS).sum(axis=-1).transpose(0, 2, 1).ravel()
+
+
+def _flash_probabilities(q, k, lse, t, j, scale):
+    """p[bh, t, j] = exp(scale q_t . k_j - lse_t) where j <= t < T, else 0."""
+    s = scale * (q[:, t] @ k[:, j].transpose(0, 2, 1))
+    p = np.exp(s - lse[:, t, None])
+    p[:, j[None, :] > t[:, None]] = 0.0
+    return p
+
+
+def _flash_backward_inputs(dout, qkv, lse, D, B, T, NH, HS):
+    q, k, v = _flash_qkv(qkv, B, T, NH, HS)
+    do = _heads(_load(dout, B * T * NH * HS), B, T, NH, HS)
+    return q, k, v, do, lse.reshape(-1)[:B * NH * T].reshape(B * NH, T), D.reshape(-1)[:B * NH * T].reshape(B * NH, T)
+
+
+def _flash_store_rows(dqkv, part, rows, values, B, T, NH, HS):
+    """dqkv (B,T,3,NH,HS)[:, rows, part] = values (B*NH,len(rows),HS): only those elements are written."""
+    dst = dqkv.reshape(-1)[:B * T * 3 * NH * HS].reshape(B, T, 3, NH, HS)
+    dst[:, rows, part] = _from_f32(values.reshape(B, NH, rows.size, HS).transpose(0, 2, 1, 3), _prec(dqkv))
+
+
+def _flash_backward_dkdv(grid, block, dqkv, dout, qkv, lse, D, B, T, NH, HS):
+    precision = _prec(dqkv)
+    owned, streamed = _flash_tiles(grid, block, precision, B, T, NH, HS)
+    q, k, v, do, lse_bh, D_bh = _flash_backward_inputs(dout, qkv, lse, D, B, T, NH, HS)
+    scale = np.float32(1.0 / math.sqrt(HS))
+    for k0 in range(0, T, owned):                                         # one thread block per key block
+        j = np.arange(k0, min(k0 + owned, T))
+        dk = np.zeros((B * NH, j.size, HS), np.float32)
+        dv = np.zeros((B * NH, j.size, HS), np.float32)
+        for t0 in range(k0 // streamed * streamed, T, streamed):          # query blocks from the diagonal on
+            t = np.arange(t0, min(t0 + streamed, T))
+            pT = _flash_probabilities(q, k, lse_bh, t, j, scale).transpose(0, 2, 1)      # (BNH,keys,queries)
+            dv += _round_floatX(pT, precision) @ do[:, t]
+            dpT = v[:, j] @ do[:, t].transpose(0, 2, 1)
+            dsT = pT * (dpT - D_bh[:, None, t])
+            dk += _round_floatX(dsT, precision) @ q[:, t]
+        _flash_store_rows(dqkv, 1, j, scale * dk, B, T, NH, HS)
+        _flash_store_rows(dqkv, 2, j, dv, B, T, NH, HS)
+
+
+def _flash_backward_dq(grid, block, dqkv, dout, qkv, lse, D, B, T, NH, HS):
+    precision = _prec(dqkv)
+    owned, streamed = _flash_tiles(grid, block, precision, B, T, NH, HS)
+    q, k, v, do, lse_bh, D_bh = _flash_backward_inputs(dout, qkv, lse, D, B, T, NH, HS)
+    scale = np.float32(1.0 / math.sqrt(HS))
+    for q0 in range(0, T, owned):                                         # one thread block per query block
+        t = np.arange(q0, min(q0 + owned, T))
+        dq = np.zeros((B * NH, t.size, HS), np.float32)
+        for k0 in range(0, t[-1] + 1, streamed):                          # key blocks up to the diagonal
+            j = np.arange(k0, min(k0 + streamed, T))
+            p = _flash_probabilities(q, k, lse_bh, t, j, scale)
+            dp = do[:, t] @ v[:, j].transpose(0, 2, 1)
+            ds = p * (dp - D_bh[:, t, None])
+            dq += _round_floatX(ds, precision) @ k[:, j]
+        _flash_store_rows(dqkv, 0, t, scale * dq, B, T, NH, HS)
+
+
+def _flash_entry(emulation, HS):
+    """The extern "C" entry point of one head size: emulation with HS fixed, the C parameter names."""
+    if emulation is _flash_forward:
+        def entry(grid, block, out, lse, qkv, B, T, NH):
+            emulation(grid, block, out, lse, qkv, B, T, NH, HS)
+    else:
+        def entry(grid, block, dqkv, dout, qkv, lse, D, B, T, NH):
+            emulation(grid, block, dqkv, dout, qkv, lse, D, B, T, NH, HS)
+    return entry
+
+
 EMULATED_KERNELS = {name[2:]: fn for name, fn in list(globals().items()) if name.startswith("k_")}
+EMULATED_KERNELS.update({name: _flash_entry(emulation, HS) for HS, names in gpt2_cuda.FLASH_ATTENTION_KERNELS.items()
+                         for name, emulation in zip(names, (_flash_forward, _flash_backward_dkdv, _flash_backward_dq))})
 
 
 def emulated_launch(file, precision, name, grid, block, args):
@@ -1288,3 +1421,144 @@ def test_cross_resume_cpu_cuda(tmp_path, precision, rtol):
         got = _train_losses(os.path.join(run, "main.log"))
         assert sorted(got) == sorted(ref)
         np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=rtol)
+
+
+# ----------------------------------------------------------------------------
+# part 3: flash attention (kernels/flash_attention.cu): its launchers through the block-by-block
+# emulation above (no GPU), then the real kernels (GPU); both against gpt2_cpu's attention in
+# float64, and lse against a float64 log-sum-exp computed here
+
+FLASH_SHAPES = [(2, 64, 2, 16), (1, 70, 3, 16), (2, 70, 2, 32), (1, 70, 1, 64), (1, 1, 2, 16), (1, 1024, 2, 16)]
+
+
+def _flash_reference(qkv, dout, NH):
+    """out (B,T,C), lse (B,NH,T), dqkv (B,T,3C) in float64 from float64 qkv, dout: gpt2_cpu's
+    attention and a log-sum-exp of the masked, scaled scores written out here."""
+    B, T, C3 = qkv.shape
+    HS = C3 // 3 // NH
+    out, att = gpt2_cpu.attention_forward(qkv, NH)
+    dqkv = gpt2_cpu.attention_backward(dout, qkv, att, NH)
+    q, k = (_heads(qkv[:, :, i * C3 // 3:(i + 1) * C3 // 3], B, T, NH, HS) for i in range(2))
+    s = q @ k.transpose(0, 2, 1) / math.sqrt(HS)                          # (BNH,T,T)
+    s[:, np.triu(np.ones((T, T), bool), 1)] = -np.inf
+    top = s.max(axis=-1)
+    lse = (top + np.log(np.exp(s - top[..., None]).sum(axis=-1))).reshape(B, NH, T)
+    return out, lse, dqkv
+
+
+def _check_flash(precision, out, lse, dqkv, ref, label):
+    """out and dq, dk, dv with the attention kernels' tolerance; lse (fp32 arithmetic in both
+    precisions) with the fp32 one."""
+    ref_out, ref_lse, ref_dqkv = ref
+    B, T, C = ref_out.shape
+    atol, rtol = TOLERANCES[f"kernel_{precision}"]["attention"]
+    ok = check_tensor(out, ref_out, f"{label} out [{precision}]", atol, rtol)
+    ok &= check_tensor(lse, ref_lse, f"{label} lse [{precision}]", *TOLERANCES["kernel_fp32"]["attention"])
+    got = np.asarray(dqkv, np.float64).reshape(B, T, 3, C)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ok &= check_tensor(got[:, :, i], ref_dqkv.reshape(B, T, 3, C)[:, :, i], f"{label} {name} [{precision}]", atol, rtol)
+    return ok
+
+
+def test_flash_attention_tiles_and_support():
+    # FlashTiles<HS> by hand: R = min(64, 8 KiB / (HS * bytes)), S = min(32, R)
+    assert gpt2_cuda.flash_attention_tiles("bf16", 64) == (64, 32)
+    assert gpt2_cuda.flash_attention_tiles("bf16", 128) == (32, 32)
+    assert gpt2_cuda.flash_attention_tiles("fp32", 64) == (32, 32)
+    assert gpt2_cuda.flash_attention_tiles("fp32", 128) == (16, 16)
+    assert gpt2_cuda.flash_attention_launch("bf16", 64, 4, 1024, 12) == ((48, 16), 128)
+    assert gpt2_cuda.flash_attention_launch("fp32", 128, 1, 70, 2) == ((2, 5), 32)
+    assert [HS for HS in range(1, 257) if gpt2_cuda.flash_attention_supported(HS)] == [16, 32, 64, 128]
+    with pytest.raises(ValueError, match="no kernel for head size 48"):
+        gpt2_cuda.flash_attention_launch("bf16", 48, 1, 64, 2)
+
+
+def _host_poisoned(shape, precision):
+    return np.full(shape, gpt2_cuda.BF16_NAN_BITS if precision == "bf16" else np.nan, llmc.cuda.FLOATX_DTYPES[precision])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,NH,HS", FLASH_SHAPES)
+def test_emulated_flash_attention_matches_gpt2_cpu(emulated_gpu, precision, B, T, NH, HS):
+    # the launchers' grids, blocks and arguments, and the block algorithm (online softmax over key
+    # blocks, lse, D, dk/dv per key block, dq per query block) against plain float64 attention.
+    # T=70: a partial last block; T=1: one row; outputs poisoned with NaN: every element is written
+    C = NH * HS
+    rng = np.random.default_rng(T * 10 + HS)
+    qkv, dout = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((B, T, C))
+    ref = _flash_reference(as_input(qkv, precision), as_input(dout, precision), NH)
+    qkv_x, dout_x = _from_f32(qkv.astype(np.float32), precision), _from_f32(dout.astype(np.float32), precision)
+    out, lse = _host_poisoned((B, T, C), precision), np.full((B, NH, T), np.nan, np.float32)
+    gpt2_cuda.flash_attention_forward(out, lse, qkv_x, B, T, C, NH)
+    dqkv, D = _host_poisoned((B, T, 3 * C), precision), np.full((B, NH, T), np.nan, np.float32)
+    gpt2_cuda.flash_attention_backward(dqkv, D, dout_x, out, qkv_x, lse, B, T, C, NH)
+    assert _check_flash(precision, _to_f32(out), lse, _to_f32(dqkv), ref, f"B={B} T={T} NH={NH} HS={HS}")
+    # D = rowsum(dout * out) of the stored (floatX) out
+    ref_D = (_to_f32(dout_x).astype(np.float64) * _to_f32(out)).reshape(B, T, NH, HS).sum(axis=-1).transpose(0, 2, 1)
+    assert check_tensor(D, ref_D, "D", 1e-5, 1e-5)
+
+
+def test_emulated_flash_attention_block_structure_is_the_kernels():
+    # the emulation really computes block by block: the key blocks before the diagonal change the
+    # online softmax's state (alpha < 1 somewhere), and the launch checks refuse a wrong blockDim
+    B, T, NH, HS = 1, 96, 1, 16
+    rng = np.random.default_rng(0)
+    qkv = rng.standard_normal((B, T, 3 * NH * HS)).astype(np.float32) * 3
+    out, lse = np.zeros((B, T, NH * HS), np.float32), np.zeros((B, NH, T), np.float32)
+    grid, block = gpt2_cuda.flash_attention_launch("fp32", HS, B, T, NH)
+    _flash_forward(grid, block, out, lse, qkv, B, T, NH, HS)
+    ref_out, ref_lse, _ = _flash_reference(qkv.astype(np.float64), np.zeros((B, T, NH * HS)), NH)
+    assert check_tensor(out, ref_out, "out", 1e-5, 1e-5) and check_tensor(lse, ref_lse, "lse", 1e-5, 1e-5)
+    with pytest.raises(AssertionError, match="blockDim"):
+        _flash_forward(grid, block * 2, out, lse, qkv, B, T, NH, HS)
+
+
+@pytest.mark.parametrize("precision,recompute,B,T", [("fp32", True, 3, 16), ("bf16", False, 2, 13)])
+def test_emulated_model_on_flash_path_matches_gpt2_cpu(emulated_gpu, precision, recompute, B, T):
+    # the whole model with attention="flash": every activation and gradient against gpt2_cpu
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=recompute, attention="flash")
+    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+    rng = np.random.default_rng(11)
+    x, y = (rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32) for _ in range(2))
+    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+
+
+FLASH_GPU_SHAPES = [(2, 64, 4, 64), (1, 70, 3, 64), (2, 1024, 2, 64), (1, 70, 2, 16), (2, 70, 2, 32),
+                    (1, 70, 2, 128), (3, 1, 2, 64), (1, 1024, 2, 128)]
+
+
+def _flash_on_gpu(qkv, dout, B, T, NH, precision):
+    """Run the real kernels on poisoned outputs; return out, lse, dqkv on the host (float32)."""
+    cp = _cp()
+    C = NH * qkv.shape[-1] // 3 // NH
+    qkv_d, dout_d = to_device(qkv, precision), to_device(dout, precision)
+    out, lse = poisoned((B, T, C), precision), cp.full((B, NH, T), np.nan, np.float32)
+    gpt2_cuda.flash_attention_forward(out, lse, qkv_d, B, T, C, NH)
+    dqkv, D = poisoned((B, T, 3 * C), precision), cp.full((B, NH, T), np.nan, np.float32)
+    gpt2_cuda.flash_attention_backward(dqkv, D, dout_d, out, qkv_d, lse, B, T, C, NH)
+    return to_host(out), lse.get(), to_host(dqkv), dqkv
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+@pytest.mark.parametrize("B,T,NH,HS", FLASH_GPU_SHAPES)
+def test_flash_attention_kernels(gpu_rng, precision, B, T, NH, HS):
+    C = NH * HS
+    qkv, dout = gpu_rng.standard_normal((B, T, 3 * C)), gpu_rng.standard_normal((B, T, C))
+    out, lse, dqkv, _ = _flash_on_gpu(qkv, dout, B, T, NH, precision)
+    ref = _flash_reference(as_input(qkv, precision), as_input(dout, precision), NH)
+    assert _check_flash(precision, out, lse, dqkv, ref, f"B={B} T={T} NH={NH} HS={HS}")
+
+
+@pytest.mark.gpu
+@PRECISION_PARAMS
+def test_flash_attention_backward_is_deterministic(gpu_rng, precision):
+    # no atomics: two runs of the backward on the same inputs are bitwise equal
+    B, T, NH, HS = 2, 1024, 4, 64
+    C = NH * HS
+    qkv, dout = gpu_rng.standard_normal((B, T, 3 * C)), gpu_rng.standard_normal((B, T, C))
+    first = _flash_on_gpu(qkv, dout, B, T, NH, precision)[3].get()
+    second = _flash_on_gpu(qkv, dout, B, T, NH, precision)[3].get()
+    assert np.isfinite(gpt2_cuda.as_float32(first)).all()
+    np.testing.assert_array_equal(first.view(np.uint16 if precision == "bf16" else np.uint32),
+                                  second.view(np.uint16 if precision == "bf16" else np.uint32))

@@ -1,0 +1,399 @@
+"""
+llmc/cublaslt.py: the linear layers' matmuls through cuBLASLt with fused epilogues (a library
+call, llm.c's llmc/matmul.cuh `matmul_cublaslt`), reached through NVIDIA's nvmath-python
+(`nvmath.bindings.cublasLt`, thin Python bindings of the C API). One cuBLASLt call does what the
+plain cuBLAS path of gpt2_cuda.py does in two or three launches:
+
+    forward   out = inp @ weight^T + bias              EPILOGUE_BIAS (no bias copy first)
+    forward   out = gelu(inp @ weight^T + bias)        EPILOGUE_GELU_AUX_BIAS, and the pre-activation
+              pre_gelu = inp @ weight^T + bias         is stored too (the "aux" output)
+    backward  dinp = (dout @ weight) * gelu'(pre_gelu) EPILOGUE_DGELU (reads pre_gelu as aux)
+    backward  dweight += dout^T @ inp                  EPILOGUE_BGRADB: the same pass over dout
+              dbias = column sums of dout              also sums its columns
+
+What it deliberately is not: a general GEMM wrapper. No batched products (attention keeps
+llmc.cuda.gemm), no FP8, no autotuning beyond cuBLASLt's first heuristic answer, one GPU per
+process (llmc.cuda.select_device binds it), not wired into gpt2_cuda.py by this module.
+
+Why the low-level bindings and not nvmath.linalg.advanced.Matmul: our bf16 tensors are CuPy
+uint16 arrays holding bf16 bit patterns (CuPy has no bfloat16 dtype; llmc/cuda.py), and Matmul
+takes each operand's type from its dtype, so it would see CUDA_R_16U integers, not CUDA_R_16BF.
+Matmul also allocates its epilogue outputs itself (the GELU aux, the bias gradient) and returns
+them, where the trainer needs them written into its preallocated activation buffers. The bindings
+take raw pointers (arr.data.ptr) and cudaDataType_t values, which is exactly what we have.
+
+Which GELU cuBLASLt applies: the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+the same as kernels/gelu.cu and gpt2_cpu.gelu_forward. The cuBLAS documentation names the epilogue
+"GELU" without printing its formula; the evidence is that the libraries built on these epilogues
+treat them as the tanh form: llm.c fuses its (tanh) GELU into GELU_AUX_BIAS / DGELU (train_gpt2.cu
+-ge, llmc/matmul.cuh), and flash-attention's FusedMLP (csrc/fused_dense_lib, cuBLASLt epilogues)
+accepts only activation="gelu_approx". tests/test_cublaslt.py checks it on a GPU: in fp32 the
+fused result must sit 10x closer to the tanh form than the exact erf GELU lies from it (they
+differ by up to 4.7e-4, at |x| = 2.7).
+
+The bias gradient: BGRADB *writes* (=) the column sums into the bias pointer (beta applies only to
+D), while our parameter gradients accumulate (+=) over micro-batches. So BGRADB writes into a
+floatX scratch vector of OC values owned by this module, and kernels/layernorm.cu's
+residual_forward adds it into dbias (dbias = dbias + scratch, one tiny launch). In bf16 the sum is
+thus rounded twice (the scratch, then dbias), where kernels/bias.cu rounds once. cuBLASLt supports
+BGRADB only with B transposed (nvmath.linalg.advanced transposes B itself to use it), which our
+dweight product is (op(B) = T, below); where a cuBLASLt build still finds no algorithm
+for it, matmul_backward_lt falls back to a plain dweight product, leaves dbias alone and returns
+False, and the caller runs its own bias kernel.
+
+Setup: pip install "nvmath-python[cu12]" (optional; the cu12 extra pins cuda-bindings 12 and
+brings nvidia-cublas-cu12, matching cupy-cuda12x). nvmath.bindings.cublasLt imports without a GPU;
+the library is loaded at the first call, which without a CUDA driver raises NotSupportedError
+("CUDA driver is not found"). unavailable_reason() says in one line what is missing.
+
+Run the tests: python -m pytest -q tests/test_cublaslt.py
+    without a GPU: "67 passed, 24 skipped" in a few seconds (the host logic, through a recording
+    fake of the bindings); on a GPU with nvmath-python the 24 GPU tests run too
+
+Dimensions: B, T, C, OC as in gpt2_cpu.py, N = B*T rows. Column-major: llmc/cuda.py explains once
+why a row-major (R, K) matrix is the column-major (K, R) matrix with leading dimension K; each
+product below works out its transposes next to the call. A cuBLASLt layout describes a matrix as
+stored (rows, cols, ld); TRANSA/TRANSB say whether the product uses it or its transpose.
+"""
+
+from collections import namedtuple
+
+import numpy as np
+
+from llmc import cuda
+from llmc.cuda import (BLOCK_SIZE, CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_DATA_TYPES, CUBLAS_OP_N,
+                       CUBLAS_OP_T, CUDA_R_32F, MATMUL_OPTIONS, ceil_div, check_launch, elementwise_grid, require,
+                       vector_size)
+
+# ----------------------------------------------------------------------------
+# constants (values from cublasLt.h; tests/test_cublaslt.py checks them against nvmath's enums)
+
+WORKSPACE_BYTES = 32 * 1024 * 1024     # llm.c's cublaslt_workspace_size: Hopper's kernels want 32 MiB
+MIN_ALIGNMENT_BYTES = 16               # every pointer we pass is 16-byte aligned (checked), so we tell the
+                                       # heuristic: it must not pick an algorithm that needs 256 (its default)
+AUX_LD_MULTIPLE = 8                    # cuBLASLt: the GELU aux leading dimension must be a multiple of 8
+MIN_CUBLASLT_VERSION = 111103          # CUDA 11.8: first with DGELU and BGRADB (nvmath's epilog version table)
+NVMATH_PIP_PACKAGE = "nvmath-python[cu12]"
+HEURISTIC_ALGORITHMS = 1               # ask the heuristic for its best algorithm only, as llm.c does
+CUBLAS_STATUS_SUCCESS = 0
+
+# cublasLtEpilogue_t
+EPILOGUE_DEFAULT = 1                   # D = alpha op(A) op(B) + beta C
+EPILOGUE_BIAS = 4                      # ... + bias, bias (rows of D,) broadcast over the columns
+EPILOGUE_GELU_AUX = 160                # aux = the result, D = gelu(aux)
+EPILOGUE_GELU_AUX_BIAS = 164           # aux = the result + bias, D = gelu(aux)
+EPILOGUE_DGELU = 192                   # D = the result * gelu'(aux), aux read
+EPILOGUE_BGRADB = 512                  # D = the result; bias (cols of D,) = sums of op(B) over k, written
+EPILOGUE_NAMES = {EPILOGUE_DEFAULT: "DEFAULT", EPILOGUE_BIAS: "BIAS", EPILOGUE_GELU_AUX: "GELU_AUX",
+                  EPILOGUE_GELU_AUX_BIAS: "GELU_AUX_BIAS", EPILOGUE_DGELU: "DGELU", EPILOGUE_BGRADB: "BGRADB"}
+
+# cublasLtMatmulDescAttributes_t, and the C type of each value we set
+DESC_TRANSA = 3
+DESC_TRANSB = 4
+DESC_EPILOGUE = 7
+DESC_BIAS_POINTER = 8
+DESC_EPILOGUE_AUX_POINTER = 11
+DESC_EPILOGUE_AUX_LD = 12
+DESC_BIAS_DATA_TYPE = 26
+DESC_ATTRIBUTE_DTYPES = {DESC_TRANSA: np.int32, DESC_TRANSB: np.int32, DESC_EPILOGUE: np.uint32,
+                         DESC_BIAS_POINTER: np.int64, DESC_EPILOGUE_AUX_POINTER: np.int64,
+                         DESC_EPILOGUE_AUX_LD: np.int64, DESC_BIAS_DATA_TYPE: np.int32}
+
+# cublasLtMatmulPreferenceAttributes_t, and their C types
+PREF_MAX_WORKSPACE_BYTES = 1
+PREF_MIN_ALIGNMENT_A_BYTES = 5
+PREF_MIN_ALIGNMENT_B_BYTES = 6
+PREF_MIN_ALIGNMENT_C_BYTES = 7
+PREF_MIN_ALIGNMENT_D_BYTES = 8
+PREF_ATTRIBUTE_DTYPES = {PREF_MAX_WORKSPACE_BYTES: np.uint64, PREF_MIN_ALIGNMENT_A_BYTES: np.uint32,
+                         PREF_MIN_ALIGNMENT_B_BYTES: np.uint32, PREF_MIN_ALIGNMENT_C_BYTES: np.uint32,
+                         PREF_MIN_ALIGNMENT_D_BYTES: np.uint32}
+
+
+class CublasLtUnsupported(RuntimeError):
+    """cuBLASLt has no algorithm for this product and epilogue (the heuristic found none)."""
+
+
+# ----------------------------------------------------------------------------
+# the bindings, imported lazily
+
+def bindings():
+    """The nvmath.bindings.cublasLt module (imported on first use). Tests replace this function
+    with a recording fake, as tests/test_cuda.py replaces llmc.cuda.cupy."""
+    from nvmath.bindings import cublasLt
+    return cublasLt
+
+
+def unavailable_reason():
+    """None if nvmath-python imports and loads a cuBLASLt with the epilogues we use, else one line
+    saying what is missing: the pip package, the library (or the CUDA driver), or the version."""
+    try:
+        lt = bindings()
+    except ImportError as e:
+        return f"nvmath-python is not installed ({e}): pip install \"{NVMATH_PIP_PACKAGE}\" (optional, GPU only)"
+    except Exception as e:                 # installed but broken, e.g. a cuda-bindings it does not support
+        return f"nvmath-python fails to import: {type(e).__name__}: {e}".splitlines()[0]
+    try:
+        version = int(lt.get_version())
+    except Exception as e:                 # nvmath raises when libcublasLt or the driver cannot be loaded
+        message = f"{type(e).__name__}: {e}".splitlines()[0]
+        return f"cuBLASLt is not loadable through nvmath-python: {message}"
+    if version < MIN_CUBLASLT_VERSION:
+        return f"cuBLASLt {version} is older than {MIN_CUBLASLT_VERSION} (CUDA 11.8), the first with DGELU and BGRADB"
+    return None
+
+
+# ----------------------------------------------------------------------------
+# which epilogue a layer needs (pure)
+
+Epilogue = namedtuple("Epilogue", "code name bias aux")
+Epilogue.__doc__ = """A cuBLASLt epilogue and the extra arguments it takes.
+code: cublasLtEpilogue_t value. bias: None, "add" (BIAS_POINTER is read: one value per row of D)
+or "grad" (BIAS_POINTER is written: the sums of op(B) over k, one per column of D). aux: None,
+"write" (the GELU input is stored at EPILOGUE_AUX_POINTER) or "read" (it is read there for gelu')."""
+
+
+def epilogue_for(has_bias, gelu, backward, bgrad=False):
+    """The epilogue a linear layer's product needs:
+        forward (backward=False): has_bias adds the bias, gelu applies GELU and stores its input
+        backward, dinp product:   gelu multiplies by gelu'(the stored input) (DGELU)
+        backward, dweight product: bgrad also sums op(B) = dout over rows into the bias gradient
+    Raises ValueError for what no layer here needs: a bias added in a backward product, a bias
+    gradient in a forward one, or DGELU together with BGRADB (DGELU_BGRAD would sum D's rows,
+    which is another layer's bias gradient)."""
+    if not backward:
+        require(not bgrad, "a bias gradient (BGRAD) belongs to a backward product")
+        if gelu:
+            code = EPILOGUE_GELU_AUX_BIAS if has_bias else EPILOGUE_GELU_AUX
+            return Epilogue(code, EPILOGUE_NAMES[code], "add" if has_bias else None, "write")
+        code = EPILOGUE_BIAS if has_bias else EPILOGUE_DEFAULT
+        return Epilogue(code, EPILOGUE_NAMES[code], "add" if has_bias else None, None)
+    require(not has_bias, "a backward product adds no bias (pass bgrad=True for the bias gradient)")
+    require(not (gelu and bgrad), "DGELU with a bias gradient (DGELU_BGRAD) is not used by any layer here")
+    if gelu:
+        return Epilogue(EPILOGUE_DGELU, "DGELU", None, "read")
+    if bgrad:
+        return Epilogue(EPILOGUE_BGRADB, "BGRADB", "grad", None)
+    return Epilogue(EPILOGUE_DEFAULT, "DEFAULT", None, None)
+
+
+NO_EPILOGUE = epilogue_for(False, False, False)
+
+
+# ----------------------------------------------------------------------------
+# the handle, the workspace and the cached plans
+
+_CONTEXT = {}      # "handle": cublasLtHandle_t, "workspace": CuPy uint8 array of WORKSPACE_BYTES
+_PLANS = {}        # (precision, compute type, m, n, k, transa, transb, epilogue code) -> Plan
+_BGRAD = {}        # (precision, OC) -> floatX scratch that BGRADB writes the bias gradient into
+
+
+class Plan:
+    """One cached product: its matmul descriptor, the layouts of A, B, C and D (C = D: we read and
+    write the same buffer), and the heuristic's algorithm (a cublasLtMatmulHeuristicResult_t held
+    in a NumPy array; None until the first call, `unsupported` says why when there is none)."""
+
+    def __init__(self, desc, layouts):
+        self.desc, self.layouts = desc, layouts
+        self.heuristic = None
+        self.unsupported = None
+
+
+def _set_attribute(setter, obj, attr, value, dtypes):
+    """Call a cublasLt*SetAttribute binding with `value` in the attribute's C type (a host buffer)."""
+    buf = np.array(value, dtype=dtypes[attr])
+    setter(obj, attr, buf.ctypes.data, buf.itemsize)
+
+
+def _context():
+    """The process's cuBLASLt handle and workspace, created on first use."""
+    if not _CONTEXT:
+        _CONTEXT["handle"] = bindings().create()
+        _CONTEXT["workspace"] = cuda.cupy().empty(WORKSPACE_BYTES, dtype=np.uint8)
+    return _CONTEXT["handle"], _CONTEXT["workspace"]
+
+
+def compute_type(precision):
+    """fp32 accumulation; fp32 inputs rounded to TF32 when MATMUL_OPTIONS["tf32"] (as llmc.cuda.gemm)."""
+    return CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "fp32" and MATMUL_OPTIONS["tf32"] else CUBLAS_COMPUTE_32F
+
+
+def stored_shape(rows, cols, trans):
+    """(rows, cols, ld) of a column-major operand as stored, when the product uses the (rows, cols)
+    matrix op(X): X itself (ld = rows), or, with trans, its transpose (stored cols x rows, ld = cols).
+    Our operands are contiguous, so ld is always the stored row count."""
+    return (cols, rows, cols) if trans == CUBLAS_OP_T else (rows, cols, rows)
+
+
+def _plan(precision, m, n, k, transa, transb, epilogue):
+    """The cached Plan of D (m,n) = op(A) (m,k) @ op(B) (k,n) with `epilogue`, built on first use."""
+    compute = compute_type(precision)
+    key = (precision, compute, m, n, k, transa, transb, epilogue.code)
+    if key not in _PLANS:
+        lt = bindings()
+        data_type = CUBLAS_DATA_TYPES[precision]
+        desc = lt.matmul_desc_create(compute, CUDA_R_32F)                  # scale type: fp32 alpha, beta
+        setter = lt.matmul_desc_set_attribute
+        _set_attribute(setter, desc, DESC_TRANSA, transa, DESC_ATTRIBUTE_DTYPES)
+        _set_attribute(setter, desc, DESC_TRANSB, transb, DESC_ATTRIBUTE_DTYPES)
+        _set_attribute(setter, desc, DESC_EPILOGUE, epilogue.code, DESC_ATTRIBUTE_DTYPES)
+        if epilogue.bias:
+            _set_attribute(setter, desc, DESC_BIAS_DATA_TYPE, data_type, DESC_ATTRIBUTE_DTYPES)
+        if epilogue.aux:
+            _set_attribute(setter, desc, DESC_EPILOGUE_AUX_LD, m, DESC_ATTRIBUTE_DTYPES)   # aux is (m,n) like D
+        layouts = (lt.matrix_layout_create(data_type, *stored_shape(m, k, transa)),      # A
+                   lt.matrix_layout_create(data_type, *stored_shape(k, n, transb)),      # B
+                   lt.matrix_layout_create(data_type, m, n, m),                          # C
+                   lt.matrix_layout_create(data_type, m, n, m))                          # D
+        _PLANS[key] = Plan(desc, layouts)
+    return _PLANS[key]
+
+
+def _choose_algorithm(plan):
+    """Ask cuBLASLt's heuristic for the plan's algorithm, once: within our workspace and for
+    16-byte aligned pointers. Sets plan.heuristic, or plan.unsupported (why there is none)."""
+    lt = bindings()
+    handle, _ = _context()
+    pref = lt.matmul_preference_create()
+    try:
+        setter = lt.matmul_preference_set_attribute
+        _set_attribute(setter, pref, PREF_MAX_WORKSPACE_BYTES, WORKSPACE_BYTES, PREF_ATTRIBUTE_DTYPES)
+        for attr in (PREF_MIN_ALIGNMENT_A_BYTES, PREF_MIN_ALIGNMENT_B_BYTES, PREF_MIN_ALIGNMENT_C_BYTES,
+                     PREF_MIN_ALIGNMENT_D_BYTES):
+            _set_attribute(setter, pref, attr, MIN_ALIGNMENT_BYTES, PREF_ATTRIBUTE_DTYPES)
+        result = np.zeros(HEURISTIC_ALGORITHMS, dtype=lt.matmul_heuristic_result_dtype)
+        count = np.zeros(1, dtype=np.int32)
+        try:
+            lt.matmul_algo_get_heuristic(handle, plan.desc, *plan.layouts, pref, HEURISTIC_ALGORITHMS,
+                                         result.ctypes.data, count.ctypes.data)
+        except lt.cuBLASLtError as e:      # CUBLAS_STATUS_NOT_SUPPORTED: no algorithm for this configuration
+            plan.unsupported = f"cublasLtMatmulAlgoGetHeuristic: {e}"
+            return
+    finally:
+        lt.matmul_preference_destroy(pref)
+    if count[0] < 1 or result["state"][0] != CUBLAS_STATUS_SUCCESS:
+        plan.unsupported = "cublasLtMatmulAlgoGetHeuristic returned no algorithm"
+    else:
+        plan.heuristic = result
+
+
+def clear_cache():
+    """Destroy every cached descriptor, layout and the handle, and drop the workspace and the bias
+    scratch (tests; call it only while the GPU is idle)."""
+    if _PLANS or _CONTEXT:
+        lt = bindings()
+        for plan in _PLANS.values():
+            lt.matmul_desc_destroy(plan.desc)
+            for layout in plan.layouts:
+                lt.matrix_layout_destroy(layout)
+        if "handle" in _CONTEXT:
+            lt.destroy(_CONTEXT["handle"])
+    _PLANS.clear()
+    _CONTEXT.clear()
+    _BGRAD.clear()
+
+
+# ----------------------------------------------------------------------------
+# one product (llm.c's matmul_cublaslt)
+
+def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias=None, aux=None,
+                    accumulate=False):
+    """Library call: D (m,n) = epilogue(op(A) (m,k) @ op(B) (k,n) [+ D]), column-major, on the
+    trainer's current CuPy stream. d, a, b, bias, aux: floatX arrays of one precision (CuPy, or
+    NumPy under the tests' fake bindings), contiguous, 16-byte aligned (the callers check);
+    `epilogue` from epilogue_for, with `bias` given iff epilogue.bias and `aux` ((m,n), ld m) iff
+    epilogue.aux. alpha = 1, beta = 1 if accumulate else 0 (beta scales D only, never the bias
+    gradient). Raises CublasLtUnsupported when cuBLASLt has no algorithm, ValueError on misuse."""
+    require((bias is not None) == (epilogue.bias is not None), f"{epilogue.name}: bias must be given iff it uses one")
+    require((aux is not None) == (epilogue.aux is not None), f"{epilogue.name}: aux must be given iff it uses one")
+    require(aux is None or m % AUX_LD_MULTIPLE == 0,
+            f"{epilogue.name}: the GELU aux has leading dimension m={m}, which cuBLASLt needs to be a multiple of 8")
+    lt = bindings()
+    precision = cuda.precision_of(d)
+    plan = _plan(precision, m, n, k, transa, transb, epilogue)
+    setter = lt.matmul_desc_set_attribute
+    if bias is not None:                   # the pointers change per call; the rest of the descriptor does not
+        _set_attribute(setter, plan.desc, DESC_BIAS_POINTER, cuda.address(bias), DESC_ATTRIBUTE_DTYPES)
+    if aux is not None:
+        _set_attribute(setter, plan.desc, DESC_EPILOGUE_AUX_POINTER, cuda.address(aux), DESC_ATTRIBUTE_DTYPES)
+    if plan.heuristic is None and plan.unsupported is None:
+        _choose_algorithm(plan)            # after the pointers: cuBLASLt checks that an epilogue's are set
+    if plan.unsupported:
+        raise CublasLtUnsupported(f"{epilogue.name} m={m} n={n} k={k} {precision}: {plan.unsupported}")
+    handle, workspace = _context()
+    alpha = np.ones(1, np.float32)                                       # host scalars (pointer mode host)
+    beta = np.full(1, 1.0 if accumulate else 0.0, np.float32)
+    stream = cuda.cupy().cuda.get_current_stream()
+    layout_a, layout_b, layout_c, layout_d = plan.layouts
+    lt.matmul(handle, plan.desc, alpha.ctypes.data, cuda.address(a), layout_a, cuda.address(b), layout_b,
+              beta.ctypes.data, cuda.address(d), layout_c, cuda.address(d), layout_d,
+              plan.heuristic.ctypes.data,          # the struct starts with its cublasLtMatmulAlgo_t
+              cuda.address(workspace), WORKSPACE_BYTES, stream.ptr)
+
+
+# ----------------------------------------------------------------------------
+# the linear layer (gpt2_cuda.matmul_forward / matmul_backward, fused)
+
+def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None):
+    """out (B,T,OC) = inp (B,T,C) @ weight^T + bias; weight (OC,C) (nn.Linear layout), bias (OC,)
+    or None. With pre_gelu (B,T,OC) given: pre_gelu = inp @ weight^T + bias and out = gelu(pre_gelu),
+    in the same call (the MLP's fc layer). floatX arrays of one precision, contiguous, 16-byte aligned.
+    Column-major: out^T (OC,N) = weight (OC,C) @ inp^T (C,N). weight's memory is the column-major
+    (C,OC) matrix weight^T, so op(A) = T; inp's memory is already inp^T, op(B) = N. The bias has one
+    value per row of out^T (per output channel), broadcast over its N columns (the tokens), which is
+    exactly the epilogue's broadcast; the aux (pre_gelu) is (OC,N) with ld OC, like out^T."""
+    N = B * T
+    floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
+    floatX += [("bias", bias, OC)] if bias is not None else []
+    floatX += [("pre_gelu", pre_gelu, N * OC)] if pre_gelu is not None else []
+    check_launch("matmul_forward_lt", floatX, aligned=True)
+    epilogue = epilogue_for(bias is not None, pre_gelu is not None, backward=False)
+    matmul_cublaslt(out, weight, inp, OC, N, C, CUBLAS_OP_T, CUBLAS_OP_N, epilogue, bias=bias, aux=pre_gelu)
+
+
+def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None):
+    """Backward of out = inp @ weight^T + bias (shapes as matmul_forward_lt). Writes dinp (B,T,C);
+    accumulates dweight (OC,C); accumulates dbias (OC,) when it can (see the return value).
+    With pre_gelu (B,T,C) given, inp was gelu(pre_gelu) (the fcproj layer) and dinp is the gradient
+    of pre_gelu instead: dinp = (dout @ weight) * gelu'(pre_gelu), the DGELU epilogue.
+        dinp     = dout @ weight    column-major: dinp^T (C,N) = weight^T (C,OC) @ dout^T (OC,N), both as stored
+        dweight += dout^T @ inp     column-major: dweight^T (C,OC) = inp^T (C,N) @ dout (N,OC), op(B) = T
+        dbias   += sum over rows of dout: BGRADB on the dweight product sums op(B) = dout (N,OC) over
+                   k = N, one value per column of dweight^T (per output channel)
+    Returns True when dbias was accumulated here, False when the caller must do it (dbias is None,
+    or cuBLASLt has no BGRADB algorithm for this shape; dweight is then still accumulated)."""
+    N = B * T
+    floatX = [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC), ("inp", inp, N * C),
+              ("weight", weight, OC * C)]
+    floatX += [("dbias", dbias, OC)] if dbias is not None else []
+    floatX += [("pre_gelu", pre_gelu, N * C)] if pre_gelu is not None else []
+    precision = check_launch("matmul_backward_lt", floatX, aligned=True)
+    epilogue = epilogue_for(False, pre_gelu is not None, backward=True)
+    matmul_cublaslt(dinp, weight, dout, C, N, OC, CUBLAS_OP_N, CUBLAS_OP_N, epilogue, aux=pre_gelu)
+    if dbias is not None:
+        bgrad = _bgrad_scratch(precision, OC)
+        try:
+            matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T,
+                            epilogue_for(False, False, backward=True, bgrad=True), bias=bgrad, accumulate=True)
+        except CublasLtUnsupported:
+            pass                           # the plain product below; the caller sums dbias
+        else:
+            _accumulate(dbias, bgrad, OC, precision)
+            return True
+    matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T, accumulate=True)
+    return False
+
+
+def _bgrad_scratch(precision, OC):
+    """The floatX (OC,) vector BGRADB writes into, allocated once per (precision, OC)."""
+    key = (precision, OC)
+    if key not in _BGRAD:
+        _BGRAD[key] = cuda.cupy().empty(OC, dtype=cuda.FLOATX_DTYPES[precision])
+    return _BGRAD[key]
+
+
+def _accumulate(dbias, bgrad, OC, precision):
+    """dbias += bgrad, OC values: kernels/layernorm.cu residual_forward with out = inp1 = dbias
+    (each thread reads its 16-byte group of both inputs before writing it, so the alias is safe)."""
+    cuda.launch("layernorm", precision, "residual_forward", elementwise_grid(ceil_div(OC, vector_size(precision))),
+                BLOCK_SIZE, (dbias, dbias, bgrad, np.uint64(OC)))

@@ -1,0 +1,315 @@
+"""
+llmc/cudnn_attention.py: cuDNN's fused (flash) attention for gpt2_cuda.py, a library call through
+NVIDIA's cuDNN frontend Python package (module `cudnn`), as llm.c's llmc/cudnn_att.cpp does it
+through the C++ frontend.
+
+One call computes causal self-attention out = softmax(q k^T / sqrt(HS) + mask) v for all heads,
+FlashAttention-2 style (Dao 2023): the (T,T) attention matrix is never stored. Training keeps, per
+query row, one float32 softmax statistic instead (stats = max + log(sum exp), natural log), from
+which the backward recomputes the attention tile by tile. Compared with gpt2_cuda's own attention
+(cuBLAS + softmax kernels), it saves the B*NH*T*T `att` activation and the permute copies.
+
+No permutes: cuDNN takes any strides, so q, k, v are described as strided (B,NH,T,HS) views of the
+(B,T,3C) qkv projection itself, the way llm.c does it:
+    q, k, v: dims (B,NH,T,HS), strides (T*3C, HS, 3C, 1), starting at elements 0, C, 2C of qkv
+    out:     dims (B,NH,T,HS), strides (T*C, HS, C, 1), the (B,T,C) layout the projection reads
+    stats:   dims (B,NH,T,1),  strides (NH*T, T, 1, 1), float32
+and in the backward dq, dk, dv are written into a (B,T,3C) dqkv laid out like qkv.
+
+Graphs are built once per shape (building is the slow part: heuristics, kernel compilation) and
+cached in GRAPHS; one cuDNN handle and one CuPy workspace (grown as needed, kept) serve them all,
+on the caller's current CuPy stream. Our bf16 tensors are CuPy uint16 arrays holding bf16 bits
+(llmc/cuda.py), so the graph declares their type and the variant pack passes raw device pointers.
+
+What it deliberately is not: a ctypes binding of cuDNN (the frontend package is the binding), an
+fp32 path (cuDNN's fused attention needs bf16/fp16; unavailable_reason says so and the trainer
+falls back to its own kernels), or a general SDPA wrapper (no dropout, bias, padding or GQA).
+Importing this module imports neither `cudnn` nor CuPy; nothing here runs without a GPU except
+unavailable_reason and the layout helpers.
+
+Install: pip install nvidia-cudnn-frontend nvidia-cudnn-cu12   (nvidia-cudnn-cu13 for CUDA 13)
+Tests:   pytest tests/test_cudnn_attention.py   (a fake `cudnn` without a GPU; GPU tests on one)
+Legend: B batch, T time, C channels, NH heads, HS = C // NH head size.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmc import cuda
+from llmc.utils import InputError
+
+# ----------------------------------------------------------------------------
+# what cuDNN attention needs, and where it comes from
+
+FRONTEND_PIP = "nvidia-cudnn-frontend"
+LIBRARY_PIP = "nvidia-cudnn-cu12 (nvidia-cudnn-cu13 for CUDA 13)"
+PRECISION = "bf16"                       # the only storage precision with a fused path here
+# generate_stats= (the forward's "keep the softmax statistics") replaced is_inference= in 1.13
+MIN_FRONTEND_VERSION = (1, 13, 0)
+# cuDNN 9 serves any T without the frontend's s_kv % 64 padding workaround; the pip wheels are 9.x
+MIN_CUDNN_VERSION = (9, 0, 0)
+# the frontend refuses bf16/fp16 SDPA forward on these for known bugs (sdpa_support_surface.h)
+BROKEN_CUDNN_VERSIONS = ((9, 10, 0), (9, 10, 1))
+HEAD_SIZE_MULTIPLE = 8                   # 16-byte rows of bf16
+MAX_HEAD_SIZE = 128                      # the SDPA backward's limit on Ampere (Hopper: 256)
+# llm.c: the deterministic backward, so that two runs give the same gradients bit for bit
+DETERMINISTIC_BACKWARD = True
+
+GRAPHS = {}        # (direction, B, T, NH, HS, training) -> AttentionGraph, built once
+_RESOURCES = {}    # "handle": the cuDNN handle, "workspace": a CuPy uint8 array (grown, kept)
+
+
+@dataclass
+class AttentionGraph:
+    """One built cuDNN graph: the graph, its tensors by name (the variant pack's keys) and the
+    workspace bytes its execution plan needs."""
+    graph: object
+    tensors: dict
+    workspace_bytes: int
+
+
+def cudnn_module():
+    """The cudnn module of the frontend package (imported on first use; tests put a fake in
+    sys.modules)."""
+    import cudnn
+    return cudnn
+
+
+def _first_line(error):
+    """`Type: message`, first line only: what a one-line error carries of a library's message."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _version_tuple(text):
+    """The leading (major, minor, patch) integers of a version string: '1.29.0.dev6' -> (1, 29, 0)."""
+    numbers = [int(n) for n in re.findall(r"\d+", str(text))[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+def cudnn_version_tuple(number):
+    """cudnnGetVersion()'s integer as (major, minor, patch). cuDNN 9 encodes major*10000 +
+    minor*100 + patch (90100 is 9.1.0), cuDNN 8 major*1000 + minor*100 + patch (8907 is 8.9.7)."""
+    if number >= 10000:
+        return number // 10000, number // 100 % 100, number % 100
+    return number // 1000, number // 100 % 10, number % 100
+
+
+def _dotted(version):
+    return ".".join(str(n) for n in version)
+
+
+def unavailable_reason(precision, HS):
+    """None if cuDNN attention can run here for this storage precision and head size, else one
+    short line saying why not (the trainer prints it and falls back to its own attention). Checks,
+    in order: bf16 storage, the head size, the frontend package and its version, the cuDNN library
+    and its version. Imports `cudnn` (which loads the library) but needs no GPU."""
+    if precision != PRECISION:
+        return f"cuDNN attention needs --precision {PRECISION} (its fused attention runs in bf16/fp16), not {precision}"
+    if HS % HEAD_SIZE_MULTIPLE or not 0 < HS <= MAX_HEAD_SIZE:
+        return (f"cuDNN attention needs a head size C/NH that is a multiple of {HEAD_SIZE_MULTIPLE} "
+                f"and at most {MAX_HEAD_SIZE}, not {HS}")
+    try:
+        cudnn = cudnn_module()
+    except Exception as e:                 # ImportError, or the package's own load failing
+        return f"the cuDNN frontend is not importable ({_first_line(e)}): pip install {FRONTEND_PIP} {LIBRARY_PIP}"
+    frontend = _version_tuple(getattr(cudnn, "__version__", "0"))
+    if frontend < MIN_FRONTEND_VERSION:
+        return (f"{FRONTEND_PIP} {_dotted(frontend)} is too old for cuDNN attention (needs >= "
+                f"{_dotted(MIN_FRONTEND_VERSION)}): pip install -U {FRONTEND_PIP}")
+    try:
+        found = cudnn_version_tuple(int(cudnn.backend_version()))
+    except Exception as e:                 # libcudnn.so not found: the frontend cannot resolve its symbols
+        return f"the cuDNN library is not loadable ({_first_line(e)}): pip install {LIBRARY_PIP}"
+    if found < MIN_CUDNN_VERSION:
+        return (f"cuDNN {_dotted(found)} found; cuDNN attention (SDPA forward and backward) needs >= "
+                f"{_dotted(MIN_CUDNN_VERSION)}: pip install -U {LIBRARY_PIP}")
+    if found in BROKEN_CUDNN_VERSIONS:
+        return f"cuDNN {_dotted(found)} has known bf16 SDPA bugs (the frontend refuses it): install 9.10.2 or newer"
+    return None
+
+
+# ----------------------------------------------------------------------------
+# the memory layouts: strided views of our buffers, in elements
+
+QKV_SECTIONS = ("q", "k", "v")           # qkv's last axis is [q | k | v], C channels each
+
+
+def qkv_layout(B, T, NH, HS):
+    """dims, strides of q, k or v (and of dq, dk, dv in dqkv) as a (B,NH,T,HS) view of the
+    (B,T,3C) projection: element (b,h,t,s) of section j sits at b*T*3C + t*3C + j*C + h*HS + s."""
+    C = NH * HS
+    return [B, NH, T, HS], [T * 3 * C, HS, 3 * C, 1]
+
+
+def out_layout(B, T, NH, HS):
+    """dims, strides of out (and dout) as a (B,NH,T,HS) view of the (B,T,C) buffer the attention
+    projection reads: element (b,h,t,s) sits at b*T*C + t*C + h*HS + s."""
+    C = NH * HS
+    return [B, NH, T, HS], [T * C, HS, C, 1]
+
+
+def stats_layout(B, T, NH):
+    """dims, strides of the softmax statistics, a contiguous (B,NH,T) float32 array, as cuDNN's
+    (B,NH,T,1)."""
+    return [B, NH, T, 1], [NH * T, T, 1, 1]
+
+
+def qkv_pointers(qkv, C):
+    """Device addresses (q, k, v), or (dq, dk, dv), inside a (B,T,3C) buffer: its start plus 0, C
+    and 2C elements."""
+    base, itemsize = cuda.address(qkv), qkv.dtype.itemsize
+    return tuple(base + j * C * itemsize for j in range(len(QKV_SECTIONS)))
+
+
+# ----------------------------------------------------------------------------
+# the graphs (library calls), built once per shape
+
+def _handle():
+    """The process's cuDNN handle, created on first use on the current device (one GPU per
+    process: llmc.cuda.select_device)."""
+    if "handle" not in _RESOURCES:
+        _RESOURCES["handle"] = cudnn_module().create_handle()
+    return _RESOURCES["handle"]
+
+
+def _workspace(nbytes):
+    """The shared CuPy workspace, grown to at least nbytes (the old one goes back to CuPy's pool)."""
+    current = _RESOURCES.get("workspace")
+    if current is None or current.size < nbytes:
+        _RESOURCES["workspace"] = cuda.cupy().zeros((nbytes,), dtype=np.uint8)
+    return _RESOURCES["workspace"]
+
+
+def _new_graph(cudnn):
+    """An empty graph: bf16 in and out, fp32 for the intermediates (the scores) and the math."""
+    return cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
+                         intermediate_data_type=cudnn.data_type.FLOAT,
+                         compute_data_type=cudnn.data_type.FLOAT, handle=_handle())
+
+
+def _causal(cudnn):
+    """The causal mask in the frontend's current form: the band ends on the diagonal (a query
+    sees keys 0..t), aligned at the top left because T_q == T_kv."""
+    return dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_right_bound=0)
+
+
+def _describe_forward(cudnn, graph, B, T, NH, HS, training):
+    """Declare q, k, v -> sdpa -> out (and stats when training) on `graph`; returns the tensors."""
+    bf16, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
+    dim, stride = qkv_layout(B, T, NH, HS)
+    t = {name.upper(): graph.tensor(name=name.upper(), dim=dim, stride=stride, data_type=bf16) for name in QKV_SECTIONS}
+    out, stats = graph.sdpa(name="flash_attention", q=t["Q"], k=t["K"], v=t["V"], generate_stats=training,
+                            attn_scale=1.0 / math.sqrt(HS), **_causal(cudnn))
+    dim, stride = out_layout(B, T, NH, HS)
+    t["O"] = out.set_output(True).set_dim(dim).set_stride(stride).set_data_type(bf16)
+    if training:
+        dim, stride = stats_layout(B, T, NH)
+        t["Stats"] = stats.set_output(True).set_dim(dim).set_stride(stride).set_data_type(f32)
+    return t
+
+
+def _describe_backward(cudnn, graph, B, T, NH, HS, training):
+    """Declare q, k, v, o, dO, stats -> sdpa_backward -> dq, dk, dv on `graph`; returns the tensors."""
+    bf16, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
+    qkv_dim, qkv_stride = qkv_layout(B, T, NH, HS)
+    out_dim, out_stride = out_layout(B, T, NH, HS)
+    stats_dim, stats_stride = stats_layout(B, T, NH)
+    t = {name.upper(): graph.tensor(name=name.upper(), dim=qkv_dim, stride=qkv_stride, data_type=bf16)
+         for name in QKV_SECTIONS}
+    t["O"] = graph.tensor(name="O", dim=out_dim, stride=out_stride, data_type=bf16)
+    t["dO"] = graph.tensor(name="dO", dim=out_dim, stride=out_stride, data_type=bf16)
+    t["Stats"] = graph.tensor(name="Stats", dim=stats_dim, stride=stats_stride, data_type=f32)
+    grads = graph.sdpa_backward(name="flash_attention_backward", q=t["Q"], k=t["K"], v=t["V"], o=t["O"],
+                                dO=t["dO"], stats=t["Stats"], attn_scale=1.0 / math.sqrt(HS),
+                                use_deterministic_algorithm=DETERMINISTIC_BACKWARD, **_causal(cudnn))
+    for name, grad in zip(("dQ", "dK", "dV"), grads):   # written into dqkv, laid out like qkv
+        t[name] = grad.set_output(True).set_dim(qkv_dim).set_stride(qkv_stride).set_data_type(bf16)
+    return t
+
+
+DESCRIBE = {"forward": _describe_forward, "backward": _describe_backward}
+
+
+def attention_graph(direction, B, T, NH, HS, training=True):
+    """The cached AttentionGraph for `direction` ("forward" or "backward") at this shape, built
+    on first use: validate, build the operation graph, heuristics (mode A, then the fallback
+    list), support check, plans; the shared workspace grows to the plan's size. Raises InputError
+    (one line naming the shape and cuDNN's reason) if cuDNN cannot build it."""
+    key = (direction, B, T, NH, HS, bool(training))
+    if key in GRAPHS:
+        return GRAPHS[key]
+    cudnn = cudnn_module()
+    try:
+        graph = _new_graph(cudnn)
+        tensors = DESCRIBE[direction](cudnn, graph, B, T, NH, HS, training)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        workspace_bytes = int(graph.get_workspace_size())
+    except Exception as e:                 # cudnnGraphNotSupportedError, ValueError, RuntimeError, ...
+        mode = "training" if training else "inference"
+        raise InputError(f"cuDNN attention: cannot build the {direction} graph for B={B}, T={T}, NH={NH}, "
+                         f"HS={HS} ({mode}): {_first_line(e)}") from None
+    _workspace(workspace_bytes)
+    GRAPHS[key] = AttentionGraph(graph, tensors, workspace_bytes)
+    return GRAPHS[key]
+
+
+def _execute(entry, pointers, label):
+    """Run a built graph on the current CuPy stream: the variant pack maps each of its tensors to
+    a device address (an int). Raises RuntimeError (one line, `label` names the call and shape)."""
+    cudnn = cudnn_module()
+    handle = _handle()
+    cudnn.set_stream(handle, cuda.cupy().cuda.get_current_stream().ptr)
+    variant_pack = {entry.tensors[name]: int(ptr) for name, ptr in pointers.items()}
+    workspace = _workspace(entry.workspace_bytes)
+    try:
+        entry.graph.execute(variant_pack, cuda.address(workspace), handle=handle)
+    except Exception as e:
+        raise RuntimeError(f"cuDNN attention: {label} failed: {_first_line(e)}") from e
+
+
+# ----------------------------------------------------------------------------
+# the launchers gpt2_cuda.py calls
+
+def attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training=True):
+    """Library call: causal self-attention of qkv (B,T,3C) into out (B,T,C), both bf16 bits
+    (uint16), and, when training, the softmax statistics stats (B,NH,T) float32 (natural-log
+    max + log sum exp per query row) that attention_backward_cudnn needs; stats may be None
+    otherwise. Same math as gpt2_cpu.attention_forward with att never stored. Raises TypeError /
+    ValueError for bad arguments, InputError when cuDNN cannot build the graph."""
+    C = NH * HS
+    bf16 = cuda.FLOATX_DTYPES[PRECISION]
+    cuda.check_array(qkv, bf16, B * T * 3 * C, "attention_forward_cudnn: qkv")
+    cuda.check_array(out, bf16, B * T * C, "attention_forward_cudnn: out")
+    q, k, v = qkv_pointers(qkv, C)
+    pointers = {"Q": q, "K": k, "V": v, "O": cuda.address(out)}
+    if training:
+        cuda.check_array(stats, np.float32, B * NH * T, "attention_forward_cudnn: stats", aligned=False)
+        pointers["Stats"] = cuda.address(stats)
+    entry = attention_graph("forward", B, T, NH, HS, training)
+    _execute(entry, pointers, f"forward B={B}, T={T}, NH={NH}, HS={HS}")
+
+
+def attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS):
+    """Library call, the backward of attention_forward_cudnn: writes (=) dqkv (B,T,3C), the
+    gradient of the qkv projection laid out like qkv, from dout (B,T,C) and the forward's qkv,
+    out and stats. bf16 bits except stats (float32). Same math as gpt2_cpu.attention_backward,
+    the attention tiles recomputed from stats. Raises as attention_forward_cudnn."""
+    C = NH * HS
+    bf16 = cuda.FLOATX_DTYPES[PRECISION]
+    for name, arr, size in (("dqkv", dqkv, 3 * C), ("dout", dout, C), ("qkv", qkv, 3 * C), ("out", out, C)):
+        cuda.check_array(arr, bf16, B * T * size, f"attention_backward_cudnn: {name}")
+    cuda.check_array(stats, np.float32, B * NH * T, "attention_backward_cudnn: stats", aligned=False)
+    entry = attention_graph("backward", B, T, NH, HS, training=True)
+    q, k, v = qkv_pointers(qkv, C)
+    dq, dk, dv = qkv_pointers(dqkv, C)
+    pointers = {"Q": q, "K": k, "V": v, "O": cuda.address(out), "dO": cuda.address(dout),
+                "Stats": cuda.address(stats), "dQ": dq, "dK": dk, "dV": dv}
+    _execute(entry, pointers, f"backward B={B}, T={T}, NH={NH}, HS={HS}")

@@ -1,0 +1,169 @@
+"""The three attention paths of gpt2_cuda.py (--attention naive | flash | cudnn), without a GPU:
+- the activation table: the flash and cuDNN paths hold no (T,T) buffer, and at GPT-2 124M,
+  T=1024, B=64 their activations are smaller than the naive path's by exactly the buffers they
+  drop (counted by hand here from the shapes, not from the table);
+- resolve_attention: the fallbacks (cuDNN missing -> flash, no flash kernel for the head size ->
+  naive), each with its one line, and --attention on the command line;
+- the whole model on the cuDNN path through the emulated GPU (tests/test_cuda.py's stand-ins), with
+  the cuDNN entry points replaced by a float64 NumPy attention written here: every activation, the
+  log-sum-exp and every gradient against gpt2_cpu.py. This checks the wiring of the fused paths
+  (which buffers, which layouts, the backward's arguments), not cuDNN, which only a GPU can run.
+The flash path's kernels are emulated block by block in tests/test_cuda.py, which also runs the
+model on that path.
+Run: pytest tests/test_attention_paths.py   (a few seconds)
+"""
+
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import gpt2_cpu
+import gpt2_cuda
+import llmc
+from gpt2_cpu import GPT2Config, model_config
+from test_cuda import TINY, _from_f32, _to_f32, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+
+
+# ----------------------------------------------------------------------------
+# the activation table
+
+@pytest.mark.parametrize("attention", ["flash", "cudnn"])
+def test_fused_paths_hold_no_TxT_buffer(attention):
+    # T prime: a buffer whose size is a multiple of T*T holds a (T,T) matrix (no other dimension
+    # is a multiple of T); the naive path has one, att (its output scratch holds preatt too, but at
+    # this T the logits, B*T*Vp, are larger)
+    cfg = model_config("d12")
+    B, T = 2, 1021
+    for path, count in (("naive", 1), (attention, 0)):
+        table = gpt2_cuda.activation_shapes(cfg, B, T, True, path)
+        assert sum(math.prod(shape) % (T * T) == 0 for _, shape, _ in table) == count, path
+
+
+def test_fused_paths_save_exactly_the_dropped_buffers_at_124M():
+    cfg = model_config("d12")
+    B, T, L, NH, C, Vp = 64, 1024, cfg.num_layers, cfg.num_heads, cfg.channels, cfg.padded_vocab_size
+    X, F = 2, 4                                                                     # bytes: bf16, fp32
+    size = {"X": X, "f32": F, "i32": 4}
+
+    def nbytes(attention):
+        return sum(math.prod(shape) * size[kind] for _, shape, kind in gpt2_cuda.activation_shapes(cfg, B, T, True, attention))
+
+    naive, flash = nbytes("naive"), nbytes("flash")
+    HS = C // NH
+    # naive keeps att (L,B,NH,T,T), its output scratch also holds preatt/datt (B*T*NH*T > B*T*Vp at
+    # T=1024), and it has the per-head dq,dk,dv and dy; qkvr is as big as the fused paths' qkv
+    dropped = (L * B * NH * T * T * X + (B * T * max(3 * C, NH * T, Vp) - B * T * Vp) * X
+               + 3 * B * NH * T * HS * X + B * NH * T * HS * X)
+    added = L * B * NH * T * F + B * NH * T * F                                    # lse, and D
+    assert naive - flash == dropped - added
+    assert nbytes("cudnn") == flash
+    assert L * B * NH * T * T * X / 2**30 == 18.0                                  # att alone: 18 GiB of the 39.2
+
+
+# ----------------------------------------------------------------------------
+# choosing the path
+
+def _fake_cudnn_module(reason):
+    return types.SimpleNamespace(unavailable_reason=lambda precision, HS: reason)
+
+
+def test_resolve_attention_fallbacks(monkeypatch):
+    monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module(None), raising=False)
+    monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
+    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 64) == ("cudnn", None)
+    assert gpt2_cuda.resolve_attention("naive", "bf16", 64) == ("naive", None)
+    monkeypatch.setattr(gpt2_cuda, "flash_attention_supported", lambda HS: HS == 64)
+    assert gpt2_cuda.resolve_attention("flash", "fp32", 64) == ("flash", None)
+    path, line = gpt2_cuda.resolve_attention("flash", "bf16", 48)
+    assert path == "naive" and line == "flash attention has no kernel for head size 48: using naive attention"
+    monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module("no module named cudnn"))
+    monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
+    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 64) == (
+        "flash", "cuDNN attention unavailable (no module named cudnn): using flash attention")
+    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 48)[0] == "naive"
+
+
+def test_attention_flag():
+    assert gpt2_cuda.parse_args([]).attention == gpt2_cuda.DEFAULT_ATTENTION == "naive"   # until it ran on a GPU
+    assert gpt2_cuda.parse_args(["--attention", "flash"]).attention == "flash"
+    with pytest.raises(SystemExit):
+        gpt2_cuda.parse_args(["--attention", "fast"])
+
+
+# ----------------------------------------------------------------------------
+# the model on the cuDNN path, cuDNN replaced by NumPy
+
+def _heads(qkv, NH):
+    """(B,T,3C) -> q, k, v each (B,NH,T,HS), float64."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    return [qkv[..., i * C:(i + 1) * C].reshape(B, T, NH, C // NH).transpose(0, 2, 1, 3).astype(np.float64)
+            for i in range(3)]
+
+
+def _probabilities(q, k, T):
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+    scores[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+    lse = np.logaddexp.reduce(scores, axis=-1)                                     # (B,NH,T)
+    return np.exp(scores - lse[..., None]), lse
+
+
+def _numpy_cudnn(calls):
+    """Stand-ins for llmc.cudnn_attention's entry points with their signatures, float64 inside."""
+
+    def forward(out, stats, qkv, B, T, NH, HS, training=True):
+        calls.append("forward")
+        precision = "bf16" if out.dtype == np.uint16 else "fp32"
+        q, k, v = _heads(_to_f32(np.asarray(qkv)), NH)
+        p, lse = _probabilities(q, k, T)
+        y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T, NH * HS)
+        out[...] = _from_f32(y.astype(np.float32), precision)
+        stats[...] = lse.astype(np.float32)
+
+    def backward(dqkv, dout, qkv, out, stats, B, T, NH, HS):
+        calls.append("backward")
+        precision = "bf16" if dqkv.dtype == np.uint16 else "fp32"
+        q, k, v = _heads(_to_f32(np.asarray(qkv)), NH)
+        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(HS)
+        p = np.tril(np.exp(scores - np.asarray(stats, np.float64)[..., None]))      # from the saved stats
+        do = _to_f32(np.asarray(dout)).reshape(B, T, NH, HS).transpose(0, 2, 1, 3).astype(np.float64)
+        dv = p.transpose(0, 1, 3, 2) @ do
+        dp = do @ v.transpose(0, 1, 3, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(HS)
+        dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
+        full = np.concatenate([g.transpose(0, 2, 1, 3).reshape(B, T, NH * HS) for g in (dq, dk, dv)], axis=-1)
+        dqkv[...] = _from_f32(full.astype(np.float32), precision)
+
+    return types.SimpleNamespace(attention_forward_cudnn=forward, attention_backward_cudnn=backward,
+                                 unavailable_reason=lambda precision, HS: None)
+
+
+@pytest.mark.parametrize("precision,B,T", [("fp32", 3, 16), ("bf16", 2, 13)])
+def test_emulated_model_on_cudnn_path_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, B, T):
+    calls = []
+    fake = _numpy_cudnn(calls)
+    monkeypatch.setattr(llmc, "cudnn_attention", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", fake)
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True, attention="cudnn")
+    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
+    y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
+    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    assert calls == ["forward"] * TINY.num_layers + ["backward"] * TINY.num_layers
+    A = gpt2_cuda.gpt2_activations(model, B, T)
+    assert "att" not in A and "qkvr" not in A and A["lse"].shape == (TINY.num_layers, B, TINY.num_heads, T)
+
+
+def test_attention_lse_is_the_log_sum_exp():
+    rng = np.random.default_rng(0)
+    B, T, NH, HS = 2, 5, 3, 4
+    qkv = rng.standard_normal((B, T, 3 * NH * HS))
+    lse = gpt2_cuda.attention_lse(qkv, NH)
+    q, k, _ = _heads(qkv, NH)
+    for b, h, t in [(0, 0, 0), (1, 2, 4), (0, 1, 3)]:
+        scores = [q[b, h, t] @ k[b, h, j] / math.sqrt(HS) for j in range(t + 1)]   # keys 0..t only
+        assert lse[b, h, t] == pytest.approx(math.log(sum(math.exp(s) for s in scores)), rel=1e-12)

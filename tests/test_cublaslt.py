@@ -1,0 +1,694 @@
+"""Tests of llmc/cublaslt.py: the linear layers through cuBLASLt with fused epilogues.
+
+Part 1, no GPU needed:
+- epilogue_for: the table of which cuBLASLt epilogue (and bias / aux arguments) each product
+  takes, and the combinations it refuses;
+- our cublasLt.h constants against nvmath-python's own enums and attribute types (where
+  nvmath-python imports; it does without a GPU), and unavailable_reason's one-liners;
+- matmul_forward_lt / matmul_backward_lt run through FakeCublasLt, a recording fake of
+  nvmath.bindings.cublasLt that takes every argument literally: the matrices are read from and
+  written to the raw pointers through the (rows, cols, ld) layouts and the TRANSA/TRANSB
+  attributes, with fp32 arithmetic, and the epilogue is applied as cuBLASLt documents it (BIAS
+  adds a per-row bias; GELU_AUX(_BIAS) stores the GELU input in aux with its ld; DGELU multiplies
+  by gelu' of aux; BGRADB writes the sums of op(B) over k). The results are compared with plain
+  row-major NumPy products and gpt2_cpu's layers, in fp32 and bf16;
+- the cache: one descriptor, four layouts and one heuristic query per (shape, epilogue,
+  precision, compute type); one handle and one workspace; clear_cache destroys what was made;
+- the fallback when cuBLASLt has no BGRADB algorithm, and the argument checks.
+Part 2, GPU (marked gpu; skipped without a GPU, and with unavailable_reason() where nvmath-python
+or libcublasLt is missing): each function against gpt2_cpu's matmul_forward / matmul_backward /
+gelu_forward / gelu_backward at small shapes and at GPT-2 124M shapes (B*T=4096, C=768, OC=3072),
+fp32, TF32 and bf16, tolerances from llmc.check.TOLERANCES.
+Run: python -m pytest -q tests/test_cublaslt.py   (part 1: about a second)
+"""
+
+import ctypes
+import math
+import types
+
+import numpy as np
+import pytest
+
+import gpt2_cpu
+import llmc.cuda
+from llmc import cublaslt
+from llmc.check import TOLERANCES, check_tensor
+from llmc.cublaslt import (EPILOGUE_BGRADB, EPILOGUE_BIAS, EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX,
+                           EPILOGUE_GELU_AUX_BIAS, matmul_backward_lt, matmul_forward_lt)
+from llmc.cuda import CUBLAS_OP_N, CUBLAS_OP_T
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+
+# ----------------------------------------------------------------------------
+# part 1a: the epilogue table
+
+
+@pytest.mark.parametrize("has_bias,gelu,backward,bgrad,expected", [
+    (False, False, False, False, (EPILOGUE_DEFAULT, None, None)),           # classifier (no bias)
+    (True, False, False, False, (EPILOGUE_BIAS, "add", None)),              # qkv, attproj, fcproj
+    (True, True, False, False, (EPILOGUE_GELU_AUX_BIAS, "add", "write")),   # fc + gelu
+    (False, True, False, False, (EPILOGUE_GELU_AUX, None, "write")),
+    (False, False, True, False, (EPILOGUE_DEFAULT, None, None)),            # dinp, or dweight without dbias
+    (False, True, True, False, (EPILOGUE_DGELU, None, "read")),             # fcproj's dinp through gelu
+    (False, False, True, True, (EPILOGUE_BGRADB, "grad", None)),            # dweight and dbias
+])
+def test_epilogue_for_table(has_bias, gelu, backward, bgrad, expected):
+    e = cublaslt.epilogue_for(has_bias, gelu, backward, bgrad)
+    assert (e.code, e.bias, e.aux) == expected
+    assert e.name == cublaslt.EPILOGUE_NAMES[e.code]
+
+
+@pytest.mark.parametrize("has_bias,gelu,backward,bgrad", [
+    (True, False, True, False),          # a backward product adds no bias
+    (False, True, True, True),           # DGELU_BGRAD: would sum another layer's bias gradient
+    (False, False, False, True),         # a bias gradient in a forward product
+])
+def test_epilogue_for_refuses(has_bias, gelu, backward, bgrad):
+    with pytest.raises(ValueError):
+        cublaslt.epilogue_for(has_bias, gelu, backward, bgrad)
+
+
+# ----------------------------------------------------------------------------
+# part 1b: constants against nvmath-python, and unavailable_reason
+
+def _nvmath_cublaslt():
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as e:
+        pytest.skip(f"nvmath-python not installed ({e})")
+    return cublasLt
+
+
+def test_constants_match_nvmath_enums():
+    lt = _nvmath_cublaslt()
+    from nvmath.bindings import cublas
+    E = lt.Epilogue
+    assert (cublaslt.EPILOGUE_DEFAULT, cublaslt.EPILOGUE_BIAS, cublaslt.EPILOGUE_GELU_AUX, cublaslt.EPILOGUE_GELU_AUX_BIAS,
+            cublaslt.EPILOGUE_DGELU, cublaslt.EPILOGUE_BGRADB) == (E.DEFAULT, E.BIAS, E.GELU_AUX, E.GELU_AUX_BIAS,
+                                                                   E.DGELU, E.BGRADB)
+    D = lt.MatmulDescAttribute
+    ours = {cublaslt.DESC_TRANSA: D.TRANSA, cublaslt.DESC_TRANSB: D.TRANSB, cublaslt.DESC_EPILOGUE: D.EPILOGUE,
+            cublaslt.DESC_BIAS_POINTER: D.BIAS_POINTER, cublaslt.DESC_EPILOGUE_AUX_POINTER: D.EPILOGUE_AUX_POINTER,
+            cublaslt.DESC_EPILOGUE_AUX_LD: D.EPILOGUE_AUX_LD, cublaslt.DESC_BIAS_DATA_TYPE: D.BIAS_DATA_TYPE}
+    assert set(ours) == set(cublaslt.DESC_ATTRIBUTE_DTYPES)
+    for value, member in ours.items():
+        assert value == member, member
+        assert np.dtype(cublaslt.DESC_ATTRIBUTE_DTYPES[value]) == np.dtype(lt.get_matmul_desc_attribute_dtype(member))
+    P = lt.MatmulPreferenceAttribute
+    ours = {cublaslt.PREF_MAX_WORKSPACE_BYTES: P.MAX_WORKSPACE_BYTES, cublaslt.PREF_MIN_ALIGNMENT_A_BYTES:
+            P.MIN_ALIGNMENT_A_BYTES, cublaslt.PREF_MIN_ALIGNMENT_B_BYTES: P.MIN_ALIGNMENT_B_BYTES,
+            cublaslt.PREF_MIN_ALIGNMENT_C_BYTES: P.MIN_ALIGNMENT_C_BYTES,
+            cublaslt.PREF_MIN_ALIGNMENT_D_BYTES: P.MIN_ALIGNMENT_D_BYTES}
+    assert set(ours) == set(cublaslt.PREF_ATTRIBUTE_DTYPES)
+    for value, member in ours.items():
+        assert value == member, member
+        assert np.dtype(cublaslt.PREF_ATTRIBUTE_DTYPES[value]) == np.dtype(lt.get_matmul_preference_attribute_dtype(member))
+    # the heuristic result starts with its algorithm (we pass the struct's address as the algo pointer)
+    assert lt.matmul_heuristic_result_dtype.fields["algo"][1] == 0
+    # the cuBLAS enums llmc/cuda.py defines, which this module passes too
+    assert (llmc.cuda.CUBLAS_OP_N, llmc.cuda.CUBLAS_OP_T) == (cublas.Operation.N, cublas.Operation.T)
+    assert llmc.cuda.CUBLAS_COMPUTE_32F == cublas.ComputeType.COMPUTE_32F
+    assert llmc.cuda.CUBLAS_COMPUTE_32F_FAST_TF32 == cublas.ComputeType.COMPUTE_32F_FAST_TF32
+    assert cublaslt.CUBLAS_STATUS_SUCCESS == cublas.Status.SUCCESS
+
+
+def _raise(exc):
+    def f(*args):
+        raise exc
+    return f
+
+
+def test_unavailable_reason_one_liners(monkeypatch):
+    monkeypatch.setattr(cublaslt, "bindings", _raise(ImportError("No module named 'nvmath'")))
+    reason = cublaslt.unavailable_reason()
+    assert "pip install" in reason and "nvmath-python" in reason and "\n" not in reason
+    monkeypatch.setattr(cublaslt, "bindings", _raise(RuntimeError("cuda-bindings 14 is not supported\nmore")))
+    reason = cublaslt.unavailable_reason()
+    assert "fails to import" in reason and "cuda-bindings 14" in reason and "\n" not in reason
+    broken = types.SimpleNamespace(get_version=_raise(RuntimeError("libcublasLt.so.12: cannot open\nsecond line")))
+    monkeypatch.setattr(cublaslt, "bindings", lambda: broken)
+    reason = cublaslt.unavailable_reason()
+    assert "not loadable" in reason and "libcublasLt.so.12" in reason and "\n" not in reason
+    monkeypatch.setattr(cublaslt, "bindings", lambda: types.SimpleNamespace(get_version=lambda: 110902))
+    assert "older than 111103" in cublaslt.unavailable_reason()
+    monkeypatch.setattr(cublaslt, "bindings", lambda: types.SimpleNamespace(get_version=lambda: 120905))
+    assert cublaslt.unavailable_reason() is None
+
+
+def test_unavailable_reason_here_is_none_or_one_line():
+    reason = cublaslt.unavailable_reason()      # the real bindings: no GPU here, or a working cuBLASLt
+    assert reason is None or (isinstance(reason, str) and "\n" not in reason and reason)
+
+
+# ----------------------------------------------------------------------------
+# part 1c: FakeCublasLt, a recording fake of nvmath.bindings.cublasLt that computes
+
+CUDA_R_32F, CUDA_R_16BF = 0, 14                           # cudaDataType_t (library_types.h)
+STORAGE = {CUDA_R_32F: np.dtype(np.float32), CUDA_R_16BF: np.dtype(np.uint16)}
+# the C type of each attribute the module may set (cublasLt.h), written out here independently
+DESC_C_TYPES = {3: np.int32, 4: np.int32, 7: np.uint32, 8: np.int64, 11: np.int64, 12: np.int64, 26: np.int32}
+PREF_C_TYPES = {1: np.uint64, 5: np.uint32, 6: np.uint32, 7: np.uint32, 8: np.uint32}
+HEURISTIC_DTYPE = np.dtype([("algo", np.uint64, (8,)), ("workspace_size", np.uint64), ("state", np.int32),
+                            ("waves_count", np.float32), ("reserved", np.int32, (4,))])   # 96 bytes, as cublasLt.h
+NOT_SUPPORTED = 15
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715
+
+
+def gelu_tanh(x):
+    """GELU, tanh form (what cuBLASLt's GELU epilogues compute), float64."""
+    return 0.5 * x * (1.0 + np.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x ** 3)))
+
+
+def gelu_tanh_grad(x):
+    t = np.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x ** 3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
+
+
+def _host_read(ptr, size, dtype):
+    """One value of `dtype` at a host address (an attribute buffer or alpha/beta), checking its size."""
+    assert size == np.dtype(dtype).itemsize, f"attribute passed with {size} bytes, its C type has {np.dtype(dtype).itemsize}"
+    return np.frombuffer(ctypes.string_at(ptr, size), dtype=dtype)[0]
+
+
+class FakeCublasLtError(Exception):
+    def __init__(self, status):
+        super().__init__(f"CUBLAS_STATUS {status}")
+        self.status = status
+
+
+class FakeCublasLt:
+    """The nvmath.bindings.cublasLt functions llmc/cublaslt.py calls. Descriptors are integer ids;
+    device memory is NumPy arrays registered with `memory` (the pointer of any registered array
+    or view resolves into it; anything else fails the test instead of touching stray memory)."""
+    cuBLASLtError = FakeCublasLtError
+    matmul_heuristic_result_dtype = HEURISTIC_DTYPE
+
+    def __init__(self, refuse=(), refuse_by="count"):
+        self.objects, self.next_id, self.arrays = {}, 100, []
+        self.created, self.destroyed = {}, {}
+        self.heuristic_calls, self.calls = [], []
+        self.refuse, self.refuse_by = set(refuse), refuse_by     # epilogues without an algorithm
+
+    # bookkeeping
+    def _new(self, kind, **fields):
+        self.next_id += 1
+        self.objects[self.next_id] = dict(kind=kind, **fields)
+        self.created[kind] = self.created.get(kind, 0) + 1
+        return self.next_id
+
+    def _get(self, handle, kind):
+        assert handle in self.objects and self.objects[handle]["kind"] == kind, f"not a live {kind}: {handle}"
+        return self.objects[handle]
+
+    def _destroy(self, handle, kind):
+        self._get(handle, kind)
+        del self.objects[handle]
+        self.destroyed[kind] = self.destroyed.get(kind, 0) + 1
+
+    def memory(self, arr):
+        assert arr.flags.c_contiguous
+        self.arrays.append(arr)
+        return arr
+
+    def _region(self, ptr, nbytes, what):
+        """A writable uint8 view of [ptr, ptr + nbytes) inside a registered array."""
+        for arr in self.arrays:
+            start = arr.ctypes.data
+            if start <= ptr < start + arr.nbytes:
+                assert ptr + nbytes <= start + arr.nbytes, f"{what} reaches past the end of its buffer"
+                return arr.reshape(-1).view(np.uint8)[ptr - start: ptr - start + nbytes]
+        raise AssertionError(f"{what}: pointer {ptr:#x} is not in any registered device buffer")
+
+    def _matrix(self, ptr, layout, what):
+        """(flat view, index) of a column-major layout at ptr: element (r, c) is flat[r + c*ld]."""
+        rows, cols, ld, dtype = layout["rows"], layout["cols"], layout["ld"], STORAGE[layout["type"]]
+        assert ld >= max(1, rows), f"{what}: ld {ld} < rows {rows}"
+        assert ptr % 16 == 0, f"{what}: not 16-byte aligned, as the heuristic was promised"
+        count = ld * (cols - 1) + rows
+        flat = self._region(ptr, count * dtype.itemsize, what).view(dtype)
+        return flat, np.arange(rows)[:, None] + np.arange(cols)[None, :] * ld
+
+    # the bindings
+    def get_version(self):
+        return 120905
+
+    def create(self):
+        return self._new("handle")
+
+    def destroy(self, handle):
+        self._destroy(handle, "handle")
+
+    def matmul_desc_create(self, compute_type, scale_type):
+        return self._new("desc", compute=compute_type, scale=scale_type, attrs={})
+
+    def matmul_desc_set_attribute(self, desc, attr, buf, size):
+        self._get(desc, "desc")["attrs"][attr] = _host_read(buf, size, DESC_C_TYPES[attr])
+
+    def matmul_desc_destroy(self, desc):
+        self._destroy(desc, "desc")
+
+    def matrix_layout_create(self, data_type, rows, cols, ld):
+        return self._new("layout", type=data_type, rows=rows, cols=cols, ld=ld)
+
+    def matrix_layout_destroy(self, layout):
+        self._destroy(layout, "layout")
+
+    def matmul_preference_create(self):
+        return self._new("pref", attrs={})
+
+    def matmul_preference_set_attribute(self, pref, attr, buf, size):
+        self._get(pref, "pref")["attrs"][attr] = _host_read(buf, size, PREF_C_TYPES[attr])
+
+    def matmul_preference_destroy(self, pref):
+        self._destroy(pref, "pref")
+
+    def matmul_algo_get_heuristic(self, handle, desc, adesc, bdesc, cdesc, ddesc, pref, requested, results, count):
+        self._get(handle, "handle")
+        attrs = self._get(desc, "desc")["attrs"]
+        for layout in (adesc, bdesc, cdesc, ddesc):
+            self._get(layout, "layout")
+        prefs = self._get(pref, "pref")["attrs"]
+        assert prefs[1] == cublaslt.WORKSPACE_BYTES and all(prefs[a] == 16 for a in (5, 6, 7, 8)), prefs
+        assert requested >= 1
+        epilogue = attrs.get(7, EPILOGUE_DEFAULT)
+        if epilogue in (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_BGRADB):
+            assert attrs.get(8, 0) != 0, "cuBLASLt refuses a bias epilogue whose bias pointer is unset"
+        if epilogue in (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU):
+            assert attrs.get(11, 0) != 0, "cuBLASLt refuses an aux epilogue whose aux pointer is unset"
+        self.heuristic_calls.append((desc, epilogue))
+        if epilogue in self.refuse:
+            if self.refuse_by == "error":
+                raise FakeCublasLtError(NOT_SUPPORTED)
+            ctypes.memmove(count, np.zeros(1, np.int32).ctypes.data, 4)
+            return
+        result = np.zeros(1, HEURISTIC_DTYPE)
+        result["algo"][0, 0] = 7000 + desc                    # an algorithm id the matmul must get back
+        ctypes.memmove(results, result.ctypes.data, HEURISTIC_DTYPE.itemsize)
+        ctypes.memmove(count, np.ones(1, np.int32).ctypes.data, 4)
+
+    def matmul(self, handle, desc, alpha, a, adesc, b, bdesc, beta, c, cdesc, d, ddesc, algo, workspace,
+               workspace_size, stream):
+        self._get(handle, "handle")
+        D = self._get(desc, "desc")
+        attrs = D["attrs"]
+        la, lb, lc, ld_ = (self._get(x, "layout") for x in (adesc, bdesc, cdesc, ddesc))
+        algo_id = np.frombuffer(ctypes.string_at(algo, 8), np.uint64)[0]
+        assert algo_id == 7000 + desc, "the algorithm passed is not the one the heuristic chose for this descriptor"
+        self._region(workspace, workspace_size, "workspace")
+        call = dict(desc=desc, compute=D["compute"], scale=D["scale"], transa=attrs.get(3, 0), transb=attrs.get(4, 0),
+                    epilogue=attrs.get(7, EPILOGUE_DEFAULT), a=la, b=lb, c=lc, d=ld_, bias=attrs.get(8),
+                    aux=attrs.get(11), aux_ld=attrs.get(12), bias_type=attrs.get(26),
+                    alpha=_host_read(alpha, 4, np.float32), beta=_host_read(beta, 4, np.float32),
+                    stream=stream, workspace_size=workspace_size, pointers=(a, b, c, d))
+        self.calls.append(call)
+        self._compute(call)
+
+    # what cuBLASLt computes, as documented
+    def _compute(self, call):
+        la, lb, lc, ld_ = call["a"], call["b"], call["c"], call["d"]
+        assert la["type"] == lb["type"] == lc["type"] == ld_["type"], "mixed data types"
+        assert lc == ld_ and call["pointers"][2] == call["pointers"][3], "C and D must be the same matrix here"
+        storage = STORAGE[ld_["type"]]
+        a_flat, ia = self._matrix(call["pointers"][0], la, "A")
+        b_flat, ib = self._matrix(call["pointers"][1], lb, "B")
+        d_flat, id_ = self._matrix(call["pointers"][3], ld_, "D")
+        op_a = _to_f64(a_flat[ia]) if call["transa"] == CUBLAS_OP_N else _to_f64(a_flat[ia]).T
+        op_b = _to_f64(b_flat[ib]) if call["transb"] == CUBLAS_OP_N else _to_f64(b_flat[ib]).T
+        m, n = ld_["rows"], ld_["cols"]
+        assert op_a.shape[0] == m and op_b.shape[1] == n and op_a.shape[1] == op_b.shape[0], \
+            f"op(A) {op_a.shape} @ op(B) {op_b.shape} -> D ({m},{n})"
+        acc = call["alpha"] * (op_a @ op_b)
+        if call["beta"] != 0:                               # beta = 0: C is not read (it may hold NaN)
+            acc = acc + call["beta"] * _to_f64(d_flat[id_])
+        acc = acc.astype(np.float32).astype(np.float64)     # fp32 accumulation
+        epilogue = call["epilogue"]
+        if epilogue in (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_BGRADB):
+            assert call["bias_type"] == ld_["type"], "bias data type should be D's"
+        if epilogue in (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS):
+            bias = self._region(call["bias"], m * storage.itemsize, "bias").view(storage)
+            acc = acc + _to_f64(bias)[:, None]              # one value per row of D, broadcast over columns
+        if epilogue in (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU):
+            assert call["aux_ld"] % 8 == 0 and call["aux_ld"] >= m, f"aux ld {call['aux_ld']}"
+            aux_flat, iaux = self._matrix(call["aux"], dict(ld_, ld=int(call["aux_ld"])), "aux")
+        if epilogue in (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS):
+            aux_flat[iaux] = _store(acc, storage)           # the GELU input, as D's type
+            acc = gelu_tanh(acc.astype(np.float32).astype(np.float64))
+        elif epilogue == EPILOGUE_DGELU:
+            acc = acc * gelu_tanh_grad(_to_f64(aux_flat[iaux]))
+        elif epilogue == EPILOGUE_BGRADB:                   # sums of op(B) over k, one per column of D, written
+            bgrad = self._region(call["bias"], n * storage.itemsize, "bias gradient").view(storage)
+            bgrad[...] = _store(op_b.sum(axis=0), storage)
+        else:
+            assert epilogue in (EPILOGUE_DEFAULT, EPILOGUE_BIAS), f"unexpected epilogue {epilogue}"
+        d_flat[id_] = _store(acc, storage)
+
+
+def _to_f64(x):
+    return (bfloat16_bits_to_float32(x) if x.dtype == np.uint16 else x).astype(np.float64)
+
+
+def _store(x, storage):
+    x = np.asarray(x, dtype=np.float32)
+    return float32_to_bfloat16_bits(x) if storage == np.uint16 else x
+
+
+class FakeCupy:
+    """CuPy's empty (memory registered with the fake bindings) and the current stream."""
+
+    def __init__(self, lt):
+        self.lt, self.allocations = lt, []
+        self.stream = types.SimpleNamespace(ptr=0x5EED)
+        self.cuda = types.SimpleNamespace(get_current_stream=lambda: self.stream)
+
+    def empty(self, shape, dtype=np.float32):
+        self.allocations.append((shape, np.dtype(dtype)))
+        arr = np.empty(shape, dtype)
+        arr.view(np.uint8).fill(0xFF)                       # garbage: all-ones bits, NaN in fp32 and bf16
+        return self.lt.memory(arr)
+
+
+def _emulated_launch(launches):
+    """llmc.cuda.launch for the one kernel this module launches: residual_forward (out = inp1 + inp2)."""
+    def launch(file, precision, name, grid, block, args):
+        assert (file, name) == ("layernorm", "residual_forward")
+        out, inp1, inp2, n = args
+        assert isinstance(n, np.uint64) and grid * block * llmc.cuda.vector_size(precision) >= n
+        assert llmc.cuda.precision_of(out) == precision
+        launches.append(args)
+        out[:n] = _store(_to_f64(inp1[:n]).astype(np.float32) + _to_f64(inp2[:n]).astype(np.float32), out.dtype)
+    return launch
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """llmc.cublaslt with the bindings, CuPy and kernel launches replaced by the fakes above."""
+    lt = FakeCublasLt()
+    cp = FakeCupy(lt)
+    lt.launches = []
+    monkeypatch.setattr(cublaslt, "bindings", lambda: lt)
+    monkeypatch.setattr(llmc.cuda, "cupy", lambda: cp)
+    monkeypatch.setattr(llmc.cuda, "launch", _emulated_launch(lt.launches))
+    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", False)
+    cublaslt.clear_cache()
+    lt.cupy = cp
+    yield lt
+    cublaslt.clear_cache()
+
+
+def floatx(precision):
+    """The storage dtype of a floatX array: bf16 bit patterns in uint16, or float32."""
+    return llmc.cuda.FLOATX_DTYPES[precision]
+
+
+def dev(lt, x, precision):
+    """A host array as a registered floatX 'device' array (bf16: rounded to nearest even)."""
+    return lt.memory(_store(np.ascontiguousarray(x, dtype=np.float32), floatx(precision)))
+
+
+def poisoned(lt, shape, precision):
+    """A registered floatX array of NaN: any element a product fails to write stays NaN."""
+    return lt.memory(np.full(shape, 0x7FC0, np.uint16) if precision == "bf16" else np.full(shape, np.nan, np.float32))
+
+
+def as_input(x, precision):
+    """What the product sees: x rounded to floatX, in float64 for the reference."""
+    return _to_f64(_store(np.asarray(x, dtype=np.float32), floatx(precision)))
+
+
+def assert_close(got, ref, precision, label, kind="matmul"):
+    if precision == "fp32":
+        atol, rtol = 1e-5, 1e-5            # fp32 sums of <= 64 terms of ~N(0,1) values, vs float64
+    else:
+        atol, rtol = TOLERANCES["kernel_bf16"][kind]
+    assert check_tensor(_to_f64(got), ref, f"{label} [{precision}]", atol, rtol), label
+
+
+SHAPES = pytest.mark.parametrize("B,T,C,OC", [(1, 1, 8, 8), (2, 3, 16, 24), (3, 5, 24, 64)])
+PRECISIONS = pytest.mark.parametrize("precision", ["fp32", "bf16"])
+
+
+# ----------------------------------------------------------------------------
+# part 1d: the layers through the fake
+
+@PRECISIONS
+@SHAPES
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("with_gelu", [False, True])
+def test_forward_through_fake(fake, precision, B, T, C, OC, with_bias, with_gelu):
+    rng = np.random.default_rng(B * 100 + OC)
+    inp, w, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal(OC)
+    x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(bias, precision) if with_bias else None
+    out = poisoned(fake, (B, T, OC), precision)
+    pre = poisoned(fake, (B, T, OC), precision) if with_gelu else None
+    matmul_forward_lt(out, dev(fake, inp, precision), dev(fake, w, precision),
+                      dev(fake, bias, precision) if with_bias else None, B, T, C, OC, pre_gelu=pre)
+    ref_pre = gpt2_cpu.matmul_forward(x, wx, bx)
+    if with_gelu:
+        assert_close(pre, ref_pre, precision, "pre_gelu (aux)")
+        assert_close(out, gpt2_cpu.gelu_forward(ref_pre), precision, "gelu(out)")
+    else:
+        assert_close(out, ref_pre, precision, "out")
+    # the call itself: out^T (OC,N) = op_T(weight stored (C,OC), ld C) @ inp stored (C,N), ld C
+    (call,) = fake.calls
+    N = B * T
+    dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
+    assert (call["transa"], call["transb"]) == (CUBLAS_OP_T, CUBLAS_OP_N)
+    assert [(L["rows"], L["cols"], L["ld"], L["type"]) for L in (call["a"], call["b"], call["d"])] == \
+           [(C, OC, C, dtype), (C, N, C, dtype), (OC, N, OC, dtype)]
+    expected = cublaslt.epilogue_for(with_bias, with_gelu, backward=False).code
+    assert call["epilogue"] == expected and (call["aux_ld"] == OC if with_gelu else call["aux_ld"] is None)
+    assert (call["alpha"], call["beta"]) == (1.0, 0.0)
+    assert call["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F and call["scale"] == CUDA_R_32F
+    assert call["stream"] == fake.cupy.stream.ptr and call["workspace_size"] == cublaslt.WORKSPACE_BYTES
+
+
+@PRECISIONS
+@SHAPES
+@pytest.mark.parametrize("with_dbias", [True, False])
+@pytest.mark.parametrize("with_gelu", [False, True])
+def test_backward_through_fake(fake, precision, B, T, C, OC, with_dbias, with_gelu):
+    rng = np.random.default_rng(B * 100 + OC + 1)
+    pre = rng.standard_normal((B, T, C))                  # the fcproj layer: inp = gelu(pre)
+    inp = gelu_tanh(pre) if with_gelu else rng.standard_normal((B, T, C))
+    w, dout = rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal((B, T, OC))
+    dw0, db0 = rng.standard_normal((OC, C)), rng.standard_normal(OC)
+    dinp = poisoned(fake, (B, T, C), precision)
+    dw, db = dev(fake, dw0, precision), dev(fake, db0, precision) if with_dbias else None
+    handled = matmul_backward_lt(dinp, dw, db, dev(fake, dout, precision), dev(fake, inp, precision),
+                                 dev(fake, w, precision), B, T, C, OC,
+                                 pre_gelu=dev(fake, pre, precision) if with_gelu else None)
+    assert handled == with_dbias
+    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
+    ref_dinp = gpt2_cpu.matmul_backward(ref_dw, ref_db if with_dbias else None, as_input(dout, precision),
+                                        as_input(inp, precision), as_input(w, precision))
+    if with_gelu:
+        ref_dinp = gpt2_cpu.gelu_backward(ref_dinp, as_input(pre, precision))
+    assert_close(dinp, ref_dinp, precision, "dinp (written)")
+    assert_close(dw, ref_dw, precision, "dweight (accumulated)")
+    if with_dbias:
+        assert_close(db, ref_db, precision, "dbias (accumulated, via BGRADB + residual_forward)")
+    # the calls: dinp^T (C,N) = weight stored (C,OC) @ dout stored (OC,N); dweight^T (C,OC) = inp
+    # stored (C,N) @ op_T(dout stored (OC,N)), accumulated
+    N = B * T
+    dinp_call, dweight_call = fake.calls
+    assert (dinp_call["transa"], dinp_call["transb"]) == (CUBLAS_OP_N, CUBLAS_OP_N)
+    assert [(L["rows"], L["cols"], L["ld"]) for L in (dinp_call["a"], dinp_call["b"], dinp_call["d"])] == \
+           [(C, OC, C), (OC, N, OC), (C, N, C)]
+    assert dinp_call["epilogue"] == (EPILOGUE_DGELU if with_gelu else EPILOGUE_DEFAULT) and dinp_call["beta"] == 0.0
+    assert (dweight_call["transa"], dweight_call["transb"]) == (CUBLAS_OP_N, CUBLAS_OP_T)
+    assert [(L["rows"], L["cols"], L["ld"]) for L in (dweight_call["a"], dweight_call["b"], dweight_call["d"])] == \
+           [(C, N, C), (OC, N, OC), (C, OC, C)]
+    assert dweight_call["epilogue"] == (EPILOGUE_BGRADB if with_dbias else EPILOGUE_DEFAULT)
+    assert dweight_call["beta"] == 1.0
+    assert len(fake.launches) == int(with_dbias)
+
+
+@pytest.mark.parametrize("refuse_by", ["count", "error"])
+def test_bgradb_without_algorithm_leaves_dbias_to_the_caller(fake, refuse_by):
+    fake.refuse, fake.refuse_by = {EPILOGUE_BGRADB}, refuse_by
+    B, T, C, OC = 2, 3, 16, 24
+    rng = np.random.default_rng(5)
+    inp, w, dout = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)), rng.standard_normal((B, T, OC))
+    dw0, db0 = rng.standard_normal((OC, C)), rng.standard_normal(OC)
+    dw, db = dev(fake, dw0, "fp32"), dev(fake, db0, "fp32")
+    for step in (1, 2):                                   # twice: the refusal is cached, not asked again
+        dinp = poisoned(fake, (B, T, C), "fp32")
+        assert matmul_backward_lt(dinp, dw, db, dev(fake, dout, "fp32"), dev(fake, inp, "fp32"), dev(fake, w, "fp32"),
+                                  B, T, C, OC) is False
+        np.testing.assert_array_equal(db, db0.astype(np.float32))                       # untouched
+        np.testing.assert_allclose(dinp, dout @ w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dw, dw0 + step * dout.reshape(-1, OC).T @ inp.reshape(-1, C), rtol=1e-5, atol=1e-5)
+    assert [e for _, e in fake.heuristic_calls].count(EPILOGUE_BGRADB) == 1
+    assert [c["epilogue"] for c in fake.calls] == [EPILOGUE_DEFAULT] * 4 and not fake.launches
+
+
+def test_no_algorithm_for_a_forward_raises(fake):
+    fake.refuse = {EPILOGUE_BIAS}
+    out, inp, w, b = (fake.memory(np.zeros(s, np.float32)) for s in ((1, 2, 8), (1, 2, 8), (8, 8), (8,)))
+    with pytest.raises(cublaslt.CublasLtUnsupported, match="BIAS m=8 n=2 k=8 fp32"):
+        matmul_forward_lt(out, inp, w, b, 1, 2, 8, 8)
+
+
+# ----------------------------------------------------------------------------
+# part 1e: the cache
+
+def test_plans_are_built_once_per_shape_epilogue_and_precision(fake, monkeypatch):
+    rng = np.random.default_rng(3)
+
+    def forward(B, T, C, OC, precision="fp32", gelu=False):
+        inp, w, b = (dev(fake, rng.standard_normal(s), precision) for s in ((B, T, C), (OC, C), (OC,)))
+        out = poisoned(fake, (B, T, OC), precision)
+        pre = poisoned(fake, (B, T, OC), precision) if gelu else None
+        matmul_forward_lt(out, inp, w, b, B, T, C, OC, pre_gelu=pre)
+        ref = gpt2_cpu.matmul_forward(as_input(_to_f64(inp), precision), _to_f64(w), _to_f64(b))
+        assert_close(pre if gelu else out, ref, precision, "cached plan, fresh pointers")
+
+    forward(2, 4, 16, 8)
+    forward(2, 4, 16, 8)                                  # same plan; new bias and aux pointers
+    assert (fake.created["desc"], fake.created["layout"], len(fake.heuristic_calls)) == (1, 4, 1)
+    assert fake.calls[0]["bias"] != fake.calls[1]["bias"]  # the per-call pointer was updated
+    forward(2, 4, 16, 8, gelu=True)                       # another epilogue
+    forward(1, 4, 16, 8)                                  # another shape (n = 4)
+    forward(2, 4, 16, 8, precision="bf16")                # another precision
+    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", True)
+    forward(2, 4, 16, 8)                                  # fp32 with TF32: another compute type
+    forward(2, 4, 16, 8, precision="bf16")                # bf16 ignores the TF32 flag: the cached plan
+    assert fake.created["desc"] == 5 and fake.created["layout"] == 20 and len(fake.heuristic_calls) == 5
+    assert fake.calls[5]["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F_FAST_TF32
+    assert fake.calls[6]["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F
+    # one handle and one 32 MiB workspace for all of it; preferences are not kept
+    assert fake.created["handle"] == 1
+    assert fake.cupy.allocations == [(cublaslt.WORKSPACE_BYTES, np.dtype(np.uint8))]
+    assert fake.created["pref"] == fake.destroyed["pref"] == 5
+    cublaslt.clear_cache()
+    assert fake.destroyed["desc"] == 5 and fake.destroyed["layout"] == 20 and fake.destroyed["handle"] == 1
+    assert not cublaslt._PLANS and not cublaslt._CONTEXT
+
+
+def test_bgrad_scratch_is_allocated_once_per_size(fake):
+    B, T, C, OC = 1, 4, 8, 16
+    args = [fake.memory(np.zeros(s, np.float32)) for s in ((B, T, C), (OC, C), (OC,), (B, T, OC), (B, T, C), (OC, C))]
+    for _ in range(3):
+        assert matmul_backward_lt(*args, B, T, C, OC)
+    assert fake.cupy.allocations.count((OC, np.dtype(np.float32))) == 1
+
+
+# ----------------------------------------------------------------------------
+# part 1f: argument checks (before any library call)
+
+def test_argument_checks(fake):
+    B, T, C, OC = 1, 2, 8, 12
+    z = lambda *s, dtype=np.float32: fake.memory(np.zeros(s, dtype))          # noqa: E731
+    with pytest.raises(ValueError, match="multiple of 8"):                     # aux ld = OC = 12
+        matmul_forward_lt(z(B, T, OC), z(B, T, C), z(OC, C), z(OC), B, T, C, OC, pre_gelu=z(B, T, OC))
+    with pytest.raises(TypeError):                                              # bf16 weight, fp32 rest
+        matmul_forward_lt(z(B, T, OC), z(B, T, C), z(OC, C, dtype=np.uint16), None, B, T, C, OC)
+    with pytest.raises(ValueError, match="elements"):                          # wrong size
+        matmul_forward_lt(z(B, T, OC), z(B, T, C + 4), z(OC, C), None, B, T, C, OC)
+    with pytest.raises(ValueError, match="aligned"):                           # a view 4 bytes in
+        matmul_forward_lt(z(B, T, OC), z(B * T * C + 1)[1:], z(OC, C), None, B, T, C, OC)
+    with pytest.raises(ValueError, match="bias must be given"):
+        cublaslt.matmul_cublaslt(z(8, 8), z(8, 8), z(8, 8), 8, 8, 8, CUBLAS_OP_N, CUBLAS_OP_N,
+                                 cublaslt.epilogue_for(True, False, False))
+    assert not fake.calls and "desc" not in fake.created
+
+
+# ----------------------------------------------------------------------------
+# part 2: on a GPU
+
+def _gpu():
+    reason = cublaslt.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    import cupy
+    return cupy
+
+
+def to_device(x, precision):
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return _gpu().asarray(float32_to_bfloat16_bits(x) if precision == "bf16" else x)
+
+
+def gpu_poisoned(shape, precision):
+    cp = _gpu()
+    return cp.full(shape, 0x7FC0, np.uint16) if precision == "bf16" else cp.full(shape, np.nan, np.float32)
+
+
+def gpu_check(got, ref, group, kind, label):
+    atol, rtol = TOLERANCES[group][kind]
+    got = got.get()
+    assert check_tensor(_to_f64(got), ref, f"{label} [{group}]", atol, rtol), label
+
+
+# (precision, TF32, tolerance group): TF32 keeps 10 mantissa bits, so it takes bf16's tolerances
+GPU_PRECISIONS = pytest.mark.parametrize("precision,tf32,group", [("fp32", False, "kernel_fp32"),
+                                                                  ("fp32", True, "kernel_bf16"),
+                                                                  ("bf16", False, "kernel_bf16")])
+
+
+@pytest.fixture
+def gpu_lt(monkeypatch):
+    _gpu()
+    cublaslt.clear_cache()
+    yield
+    _gpu().cuda.get_current_stream().synchronize()
+    cublaslt.clear_cache()
+
+
+@pytest.mark.gpu
+@GPU_PRECISIONS
+@pytest.mark.parametrize("B,T,C,OC", [(2, 8, 64, 192), (4, 1024, 768, 3072)])    # small; GPT-2 124M's fc
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gpu_matmul_forward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, T, C, OC, gelu):
+    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", tf32)
+    rng = np.random.default_rng(B * T + OC)
+    inp, w, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal(OC)
+    x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(bias, precision)
+    out, pre = gpu_poisoned((B, T, OC), precision), gpu_poisoned((B, T, OC), precision) if gelu else None
+    args = (to_device(inp, precision), to_device(w, precision), to_device(bias, precision), B, T, C, OC)
+    matmul_forward_lt(out, *args, pre_gelu=pre)
+    ref_pre = gpt2_cpu.matmul_forward(x, wx, bx)
+    if not gelu:
+        gpu_check(out, ref_pre, group, "matmul", "out = inp @ weight^T + bias (BIAS epilogue)")
+    else:
+        gpu_check(pre, ref_pre, group, "matmul", "pre_gelu (GELU_AUX_BIAS aux)")
+        ref_out = gpt2_cpu.gelu_forward(ref_pre)
+        gpu_check(out, ref_out, group, "matmul", "gelu(out) (GELU_AUX_BIAS)")
+        if precision == "fp32" and not tf32:             # the tanh GELU, not the exact (erf) one
+            sample = slice(0, 1 << 16)                      # math.erf is per element: a sample is plenty
+            p, r = ref_pre.reshape(-1)[sample], ref_out.reshape(-1)[sample]
+            erf_gap = np.abs(r - 0.5 * p * (1 + np.vectorize(math.erf)(p / math.sqrt(2)))).max()
+            assert np.abs(out.get().reshape(-1)[sample] - r).max() < erf_gap / 10, "cuBLASLt's GELU is not the tanh form"
+    first = out.get()
+    matmul_forward_lt(out, *args, pre_gelu=pre)          # the cached plan gives the same bits again
+    np.testing.assert_array_equal(out.get(), first)
+
+
+@pytest.mark.gpu
+@GPU_PRECISIONS
+@pytest.mark.parametrize("B,T,C,OC,gelu", [(2, 8, 64, 192, False), (2, 8, 192, 64, True),
+                                           (4, 1024, 768, 3072, False),      # GPT-2 124M fc
+                                           (4, 1024, 3072, 768, True)])      # GPT-2 124M fcproj, through gelu
+def test_gpu_matmul_backward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, T, C, OC, gelu):
+    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", tf32)
+    rng = np.random.default_rng(B * T + OC + 1)
+    pre = rng.standard_normal((B, T, C))
+    inp = gelu_tanh(pre) if gelu else rng.standard_normal((B, T, C))
+    w, dout = rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal((B, T, OC))
+    dw0, db0 = rng.standard_normal((OC, C)), rng.standard_normal(OC)
+    dinp, dw, db = gpu_poisoned((B, T, C), precision), to_device(dw0, precision), to_device(db0, precision)
+    handled = matmul_backward_lt(dinp, dw, db, to_device(dout, precision), to_device(inp, precision),
+                                 to_device(w, precision), B, T, C, OC,
+                                 pre_gelu=to_device(pre, precision) if gelu else None)
+    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
+    ref_dinp = gpt2_cpu.matmul_backward(ref_dw, ref_db, as_input(dout, precision), as_input(inp, precision),
+                                        as_input(w, precision))
+    if gelu:
+        ref_dinp = gpt2_cpu.gelu_backward(ref_dinp, as_input(pre, precision))
+    gpu_check(dinp, ref_dinp, group, "matmul", "dinp" + (" (DGELU)" if gelu else ""))
+    gpu_check(dw, ref_dw, group, "matmul", "dweight (accumulated)")
+    if handled:
+        gpu_check(db, ref_db, group, "matmul", "dbias (BGRADB, accumulated)")
+    else:                                                # documented fallback: dbias is the caller's
+        np.testing.assert_array_equal(db.get(), to_device(db0, precision).get())
+        pytest.xfail("this cuBLASLt has no BGRADB algorithm for the shape: dbias left to the caller")

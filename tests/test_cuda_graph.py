@@ -1,0 +1,180 @@
+"""gpt2_cuda.py's CUDA graph of a micro-batch (--cuda-graph 1), without a GPU: tests/test_cuda.py's
+emulated GPU with stream capture emulated as CUDA does it. While a (fake) stream captures, every
+device operation (kernel launch, cuBLAS call, fill, add) is recorded with its arguments as they
+are at capture time, and not run; launching the graph replays the recording. Scalars are
+recorded by value and buffers by reference, exactly what a CUDA graph holds (kernel parameters
+and device pointers), so a launch argument that should change from one micro-batch to the next
+but was captured once makes the replayed run differ from the eager one, and the tests fail.
+CuPy's own array operations that gpt2_cuda uses on device arrays (fill, add, a broadcast copy
+`out[...] = bias`) are kernel launches on the current stream too, so they are recorded as well.
+Checked: training steps with the graph equal eager steps bitwise (parameters, AdamW moments, the
+accumulated losses) in fp32 and bf16 on the naive attention path; one capture per (B,T,loss_scale),
+replays after; a reallocation drops the graphs (they point into the old buffers); and a whole
+training run with --cuda-graph 1 prints the same losses as --cuda-graph 0.
+What a GPU must still show: that CuPy's stream capture accepts cuBLAS, our kernels and (for
+--attention cudnn) cuDNN's execution, and the speed-up.
+Run: pytest tests/test_cuda_graph.py   (a few seconds)
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+import gpt2_cpu
+import gpt2_cuda
+import llmc.cuda
+from test_cuda import (TINY, FakeDeviceArray, _train_losses, _write_shards, emulated_gemm,  # noqa: F401
+                       emulated_gpu, emulated_launch)
+
+
+class Capture:
+    """The emulated stream capture: `ops` is None when not capturing, else the recording."""
+
+    def __init__(self):
+        self.ops = None
+        self.captures = 0
+        self.replays = 0
+
+    def deferred(self, fn):
+        """fn, recorded instead of run while capturing."""
+        def run_or_record(*args, **kwargs):
+            if self.ops is not None:
+                self.ops.append((fn, args, kwargs))
+                return None
+            return fn(*args, **kwargs)
+        return run_or_record
+
+    def begin_capture(self):
+        assert self.ops is None, "a capture inside a capture"
+        self.ops = []
+        self.captures += 1
+
+    def end_capture(self):
+        ops, self.ops = self.ops, None
+        return types.SimpleNamespace(launch=lambda stream=None: self.replay(ops), ops=ops)
+
+    def replay(self, ops):
+        self.replays += 1
+        for fn, args, kwargs in ops:
+            fn(*args, **kwargs)
+
+
+@pytest.fixture
+def capture(emulated_gpu, monkeypatch):
+    cap = Capture()
+    monkeypatch.setattr(llmc.cuda, "launch", cap.deferred(emulated_launch))
+    monkeypatch.setattr(llmc.cuda, "gemm", cap.deferred(emulated_gemm))
+    monkeypatch.setattr(emulated_gpu, "add", cap.deferred(np.add))
+    monkeypatch.setattr(FakeDeviceArray, "fill", cap.deferred(np.ndarray.fill))
+    monkeypatch.setattr(FakeDeviceArray, "__setitem__", cap.deferred(np.ndarray.__setitem__))   # a device copy
+    stream = emulated_gpu.cuda.get_current_stream()
+    monkeypatch.setattr(stream, "begin_capture", cap.begin_capture, raising=False)
+    monkeypatch.setattr(stream, "end_capture", cap.end_capture, raising=False)
+    monkeypatch.setattr(stream, "use", lambda: None, raising=False)
+    monkeypatch.setattr(emulated_gpu.cuda, "Stream", lambda *a, **k: stream, raising=False)
+    return cap
+
+
+def _model(precision):
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True)
+    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+    return model
+
+
+def _train(model, batches, cuda_graph, steps=3):
+    """`steps` AdamW steps of len(batches) micro-batches each; returns the summed losses per step."""
+    B, T = batches[0][0].shape
+    sums = []
+    for step in range(1, steps + 1):
+        A = gpt2_cuda.gpt2_activations(model, B, T)
+        gpt2_cuda.gpt2_zero_grad(model)
+        A["loss_accum"].fill(0)
+        for x, y in batches[(step - 1) % 2::2] + batches[step % 2::2]:      # a different order each step
+            gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0 / len(batches), cuda_graph)
+        sums.append(float(A["loss_accum"].sum(dtype=np.float64)))
+        norm = gpt2_cuda.gpt2_grad_norm(model)
+        gpt2_cuda.gpt2_update(model, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, 1.0 / max(norm, 1.0))
+    return sums
+
+
+def _batches(B, T, n, seed):
+    rng = np.random.default_rng(seed)
+    return [tuple(rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32) for _ in range(2)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graph_steps_equal_eager_steps_bitwise(capture, precision):
+    batches = _batches(2, 16, 3, seed=5)
+    batches[1][0][0, :6] = 7                                    # repeated tokens: fewer segments than B*T
+    eager, graphed = _model(precision), _model(precision)
+    eager_sums = _train(eager, batches, cuda_graph=False)
+    assert capture.captures == 0
+    graph_sums = _train(graphed, batches, cuda_graph=True)
+    assert capture.captures == 1 and capture.replays == 9      # captured once, replayed per micro-batch
+    assert list(graphed.graphs) == [(2, 16, 1.0 / 3)]
+    assert graph_sums == eager_sums
+    for name in ("params", "m", "v", "grads"):
+        np.testing.assert_array_equal(getattr(graphed, name), getattr(eager, name), err_msg=name)
+    assert np.array_equal(graphed.master, eager.master) if precision == "bf16" else graphed.master is None
+    # the graph really reads each micro-batch's tokens: the three micro-batches' losses differ
+    losses = []
+    for x, y in batches:
+        gpt2_cuda.gpt2_activations(graphed, 2, 16)["loss_accum"].fill(0)
+        gpt2_cuda.gpt2_micro_batch(graphed, x, y, 1.0 / 3, cuda_graph=True)
+        losses.append(float(gpt2_cuda.gpt2_activations(graphed, 2, 16)["losses"].sum()))
+    assert len(set(losses)) == 3 and capture.captures == 1
+
+
+def test_reallocation_drops_the_graphs(capture):
+    model = _model("fp32")
+    (x, y), = _batches(1, 8, 1, seed=1)
+    gpt2_cuda.gpt2_activations(model, 1, 8)
+    gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph=True)
+    assert list(model.graphs) == [(1, 8, 1.0)]
+    gpt2_cuda.gpt2_activations(model, 2, 16)                   # does not fit: everything is reallocated
+    assert model.graphs == {}
+    gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph=True)
+    assert capture.captures == 2
+
+
+def test_training_run_with_cuda_graph_prints_the_same_losses(capture, tmp_path, capsys):
+    data = _write_shards(tmp_path)
+    model = str(tmp_path / "tiny.bin")
+    gpt2_cpu.write_model(model, gpt2_cpu.gpt2_init(TINY, 42))
+    common = ["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "8", "-x", "4", "-s", "0", "-v", "2",
+              "-l", "1e-3", "-d", "32", "--precision", "bf16"]                  # -d 32: 2 micro-batches a step
+    logs = {}
+    for graph in (0, 1):
+        out_dir = str(tmp_path / f"graph{graph}")
+        assert gpt2_cuda.main(common + ["-o", out_dir, "--cuda-graph", str(graph)]) == 0
+        logs[graph] = _train_losses(f"{out_dir}/main.log")
+    capsys.readouterr()
+    assert len(logs[0]) == 4 and logs[1] == logs[0]
+    assert capture.captures == 1 and capture.replays == 4 * 2                 # 4 steps of 2 micro-batches
+
+
+
+# ----------------------------------------------------------------------------
+# on a GPU: CuPy's stream capture of the real kernels, cuBLAS calls and CuPy operations
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,attention", [("bf16", "naive"), ("fp32", "naive"), ("bf16", "flash")])
+def test_gpu_graph_steps_equal_eager_steps_bitwise(precision, attention):
+    import cupy as cp
+    cfg = gpt2_cpu.GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2,
+                              channels=128)                                     # HS = 64: every path has kernels
+    batches = _batches(4, 64, 2, seed=3)
+    results = {}
+    with cp.cuda.Stream():                                                      # capture needs a created stream
+        for graph in (False, True):
+            model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True, attention=attention)
+            gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
+            llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), precision)
+            sums = _train(model, batches, cuda_graph=graph)
+            results[graph] = (sums, {name: getattr(model, name).get() for name in ("params", "m", "v", "grads")})
+            if graph:
+                assert len(model.graphs) == 1
+    assert results[True][0] == results[False][0] and all(np.isfinite(results[True][0]))
+    for name, eager in results[False][1].items():
+        np.testing.assert_array_equal(results[True][1][name], eager, err_msg=name)
