@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP    ?= $(PYTHON) -m pip
 STAMP  := .setup-done
 
-.PHONY: help setup data train train-cpu test test-gpu bench bench-cpu compile-kernels clean
+.PHONY: help setup data train train-cpu test test-gpu bench bench-cpu compile-kernels dev-cuda clean
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -38,8 +38,11 @@ test: setup      ## run the test suite (GPU tests skip without a GPU)
 test-gpu: setup  ## run only the GPU tests, saving the output under dev/results/
 	$(PYTHON) dev/run_gpu_tests.py
 
-compile-kernels: setup ## compile every kernels/*.cu with NVRTC for sm_80 and sm_90 (no GPU needed)
-	$(PYTHON) dev/cuda/nvrtc_compile.py
+compile-kernels: setup ## compile every kernels/*.cu and dev/cuda/*.cu with NVRTC for sm_80 and sm_90 (no GPU needed)
+	$(PYTHON) dev/cuda/nvrtc_compile.py --dev
+
+dev-cuda: setup  ## run every dev/cuda progression on a GPU, one table per op in dev/results/ (ARGS="-p fp32")
+	$(PYTHON) dev/cuda/run_all.py $(ARGS)
 
 bench: setup     ## GPU benchmark: gpt2_cuda.py vs the PyTorch twin (needs a GPU)
 	$(PYTHON) dev/bench.py

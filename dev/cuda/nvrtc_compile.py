@@ -23,6 +23,7 @@ prints one line per (file, precision) with OK/FAIL per architecture, e.g.
     all 72 compilations OK (NVRTC 12.9)
 and exits 1 after printing NVRTC's log for every failure. Other uses:
     python dev/cuda/nvrtc_compile.py kernels/gelu.cu         # some files only
+    python dev/cuda/nvrtc_compile.py --dev                   # kernels/*.cu, then dev/cuda/*.cu
     python dev/cuda/nvrtc_compile.py --resource-usage        # registers/spills per kernel, sm_90
 """
 
@@ -45,6 +46,8 @@ CUBIN_ARCHS = ("sm_80", "sm_90")                 # real: SASS, also runs ptxas
 # them too so that it compiles exactly what runs. Repeating them is harmless.
 CUPY_IMPLICIT_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 RESOURCE_USAGE_ARCH = "sm_90"
+DEV_CUDA_DIR = os.path.dirname(os.path.abspath(__file__))
+FILE_COLUMN_WIDTH = 16
 
 
 class NvrtcUnavailable(RuntimeError):
@@ -155,6 +158,20 @@ def kernel_files():
     return sorted(glob.glob(os.path.join(KERNELS_DIR, "*.cu")))
 
 
+def dev_kernel_files():
+    """dev/cuda/*.cu, sorted: the intermediate versions of the kernel progressions (they include
+    kernels/common.cuh and compile with the same options)."""
+    return sorted(glob.glob(os.path.join(DEV_CUDA_DIR, "*.cu")))
+
+
+def file_label(path):
+    """How the table names a file: kernels/*.cu by basename (as always), others by their path
+    relative to the repository (dev/cuda/layernorm.cu is not kernels/layernorm.cu)."""
+    if os.path.dirname(os.path.abspath(path)) == os.path.abspath(KERNELS_DIR):
+        return os.path.basename(path)
+    return os.path.relpath(path, REPO_ROOT)
+
+
 # ----------------------------------------------------------------------------
 # resource usage (ptxas -v through NVRTC)
 
@@ -200,7 +217,8 @@ def print_compile_table(files, precisions, archs):
     """Compile every (file, precision, arch), print the OK/FAIL table, then every failure's
     NVRTC log on stderr. Returns the exit status: 0 all OK, 1 any failure."""
     widths = [max(len(a), 4) for a in archs]
-    print(f"{'file':16s} {'precision':9s} {'entries':>7s}  "
+    fw = max([FILE_COLUMN_WIDTH] + [len(file_label(p)) for p in files])
+    print(f"{'file':{fw}s} {'precision':9s} {'entries':>7s}  "
           + "  ".join(f"{a:{w}s}" for a, w in zip(archs, widths)).rstrip())
     failures = []
     for path in files:
@@ -215,7 +233,7 @@ def print_compile_table(files, precisions, archs):
                 except KernelCompileError as error:
                     failures.append(error)
                     cells.append("FAIL")
-            print((f"{os.path.basename(path):16s} {precision:9s} {entries:>7s}  "
+            print((f"{file_label(path):{fw}s} {precision:9s} {entries:>7s}  "
                    + "  ".join(f"{c:{w}s}" for c, w in zip(cells, widths))).rstrip())
     total = len(files) * len(precisions) * len(archs)
     version = "%d.%d" % load_nvrtc().getVersion()
@@ -232,6 +250,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("files", nargs="*", help="kernel files (default: every kernels/*.cu)")
+    parser.add_argument("-d", "--dev", action="store_true",
+                        help="also compile every dev/cuda/*.cu (the progressions' intermediate versions)")
     parser.add_argument("-p", "--precisions", nargs="+", default=list(PRECISION_DEFINES),
                         choices=list(PRECISION_DEFINES), help="storage precisions")
     parser.add_argument("-a", "--archs", nargs="+", default=list(PTX_ARCHS + CUBIN_ARCHS),
@@ -240,7 +260,7 @@ def main(argv=None):
                         help=f"print registers and spills per kernel ({RESOURCE_USAGE_ARCH})")
     args = parser.parse_args(argv)
 
-    files = args.files or kernel_files()
+    files = (args.files or kernel_files()) + (dev_kernel_files() if args.dev else [])
     for path in files:
         if not os.path.isfile(path):
             print(f"error: kernel file '{path}' not found", file=sys.stderr)

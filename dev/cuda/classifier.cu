@@ -1,0 +1,80 @@
+/*
+dev/cuda/classifier.cu: the intermediate fused-classifier kernels of dev/cuda/classifier.py (the
+last version is kernels/classifier.cu's fused_classifier, launched from there by its real name).
+
+All versions share the contract of fused_classifier: logits (N,Vp) floatX, of which the first V
+columns are real tokens; losses (N,) float written (=); targets (N,) int32 in [0,V);
+    loss_row = logsumexp(logits[:V]) - logits[target]
+and, when write_dlogits, the logits are overwritten in place by
+    dlogits_i = (softmax_i - [i == target]) * dloss  (i < V),   0 for V <= i < Vp.
+
+- fused_classifier_v1: naive port of gpt2_cpu.softmax_forward + crossentropy_forward +
+  crossentropy_softmax_backward, one thread per row: three passes over V (max, sum of exp,
+  gradient). A warp's threads read 32 rows Vp elements apart, so every load touches 32
+  different cache lines, and only N threads exist (1024 for the benchmark: a sliver of the GPU).
+- fused_classifier_v2: one warp per row. Lanes read consecutive columns (coalesced); the row
+  max and the sum of exp are each a warpReduce (5 shuffles). Still three passes over the row,
+  scalar loads, and 32 lanes for 50304 columns.
+
+Warp kernels need blockDim.x a multiple of 32. Compile check:
+    python dev/cuda/nvrtc_compile.py dev/cuda/classifier.cu
+*/
+#include "common.cuh"
+
+// thread i handles row i
+extern "C" __global__ void fused_classifier_v1(floatX* logits, float* losses, const int* targets, float dloss,
+                                               int N, int V, int Vp, int write_dlogits) {
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= N) {
+        return;
+    }
+    floatX* z = logits + (size_t)row * Vp;
+    const int target = targets[row];
+    float max_z = NEGATIVE_INFINITY;                 // pass 1: the max, so that exp cannot overflow
+    for (int i = 0; i < V; i++) {
+        max_z = fmaxf(max_z, (float)z[i]);
+    }
+    float sum = 0.0f;                                // pass 2: the softmax's normalizer
+    for (int i = 0; i < V; i++) {
+        sum += expf((float)z[i] - max_z);
+    }
+    losses[row] = max_z + logf(sum) - (float)z[target];   // -log softmax[target]
+    if (write_dlogits) {                             // pass 3: (p - onehot) * dloss, padding 0
+        for (int i = 0; i < Vp; i++) {
+            const float p = (i < V) ? expf((float)z[i] - max_z) / sum : 0.0f;
+            z[i] = (floatX)((p - (i == target ? 1.0f : 0.0f)) * dloss);
+        }
+    }
+}
+
+// warp w handles row w; lane reads columns lane, lane+32, ...
+extern "C" __global__ void fused_classifier_v2(floatX* logits, float* losses, const int* targets, float dloss,
+                                               int N, int V, int Vp, int write_dlogits) {
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= N) {
+        return;                                      // the whole warp leaves together
+    }
+    floatX* z = logits + (size_t)row * Vp;
+    const int target = targets[row];
+    const float target_logit = (float)z[target];     // read before any lane overwrites it
+    float max_z = NEGATIVE_INFINITY;
+    for (int i = lane; i < V; i += WARP_SIZE) {
+        max_z = fmaxf(max_z, (float)z[i]);
+    }
+    max_z = warpReduceMax(max_z);
+    float sum = 0.0f;
+    for (int i = lane; i < V; i += WARP_SIZE) {
+        sum += expf((float)z[i] - max_z);
+    }
+    sum = warpReduceSum(sum);                        // the shuffles also order all reads before the writes
+    if (lane == 0) {
+        losses[row] = max_z + logf(sum) - target_logit;
+    }
+    if (write_dlogits) {
+        for (int i = lane; i < Vp; i += WARP_SIZE) {
+            const float p = (i < V) ? expf((float)z[i] - max_z) / sum : 0.0f;
+            z[i] = (floatX)((p - (i == target ? 1.0f : 0.0f)) * dloss);
+        }
+    }
+}

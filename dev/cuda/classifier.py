@@ -1,0 +1,100 @@
+"""
+dev/cuda/classifier.py: the fused classifier (softmax + cross-entropy + its gradient, in place on
+the logits), from a naive port to kernels/classifier.cu.
+
+fused_classifier, per row of Vp logits (the first V real): loss = logsumexp - logit[target],
+then the logits are overwritten by dlogits = (softmax - onehot(target)) * dloss:
+  version 1 (dev/cuda/classifier.cu fused_classifier_v1) is the naive port of
+            gpt2_cpu.softmax_forward + crossentropy_forward + crossentropy_softmax_backward: one
+            thread per row, three passes over the row (max, sum of exp, gradient). Slow: only
+            N threads, and a warp's loads hit 32 rows at once (uncoalesced).
+  version 2 (fused_classifier_v2) gives each row a warp: coalesced loads, max and sum reduced
+            with warp shuffles. 32x the threads, every load a full cache line.
+  version 3 (kernels/classifier.cu fused_classifier, production) gives each row a block
+            (gpt2_cuda.py uses 1024 threads): the online softmax (max and sum in one pass,
+            Milakov & Gimelshein 2018) reduced over the block, x128 loads and stores. One read
+            pass fewer, 16 bytes per load, and 32x more threads per row again: a 50304-column
+            row is 1.5 elements per lane of a block instead of 1572 per lane of a warp.
+
+Napkin math (minimum traffic): read N*Vp logits once, write N*Vp dlogits, plus N targets and
+N losses. Memory-bound: ~3 flops (an exp) per 4-8 bytes.
+The benchmark uses N = 1024 rows (B=4, T=256), not the trainer's 8192: the float64 reference
+in NumPy would need several GB per (N,Vp) array at 8192.
+
+Run (needs a CUDA GPU; without one it says so and exits 2):
+    python dev/cuda/classifier.py        # every version, bf16
+    python dev/cuda/classifier.py 3 -p fp32
+writes dev/results/dev_cuda_classifier.md.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import Progression, Version, dev_kernel, production_kernel  # noqa: E402
+
+import gpt2_cpu  # noqa: E402  (common put the repository root on sys.path)
+from llmc.cuda import ceil_div, warp_row_grid  # noqa: E402
+
+OP = "classifier"
+FUSED_CLASSIFIER_V1 = dev_kernel(OP, "fused_classifier_v1")
+FUSED_CLASSIFIER_V2 = dev_kernel(OP, "fused_classifier_v2")
+FUSED_CLASSIFIER = production_kernel("classifier", "fused_classifier")
+LOGIT_SCALE = 3.0                # logits ~ N(0, 9): a peaked softmax, as a trained model's
+
+
+# ----------------------------------------------------------------------------
+# problem: inputs, references from gpt2_cpu.py
+
+def make_case(rng, precision, B, T, V, Vp):
+    """logits (B,T,Vp), targets (B,T) -> losses (B,T) and dlogits (B,T,Vp) in place, dloss = 1/(B*T)."""
+    case = common.Case(precision)
+    N, dloss = B * T, 1.0 / (B * T)
+    for name, value in dict(N=N, V=V, Vp=Vp, dloss=dloss).items():
+        case.scalar(name, value)
+    z = case.input("logits", rng.standard_normal((B, T, Vp)) * LOGIT_SCALE)   # padding too: must be ignored
+    targets = case.input("targets", rng.integers(0, V, (B, T)), "i32")
+    probs = gpt2_cpu.softmax_forward(z, V)
+    case.output("losses", (B, T), "f32")
+    case.check("losses", gpt2_cpu.crossentropy_forward(probs, targets), "classifier")
+    dlogits = gpt2_cpu.crossentropy_softmax_backward(np.full((B, T), dloss), probs, targets)
+    case.check("logits", dlogits, "classifier", scale=dloss)     # |dlogits| <= dloss: atol in units of it
+    case.bytes = common.napkin_bytes(precision, floatX=2 * N * Vp, float32=N, int32=N)
+    return case
+
+
+# ----------------------------------------------------------------------------
+# launchers: grids as gpt2_cuda.py computes them
+
+def args(d):
+    return (d.logits, d.losses, d.targets, np.float32(d.dloss), np.int32(d.N), np.int32(d.V), np.int32(d.Vp),
+            np.int32(1))
+
+
+def v1(d, block_size):
+    FUSED_CLASSIFIER_V1.launch(d.precision, ceil_div(d.N, block_size), block_size, args(d))
+
+
+def v2(d, block_size):
+    FUSED_CLASSIFIER_V2.launch(d.precision, warp_row_grid(d.N, block_size), block_size, args(d))
+
+
+def v3(d, block_size):
+    FUSED_CLASSIFIER.launch(d.precision, max(1, d.N), block_size, args(d))     # gpt2_cuda.fused_classifier
+
+
+SIZES = dict(B=4, T=256, V=50257, Vp=50304)      # GPT-2's vocabulary, 1024 rows
+TEST_SIZES = dict(B=2, T=19, V=1000, Vp=1024)
+PROGRESSIONS = [
+    Progression("fused_classifier", make_case, [
+        Version(1, "naive port, one thread per row, three passes", (FUSED_CLASSIFIER_V1,), v1),
+        Version(2, "one warp per row, coalesced loads, shuffle reductions", (FUSED_CLASSIFIER_V2,), v2),
+        Version(3, "production: one block per row, online softmax, x128", (FUSED_CLASSIFIER,), v3),
+    ], SIZES, TEST_SIZES),
+]
+
+if __name__ == "__main__":
+    sys.exit(common.main(OP, PROGRESSIONS))

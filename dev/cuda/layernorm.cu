@@ -1,0 +1,210 @@
+/*
+dev/cuda/layernorm.cu: the intermediate LayerNorm kernels of dev/cuda/layernorm.py (the last
+version of each progression is kernels/layernorm.cu's, launched from there by its real name).
+
+Rows: N = B*T rows of C channels; inp, out (N,C) floatX; weight, bias (C,); mean, rstd (N,) float.
+    mean = sum x / C,  rstd = 1 / sqrt(sum (x - mean)^2 / C + eps),  out = (x - mean) rstd w + b
+
+- layernorm_forward_v1: naive port of gpt2_cpu.layernorm_forward, one thread per row looping
+  over its C channels three times (mean, variance, output). Neighbouring threads read addresses
+  C elements apart, so a warp's load touches 32 different cache lines: uncoalesced, and only N
+  threads in all (8192 for GPT-2 at B*T = 8192: a few per SM core).
+- layernorm_forward_v2: one warp per row. The 32 lanes read 32 consecutive channels (coalesced)
+  and combine their partial sums with warpReduceSum (5 shuffles), two-pass variance as in the
+  production kernel. Scalar loads.
+- fused_residual_forward_v1 / _v2: the same two steps with residual = inp1 + inp2 stored first
+  (rounded to floatX) and normalized: one thread per row / one warp per row.
+- layernorm_backward_v1: naive port of gpt2_cpu.layernorm_backward, one thread per row: the two
+  row means of dnorm, then dinp += rstd (dnorm - mean(dnorm) - norm mean(dnorm norm)); dbias
+  and dweight are atomicAdd-ed into an fp32 scratch (2, C) = [dbias | dweight] that the launcher
+  zeroed, so N threads hit the same 2C addresses.
+- layernorm_backward_v2: one warp per row (coalesced, shuffle reductions); each block first
+  accumulates its rows' dbias/dweight in shared memory (atomics on shared memory are cheap), then
+  adds them to the global scratch with one atomic per channel per block.
+Both backward versions then add the scratch into dweight/dbias with kernels/layernorm.cu's
+layernorm_param_reduce over one slot. Atomics make them non-reproducible run to run; the
+production kernel writes per-block slots instead.
+
+Warp kernels need blockDim.x a multiple of 32. Compile check:
+    python dev/cuda/nvrtc_compile.py dev/cuda/layernorm.cu
+*/
+#include "common.cuh"
+
+#define LN_EPS 1e-5f
+
+// ----------------------------------------------------------------------------
+// forward, one thread per row
+
+// the row's normalization by one thread: out_row, and the statistics (either may be NULL)
+__device__ inline void layernorm_row_thread(floatX* out_row, float* mean, float* rstd, const floatX* x,
+                                            const floatX* weight, const floatX* bias, int row, int C) {
+    float sum = 0.0f;
+    for (int c = 0; c < C; c++) {
+        sum += (float)x[c];
+    }
+    const float m = sum / C;
+    float sum_sq = 0.0f;
+    for (int c = 0; c < C; c++) {
+        const float centered = (float)x[c] - m;
+        sum_sq += centered * centered;
+    }
+    const float s = rsqrtf(sum_sq / C + LN_EPS);
+    for (int c = 0; c < C; c++) {
+        out_row[c] = (floatX)(((float)x[c] - m) * s * (float)weight[c] + (float)bias[c]);
+    }
+    mean[row] = m;
+    rstd[row] = s;
+}
+
+// out (N,C) = layernorm(inp): thread i normalizes row i
+extern "C" __global__ void layernorm_forward_v1(floatX* out, float* mean, float* rstd, const floatX* inp,
+                                                const floatX* weight, const floatX* bias, int N, int C) {
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row < N) {
+        layernorm_row_thread(out + (size_t)row * C, mean, rstd, inp + (size_t)row * C, weight, bias, row, C);
+    }
+}
+
+// residual = inp1 + inp2, normed = layernorm(residual): thread i handles row i
+extern "C" __global__ void fused_residual_forward_v1(floatX* residual, floatX* normed, float* mean, float* rstd,
+                                                     const floatX* inp1, const floatX* inp2,
+                                                     const floatX* weight, const floatX* bias, int N, int C) {
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row < N) {
+        const size_t offset = (size_t)row * C;
+        for (int c = 0; c < C; c++) {
+            residual[offset + c] = (floatX)((float)inp1[offset + c] + (float)inp2[offset + c]);
+        }
+        layernorm_row_thread(normed + offset, mean, rstd, residual + offset, weight, bias, row, C);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// forward, one warp per row
+
+// the row's normalization by one warp: lane reads channels lane, lane+32, ... (coalesced)
+__device__ inline void layernorm_row_warp(floatX* out_row, float* mean, float* rstd, const floatX* x,
+                                          const floatX* weight, const floatX* bias, int row, int C, int lane) {
+    float sum = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        sum += (float)x[c];
+    }
+    const float m = warpReduceSum(sum) / C;
+    float sum_sq = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        const float centered = (float)x[c] - m;
+        sum_sq += centered * centered;
+    }
+    const float s = rsqrtf(warpReduceSum(sum_sq) / C + LN_EPS);
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        out_row[c] = (floatX)(((float)x[c] - m) * s * (float)weight[c] + (float)bias[c]);
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = s;
+    }
+}
+
+// out (N,C) = layernorm(inp): warp w of the grid normalizes row w
+extern "C" __global__ void layernorm_forward_v2(floatX* out, float* mean, float* rstd, const floatX* inp,
+                                                const floatX* weight, const floatX* bias, int N, int C) {
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
+    if (row < N) {                              // the whole warp agrees, so the shuffles are safe
+        layernorm_row_warp(out + (size_t)row * C, mean, rstd, inp + (size_t)row * C, weight, bias, row, C,
+                           threadIdx.x % WARP_SIZE);
+    }
+}
+
+// residual = inp1 + inp2, normed = layernorm(residual): warp w handles row w. Each lane re-reads
+// only the residual channels it stored itself, so no __syncwarp is needed between the steps.
+extern "C" __global__ void fused_residual_forward_v2(floatX* residual, floatX* normed, float* mean, float* rstd,
+                                                     const floatX* inp1, const floatX* inp2,
+                                                     const floatX* weight, const floatX* bias, int N, int C) {
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row < N) {
+        const size_t offset = (size_t)row * C;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            residual[offset + c] = (floatX)((float)inp1[offset + c] + (float)inp2[offset + c]);
+        }
+        layernorm_row_warp(normed + offset, mean, rstd, residual + offset, weight, bias, row, C, lane);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// backward
+
+// dinp (N,C) += layernorm input gradient; scratch (2,C) float += [sum dout | sum dout*norm]:
+// thread i handles row i
+extern "C" __global__ void layernorm_backward_v1(floatX* dinp, float* scratch, const floatX* dout,
+                                                 const floatX* inp, const floatX* weight,
+                                                 const float* mean, const float* rstd, int N, int C) {
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= N) {
+        return;
+    }
+    const size_t offset = (size_t)row * C;
+    const float m = mean[row];
+    const float s = rstd[row];
+    float dnorm_sum = 0.0f;
+    float dnorm_norm_sum = 0.0f;
+    for (int c = 0; c < C; c++) {
+        const float norm = ((float)inp[offset + c] - m) * s;
+        const float dnorm = (float)dout[offset + c] * (float)weight[c];
+        dnorm_sum += dnorm;
+        dnorm_norm_sum += dnorm * norm;
+    }
+    const float dnorm_mean = dnorm_sum / C;
+    const float dnorm_norm_mean = dnorm_norm_sum / C;
+    for (int c = 0; c < C; c++) {
+        const float norm = ((float)inp[offset + c] - m) * s;
+        const float d = (float)dout[offset + c];
+        const float dnorm = d * (float)weight[c];
+        // term 1: direct; term 2: through the mean; term 3: through the variance
+        const float dval = s * (dnorm - dnorm_mean - norm * dnorm_norm_mean);
+        dinp[offset + c] = (floatX)((float)dinp[offset + c] + dval);
+        atomicAdd(&scratch[c], d);                  // dbias
+        atomicAdd(&scratch[C + c], d * norm);       // dweight
+    }
+}
+
+// as v1, but warp w handles row w, and dbias/dweight go through shared memory: dynamic shared
+// memory of 2*C floats per block (the launcher passes shared_mem = 2*C*4 bytes)
+extern "C" __global__ void layernorm_backward_v2(floatX* dinp, float* scratch, const floatX* dout,
+                                                 const floatX* inp, const floatX* weight,
+                                                 const float* mean, const float* rstd, int N, int C) {
+    extern __shared__ float block_sums[];           // (2, C): [dbias | dweight] of this block's rows
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+        block_sums[c] = 0.0f;
+    }
+    __syncthreads();
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row < N) {
+        const size_t offset = (size_t)row * C;
+        const float m = mean[row];
+        const float s = rstd[row];
+        float dnorm_sum = 0.0f;
+        float dnorm_norm_sum = 0.0f;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            const float norm = ((float)inp[offset + c] - m) * s;
+            const float dnorm = (float)dout[offset + c] * (float)weight[c];
+            dnorm_sum += dnorm;
+            dnorm_norm_sum += dnorm * norm;
+        }
+        const float dnorm_mean = warpReduceSum(dnorm_sum) / C;
+        const float dnorm_norm_mean = warpReduceSum(dnorm_norm_sum) / C;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            const float norm = ((float)inp[offset + c] - m) * s;
+            const float d = (float)dout[offset + c];
+            const float dval = s * (d * (float)weight[c] - dnorm_mean - norm * dnorm_norm_mean);
+            dinp[offset + c] = (floatX)((float)dinp[offset + c] + dval);
+            atomicAdd(&block_sums[c], d);
+            atomicAdd(&block_sums[C + c], d * norm);
+        }
+    }
+    __syncthreads();                                // every warp's rows are in block_sums
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+        atomicAdd(&scratch[c], block_sums[c]);
+    }
+}

@@ -1,0 +1,216 @@
+"""
+dev/cuda/layernorm.py: LayerNorm forward, the fused residual + LayerNorm, and LayerNorm backward,
+from naive ports to kernels/layernorm.cu.
+
+layernorm_forward, out = (x - mean) * rstd * weight + bias per row of C (N = B*T rows):
+  version 1 (dev/cuda/layernorm.cu layernorm_forward_v1) is the naive port of
+            gpt2_cpu.layernorm_forward: one thread per row, looping over C three times. Slow:
+            a warp's 32 threads read 32 rows, C elements apart, so every load instruction
+            touches 32 cache lines, and only N threads exist.
+  version 2 (layernorm_forward_v2) gives each row a warp: lanes read consecutive channels
+            (one coalesced 64/128-byte access per load) and sum with warp shuffles; 32x more
+            threads share the work.
+  version 3 (kernels/layernorm.cu layernorm_forward, production) keeps the warp per row and
+            loads x128 groups (16 bytes per lane: 4-8x fewer load instructions), with
+            streaming hints on the last read of the row and the output.
+fused_residual_forward, residual = inp1 + inp2, then the LayerNorm of it, in one kernel:
+  versions 1, 2, 3 are the same three steps (thread per row; warp per row; production x128).
+  Fusing saves re-reading the residual from DRAM for the LayerNorm (it is still in L1/L2).
+layernorm_backward, dinp += ..., dweight += ..., dbias += ... (gpt2_cpu.layernorm_backward):
+  version 1 (layernorm_backward_v1) is the naive port: one thread per row, and every element's
+            dweight/dbias term atomically added to one fp32 (2, C) scratch: uncoalesced rows,
+            and N contending atomics per channel.
+  version 2 (layernorm_backward_v2): one warp per row (coalesced, shuffles); each block sums
+            its rows' dweight/dbias in shared memory first, so the global atomics drop from one
+            per element to one per channel per block.
+  version 3 (kernels/layernorm.cu layernorm_backward + layernorm_param_reduce, production):
+            x128 loads, and no atomics: each of a fixed number of blocks (gpt2_cuda's
+            LAYERNORM_BACKWARD_GRID) writes its partial sums to its own scratch slot, and a
+            second kernel adds the slots in order, so the result is bit-reproducible.
+  Versions 1 and 2 also finish with layernorm_param_reduce, over their one slot.
+
+Napkin math (minimum traffic; N rows, C channels): forward reads N*C and writes N*C floatX plus
+2N floats of statistics; fused reads 2N*C, writes 2N*C; backward reads dout, inp and dinp, writes
+dinp (4N*C) and reads the statistics.
+
+Run (needs a CUDA GPU; without one it says so and exits 2):
+    python dev/cuda/layernorm.py         # all three progressions, every version, bf16
+    python dev/cuda/layernorm.py 2 -p fp32
+writes dev/results/dev_cuda_layernorm.md.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import Progression, Version, dev_kernel, production_kernel  # noqa: E402
+
+import gpt2_cpu  # noqa: E402  (common put the repository root on sys.path)
+from gpt2_cuda import layernorm_backward_grid  # noqa: E402  (the production scratch slots)
+from llmc.cuda import BLOCK_SIZE, ceil_div, elementwise_grid, warp_row_grid  # noqa: E402
+
+OP = "layernorm"
+LAYERNORM_FORWARD_V1 = dev_kernel(OP, "layernorm_forward_v1")
+LAYERNORM_FORWARD_V2 = dev_kernel(OP, "layernorm_forward_v2")
+FUSED_RESIDUAL_FORWARD_V1 = dev_kernel(OP, "fused_residual_forward_v1")
+FUSED_RESIDUAL_FORWARD_V2 = dev_kernel(OP, "fused_residual_forward_v2")
+LAYERNORM_BACKWARD_V1 = dev_kernel(OP, "layernorm_backward_v1")
+LAYERNORM_BACKWARD_V2 = dev_kernel(OP, "layernorm_backward_v2")
+LAYERNORM_FORWARD = production_kernel("layernorm", "layernorm_forward")
+FUSED_RESIDUAL_FORWARD = production_kernel("layernorm", "fused_residual_forward")
+LAYERNORM_BACKWARD = production_kernel("layernorm", "layernorm_backward")
+LAYERNORM_PARAM_REDUCE = production_kernel("layernorm", "layernorm_param_reduce")
+
+
+# ----------------------------------------------------------------------------
+# problems: inputs, references from gpt2_cpu.py
+
+def layer_inputs(case, rng, B, T, C):
+    """Scalars N, C; inputs inp (B,T,C) ~ 2 N(0,1) + 0.5 (a nonzero mean), weight, bias (C,).
+    Returns the float64 values the kernels see."""
+    case.scalar("N", B * T)
+    case.scalar("C", C)
+    x = case.input("inp", rng.standard_normal((B, T, C)) * 2 + 0.5)
+    return x, case.input("weight", rng.standard_normal(C)), case.input("bias", rng.standard_normal(C))
+
+
+def make_forward_case(rng, precision, B, T, C):
+    """out, mean, rstd = gpt2_cpu.layernorm_forward(inp, weight, bias)."""
+    case = common.Case(precision)
+    x, w, b = layer_inputs(case, rng, B, T, C)
+    out, mean, rstd = gpt2_cpu.layernorm_forward(x, w, b)
+    for name, shape, kind, ref in (("out", (B, T, C), "X", out), ("mean", (B, T), "f32", mean),
+                                   ("rstd", (B, T), "f32", rstd)):
+        case.output(name, shape, kind)
+        case.check(name, ref, "layernorm_forward")
+    case.bytes = common.napkin_bytes(precision, floatX=2 * B * T * C + 2 * C, float32=2 * B * T)
+    return case
+
+
+def make_fused_case(rng, precision, B, T, C):
+    """residual = inp + inp2 (rounded to floatX), then gpt2_cpu.layernorm_forward of it."""
+    case = common.Case(precision)
+    x, w, b = layer_inputs(case, rng, B, T, C)
+    x2 = case.input("inp2", rng.standard_normal((B, T, C)))
+    residual = common.to_float64(common.to_device_dtype(gpt2_cpu.residual_forward(x, x2), "X", precision), "X", precision)
+    normed, mean, rstd = gpt2_cpu.layernorm_forward(residual, w, b)
+    for name, shape, kind, ref, key in (("residual", (B, T, C), "X", residual, "residual_forward"),
+                                        ("normed", (B, T, C), "X", normed, "layernorm_forward"),
+                                        ("mean", (B, T), "f32", mean, "layernorm_forward"),
+                                        ("rstd", (B, T), "f32", rstd, "layernorm_forward")):
+        case.output(name, shape, kind)
+        case.check(name, ref, key)
+    case.bytes = common.napkin_bytes(precision, floatX=4 * B * T * C + 2 * C, float32=2 * B * T)
+    return case
+
+
+def make_backward_case(rng, precision, B, T, C):
+    """dinp, dweight, dbias accumulate gpt2_cpu.layernorm_backward's gradients."""
+    case = common.Case(precision)
+    x, w, _ = layer_inputs(case, rng, B, T, C)
+    _, mean, rstd = gpt2_cpu.layernorm_forward(x, w, np.zeros(C))
+    mean, rstd = case.input("mean", mean, "f32"), case.input("rstd", rstd, "f32")   # as fp32, like the forward's
+    dout = case.input("dout", rng.standard_normal((B, T, C)))
+    dinp = case.input("dinp", rng.standard_normal((B, T, C)))                         # all three accumulate
+    dweight, dbias = case.input("dweight", rng.standard_normal(C)), case.input("dbias", rng.standard_normal(C))
+    dinp = dinp + gpt2_cpu.layernorm_backward(dweight, dbias, dout, x, w, mean, rstd)
+    for name, ref in (("dinp", dinp), ("dweight", dweight), ("dbias", dbias)):
+        case.check(name, ref, "layernorm_backward")
+    G = layernorm_backward_grid(B * T)
+    case.scalar("G", G)
+    case.scratch("scratch", G * 2 * C)          # production: (G, 2, C) slots; versions 1, 2 use (2, C)
+    case.bytes = common.napkin_bytes(precision, floatX=4 * B * T * C + 5 * C, float32=2 * B * T)
+    return case
+
+
+# ----------------------------------------------------------------------------
+# launchers: grids as gpt2_cuda.py computes them
+
+def forward_args(d):
+    return (d.out, d.mean, d.rstd, d.inp, d.weight, d.bias, np.int32(d.N), np.int32(d.C))
+
+
+def forward_v1(d, block_size):
+    LAYERNORM_FORWARD_V1.launch(d.precision, ceil_div(d.N, block_size), block_size, forward_args(d))
+
+
+def forward_v2(d, block_size):
+    LAYERNORM_FORWARD_V2.launch(d.precision, warp_row_grid(d.N, block_size), block_size, forward_args(d))
+
+
+def forward_v3(d, block_size):
+    LAYERNORM_FORWARD.launch(d.precision, warp_row_grid(d.N, block_size), block_size, forward_args(d))
+
+
+def fused_args(d):
+    return (d.residual, d.normed, d.mean, d.rstd, d.inp, d.inp2, d.weight, d.bias, np.int32(d.N), np.int32(d.C))
+
+
+def fused_v1(d, block_size):
+    FUSED_RESIDUAL_FORWARD_V1.launch(d.precision, ceil_div(d.N, block_size), block_size, fused_args(d))
+
+
+def fused_v2(d, block_size):
+    FUSED_RESIDUAL_FORWARD_V2.launch(d.precision, warp_row_grid(d.N, block_size), block_size, fused_args(d))
+
+
+def fused_v3(d, block_size):
+    FUSED_RESIDUAL_FORWARD.launch(d.precision, warp_row_grid(d.N, block_size), block_size, fused_args(d))
+
+
+def backward_args(d):
+    return (d.dinp, d.scratch, d.dout, d.inp, d.weight, d.mean, d.rstd, np.int32(d.N), np.int32(d.C))
+
+
+def param_reduce(d, num_slots):
+    """dweight, dbias += the sum of the first num_slots (2, C) slots of the scratch."""
+    LAYERNORM_PARAM_REDUCE.launch(d.precision, elementwise_grid(d.C), BLOCK_SIZE,
+                                  (d.dweight, d.dbias, d.scratch, np.int32(num_slots), np.int32(d.C)))
+
+
+def backward_v1(d, block_size):
+    d.scratch[:2 * d.C].fill(0)
+    LAYERNORM_BACKWARD_V1.launch(d.precision, ceil_div(d.N, block_size), block_size, backward_args(d))
+    param_reduce(d, 1)
+
+
+def backward_v2(d, block_size):
+    d.scratch[:2 * d.C].fill(0)
+    LAYERNORM_BACKWARD_V2.launch(d.precision, warp_row_grid(d.N, block_size), block_size, backward_args(d),
+                                 shared_mem=2 * d.C * 4)
+    param_reduce(d, 1)
+
+
+def backward_v3(d, block_size):
+    LAYERNORM_BACKWARD.launch(d.precision, d.G, block_size, backward_args(d))     # gpt2_cuda.layernorm_backward
+    param_reduce(d, d.G)
+
+
+SIZES = dict(B=8, T=1024, C=768)                 # GPT-2 124M
+TEST_SIZES = dict(B=2, T=37, C=96)               # 74 rows: partial blocks; C = 3 warps of 32
+PROGRESSIONS = [
+    Progression("layernorm_forward", make_forward_case, [
+        Version(1, "naive port, one thread per row", (LAYERNORM_FORWARD_V1,), forward_v1),
+        Version(2, "one warp per row, coalesced loads, shuffle reductions", (LAYERNORM_FORWARD_V2,), forward_v2),
+        Version(3, "production: warp per row with x128 loads, streaming hints", (LAYERNORM_FORWARD,), forward_v3),
+    ], SIZES, TEST_SIZES),
+    Progression("fused_residual_forward", make_fused_case, [
+        Version(1, "naive port, one thread per row", (FUSED_RESIDUAL_FORWARD_V1,), fused_v1),
+        Version(2, "one warp per row, coalesced loads, shuffle reductions", (FUSED_RESIDUAL_FORWARD_V2,), fused_v2),
+        Version(3, "production: warp per row with x128 loads", (FUSED_RESIDUAL_FORWARD,), fused_v3),
+    ], SIZES, TEST_SIZES),
+    Progression("layernorm_backward", make_backward_case, [
+        Version(1, "naive port, one thread per row, global fp32 atomics",
+                (LAYERNORM_BACKWARD_V1, LAYERNORM_PARAM_REDUCE), backward_v1),
+        Version(2, "one warp per row, per-block sums in shared memory, fewer atomics",
+                (LAYERNORM_BACKWARD_V2, LAYERNORM_PARAM_REDUCE), backward_v2),
+        Version(3, "production: x128, per-block scratch slots, deterministic",
+                (LAYERNORM_BACKWARD, LAYERNORM_PARAM_REDUCE), backward_v3),
+    ], SIZES, TEST_SIZES),
+]
+
+if __name__ == "__main__":
+    sys.exit(common.main(OP, PROGRESSIONS))

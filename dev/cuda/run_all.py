@@ -1,0 +1,52 @@
+"""
+dev/cuda/run_all.py: run every kernel progression of dev/cuda/ on a GPU (`make dev-cuda`): each
+dev/cuda/<op>.py in turn, each validating all its versions against gpt2_cpu.py, timing them and
+writing its table to dev/results/dev_cuda_<op>.md.
+
+What it deliberately is not: a harness of its own; dev/cuda/common.py is. This only runs the
+scripts in OPS, one process each (so a failing op does not stop the others), and sums up.
+
+Run it:
+    python dev/cuda/run_all.py           # bf16
+    python dev/cuda/run_all.py -p fp32 -r 50
+prints each script's output, then one line per op with its exit status; exits 0 if all passed,
+1 if any failed, 2 (one line, nothing run) without a CUDA GPU or CuPy.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO_ROOT)
+
+from llmc import cuda  # noqa: E402  (imports CuPy only when called)
+
+# the progressions, in the order a forward + backward pass meets them (a new dev/cuda/<op>.py is
+# added here; tests/test_dev_cuda.py checks that each listed op has its script and .cu file)
+OPS = ("encoder", "layernorm", "gelu", "classifier", "global_norm", "adamw")
+NO_GPU_EXIT = 2
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser.add_argument("-p", "--precision", default="bf16", choices=cuda.PRECISIONS, help="storage precision (default bf16)")
+    parser.add_argument("-r", "--repeats", type=int, default=None, help="timed runs per version (default: the scripts')")
+    args = parser.parse_args(argv)
+    reason = cuda.cuda_unavailable_reason()
+    if reason:
+        print(f"dev/cuda/run_all.py: no CUDA GPU found ({reason}); nothing to run "
+              "(`make compile-kernels` compiles the kernels without one)", file=sys.stderr)
+        return NO_GPU_EXIT
+    extra = ["-p", args.precision] + (["-r", str(args.repeats)] if args.repeats else [])
+    status = {}
+    for op in OPS:
+        status[op] = subprocess.run([sys.executable, os.path.join(HERE, f"{op}.py")] + extra, cwd=REPO_ROOT).returncode
+    print("\n" + "\n".join(f"dev/cuda/{op}.py: {'OK' if rc == 0 else f'FAILED (exit {rc})'}" for op, rc in status.items()))
+    return 0 if all(rc == 0 for rc in status.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""Tests of dev/cuda/: the kernel progressions and their harness (dev/cuda/common.py).
+
+No GPU needed:
+- every dev/cuda/*.cu compiles with NVRTC (dev/cuda/nvrtc_compile.py's functions, the trainer's
+  options) in both precisions for compute_80/compute_90 (PTX) and sm_80/sm_90 (cubin);
+- every version of every op script names kernels that exist: the intermediate ones in the PTX of
+  its dev/cuda/<op>.cu, the last version's in kernels/<file>.cu, where it must be the kernel
+  gpt2_cuda.py launches (tests/test_kernels_compile.py's contract);
+- each op script takes its reference from gpt2_cpu (imported, never redefined);
+- the harness's host parts against hand-computed values: napkin bytes and FLOPs, throughput,
+  tolerance choice, the table, bf16 round trips, and its validation loop (NaN poisoning, inputs
+  restored before every run) run on NumPy stand-ins for CuPy;
+- every script says in one line that there is no GPU and exits 2, and --help works without one.
+Marked gpu (skipped here): every progression's validation at its small test size, both
+precisions, and a full run of one script writing its table.
+Run: pytest tests/test_dev_cuda.py   (about 15 s on 2 cores, mostly NVRTC)
+"""
+
+import ast
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import gpt2_cpu
+from llmc.check import TOLERANCES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEV_CUDA = os.path.join(ROOT, "dev", "cuda")
+sys.path.insert(0, DEV_CUDA)
+
+import common  # noqa: E402  (dev/cuda/common.py)
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(DEV_CUDA, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+nc = _load("nvrtc_compile")
+run_all = _load("run_all")
+OPS = run_all.OPS
+SCRIPTS = {op: _load(op) for op in OPS}
+# this file's ops (part A of the progressions; matmul and attention have their own tests) and the
+# gpt2_cpu layers each script must take its reference from
+REFERENCES = {
+    "encoder": ("encoder_forward", "encoder_backward"),
+    "gelu": ("gelu_forward", "gelu_backward"),
+    "layernorm": ("layernorm_forward", "layernorm_backward", "residual_forward"),
+    "classifier": ("softmax_forward", "crossentropy_forward", "crossentropy_softmax_backward"),
+    "adamw": ("adamw_update",),
+    "global_norm": ("gpt2_grad_norm",),
+}
+PART_A = tuple(REFERENCES)
+PRECISIONS = ("bf16", "fp32")
+
+
+def _nvrtc_reason():
+    try:
+        nc.load_nvrtc()
+        nc.cuda_include_dir()
+    except nc.NvrtcUnavailable as error:
+        return str(error)
+    return None
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=f"NVRTC cannot be loaded: {_nvrtc_reason()}")
+
+
+@functools.lru_cache(maxsize=None)
+def ptx_entries(path, precision):
+    """Kernel names in the compute_80 PTX of a repo-relative .cu path."""
+    return frozenset(nc.ptx_entry_names(nc.compile_kernel(os.path.join(ROOT, path), precision, "compute_80")))
+
+
+# ----------------------------------------------------------------------------
+# compiling, and the version lists
+
+def test_every_op_has_a_script_and_a_cu_file():
+    assert set(PART_A) <= set(OPS)              # make dev-cuda runs them all
+    on_disk = {os.path.basename(p)[:-3] for p in nc.dev_kernel_files()}
+    assert set(OPS) <= on_disk
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", nc.PTX_ARCHS + nc.CUBIN_ARCHS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("path", nc.dev_kernel_files(), ids=os.path.basename)
+def test_dev_kernels_compile(path, precision, arch):
+    result = nc.compile_kernel(path, precision, arch)
+    if arch.startswith("sm_"):
+        assert result[:4] == b"\x7fELF"
+    else:
+        assert nc.ptx_entry_names(result), f"{path}: no extern \"C\" kernel"
+        assert f".target sm_{arch.split('_')[1]}" in result
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("op", PART_A)
+def test_versions_name_existing_kernels(op):
+    for progression in SCRIPTS[op].PROGRESSIONS:
+        numbers = [v.number for v in progression.versions]
+        assert numbers == list(range(1, len(numbers) + 1)), progression.name
+        assert 2 <= len(numbers) <= 4
+        for version in progression.versions:
+            last = version is progression.versions[-1]
+            for kernel in version.kernels:
+                for precision in PRECISIONS:
+                    assert kernel.name in ptx_entries(kernel.path, precision), (progression.name, kernel)
+            own = [k for k in version.kernels if k.path == f"dev/cuda/{op}.cu"]
+            if last:           # the production kernel, by its real name, from kernels/
+                assert all(k.path.startswith("kernels/") for k in version.kernels), progression.name
+                assert "production" in version.about
+            else:              # an intermediate one: <name>_v<number> in dev/cuda/<op>.cu
+                assert own and all(k.name.endswith(f"_v{version.number}") for k in own), (progression.name, version)
+
+
+def test_last_versions_are_the_kernels_gpt2_cuda_launches():
+    source = open(os.path.join(ROOT, "gpt2_cuda.py"), encoding="utf-8").read()
+    for op in PART_A:
+        for progression in SCRIPTS[op].PROGRESSIONS:
+            for kernel in progression.versions[-1].kernels:
+                file = os.path.basename(kernel.path)[:-3]
+                assert f'"{file}"' in source and f'"{kernel.name}"' in source, kernel
+
+
+@pytest.mark.parametrize("op", PART_A)
+def test_reference_comes_from_gpt2_cpu(op):
+    module = SCRIPTS[op]
+    assert module.gpt2_cpu is gpt2_cpu
+    source = open(os.path.join(DEV_CUDA, f"{op}.py"), encoding="utf-8").read()
+    defined = {node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+    for name in REFERENCES[op]:
+        assert f"gpt2_cpu.{name}(" in source, f"{op}.py does not call gpt2_cpu.{name}"
+        assert name not in defined, f"{op}.py redefines gpt2_cpu.{name}"
+
+
+@pytest.mark.parametrize("op", PART_A)
+def test_docstring_lists_every_version_and_the_run_line(op):
+    doc = SCRIPTS[op].__doc__
+    assert f"python dev/cuda/{op}.py" in doc
+    for progression in SCRIPTS[op].PROGRESSIONS:
+        for version in progression.versions:
+            assert f"version {version.number} (" in doc, (op, version.number)
+
+
+# ----------------------------------------------------------------------------
+# the harness's host parts
+
+def test_napkin_bytes_and_flops():
+    # gelu forward, n = 1000: read + write n floatX
+    assert common.napkin_bytes("bf16", floatX=2000) == 4000
+    assert common.napkin_bytes("fp32", floatX=2000) == 8000
+    # layernorm forward N=2, C=4: 2*8 + 2*4 floatX, 2*2 floats
+    assert common.napkin_bytes("bf16", floatX=24, float32=4) == 48 + 16
+    assert common.napkin_bytes("fp32", floatX=1, float32=1, int32=1) == 12
+    assert common.gemm_flops(2, 3, 4) == 48
+    assert common.gemm_flops(8192, 8192, 8192) == 2 * 8192 ** 3
+    assert common.throughput(3e9, 1.5) == pytest.approx(2000.0)      # 3 GB in 1.5 ms = 2000 GB/s
+
+
+def test_case_byte_counts_by_hand():
+    rng = np.random.default_rng(0)
+    gelu = SCRIPTS["gelu"].PROGRESSIONS
+    assert gelu[0].make_case(rng, "bf16", B=1, T=3, C=37).bytes == 2 * 444 * 2      # n = 4*37*3
+    assert gelu[1].make_case(rng, "fp32", B=1, T=3, C=37).bytes == 3 * 444 * 4
+    adamw = SCRIPTS["adamw"].PROGRESSIONS[0]
+    assert adamw.make_case(rng, "bf16", n=10).bytes == 10 * (3 * 2 + 4 * 4)
+    norm = SCRIPTS["global_norm"].PROGRESSIONS[0]
+    assert norm.make_case(rng, "fp32", n=10).bytes == 40
+
+
+def test_tolerance_choice():
+    assert common.tolerance("gelu", "bf16") == TOLERANCES["kernel_bf16"]["gelu"]
+    assert common.tolerance("layernorm_forward", "fp32") == TOLERANCES["kernel_fp32"]["layernorm_forward"]
+    atol, rtol = common.tolerance("classifier", "bf16", scale=0.25)
+    assert (atol, rtol) == (TOLERANCES["kernel_bf16"]["classifier"][0] * 0.25, TOLERANCES["kernel_bf16"]["classifier"][1])
+    with pytest.raises(KeyError):
+        common.tolerance("gelu", "fp16")
+
+
+def test_format_table_by_hand():
+    timings = [common.Timing(1, "gelu_forward_v1", 128, 2.0), common.Timing(2, "gelu_forward", 256, 0.5)]
+    text = common.format_table("gelu_forward [bf16]", timings, bytes_moved=4e9, bandwidth_gbs=3200.0)
+    lines = text.splitlines()
+    assert lines[0] == "### gelu_forward [bf16]"
+    assert lines[2] == "| version | kernel | block | time (ms) | GB/s | % of copy BW |"
+    # 4e9 bytes in 2 ms = 2000 GB/s = 62.5% of 3200; in 0.5 ms = 8000 GB/s = 250%
+    assert lines[4] == "| 1 | gelu_forward_v1 | 128 | 2.0000 | 2000.0 | 62.5 |"
+    assert lines[5] == "| 2 | gelu_forward | 256 | 0.5000 | 8000.0 | 250.0 |"
+    with_flops = common.format_table("mm", timings[:1], 4e9, 3200.0, flops=1e12, gemm_tflops=1000.0)
+    # 1e12 FLOP in 2 ms = 500 TFLOP/s = 50% of 1000
+    assert with_flops.splitlines()[-1] == "| 1 | gelu_forward_v1 | 128 | 2.0000 | 2000.0 | 62.5 | 500.00 | 50.0 |"
+
+
+def test_bf16_round_trip_is_what_the_kernel_sees():
+    x = np.array([1.0, 1.0 + 2 ** -9, -3.14159, 1e-3])
+    bits = common.to_device_dtype(x, "X", "bf16")
+    assert bits.dtype == np.uint16
+    seen = common.to_float64(bits, "X", "bf16")
+    assert seen[0] == 1.0 and seen[1] == 1.0                       # halfway: rounds to even
+    assert np.all(np.abs(seen - x) <= np.abs(x) * 2 ** -9)
+    assert common.to_device_dtype(x, "X", "fp32").dtype == np.float32
+    assert common.to_device_dtype([1, 2], "i32", "bf16").dtype == np.int32
+
+
+@pytest.mark.parametrize("op", PART_A)
+def test_test_cases_are_consistent(op):
+    # every check names an array of the case, and its reference is finite with the array's size
+    for progression in SCRIPTS[op].PROGRESSIONS:
+        for precision in PRECISIONS:
+            case = progression.make_case(np.random.default_rng(1), precision, **progression.test_sizes)
+            assert case.bytes > 0 and case.checks
+            for name, ref, key, _ in case.checks:
+                assert key in TOLERANCES[f"kernel_{precision}"]
+                size = case.inputs[name][0].size if name in case.inputs else int(np.prod(case.outputs[name][0]))
+                assert ref.size == size and np.all(np.isfinite(ref)), (progression.name, name)
+
+
+# ----------------------------------------------------------------------------
+# the validation loop, on NumPy stand-ins for CuPy (no kernels: the launches are NumPy)
+
+class FakeDeviceArray(np.ndarray):
+    def set(self, host):
+        self[...] = host
+
+    def get(self):
+        return np.array(self)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    fake = types.SimpleNamespace(
+        asarray=lambda a: np.array(a).view(FakeDeviceArray),
+        zeros=lambda shape, dtype: np.zeros(shape, dtype).view(FakeDeviceArray),
+        cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    monkeypatch.setattr(common.cuda, "cupy", lambda: fake)
+    return fake
+
+
+def _double_case(rng, precision, n):
+    """out = 2 * inp; acc += inp (in place): a toy progression for the harness."""
+    case = common.Case(precision)
+    case.scalar("n", n)
+    x = case.input("inp", rng.standard_normal(n))
+    acc = case.input("acc", rng.standard_normal(n))
+    case.output("out", n)
+    case.check("out", 2 * x, "gelu")
+    case.check("acc", acc + x, "gelu")
+    return case
+
+
+def _launch(out_fn):
+    def launch(d, block_size):
+        x = common.to_float64(d.inp, "X", d.precision)
+        acc = common.to_float64(d.acc, "X", d.precision) + x
+        d.acc[...] = common.to_device_dtype(acc, "X", d.precision)
+        out = out_fn(x)
+        d.out[:out.size] = common.to_device_dtype(out, "X", d.precision)
+    return launch
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_validation_accepts_a_correct_version_and_restores_inputs(fake_cupy, precision, capsys):
+    # acc accumulates: without the inputs restored before each run, the second block size fails
+    progression = common.Progression("toy", _double_case, [
+        common.Version(1, "correct", (), _launch(lambda x: 2 * x), block_sizes=(32, 64, 128))], {}, {})
+    assert common.validate(progression, precision, dict(n=100))
+    out = capsys.readouterr().out
+    assert out.count(": OK") == 3 and "toy v1 block   64: OK" in out
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_validation_catches_unwritten_and_wrong_elements(fake_cupy, precision, capsys):
+    forgot_last = _launch(lambda x: 2 * x[:-1])                     # the last element stays NaN
+    off = _launch(lambda x: 2 * x * (1 + 3 * common.tolerance("gelu", precision)[1]))
+    progression = common.Progression("toy", _double_case, [
+        common.Version(1, "misses one", (), forgot_last, block_sizes=(32,)),
+        common.Version(2, "off by 3 rtol", (), off, block_sizes=(32,))], {}, {})
+    assert not common.validate(progression, precision, dict(n=100), versions={1})
+    assert "toy v1 block   32 out: TENSOR NOT OK (1 of 100" in capsys.readouterr().out
+    assert not common.validate(progression, precision, dict(n=100), versions={2})
+    assert "TENSOR NOT OK" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------
+# the command line without a GPU
+
+def _run(script, *args):
+    return subprocess.run([sys.executable, os.path.join(DEV_CUDA, script), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+no_gpu_only = pytest.mark.skipif(common.cuda.cuda_unavailable_reason() is None, reason="a CUDA GPU is present")
+
+
+@no_gpu_only
+@pytest.mark.parametrize("script", [f"{op}.py" for op in PART_A] + ["run_all.py"])
+def test_no_gpu_is_one_line_and_exit_2(script):
+    r = _run(script)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dev/cuda/{script}: no CUDA GPU found (")
+
+
+def test_help_and_a_bad_version_need_no_gpu():
+    r = _run("layernorm.py", "--help")
+    assert r.returncode == 0
+    assert "version 3 of layernorm_backward: production" in r.stdout
+    r = _run("gelu.py", "7")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "dev/cuda/gelu.py: no version 7 (versions: [1, 2])"
+
+
+# ----------------------------------------------------------------------------
+# on a GPU: every progression validated at its small test size
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", [p.name for op in PART_A for p in SCRIPTS[op].PROGRESSIONS])
+def test_progression_validates_on_gpu(name, precision):
+    progression = next(p for op in PART_A for p in SCRIPTS[op].PROGRESSIONS if p.name == name)
+    assert common.validate(progression, precision, progression.test_sizes)
+
+
+@pytest.mark.gpu
+def test_a_full_run_writes_its_table(tmp_path, monkeypatch):
+    gelu = SCRIPTS["gelu"]
+    for progression in gelu.PROGRESSIONS:                      # small problems, a quick run
+        monkeypatch.setattr(progression, "sizes", dict(B=2, T=64, C=64))
+    assert common.main("gelu", gelu.PROGRESSIONS, ["-r", "3", "-o", str(tmp_path)]) == 0
+    text = (tmp_path / "dev_cuda_gelu.md").read_text()
+    assert "- device: " in text and "CuPy" in text and "measured copy bandwidth" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 * 2 * len(common.BLOCK_SIZES)        # 2 progressions x 2 versions x block sizes
+    for row in rows:
+        ms, gbs = float(row.split("|")[4]), float(row.split("|")[5])
+        assert ms > 0 and gbs > 0
