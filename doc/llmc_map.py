@@ -198,8 +198,9 @@ def missing_claims():
         "absent_scripts": os.path.isdir(os.path.join(ROOT, "scripts")),
     }
     numbers = {key: state(present) for key, present in claims.items()}
-    dev_cuda = glob.glob(os.path.join(ROOT, "dev", "cuda", "*"))
-    numbers["dev_cuda_files"] = ", ".join(sorted(os.path.basename(p) for p in dev_cuda if os.path.isfile(p)))
+    progressions = [p for p in glob.glob(os.path.join(ROOT, "dev", "cuda", "*.py"))
+                    if os.path.basename(p) not in ("common.py", "run_all.py", "nvrtc_compile.py")]
+    numbers["dev_cuda_ops"] = f"{len(progressions)}"
     numbers["kernel_files"] = f"{len(glob.glob(os.path.join(ROOT, 'kernels', '*.cu')))}"
     numbers["kernel_count"] = f"{len(kernels)}"
     return numbers

@@ -26,7 +26,7 @@ from llmc import cuda  # noqa: E402  (imports CuPy only when called)
 
 # the progressions, in the order a forward + backward pass meets them (a new dev/cuda/<op>.py is
 # added here; tests/test_dev_cuda.py checks that each listed op has its script and .cu file)
-OPS = ("encoder", "layernorm", "gelu", "classifier", "global_norm", "adamw")
+OPS = ("encoder", "layernorm", "gelu", "classifier", "global_norm", "adamw", "matmul", "attention")
 NO_GPU_EXIT = 2
 
 

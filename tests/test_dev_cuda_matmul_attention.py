@@ -1,0 +1,492 @@
+"""Tests of dev/cuda/matmul.py and dev/cuda/attention.py, the matmul and attention progressions.
+
+No GPU needed:
+- dev/cuda/matmul.cu and attention.cu compile with NVRTC (dev/cuda/nvrtc_compile.py's functions,
+  the trainer's options), both precisions, compute_80/compute_90 PTX and sm_80/sm_90 cubins; the
+  PTX defines exactly the kernels the versions launch; ptxas reports no register spills (v3 keeps
+  its 8x8 tile in registers);
+- versions 1-3 computed on the CPU: matmul.cu and attention.cu compiled by g++ against a small
+  shim (a block = std::threads with a std::barrier, atomics through std::atomic_ref), fp32,
+  outputs poisoned with NaN, checked against gpt2_cpu (skipped without a C++20 g++);
+- every launcher of a hand-written kernel passes what the kernel's C signature declares (floatX
+  pointers, float pointers, np.int32), found by recording the launches and parsing the .cu file;
+- the FLOP counts and napkin bytes against numbers worked out by hand;
+- the production and library versions validate against gpt2_cpu.py through the harness's own
+  validate(), on tests/test_cuda.py's NumPy emulations of CuPy, our kernels and cuBLAS; and a
+  version that drops the bias fails that same validation;
+- optional versions (cuBLASLt, flash, cuDNN, PyTorch) are skipped with a reason, not crashed on;
+- without a GPU each script says so in one line and exits 2.
+Marked gpu (skipped here): every version of every progression validated at its small test size,
+both precisions (optional versions skip with their reason).
+Run: pytest tests/test_dev_cuda_matmul_attention.py   (about 20 s on 2 cores: NVRTC, g++)
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpt2_cpu
+import gpt2_cuda
+import llmc
+import llmc.cuda
+from llmc.check import check_tensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEV_CUDA = os.path.join(ROOT, "dev", "cuda")
+sys.path.insert(0, DEV_CUDA)
+
+import attention  # noqa: E402  (dev/cuda/attention.py)
+import common  # noqa: E402  (dev/cuda/common.py)
+import matmul  # noqa: E402  (dev/cuda/matmul.py)
+import nvrtc_compile as nc  # noqa: E402
+
+SCRIPTS = {"matmul": matmul, "attention": attention}
+PRECISIONS = ("bf16", "fp32")
+# the hand-written kernels of each dev/cuda/<op>.cu, written out (not read from the scripts)
+DEV_KERNELS = {
+    "matmul": {"matmul_forward_v1", "matmul_forward_v2", "matmul_forward_v3"},
+    "attention": {"attention_forward_v1", "attention_backward_v1", "attention_backward_cast_v1"},
+}
+
+
+def _nvrtc_reason():
+    try:
+        nc.load_nvrtc()
+        nc.cuda_include_dir()
+    except nc.NvrtcUnavailable as error:
+        return str(error)
+    return None
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=f"NVRTC cannot be loaded: {_nvrtc_reason()}")
+
+
+def cu_path(op):
+    return os.path.join(DEV_CUDA, f"{op}.cu")
+
+
+def dev_kernels_of(op):
+    """The kernels of dev/cuda/<op>.cu that the script's versions launch."""
+    return {k.name for p in SCRIPTS[op].PROGRESSIONS for v in p.versions for k in v.kernels
+            if k.path == f"dev/cuda/{op}.cu"}
+
+
+# ----------------------------------------------------------------------------
+# compiling
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", nc.PTX_ARCHS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op", sorted(SCRIPTS))
+def test_ptx_defines_every_version_kernel(op, precision, arch):
+    ptx = nc.compile_kernel(cu_path(op), precision, arch)
+    assert set(nc.ptx_entry_names(ptx)) == DEV_KERNELS[op]
+    assert dev_kernels_of(op) == DEV_KERNELS[op]
+    assert f".target sm_{arch.split('_')[1]}" in ptx
+    assert ("cvt.rn.bf16.f32" in ptx) == (precision == "bf16")      # floatX reached the kernels
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", nc.CUBIN_ARCHS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op", sorted(SCRIPTS))
+def test_cubin_compiles(op, precision, arch):
+    assert nc.compile_kernel(cu_path(op), precision, arch)[:4] == b"\x7fELF"
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op", sorted(SCRIPTS))
+def test_no_register_spills(op, precision):
+    usage = nc.resource_usage(cu_path(op), precision)
+    assert set(usage) == DEV_KERNELS[op]
+    for name, (registers, _, spill_stores, spill_loads) in usage.items():
+        assert spill_stores == 0 and spill_loads == 0, (name, usage[name])
+    # v3's 8x8 accumulators alone are 64 registers; __launch_bounds__(256) caps it at 255
+    if op == "matmul":
+        assert 64 < usage["matmul_forward_v3"][0] <= 255
+
+
+@needs_nvrtc
+def test_production_kernels_named_by_attention_exist():
+    ptx = nc.compile_kernel(os.path.join(ROOT, "kernels", "attention.cu"), "bf16", "compute_80")
+    for kernel in (attention.SOFTMAX_FORWARD, attention.SOFTMAX_BACKWARD):
+        assert kernel.name in nc.ptx_entry_names(ptx)
+
+
+# ----------------------------------------------------------------------------
+# launchers against the kernels' C signatures
+
+_SIGNATURE = r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?{name}\s*\(([^)]*)\)'
+
+
+def c_parameter_types(op, name):
+    """['floatX*', 'float*', 'int', ...] of kernel `name` in dev/cuda/<op>.cu (const dropped)."""
+    with open(cu_path(op), encoding="utf-8") as f:
+        match = re.search(_SIGNATURE.format(name=name), f.read())
+    assert match, f"{name} not found in dev/cuda/{op}.cu"
+    types_ = []
+    for parameter in match.group(1).split(","):
+        words = parameter.replace("const", "").replace("*", " * ").split()
+        types_.append(words[0] + ("*" if "*" in words else ""))
+    return types_
+
+
+def fake_cupy():
+    """Enough of CuPy for the harness (allocate, reset, validate) on NumPy: tests/test_cuda.py's
+    stand-in plus asarray."""
+    import test_cuda
+    fake = test_cuda._fake_cupy()
+    fake.asarray = lambda host: np.array(host).view(test_cuda.FakeDeviceArray)
+    return fake
+
+
+def recorded_launches(monkeypatch, progression, version, precision):
+    """Every Kernel.launch of `version` at each of its block sizes on the progression's test case:
+    [(kernel, grid, block, args, shared_mem)]. Nothing runs."""
+    monkeypatch.setattr(llmc.cuda, "cupy", fake_cupy)
+    calls = []
+
+    def record(self, _precision, grid, block, args, shared_mem=0):
+        calls.append((self, grid, block, args, shared_mem))
+    monkeypatch.setattr(common.Kernel, "launch", record)
+    case = progression.make_case(np.random.default_rng(0), precision, **progression.test_sizes)
+    d = common.allocate(case)
+    for block_size in version.block_sizes:
+        version.launch(d, block_size)
+    return calls
+
+
+HAND_WRITTEN = [(op, p.name, v.number) for op, m in SCRIPTS.items() for p in m.PROGRESSIONS for v in p.versions
+                if any(k.path.startswith("dev/cuda/") for k in v.kernels)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op,name,number", HAND_WRITTEN)
+def test_launch_arguments_match_the_c_signature(monkeypatch, op, name, number, precision):
+    progression = next(p for p in SCRIPTS[op].PROGRESSIONS if p.name == name)
+    version = next(v for v in progression.versions if v.number == number)
+    calls = recorded_launches(monkeypatch, progression, version, precision)
+    assert {c[0].name for c in calls} == {k.name for k in version.kernels}
+    floatX = llmc.cuda.FLOATX_DTYPES[precision]
+    for kernel, grid, block, args, shared_mem in calls:
+        expected = c_parameter_types(op, kernel.name)
+        assert len(args) == len(expected), kernel.name
+        for arg, c_type in zip(args, expected):
+            if c_type == "floatX*":
+                assert isinstance(arg, np.ndarray) and arg.dtype == floatX, (kernel.name, c_type, arg.dtype)
+            elif c_type == "float*":
+                assert isinstance(arg, np.ndarray) and arg.dtype == np.float32, (kernel.name, c_type)
+            else:
+                assert c_type == "int" and isinstance(arg, np.int32), (kernel.name, c_type, type(arg))
+        assert 0 < block <= 1024 and shared_mem <= 48 * 1024
+        grid = grid if isinstance(grid, tuple) else (grid,)
+        assert all(g >= 1 for g in grid)
+
+
+def test_v2_grid_and_shared_memory_by_hand(monkeypatch):
+    # N = 74 rows, OC = 72 columns: tile 16 -> grid (ceil(72/16), ceil(74/16)) = (5, 5),
+    # shared memory 2 tiles of 16 x 17 floats = 2176 bytes
+    progression = matmul.PROGRESSIONS[0]
+    calls = recorded_launches(monkeypatch, progression, progression.versions[1], "fp32")
+    by_block = {c[2]: c for c in calls}
+    _, grid, _, args, shared = by_block[256]
+    assert grid == (5, 5) and shared == 2176 and args[-1] == np.int32(16)
+    assert by_block[1024][1] == (3, 3) and by_block[1024][4] == 2 * 32 * 33 * 4
+
+
+# ----------------------------------------------------------------------------
+# the hand-written kernels run on the CPU: the .cu source compiled by g++ against a shim
+
+# A CUDA block becomes blockDim.x std::threads sharing `static` (__shared__) arrays, with a
+# std::barrier for __syncthreads and std::atomic_ref for atomicAdd; blocks run one after another.
+# floatX is float (fp32 only). It checks the indexing, tiling, barriers and tails of versions 1-3
+# against gpt2_cpu; not the GPU's speed, bank conflicts or bf16 rounding.
+HOST_SHIM = r"""
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+typedef float floatX;
+struct dim3_ { int x, y, z; };
+thread_local dim3_ threadIdx, blockIdx;
+dim3_ blockDim, gridDim;
+std::barrier<>* block_barrier;
+#define __global__
+#define __device__
+#define __launch_bounds__(n)
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static
+#define NEGATIVE_INFINITY (-INFINITY)
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+struct float4 { float x, y, z, w; };
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+
+template <class F> void launch(dim3_ grid, int block, F kernel) {
+    gridDim = grid;
+    blockDim = {block, 1, 1};
+    for (int by = 0; by < grid.y; by++) {
+        for (int bx = 0; bx < grid.x; bx++) {
+            std::barrier<> bar(block);
+            block_barrier = &bar;
+            std::vector<std::thread> threads;
+            for (int t = 0; t < block; t++) {
+                threads.emplace_back([&, t] { threadIdx = {t, 0, 0}; blockIdx = {bx, by, 0}; kernel(); });
+            }
+            for (auto& thread : threads) thread.join();
+        }
+    }
+}
+std::vector<float> load(const char* path, size_t n) {
+    std::vector<float> v(n);
+    FILE* f = fopen(path, "rb");
+    if (fread(v.data(), 4, n, f) != n) abort();
+    fclose(f);
+    return v;
+}
+void save(const char* path, const std::vector<float>& v) {
+    FILE* f = fopen(path, "wb");
+    fwrite(v.data(), 4, v.size(), f);
+    fclose(f);
+}
+"""
+HOST_MAINS = {
+    "matmul": r"""
+int main(int argc, char** argv) {       // N C OC; every output starts as NaN
+    const int N = atoi(argv[1]), C = atoi(argv[2]), OC = atoi(argv[3]);
+    auto inp = load("inp.bin", (size_t)N * C), weight = load("weight.bin", (size_t)OC * C), bias = load("bias.bin", OC);
+    std::vector<float> out((size_t)N * OC, NAN);
+    launch({(OC + 63) / 64, N, 1}, 64, [&] { matmul_forward_v1(out.data(), inp.data(), weight.data(), bias.data(), N, C, OC); });
+    save("out_v1.bin", out);
+    for (int tile : {8, 16}) {
+        std::fill(out.begin(), out.end(), NAN);
+        launch({(OC + tile - 1) / tile, (N + tile - 1) / tile, 1}, tile * tile,
+               [&] { matmul_forward_v2(out.data(), inp.data(), weight.data(), bias.data(), N, C, OC, tile); });
+        save(tile == 8 ? "out_v2_8.bin" : "out_v2_16.bin", out);
+    }
+    std::fill(out.begin(), out.end(), NAN);
+    launch({(OC + 127) / 128, (N + 127) / 128, 1}, 256,
+           [&] { matmul_forward_v3(out.data(), inp.data(), weight.data(), bias.data(), N, C, OC); });
+    save("out_v3.bin", out);
+}
+""",
+    "attention": r"""
+int main(int argc, char** argv) {       // B T NH HS; outputs start as NaN, the accumulator at 0
+    const int B = atoi(argv[1]), T = atoi(argv[2]), NH = atoi(argv[3]), HS = atoi(argv[4]), C = NH * HS;
+    const size_t n_qkv = (size_t)B * T * 3 * C, n_att = (size_t)B * NH * T * T;
+    auto qkv = load("qkv.bin", n_qkv), dout = load("dout.bin", (size_t)B * T * C), att_ref = load("att.bin", n_att);
+    std::vector<float> out((size_t)B * T * C, NAN), att(n_att, NAN), acc(n_qkv, 0.0f), dqkv(n_qkv, NAN);
+    const int rows = B * NH * T, n = (int)n_qkv;
+    launch({(rows + 63) / 64, 1, 1}, 64, [&] { attention_forward_v1(out.data(), att.data(), qkv.data(), B, T, NH, HS); });
+    save("out.bin", out);
+    save("att_v1.bin", att);
+    launch({(rows + 63) / 64, 1, 1}, 64,
+           [&] { attention_backward_v1(acc.data(), dout.data(), qkv.data(), att_ref.data(), B, T, NH, HS); });
+    launch({(n + 255) / 256, 1, 1}, 256, [&] { attention_backward_cast_v1(dqkv.data(), acc.data(), n); });
+    save("dqkv.bin", dqkv);
+}
+""",
+}
+
+
+def run_on_host(op, tmp_path, args, inputs):
+    """Compile dev/cuda/<op>.cu with HOST_SHIM and HOST_MAINS[op], write the float32 inputs
+    {file: array} into tmp_path and run it there with `args`. Returns {file: float32 array} of
+    what it wrote."""
+    if subprocess.run(["which", "g++"], capture_output=True).returncode != 0:
+        pytest.skip("no g++ to run the kernels on the CPU")
+    with open(cu_path(op), encoding="utf-8") as f:
+        source = f.read().replace('#include "common.cuh"', '#include "shim.h"')
+    source = re.sub(r"extern __shared__ float (\w+)\[\];", r"static float \1[1 << 14];", source)
+    (tmp_path / "shim.h").write_text(HOST_SHIM)
+    (tmp_path / "host.cpp").write_text(source + HOST_MAINS[op])
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "host.cpp", "-o", "host"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    if build.returncode != 0 and "barrier" in build.stderr:
+        pytest.skip(f"g++ without C++20 <barrier>: {build.stderr.splitlines()[0]}")
+    assert build.returncode == 0, build.stderr
+    for name, array in inputs.items():
+        np.asarray(array, np.float32).tofile(tmp_path / name)
+    subprocess.run(["./host"] + [str(a) for a in args], cwd=tmp_path, check=True, timeout=300)
+    return {p.name: np.fromfile(p, np.float32) for p in tmp_path.glob("*.bin") if p.name not in inputs}
+
+
+def test_matmul_kernels_on_the_cpu(tmp_path):
+    N, C, OC = 130, 37, 200                 # two v3 blocks of rows, C not a multiple of a slice
+    rng = np.random.default_rng(1)
+    inp = rng.standard_normal((N, C)).astype(np.float32)
+    weight = (rng.standard_normal((OC, C)) / np.sqrt(C)).astype(np.float32)
+    bias = rng.standard_normal(OC).astype(np.float32)
+    ref = gpt2_cpu.matmul_forward(inp[None].astype(np.float64), weight.astype(np.float64), bias.astype(np.float64))[0]
+    outputs = run_on_host("matmul", tmp_path, (N, C, OC), {"inp.bin": inp, "weight.bin": weight, "bias.bin": bias})
+    assert sorted(outputs) == ["out_v1.bin", "out_v2_16.bin", "out_v2_8.bin", "out_v3.bin"]
+    atol, rtol = common.tolerance("matmul", "fp32")
+    for name, out in outputs.items():          # an element a kernel forgot stays NaN and fails
+        assert check_tensor(out.reshape(N, OC), ref, name, atol, rtol)
+
+
+def test_attention_kernels_on_the_cpu(tmp_path):
+    B, T, NH, HS = 2, 67, 3, 16
+    rng = np.random.default_rng(2)
+    qkv = rng.standard_normal((B, T, 3 * NH * HS)).astype(np.float32)
+    dout = rng.standard_normal((B, T, NH * HS)).astype(np.float32)
+    out, att = gpt2_cpu.attention_forward(qkv.astype(np.float64), NH)
+    dqkv = gpt2_cpu.attention_backward(dout.astype(np.float64), qkv.astype(np.float64), att, NH)
+    outputs = run_on_host("attention", tmp_path, (B, T, NH, HS), {"qkv.bin": qkv, "dout.bin": dout, "att.bin": att})
+    atol, rtol = common.tolerance("attention", "fp32")
+    assert check_tensor(outputs["out.bin"].reshape(out.shape), out, "out v1", atol, rtol)
+    assert check_tensor(outputs["att_v1.bin"].reshape(att.shape), att, "att v1", atol, rtol)
+    assert check_tensor(outputs["dqkv.bin"].reshape(dqkv.shape), dqkv, "dqkv v1", atol, rtol)
+
+# ----------------------------------------------------------------------------
+# napkin math by hand
+
+def test_matmul_flops_by_hand():
+    # GPT-2 124M, N = 8192 rows: qkv 768 -> 2304, fc 768 -> 3072, fcproj 3072 -> 768
+    assert matmul.matmul_forward_flops(8192, 768, 2304) == 28_991_029_248      # 2 * 8192 * 768 * 2304
+    assert matmul.matmul_forward_flops(8192, 768, 3072) == 38_654_705_664
+    assert matmul.matmul_forward_flops(8192, 3072, 768) == 38_654_705_664
+    assert matmul.matmul_backward_flops(8192, 768, 2304) == 57_982_058_496     # two GEMMs
+    shapes = {p.name: p.sizes for p in matmul.PROGRESSIONS}
+    assert shapes["matmul_forward_qkv"] == dict(B=8, T=1024, C=768, OC=2304)
+    assert shapes["matmul_forward_fcproj"] == dict(B=8, T=1024, C=3072, OC=768)
+
+
+def test_attention_flops_by_hand():
+    # 4 * 16 * 12 * 1024^2 * 64 / 2: 192 heads * 1,048,576 * 64 = 12,884,901,888, times 2
+    assert attention.attention_forward_flops(16, 12, 1024, 64) == 25_769_803_776
+    assert attention.attention_backward_flops(16, 12, 1024, 64) == 64_424_509_440    # 2.5x
+    # the small shape: 48 heads * 65,536 * 64 * 2
+    assert attention.attention_forward_flops(4, 12, 256, 64) == 402_653_184
+    assert attention.attention_backward_flops(4, 12, 256, 64) == 1_006_632_960
+
+
+def test_case_napkin_by_hand():
+    rng = np.random.default_rng(0)
+    # matmul B=1, T=2, C=3, OC=4: inp 6 + weight 12 + bias 4 + out 8 = 30 floatX; 2*2*3*4 FLOPs
+    forward = matmul.PROGRESSIONS[0].make_case(rng, "bf16", B=1, T=2, C=3, OC=4)
+    assert (forward.bytes, forward.flops) == (60, 48)
+    # backward: dout 8 + inp, dinp 2*6 + weight, dweight r/w 3*12 + dbias r/w 2*4 = 64 floats
+    backward = matmul.PROGRESSIONS[3].make_case(rng, "fp32", B=1, T=2, C=3, OC=4)
+    assert (backward.bytes, backward.flops) == (256, 96)
+    # attention B=1, T=2, NH=1, HS=8: qkv 48 + out 16 floatX; 4 * 4 * 8 / 2 FLOPs
+    att = attention.PROGRESSIONS[0].make_case(rng, "bf16", B=1, T=2, NH=1, HS=8)
+    assert (att.bytes, att.flops) == (128, 64)
+    # backward: qkv 48 + dout 16 + dqkv 48 floatX; 2.5 x 64
+    datt = attention.PROGRESSIONS[2].make_case(rng, "fp32", B=1, T=2, NH=1, HS=8)
+    assert (datt.bytes, datt.flops) == (448, 160)
+
+
+# ----------------------------------------------------------------------------
+# the production and library versions, validated on the NumPy emulation of the GPU
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """tests/test_cuda.py's emulations of our kernels and cuBLAS, and fake_cupy for the harness."""
+    import test_cuda
+    monkeypatch.setattr(llmc.cuda, "cupy", fake_cupy)
+    monkeypatch.setattr(llmc.cuda, "launch", test_cuda.emulated_launch)
+    monkeypatch.setattr(llmc.cuda, "gemm", test_cuda.emulated_gemm)
+    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", False)
+
+
+EMULATED = [("matmul", p.name, 4) for p in matmul.PROGRESSIONS[::3]] + \
+           [("attention", p.name, 2) for p in attention.PROGRESSIONS[::2]]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op,name,number", EMULATED)
+def test_production_version_validates_on_the_emulation(emulated_gpu, capsys, op, name, number, precision):
+    progression = next(p for p in SCRIPTS[op].PROGRESSIONS if p.name == name)
+    assert common.validate(progression, precision, progression.test_sizes, {number})
+    assert f"{name} v{number} block    0: OK" in capsys.readouterr().out
+
+
+def test_a_version_without_the_bias_fails_validation(emulated_gpu, capsys):
+    def no_bias(d, block_size):
+        gpt2_cuda.matmul_forward(d.out, d.inp, d.weight, None, d.B, d.T, d.C, d.OC)
+    progression = matmul.PROGRESSIONS[0]
+    broken = common.Progression(progression.name, progression.make_case,
+                                [common.Version(4, "no bias", (matmul.CUBLAS_GEMM,), no_bias, (0,))],
+                                progression.sizes, progression.test_sizes)
+    assert not common.validate(broken, "fp32", progression.test_sizes)
+    assert "FAILED" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------
+# optional versions: skipped with a reason
+
+def test_without_unavailable_drops_and_announces(capsys):
+    optional = {5: lambda precision, sizes: f"no library for {precision}", 2: lambda precision, sizes: None}
+    kept = matmul.without_unavailable(matmul.PROGRESSIONS[:1], optional, "bf16")
+    assert [v.number for v in kept[0].versions] == [1, 2, 3, 4]
+    assert [v.number for v in matmul.PROGRESSIONS[0].versions] == [1, 2, 3, 4, 5]    # not mutated
+    assert capsys.readouterr().out == "matmul_forward_qkv v5 skipped: no library for bf16\n"
+
+
+def test_cublaslt_missing_is_a_reason(monkeypatch):
+    monkeypatch.delattr(llmc, "cublaslt", raising=False)
+    monkeypatch.setitem(sys.modules, "llmc.cublaslt", None)            # import fails
+    reason = matmul.cublaslt_unavailable_reason("bf16", {})
+    assert reason.startswith("llmc.cublaslt is not importable")
+
+
+def test_flash_and_cudnn_reasons(monkeypatch):
+    if attention.flash_unavailable_reason("bf16", dict(HS=64)) is None:     # flash is in this checkout
+        assert "head size 24" in attention.flash_unavailable_reason("bf16", dict(HS=24))
+        monkeypatch.delattr(gpt2_cuda, "flash_attention_forward")
+    assert "not in this checkout" in attention.flash_unavailable_reason("bf16", dict(HS=64))
+    assert "bf16" in attention.cudnn_unavailable_reason("fp32", dict(HS=64))
+
+
+# ----------------------------------------------------------------------------
+# the command line without a GPU
+
+@pytest.mark.parametrize("op", sorted(SCRIPTS))
+def test_no_gpu_one_line_exit_2(op):
+    if llmc.cuda.cuda_unavailable_reason() is None:
+        pytest.skip("a CUDA GPU is present")
+    run = subprocess.run([sys.executable, os.path.join(DEV_CUDA, f"{op}.py")], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 2
+    assert run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dev/cuda/{op}.py: no CUDA GPU found")
+
+
+@pytest.mark.parametrize("op", sorted(SCRIPTS))
+def test_help_lists_every_version(op):
+    run = subprocess.run([sys.executable, os.path.join(DEV_CUDA, f"{op}.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0
+    for progression in SCRIPTS[op].PROGRESSIONS:
+        for version in progression.versions:
+            assert f"version {version.number} of {progression.name}:" in run.stdout
+            assert f"version {version.number} (" in SCRIPTS[op].__doc__
+
+
+# ----------------------------------------------------------------------------
+# on a GPU: every version of every progression validated against gpt2_cpu.py
+
+ALL_VERSIONS = [(op, p.name, v.number) for op, m in SCRIPTS.items() for p in m.PROGRESSIONS for v in p.versions]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op,name,number", ALL_VERSIONS)
+def test_version_validates_on_gpu(op, name, number, precision):
+    script = SCRIPTS[op]
+    progression = next(p for p in script.PROGRESSIONS if p.name == name)
+    if number in script.OPTIONAL_VERSIONS:
+        reason = script.OPTIONAL_VERSIONS[number](precision, progression.test_sizes)
+        if reason:
+            pytest.skip(reason)
+    assert common.validate(progression, precision, progression.test_sizes, {number})
