@@ -3,6 +3,11 @@ kernels/flash_attention.cu: causal multi-head attention without the (B,NH,T,T) m
 forward and a deterministic backward, tiled through shared memory, bf16 tensor cores (wmma)
 in the bf16 build and plain FMAs in the fp32 build.
 
+Progression: `python dev/cuda/attention.py` shows the way here; this file is its version 3 of the
+attention forward and backward, each version validated against gpt2_cpu.py, then timed against the
+GPU's measured limits. The share of the limit these kernels reach is not measured yet: they have
+not run on a GPU.
+
 What it computes (gpt2_cpu.attention_forward / attention_backward, the math of kernels/attention.cu),
 for each (b, h) with q, k, v (T,HS) read straight from the qkv projection:
     s[t,j] = scale * q_t . k_j,  scale = 1/sqrt(HS),  only for keys j <= t (causal mask)

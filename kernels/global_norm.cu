@@ -2,6 +2,11 @@
 kernels/global_norm.cu: the global L2 norm of all gradients, sqrt(sum of squares), used for
 gradient clipping (gpt2_cpu.gpt2_grad_norm), in two deterministic steps.
 
+Progression: `python dev/cuda/global_norm.py` shows the way here; this file is its version 3 of
+global_norm, each version validated against gpt2_cpu.py, then timed against the GPU's measured
+limits. The share of the limit these kernels reach is not measured yet: they have not run on a
+GPU.
+
 Kernels:
 - global_norm_squared: grid-stride sum of squares (x128 groups, then a scalar tail), reduced
   over the block, written (=) to partial[num_slots_offset + blockIdx.x]. llm.c
