@@ -540,9 +540,10 @@ def k_fused_classifier(grid, block, logits, losses, targets, dloss, N, V, Vp, wr
         _store(logits, d * dloss)
 
 
-def k_adamw_update(grid, block, params, master_params, grads, m, v, n, learning_rate, beta1, beta2,
-                   beta1_correction, beta2_correction, eps, weight_decay, grad_scale, seed):
-    n = int(n)
+def adamw_emulated_step(params, master_params, grads, m, v, n, learning_rate, beta1, beta2,
+                        beta1_correction, beta2_correction, eps, weight_decay, grad_scale):
+    """kernels/adamw.cu's arithmetic: updates m, v (and master) in place, returns the new fp32
+    parameters for the caller to round into params."""
     g = grad_scale * _load(grads, n)
     m[:n] = beta1 * m[:n] + (1 - beta1) * g
     v[:n] = beta2 * v[:n] + (1 - beta2) * g * g
@@ -550,7 +551,13 @@ def k_adamw_update(grid, block, params, master_params, grads, m, v, n, learning_
     p -= learning_rate * ((m[:n] / beta1_correction) / (np.sqrt(v[:n] / beta2_correction) + eps) + weight_decay * p)
     if not _null(master_params):
         master_params[:n] = p
-    _store(params, p)
+    return p
+
+
+def k_adamw_update(grid, block, params, master_params, grads, m, v, n, learning_rate, beta1, beta2,
+                   beta1_correction, beta2_correction, eps, weight_decay, grad_scale, seed):
+    _store(params, adamw_emulated_step(params, master_params, grads, m, v, int(n), learning_rate, beta1, beta2,
+                                       beta1_correction, beta2_correction, eps, weight_decay, grad_scale))
 
 
 def k_global_norm_squared(grid, block, partial, data, n, num_slots_offset):

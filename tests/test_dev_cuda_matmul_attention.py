@@ -53,16 +53,7 @@ DEV_KERNELS = {
 }
 
 
-def _nvrtc_reason():
-    try:
-        nc.load_nvrtc()
-        nc.cuda_include_dir()
-    except nc.NvrtcUnavailable as error:
-        return str(error)
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=f"NVRTC cannot be loaded: {_nvrtc_reason()}")
+from test_dev_cuda import needs_nvrtc  # noqa: E402  (skips where NVRTC cannot be loaded)
 
 
 def cu_path(op):

@@ -35,7 +35,7 @@ import gpt2_cuda
 import llmc.comm
 from llmc import checkpoint, cli
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
-from test_cuda import (EMULATED_KERNELS, TINY, _load, _null, _train_losses, _write_shards,  # noqa: F401
+from test_cuda import (EMULATED_KERNELS, TINY, _train_losses, _write_shards, adamw_emulated_step,  # noqa: F401
                        emulated_gpu)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,13 +167,8 @@ def k_adamw_update_sr(grid, block, params, master_params, grads, m, v, n, learni
     """kernels/adamw.cu in NumPy as tests/test_cuda.py's emulation, but with the kernel's
     stochastic rounding (element i of the launch: squirrel_noise5(i, seed)) instead of nearest."""
     n = int(n)
-    g = grad_scale * _load(grads, n)
-    m[:n] = beta1 * m[:n] + (1 - beta1) * g
-    v[:n] = beta2 * v[:n] + (1 - beta2) * g * g
-    p = _load(params, n) if _null(master_params) else master_params[:n].copy()
-    p -= learning_rate * ((m[:n] / beta1_correction) / (np.sqrt(v[:n] / beta2_correction) + eps) + weight_decay * p)
-    if not _null(master_params):
-        master_params[:n] = p
+    p = adamw_emulated_step(params, master_params, grads, m, v, n, learning_rate, beta1, beta2,
+                            beta1_correction, beta2_correction, eps, weight_decay, grad_scale)
     if params.dtype == np.uint16:
         params.reshape(-1)[:n] = stochastic_round_bf16(p, np.arange(n, dtype=np.uint32), seed)
     else:
