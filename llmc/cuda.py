@@ -59,10 +59,55 @@ def cuda_unavailable_reason():
     return None if count > 0 else "the CUDA runtime reports 0 devices"
 
 
+# ----------------------------------------------------------------------------
+# the device: a real GPU through CuPy, or the emulated CUDA device (llmc/emulator/) on the CPU
+#
+# The one switch between the two. gpt2_cuda.py never asks which one runs: it gets its array
+# module from cupy() and its vendor libraries from library(), and both answer for the device
+# chosen once at start-up with use_device().
+
+DEVICES = ("cuda", "cpu")              # "cpu": the kernels compiled as host C++ and emulated
+_device = "cuda"
+
+# vendor library -> (module on a GPU, module of the emulated device with the same calls)
+VENDOR_LIBRARIES = {
+    "cublas": ("cupy_backends.cuda.libs.cublas", "llmc.emulator.cublas"),
+    "cublaslt": ("nvmath.bindings.cublasLt", "llmc.emulator.cublaslt"),
+    "cudnn": ("cudnn", "llmc.emulator.cudnn"),
+    "nccl": ("cupy.cuda.nccl", "llmc.emulator.nccl"),
+}
+
+
+def use_device(name):
+    """Choose the device for this process: "cuda" (CuPy on a GPU, the default) or "cpu" (the
+    emulated device). Raises ValueError for another name."""
+    global _device
+    if name not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, not {name!r}")
+    _device = name
+
+
+def device():
+    """The device chosen by use_device(): "cuda" or "cpu"."""
+    return _device
+
+
 def cupy():
-    """The cupy module (imported on first use). Tests replace this function with a NumPy stand-in."""
+    """The array module of the device: cupy itself on a GPU (imported on first use), or the
+    emulated device's module with the same calls (llmc.emulator.device) on the CPU."""
+    if _device == "cpu":
+        from llmc.emulator import device as emulated
+        return emulated
     import cupy as cp
     return cp
+
+
+def library(name):
+    """The vendor library `name` ("cublas", "cublaslt", "cudnn", "nccl") of the device: the real
+    Python module on a GPU, its emulation (same functions, same arguments, host addresses) on the
+    CPU. Raises KeyError for an unknown name, ImportError where the module is missing."""
+    import importlib
+    return importlib.import_module(VENDOR_LIBRARIES[name][_device == "cpu"])
 
 
 def address(arr):
