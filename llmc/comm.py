@@ -15,9 +15,17 @@ def launched_size():
     return int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
 
 
+# -pm tcp|fs (llmc/multinode.py) have no MPI_Abort: each puts here a function(code) that tells the
+# other ranks over its rendezvous channel to stop, and ends this process
+ABORT_HOOKS = []
+
+
 def abort_all_ranks(code):
     """After an error on this rank: under mpiexec, end every rank of the job now (MPI_Abort), so
-    the others do not wait forever in a collective this rank will never reach; else nothing."""
+    the others do not wait forever in a collective this rank will never reach; under -pm tcp|fs,
+    the same through ABORT_HOOKS; else nothing."""
+    for hook in ABORT_HOOKS:
+        hook(code)
     if launched_size() > 1:
         import sys
         from mpi4py import MPI
