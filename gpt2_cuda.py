@@ -52,10 +52,11 @@ from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, L
                       SamplingForward, build_model, generate, kv_cache_shape, layer_params, learning_rate_at,
                       model_config, num_elements, parameter_shapes, tensor_views)
 from llmc import cuda
+from llmc import multinode
 from llmc.check import check_against
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, build_parser as build_cli_parser, run_main, sample_from_prompt
-from llmc.comm import Comm, NcclComm
+from llmc.comm import Comm
 from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, FLOATX_DTYPES, MATMUL_OPTIONS, MAX_THREADS_PER_BLOCK,
                        PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE, KernelCompileError, ceil_div, check_launch,
                        elementwise_grid, require, vector_size, warp_row_grid)
@@ -1350,6 +1351,7 @@ def build_parser(prog="gpt2_cuda.py"):
     a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
     a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
     a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
+    multinode.add_flags(p)                     # -pm -pn -pr -pg -ps -pp -pj: one node or many
     return p
 
 
@@ -1472,9 +1474,10 @@ def train(args):
     NCCL all-reduce of the gradients, clip to the global norm, AdamW. Returns the model (the
     sampled ids with --generate)."""
     cp = cuda.cupy()
-    comm = Comm()
+    comm = multinode.init_process_group(args)     # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
     device, device_name, capability = cuda.select_device(comm)
+    nccl = comm.connect()                          # the NCCL communicator (None for one process)
     if args.cuda_graph:                     # a graph is captured on a created stream, never the legacy one
         graph_stream = cp.cuda.Stream()     # (blocking: ordered after any work on the legacy stream)
         graph_stream.use()
@@ -1511,7 +1514,6 @@ def train(args):
     run.banner(cfg, model.num_parameters)
     run.say(f"memory: activations {activation_bytes / 2**30:.2f} GiB, total in use "
             f"{cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
-    nccl = NcclComm(comm) if comm.size > 1 else None
     sample_rng = SamplerRNG(args.sample_seed)
     start_step, outliers = 0, None
     if run.resuming:

@@ -116,12 +116,17 @@ def address(arr):
 
 
 def select_device(comm):
-    """Bind this process to one GPU: its local rank (MPI launchers set it) modulo the GPU count.
-    Returns (device index, device name, compute capability as an int, e.g. 90)."""
+    """Bind this process to its GPU: llmc.multinode.choose_device of its local rank (comm.local_rank
+    from llmc.multinode: the launcher's local rank, or -pr % -pg; for a plain llmc.comm.Comm the
+    launcher's, else the rank). Returns (device index, device name, compute capability as an int,
+    e.g. 90). Raises InputError rather than put two processes on one GPU."""
+    from llmc.multinode import choose_device, launcher_environment
     cp = cupy()
-    local = (os.environ.get("MPI_LOCALRANKID") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
-             or os.environ.get("PMI_LOCAL_RANK") or comm.rank)
-    device = int(local) % cp.cuda.runtime.getDeviceCount()
+    local = getattr(comm, "local_rank", None)
+    if local is None:
+        launcher = launcher_environment()
+        local = launcher[3] if launcher and launcher[3] is not None else comm.rank
+    device = choose_device(local, cp.cuda.runtime.getDeviceCount(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     cp.cuda.Device(device).use()
     props = cp.cuda.runtime.getDeviceProperties(device)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])

@@ -86,9 +86,9 @@ def add_flags(parser):
       help="nccl_init_method: how the NCCL id reaches every process: mpi (mpiexec), tcp (rank 0 serves it "
            "on -ps), fs (a file in the shared directory -pp)")
     a("-pn", "--num-processes", type=int, default=None,
-      help="num_processes (tcp, fs; default: the launcher's SLURM_NTASKS / PMI_SIZE / OMPI_COMM_WORLD_SIZE, else 1)")
+      help="num_processes (tcp, fs; None: the launcher's SLURM_NTASKS / PMI_SIZE / OMPI_COMM_WORLD_SIZE, else 1)")
     a("-pr", "--process-rank", type=int, default=None,
-      help="process_rank (tcp, fs; default: the launcher's SLURM_PROCID / PMI_RANK / OMPI_COMM_WORLD_RANK, else 0)")
+      help="process_rank (tcp, fs; None: the launcher's SLURM_PROCID / PMI_RANK / OMPI_COMM_WORLD_RANK, else 0)")
     a("-pg", "--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
       help="gpus_per_node: a process without a launcher's local rank uses GPU process_rank %% gpus_per_node")
     a("-ps", "--server-ip", default=DEFAULT_SERVER,
@@ -96,7 +96,7 @@ def add_flags(parser):
     a("-pp", "--fs-path", default=DEFAULT_FS_PATH,
       help="fs_path, used only with -pm fs: a directory every node sees (shared file system)")
     a("-pj", "--job-id", default=None,
-      help="names the -pm fs files, so a file of an earlier job is never read (default: $SLURM_JOB_ID)")
+      help="names the -pm fs files, so a file of an earlier job is never read (None: $SLURM_JOB_ID)")
     a("--rendezvous-port", type=int, default=DEFAULT_PORT, help="the port rank 0 listens on with -pm tcp")
     a("--rendezvous-timeout", type=float, default=DEFAULT_TIMEOUT,
       help="seconds the tcp/fs rendezvous waits for every process before giving up")

@@ -285,7 +285,11 @@ class EmulatedComm:
 
     def __init__(self, group, rank):
         self.group, self.rank, self.size = group, rank, group.K
+        self.local_rank = rank
         self.comm = self                                   # NcclComm reads comm.comm; never called here
+
+    def connect(self):                                     # llmc.multinode.ProcessGroup.connect
+        return EmulatedNccl(self) if self.size > 1 else None
 
     def mean_(self, arr):
         arr[...] = np.sum(self.group.exchange(self.rank, np.array(arr, np.float64)), axis=0) / self.size
@@ -357,10 +361,9 @@ def run_ranks(K, fn):
 @pytest.fixture
 def emulated_ranks(emulated_gpu, monkeypatch):
     """The emulated GPU (tests/test_cuda.py), AdamW with the kernel's stochastic rounding, and
-    gpt2_cuda's Comm / NcclComm replaced by the rank group of the calling thread."""
+    gpt2_cuda's process group (llmc.multinode) replaced by the rank group of the calling thread."""
     monkeypatch.setitem(EMULATED_KERNELS, "adamw_update", k_adamw_update_sr)
-    monkeypatch.setattr(gpt2_cuda, "Comm", lambda: threading.current_thread().rank_comm)
-    monkeypatch.setattr(gpt2_cuda, "NcclComm", EmulatedNccl)
+    monkeypatch.setattr(gpt2_cuda.multinode, "init_process_group", lambda args: threading.current_thread().rank_comm)
     # -o's write probe is named by the process id, which the K threads share: one at a time
     lock, make_output_dir = threading.Lock(), cli.TrainingRun.make_output_dir
 
