@@ -592,8 +592,7 @@ class ProcessGroup:
 
     def connect(self):
         """After cuda.select_device: join the NCCL communicator (a collective: every rank calls
-        it), say on each rank which GPU it took, start the stop line's watcher. Returns the NcclComm
-        or None for one process."""
+        it) and say on each rank which GPU it took. Returns the NcclComm or None for one process."""
         if self.size == 1:
             return None
         from llmc import comm as llmc_comm
@@ -601,7 +600,6 @@ class ProcessGroup:
             self.nccl = llmc_comm.NcclComm(self.mpi)
         else:
             self.nccl = NcclGroupComm(self.rank, self.size, self.unique_id)
-            self.stop_line.watch(self.stop_now)
         p = self.placement
         print(f"rank {self.rank}/{self.size} (-pm {self.method}): GPU {self.local_rank} of {p.host} "
               f"(local rank from {p.local_source})", flush=True)
@@ -692,15 +690,18 @@ def init_process_group(args, env=os.environ):
     unique_id, stop_line = exchange_id(p, make_id)
     group = ProcessGroup(p, unique_id=unique_id, stop_line=stop_line)
     if stop_line is not None:
-        wire_stop_line(stop_line)
+        wire_stop_line(stop_line, group.stop_now)
     return group
 
 
-def wire_stop_line(stop_line):
-    """Make every way this process can end reach the other ranks: llmc.comm.abort_all_ranks (an
-    error the command line caught) sends a stop notice and exits; an uncaught exception sends one
-    before the traceback; a normal exit says goodbye."""
+def wire_stop_line(stop_line, on_stop):
+    """From the rendezvous on (a rank may fail before NCCL is up, while the others wait in its
+    initialization): watch for the other ranks' stop notices (on_stop(code, reason)), and make every
+    way this process can end reach them: llmc.comm.abort_all_ranks (an error the command line
+    caught) sends a stop notice and exits; an uncaught exception sends one before the traceback; a
+    normal exit says goodbye."""
     from llmc import comm as llmc_comm
+    stop_line.watch(on_stop)
 
     def stop_others(code):
         stop_line.stop(code)
@@ -739,8 +740,7 @@ def main(argv=None):
         p = resolve_placement(args)
         unique_id, stop_line = exchange_id(p, lambda: os.urandom(NCCL_UNIQUE_ID_BYTES))
         if stop_line is not None:
-            wire_stop_line(stop_line)
-            stop_line.watch(ProcessGroup(p, stop_line=stop_line).stop_now)
+            wire_stop_line(stop_line, ProcessGroup(p, stop_line=stop_line).stop_now)
         print(f"rank {p.rank}/{p.size} ({p.method}): id sha256 {hashlib.sha256(unique_id).hexdigest()}, "
               f"GPU {p.local_rank} of {p.host}", flush=True)
         if p.rank == args.fail_rank:

@@ -16,19 +16,16 @@ scripts/. Run: python3 -m pytest -q tests/test_multinode.py (about a minute; no 
 """
 
 import glob
-import hashlib
 import os
 import re
 import shlex
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
