@@ -5,7 +5,7 @@ all of them join one NCCL communicator. NCCL needs one 128-byte "unique id", mad
 handed to every other process before they can talk; -pm says how it travels:
 
     mpi  MPI broadcasts it (mpiexec / mpirun; llmc.comm, the default)
-    tcp  rank 0 listens on -ps HOST:--rendezvous-port and sends it to the N-1 others
+    tcp  rank 0 listens on port --rendezvous-port of its node, -ps HOST, and sends it to the N-1 others
     fs   rank 0 writes it to a file in the shared directory -pp DIR, the others read it
 
 tcp and fs exist because on many clusters MPI cannot start the job (newer Slurm packages ship
@@ -57,6 +57,8 @@ NCCL_UNIQUE_ID_BYTES = 128             # sizeof(ncclUniqueId), nccl.h
 # tcp: the messages, each a one-byte kind and a length-prefixed body (struct "!I")
 HELLO_MAGIC = b"LLMC"                  # a connection not starting with this is not one of our ranks
 MSG_HELLO, MSG_ID, MSG_ERROR, MSG_STOP, MSG_BYE = b"H", b"I", b"E", b"S", b"B"
+MAX_MESSAGE_BYTES = 1 << 16           # a longer one is not from one of our ranks
+HELLO_SECONDS = 10.0                   # a connection must say who it is within this
 RETRY_SECONDS = 0.2                    # between connection attempts / file polls in the rendezvous
 FS_POLL_SECONDS = 0.05
 STOP_POLL_SECONDS = 1.0                # fs: how often each rank looks for the stop file
@@ -226,12 +228,14 @@ def receive_exactly(sock, n):
 
 
 def receive_message(sock):
-    """(kind, body) of the next message; (None, b"") when the connection closed or the message is
-    cut short."""
+    """(kind, body) of the next message; (None, b"") when the connection closed, or the message is
+    cut short or longer than MAX_MESSAGE_BYTES."""
     head = receive_exactly(sock, 5)
     if len(head) < 5:
         return None, b""
     (length,) = struct.unpack("!I", head[1:])
+    if length > MAX_MESSAGE_BYTES:
+        return None, b""
     body = receive_exactly(sock, length)
     return (head[:1], body) if len(body) == length else (None, b"")
 
@@ -245,19 +249,21 @@ def keep_alive(sock):
 
 
 def tcp_serve_id(unique_id, p):
-    """Rank 0: listen on p.server:p.port, accept the N-1 other ranks (each says its rank, -pn,
-    host and local rank), check them, send each the id. Returns {rank: socket}, kept open.
+    """Rank 0: listen on p.port (every interface of this node, so that -ps may be any of its names
+    or addresses: a host name can resolve to a loopback address on its own node), accept the N-1
+    other ranks (each says its rank, -pn, host and local rank), check them, send each the id.
+    Returns {rank: socket}, kept open.
     Raises RendezvousError (having told every connected rank) for a port in use, a rank that never
     arrives within p.timeout, a rank out of range, one rank claimed twice, two ranks on one GPU."""
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # not SO_REUSEPORT: a busy port must fail
     try:
-        server.bind((p.server, p.port))
+        server.bind(("", p.port))
         server.listen(p.size)
     except OSError as e:
         server.close()
-        raise RendezvousError(f"rank 0 cannot listen on {p.server}:{p.port} ({e.strerror or e}): another job may "
-                              f"hold the port (--rendezvous-port), or -ps is not an address of {p.host}") from None
+        raise RendezvousError(f"rank 0 cannot listen on port {p.port} of {p.host} ({e.strerror or e}): another job "
+                              f"may hold it (pass another --rendezvous-port)") from None
     peers, placements = {}, [(0, p.host, p.local_rank)]
     deadline = time.monotonic() + p.timeout
     newcomer = None                            # the connection being checked, not yet in peers
@@ -270,16 +276,12 @@ def tcp_serve_id(unique_id, p):
                 missing = sorted(set(range(1, p.size)) - set(peers))
                 raise RendezvousError(f"rank(s) {', '.join(map(str, missing))} never reached rank 0 at "
                                       f"{p.server}:{p.port} within {p.timeout:g} s") from None
-            newcomer.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                kind, body = receive_message(newcomer)
-            except OSError:
-                kind, body = None, b""
-            if kind != MSG_HELLO or not body.startswith(HELLO_MAGIC):
+            newcomer.settimeout(min(HELLO_SECONDS, max(deadline - time.monotonic(), 0.001)))
+            hello = read_hello(newcomer)
+            if hello is None:
                 newcomer.close()               # not one of our ranks (a port scanner, a stale client)
                 newcomer = None
                 continue
-            hello = json.loads(body[len(HELLO_MAGIC):])
             rank, size, host = hello["rank"], hello["size"], hello["host"]
             if size != p.size:
                 raise RendezvousError(f"rank {rank} (on {host}) says -pn {size}, rank 0 says -pn {p.size}")
@@ -306,6 +308,20 @@ def tcp_serve_id(unique_id, p):
         send_message(conn, MSG_ID, bytes(unique_id))
         keep_alive(conn)
     return peers
+
+
+def read_hello(conn):
+    """A rank's hello on a new connection: {"rank", "size", "host", "local_rank"}, or None for
+    anything else (no answer in time, another protocol, a malformed body)."""
+    try:
+        kind, body = receive_message(conn)
+        hello = json.loads(body[len(HELLO_MAGIC):]) if kind == MSG_HELLO and body.startswith(HELLO_MAGIC) else None
+    except (OSError, ValueError):
+        return None
+    keys = {"rank": int, "size": int, "host": str, "local_rank": int}
+    if not isinstance(hello, dict) or any(not isinstance(hello.get(k), t) for k, t in keys.items()):
+        return None
+    return hello
 
 
 def placement_host(placements, rank):
