@@ -145,6 +145,10 @@ class _MpiRanks:
     def close(self):
         self.comm.Free()
 
+    def abort(self):
+        """End every rank of the job now (they may be waiting in a collective)."""
+        self.comm.Abort(1)
+
 
 class _ThreadRanks:
     """The ranks are threads of this process that created communicators with the same unique id."""
@@ -174,6 +178,11 @@ class _ThreadRanks:
         with self._lock:
             self._groups.pop(self.uid, None)
 
+    def abort(self):
+        """Release the ranks waiting in a collective: each of them raises threading.BrokenBarrierError."""
+        self.group["barrier"].abort()
+        self.close()
+
 
 # ----------------------------------------------------------------------------
 # the communicator
@@ -201,6 +210,13 @@ class NcclCommunicator:
     def destroy(self):
         if self._ranks is not None:
             self._ranks.close()
+            self._ranks = None
+
+    def abort(self):
+        """ncclCommAbort: after an error on this rank, stop the others waiting for it in a
+        collective (threads: they raise BrokenBarrierError; MPI: the job ends)."""
+        if self._ranks is not None:
+            self._ranks.abort()
             self._ranks = None
 
     def _gather(self, call, values):
