@@ -15,7 +15,8 @@ bugs they stand in for.
   SUM and AVG, fp32 and bf16) against NumPy sums in rank order, with K = 2, 3 ranks as threads
   and as MPI processes (mpiexec -n 2, -n 3, running this file as a script), llmc.comm.NcclComm
   included; a wrong in-place offset is refused.
-Run: python -m pytest -q tests/test_vendor_emulation.py   (about 20 s, most of it mpiexec)
+Run: python -m pytest -q tests/test_vendor_emulation.py   ("24 passed" in about 15 s on 2 cores, half of
+it the two mpiexec runs, which skip where mpich's mpiexec is not installed)
 """
 
 import math

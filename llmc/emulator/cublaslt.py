@@ -280,12 +280,12 @@ def matrix_layout_destroy(layout):
     _destroy(layout, "layout")
 
 
+DEFAULT_ALIGNMENT_BYTES = 256           # a preference's MIN_ALIGNMENT_*_BYTES until set (cuBLASLt's default)
+
+
 def matmul_preference_create():
-    attrs = {a: 0 for a in PREF_DTYPES}
-    attrs[MatmulPreferenceAttribute.MIN_ALIGNMENT_A_BYTES] = 256   # cuBLASLt's defaults: 256-byte alignment
-    for a in (MatmulPreferenceAttribute.MIN_ALIGNMENT_B_BYTES, MatmulPreferenceAttribute.MIN_ALIGNMENT_C_BYTES,
-              MatmulPreferenceAttribute.MIN_ALIGNMENT_D_BYTES):
-        attrs[a] = 256
+    attrs = {a: DEFAULT_ALIGNMENT_BYTES for a in PREF_DTYPES}
+    attrs[MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES] = 0
     return _new("pref", attrs=attrs)
 
 
