@@ -21,7 +21,6 @@ it the two mpiexec runs, which skip where mpich's mpiexec is not installed)
 
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -555,18 +554,20 @@ MPIEXEC = shutil.which("mpiexec")
 
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec (mpich) is not installed")
 @pytest.mark.parametrize("K", [2, 3])
-def test_nccl_collectives_on_mpi_ranks(K):
-    # this file as a script under mpiexec: each process one rank (see the end of the file)
-    r = subprocess.run([MPIEXEC, "-n", str(K), sys.executable, os.path.abspath(__file__), "nccl-worker"],
+def test_nccl_collectives_on_mpi_ranks(K, tmp_path):
+    # this file as a script under mpiexec: each process one rank (see the end of the file), each
+    # writing its report to a file of its own (mpiexec may interleave the ranks' stdout)
+    r = subprocess.run([MPIEXEC, "-n", str(K), sys.executable, os.path.abspath(__file__), "nccl-worker", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    reports = sorted(re.findall(r"nccl rank \d+/\d+: \d+ checks, NcclComm ok", r.stdout))   # mpiexec may merge lines
+    reports = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(K)]
     assert reports == [f"nccl rank {rank}/{K}: {NCCL_CHECKS} checks, NcclComm ok" for rank in range(K)]
 
 
-def mpi_worker():
+def mpi_worker(report_dir):
     """One MPI rank: the collectives through the emulation, then llmc.comm.NcclComm (mean_,
-    reduce_scatter_mean_, all_gather_) on the emulated device against NumPy."""
+    reduce_scatter_mean_, all_gather_) on the emulated device against NumPy; the report goes to
+    report_dir/rank<r>.txt."""
     import types
     from llmc import comm as llmc_comm
     from llmc import cuda
@@ -591,12 +592,13 @@ def mpi_worker():
         np.testing.assert_array_equal(arr[mine], want[mine])
         nc.all_gather_(arr)
         np.testing.assert_array_equal(arr, want)
-    print(f"nccl rank {rank}/{K}: {checks} checks, NcclComm ok", flush=True)
+    with open(os.path.join(report_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"nccl rank {rank}/{K}: {checks} checks, NcclComm ok")
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["nccl-worker"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["nccl-worker"]:
     try:
-        mpi_worker()
+        mpi_worker(sys.argv[2])
     except BaseException:
         import traceback
         traceback.print_exc()
