@@ -341,7 +341,9 @@ def _to_f64(arr):
 
 def run_ranks(K, fn):
     """fn(rank, comm) on K threads (ranks of one RankGroup); returns their results in rank order.
-    An exception on one rank breaks the barrier, so the others stop instead of waiting."""
+    An exception on one rank breaks the barriers (MPI's and NCCL's), so the others stop instead of
+    waiting; the exception raised here is the first rank's own error, not a broken barrier of
+    a rank that was waiting for it."""
     group = RankGroup(K)
 
     def one(rank):
@@ -355,7 +357,12 @@ def run_ranks(K, fn):
                 nccl.communicator.abort()                  # the others may wait in an NCCL collective
             raise
     with concurrent.futures.ThreadPoolExecutor(K) as pool:
-        return [f.result() for f in [pool.submit(one, r) for r in range(K)]]
+        futures = [pool.submit(one, r) for r in range(K)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+    own = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if errors:
+        raise (own or errors)[0]
+    return [f.result() for f in futures]
 
 
 @pytest.fixture
