@@ -1,13 +1,16 @@
 """
 llmc/comm.py: data parallelism (llm.c's llmc/zero.cuh and the MPI parts of train_gpt2.cu).
 Comm is MPI through mpi4py (rank, world size, averages of host values, barriers), imported only
-under mpiexec; NcclComm all-reduces device arrays with NCCL (cupy.cuda.nccl), one GPU per rank,
-and for ZeRO-1 (gpt2_cuda.py -z 1) reduce-scatters the gradients and all-gathers the parameters.
+under mpiexec; NcclComm all-reduces device arrays with NCCL (cupy.cuda.nccl on a GPU, its
+emulation llmc/emulator/nccl.py on the emulated device: llmc.cuda.library("nccl")), one GPU per
+rank, and for ZeRO-1 (gpt2_cuda.py -z 1) reduce-scatters the gradients and all-gathers the parameters.
 """
 
 import os
 
 import numpy as np
+
+from llmc import cuda
 
 
 def launched_size():
@@ -74,7 +77,7 @@ class NcclComm:
     each: rank 0 makes the NCCL unique id, MPI broadcasts it, every rank joins the communicator."""
 
     def __init__(self, comm):
-        from cupy.cuda import nccl
+        nccl = cuda.library("nccl")
         self.nccl = nccl
         uid = nccl.get_unique_id() if comm.rank == 0 else None
         uid = comm.comm.bcast(uid, root=0)
@@ -88,9 +91,8 @@ class NcclComm:
 
     def mean_(self, arr):
         """In place: arr = mean of arr over all ranks (NCCL_AVG), on the current stream."""
-        import cupy
-        self.communicator.allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.nccl_dtype(arr), self.nccl.NCCL_AVG,
-                                    cupy.cuda.get_current_stream().ptr)
+        ptr = cuda.address(arr)
+        self.communicator.allReduce(ptr, ptr, arr.size, self.nccl_dtype(arr), self.nccl.NCCL_AVG, _stream())
 
     def reduce_scatter_mean_(self, arr):
         """ZeRO-1's gradient reduction, in place. arr (size * S,) contiguous, S = arr.size // size:
@@ -99,20 +101,19 @@ class NcclComm:
         read. NCCL's in-place form: the receive buffer is the send buffer at rank * recvcount.
         Moves (size-1)/size of arr per rank, half of mean_'s all-reduce. Raises ValueError if
         arr.size is not a multiple of size (gpt2_cuda pads its buffers to one)."""
-        import cupy
         S = self.shard_elements(arr)
-        self.communicator.reduceScatter(arr.data.ptr, arr.data.ptr + self.rank * S * arr.itemsize, S,
-                                        self.nccl_dtype(arr), self.nccl.NCCL_AVG, cupy.cuda.get_current_stream().ptr)
+        ptr = cuda.address(arr)
+        self.communicator.reduceScatter(ptr, ptr + self.rank * S * arr.itemsize, S, self.nccl_dtype(arr),
+                                        self.nccl.NCCL_AVG, _stream())
 
     def all_gather_(self, arr):
         """ZeRO-1's parameter broadcast, in place: every rank's slice arr[r*S:(r+1)*S] (S as in
         reduce_scatter_mean_) is copied into the same slice of arr on every rank, so that each
         rank ends with the full array. In-place form: the send buffer is the receive buffer at
         rank * sendcount. Raises ValueError if arr.size is not a multiple of size."""
-        import cupy
         S = self.shard_elements(arr)
-        self.communicator.allGather(arr.data.ptr + self.rank * S * arr.itemsize, arr.data.ptr, S,
-                                    self.nccl_dtype(arr), cupy.cuda.get_current_stream().ptr)
+        ptr = cuda.address(arr)
+        self.communicator.allGather(ptr + self.rank * S * arr.itemsize, ptr, S, self.nccl_dtype(arr), _stream())
 
     def shard_elements(self, arr):
         """S = arr.size // size, the elements of one rank's slice. Raises ValueError unless arr
@@ -121,3 +122,8 @@ class NcclComm:
             raise ValueError(f"NCCL shards: {arr.size} elements (contiguous: {arr.flags.c_contiguous}) "
                              f"do not split evenly over {self.size} ranks")
         return arr.size // self.size
+
+
+def _stream():
+    """The device's current stream, as the integer handle NCCL takes."""
+    return cuda.cupy().cuda.get_current_stream().ptr

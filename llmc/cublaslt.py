@@ -47,8 +47,8 @@ the library is loaded at the first call, which without a CUDA driver raises NotS
 ("CUDA driver is not found"). unavailable_reason() says in one line what is missing.
 
 Run the tests: python -m pytest -q tests/test_cublaslt.py
-    without a GPU: "67 passed, 24 skipped" in a few seconds (the host logic, through a recording
-    fake of the bindings); on a GPU with nvmath-python the 24 GPU tests run too
+    without a GPU: "66 passed, 25 skipped" in a few seconds (the host logic, on the emulated
+    device's cuBLASLt, llmc/emulator/cublaslt.py); on a GPU with nvmath-python the GPU tests run too
 
 Dimensions: B, T, C, OC as in gpt2_cpu.py, N = B*T rows. Column-major: llmc/cuda.py explains once
 why a row-major (R, K) matrix is the column-major (K, R) matrix with leading dimension K; each
@@ -115,13 +115,12 @@ class CublasLtUnsupported(RuntimeError):
 
 
 # ----------------------------------------------------------------------------
-# the bindings, imported lazily
+# the bindings, imported lazily (llmc.cuda.library picks the GPU's or the emulated device's)
 
 def bindings():
-    """The nvmath.bindings.cublasLt module (imported on first use). Tests replace this function
-    with a recording fake, as tests/test_cuda.py replaces llmc.cuda.cupy."""
-    from nvmath.bindings import cublasLt
-    return cublasLt
+    """The cuBLASLt bindings of the device (imported on first use): nvmath.bindings.cublasLt on a
+    GPU, llmc/emulator/cublaslt.py (the same calls on host memory) on the emulated device."""
+    return cuda.library("cublaslt")
 
 
 def unavailable_reason():
@@ -300,7 +299,7 @@ def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias
                     accumulate=False):
     """Library call: D (m,n) = epilogue(op(A) (m,k) @ op(B) (k,n) [+ D]), column-major, on the
     trainer's current CuPy stream. d, a, b, bias, aux: floatX arrays of one precision (CuPy, or
-    NumPy under the tests' fake bindings), contiguous, 16-byte aligned (the callers check);
+    host arrays on the emulated device), contiguous, 16-byte aligned (the callers check);
     `epilogue` from epilogue_for, with `bias` given iff epilogue.bias and `aux` ((m,n), ld m) iff
     epilogue.aux. alpha = 1, beta = 1 if accumulate else 0 (beta scales D only, never the bias
     gradient). Raises CublasLtUnsupported when cuBLASLt has no algorithm, ValueError on misuse."""

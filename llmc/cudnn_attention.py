@@ -28,7 +28,7 @@ Importing this module imports neither `cudnn` nor CuPy; nothing here runs withou
 unavailable_reason and the layout helpers.
 
 Install: pip install nvidia-cudnn-frontend nvidia-cudnn-cu12   (nvidia-cudnn-cu13 for CUDA 13)
-Tests:   pytest tests/test_cudnn_attention.py   (a fake `cudnn` without a GPU; GPU tests on one)
+Tests:   pytest tests/test_cudnn_attention.py   (the emulated device's cudnn without a GPU; GPU tests on one)
 Legend: B batch, T time, C channels, NH heads, HS = C // NH head size.
 """
 
@@ -72,10 +72,9 @@ class AttentionGraph:
 
 
 def cudnn_module():
-    """The cudnn module of the frontend package (imported on first use; tests put a fake in
-    sys.modules)."""
-    import cudnn
-    return cudnn
+    """The cudnn module of the device (imported on first use): the frontend package on a GPU,
+    llmc/emulator/cudnn.py (the same calls on host memory) on the emulated device."""
+    return cuda.library("cudnn")
 
 
 def _first_line(error):

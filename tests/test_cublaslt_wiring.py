@@ -1,9 +1,10 @@
 """gpt2_cuda.py with --cublaslt 1, without a GPU: the whole model through tests/test_cuda.py's
-emulated GPU with llmc/cublaslt.py's two entry points replaced by NumPy stand-ins that do what
-their epilogues do (bias; GELU with the pre-activation stored; DGELU; the bias gradient), checked
-tensor by tensor against gpt2_cpu.py. This checks the wiring (which layer passes which buffer as
-the GELU pre-activation, that the separate GELU kernels are skipped, the bias-gradient fallback),
-not cuBLASLt itself: tests/test_cublaslt.py checks the module's calls, a GPU the library.
+emulated GPU, its linear layers through llmc/cublaslt.py itself on the emulated device's cuBLASLt
+(llmc/emulator/cublaslt.py: the epilogues bias, GELU with the pre-activation stored, DGELU and the
+bias gradient, computed on the raw pointers), checked tensor by tensor against gpt2_cpu.py. This
+checks the wiring (which layer passes which buffer as the GELU pre-activation, that the separate
+GELU kernels are skipped, the bias-gradient fallback when cuBLASLt has no BGRADB algorithm), not
+cuBLASLt itself: a GPU checks the library (tests/test_cublaslt.py part 2).
 Run: pytest tests/test_cublaslt_wiring.py   (a few seconds)
 """
 
@@ -16,53 +17,49 @@ import pytest
 import gpt2_cpu
 import gpt2_cuda
 import llmc
-from test_cuda import TINY, _from_f32, _to_f32, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+import llmc.cuda
+from test_cuda import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
 
 
-def _numpy_cublaslt(calls, bgrad):
-    """Stand-ins for matmul_forward_lt / matmul_backward_lt (signatures of llmc/cublaslt.py)."""
+def _recording(calls, fn, direction):
+    """fn (llmc.cublaslt's matmul_forward_lt or matmul_backward_lt), each call recorded as
+    (direction, OC, whether a GELU pre-activation was passed)."""
+    def wrapper(*args, pre_gelu=None):
+        calls.append((direction, args[-1], pre_gelu is not None))
+        return fn(*args, pre_gelu=pre_gelu)
+    return wrapper
 
-    def precision(arr):
-        return "bf16" if arr.dtype == np.uint16 else "fp32"
 
-    def forward(out, inp, weight, bias, B, T, C, OC, pre_gelu=None):
-        calls.append(("forward", OC, pre_gelu is not None))
-        x = _to_f32(np.asarray(inp)).reshape(B * T, C).astype(np.float64)
-        y = x @ _to_f32(np.asarray(weight)).reshape(OC, C).T.astype(np.float64)
-        if bias is not None:
-            y += _to_f32(np.asarray(bias))
-        if pre_gelu is not None:                                        # GELU_AUX(_BIAS)
-            pre_gelu.reshape(-1)[:B * T * OC] = _from_f32(y.ravel().astype(np.float32), precision(pre_gelu))
-            y = gpt2_cpu.gelu_forward(y)
-        out.reshape(-1)[:B * T * OC] = _from_f32(y.ravel().astype(np.float32), precision(out))
+def _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad):
+    """llmc/cublaslt.py itself on the emulated device's cuBLASLt (llmc/emulator/cublaslt.py, what
+    llmc.cuda.library("cublaslt") returns with the device "cpu"); without bgrad its heuristic
+    finds no BGRADB algorithm, as some cuBLASLt builds do."""
+    from llmc import cublaslt
+    monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())          # restored after the test
+    llmc.cuda.use_device("cpu")
+    monkeypatch.setattr(emulated_gpu, "empty", lambda shape, dtype=np.float32: np.empty(shape, dtype), raising=False)
+    lt = llmc.cuda.library("cublaslt")
+    if not bgrad:
+        heuristic = lt.matmul_algo_get_heuristic
 
-    def backward(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None):
-        calls.append(("backward", OC, pre_gelu is not None))
-        d = _to_f32(np.asarray(dout)).reshape(B * T, OC).astype(np.float64)
-        w = _to_f32(np.asarray(weight)).reshape(OC, C).astype(np.float64)
-        x = _to_f32(np.asarray(inp)).reshape(B * T, C).astype(np.float64)
-        dx = d @ w
-        if pre_gelu is not None:                                        # DGELU
-            dx = gpt2_cpu.gelu_backward(dx, _to_f32(np.asarray(pre_gelu)).reshape(B * T, C).astype(np.float64))
-        dinp.reshape(-1)[:B * T * C] = _from_f32(dx.ravel().astype(np.float32), precision(dinp))
-        dw = _to_f32(np.asarray(dweight)).reshape(OC, C) + d.T @ x
-        dweight.reshape(-1)[:OC * C] = _from_f32(dw.ravel().astype(np.float32), precision(dweight))
-        if dbias is None or not bgrad:
-            return False                                                # the caller's bias_backward
-        db = _to_f32(np.asarray(dbias)) + d.sum(axis=0)
-        dbias[...] = _from_f32(db.astype(np.float32), precision(dbias))
-        return True
-
-    return types.SimpleNamespace(matmul_forward_lt=forward, matmul_backward_lt=backward,
-                                 unavailable_reason=lambda: None)
+        def no_bgradb(handle, desc, *rest):
+            epilogue, written = np.zeros(1, np.uint32), np.zeros(1, np.uint64)
+            lt.matmul_desc_get_attribute(desc, lt.MatmulDescAttribute.EPILOGUE, epilogue.ctypes.data, 4,
+                                         written.ctypes.data)
+            if epilogue[0] == lt.Epilogue.BGRADB:
+                raise lt.cuBLASLtError(lt.Status.NOT_SUPPORTED)
+            return heuristic(handle, desc, *rest)
+        monkeypatch.setattr(lt, "matmul_algo_get_heuristic", no_bgradb)
+    monkeypatch.setattr(cublaslt, "matmul_forward_lt", _recording(calls, cublaslt.matmul_forward_lt, "forward"))
+    monkeypatch.setattr(cublaslt, "matmul_backward_lt", _recording(calls, cublaslt.matmul_backward_lt, "backward"))
+    cublaslt.clear_cache()
+    return cublaslt
 
 
 @pytest.mark.parametrize("precision,bgrad", [("fp32", True), ("fp32", False), ("bf16", True)])
 def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, bgrad):
     calls = []
-    fake = _numpy_cublaslt(calls, bgrad)
-    monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
-    monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
+    cublaslt = _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad)
     monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "cublaslt", True)
     # the separate GELU kernels must not run: their work is in the epilogues
     monkeypatch.setattr(gpt2_cuda, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
@@ -80,6 +77,7 @@ def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch
     assert backward[:3] == [("backward", TINY.padded_vocab_size, False), ("backward", C, True),
                             ("backward", 4 * C, False)]                   # wte; fcproj through DGELU; fc
     assert len(backward) == 1 + 4 * L
+    cublaslt.clear_cache()
 
 
 def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):

@@ -7,7 +7,8 @@ Part 1, no GPU needed:
 - rounding_seed: a NumPy squirrel_noise5 (the constants read from kernels/common.cuh) shows that
   the shifted seed draws, for a piece of a tensor, the bits one launch over the tensor draws;
 - NcclComm's reduce-scatter and all-gather pass NCCL the in-place pointers (a recording fake);
-- K = 2 and 3 ranks in one process (threads; each rank its own GPT2, an emulated NCCL and MPI
+- K = 2 and 3 ranks in one process (threads; each rank its own GPT2, llmc.comm.NcclComm on the
+  emulated device's NCCL, llmc/emulator/nccl.py, whose ranks are the threads, and an emulated MPI
   whose collectives complete when all K ranks have called them), through tests/test_cuda.py's
   emulated GPU, with AdamW's stochastic rounding emulated bit for bit (hash and all, so that a
   wrong element index would show): -z 1 gives the very parameters, m and v of -z 0 (bitwise,
@@ -33,6 +34,7 @@ import pytest
 import gpt2_cpu
 import gpt2_cuda
 import llmc.comm
+import llmc.cuda
 from llmc import checkpoint, cli
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from test_cuda import (EMULATED_KERNELS, TINY, _train_losses, _write_shards, adamw_emulated_step,  # noqa: F401
@@ -289,7 +291,7 @@ class EmulatedComm:
         self.comm = self                                   # NcclComm reads comm.comm; never called here
 
     def connect(self):                                     # llmc.multinode.ProcessGroup.connect
-        return EmulatedNccl(self) if self.size > 1 else None
+        return RecordedNcclComm(self) if self.size > 1 else None
 
     def mean_(self, arr):
         arr[...] = np.sum(self.group.exchange(self.rank, np.array(arr, np.float64)), axis=0) / self.size
@@ -304,38 +306,37 @@ class EmulatedComm:
     def barrier(self):
         self.group.exchange(self.rank, None)
 
+    def bcast(self, value, root=0):
+        """MPI's broadcast of a Python object (NcclComm sends the NCCL unique id with it)."""
+        return self.group.exchange(self.rank, value)[root]
 
-class EmulatedNccl:
-    """llmc.comm.NcclComm on NumPy buffers for one rank of a RankGroup: NCCL_AVG is the fp64 sum
-    in rank order over K, rounded once to the buffer's type (bf16 to nearest), the same for the
-    all-reduce and the reduce-scatter."""
+
+class RecordedNcclComm(llmc.comm.NcclComm):
+    """llmc.comm.NcclComm itself, on the emulated device's NCCL (llmc/emulator/nccl.py, whose
+    ranks here are the threads of one RankGroup), recording which collectives ran. After a
+    reduce-scatter it poisons the slices that are not this rank's (NCCL leaves them holding this
+    rank's own unreduced values), so that a read of them shows."""
 
     def __init__(self, comm):
-        self.group, self.rank, self.size = comm.group, comm.rank, comm.size
+        super().__init__(comm)
+        assert self.nccl is llmc.cuda.library("nccl") and self.nccl.__name__ == "llmc.emulator.nccl"
         self.calls = []
-
-    def _mean(self, arr):
-        parts = self.group.exchange(self.rank, _to_f64(arr))
-        mean = (np.sum(parts, axis=0) / self.size).astype(np.float32)
-        return float32_to_bfloat16_bits(mean) if arr.dtype == np.uint16 else mean
+        threading.current_thread().nccl_comm = self             # run_ranks aborts it if this rank fails
 
     def mean_(self, arr):
         self.calls.append("all_reduce")
-        arr[...] = self._mean(arr)
+        super().mean_(arr)
 
     def reduce_scatter_mean_(self, arr):
         self.calls.append("reduce_scatter")
-        S = arr.size // self.size
-        assert arr.size == S * self.size
+        super().reduce_scatter_mean_(arr)
+        S = self.shard_elements(arr)
         mine = slice(self.rank * S, (self.rank + 1) * S)
-        arr[mine] = self._mean(arr)[mine]
-        arr[:mine.start] = arr[mine.stop:] = 0xFFFF if arr.dtype == np.uint16 else np.nan   # NCCL leaves them; must not be read
+        arr[:mine.start] = arr[mine.stop:] = 0xFFFF if arr.dtype == np.uint16 else np.nan
 
     def all_gather_(self, arr):
         self.calls.append("all_gather")
-        S = arr.size // self.size
-        parts = self.group.exchange(self.rank, np.array(arr[self.rank * S:(self.rank + 1) * S]))
-        arr[...] = np.concatenate(parts)
+        super().all_gather_(arr)
 
 
 def _to_f64(arr):
@@ -344,7 +345,9 @@ def _to_f64(arr):
 
 def run_ranks(K, fn):
     """fn(rank, comm) on K threads (ranks of one RankGroup); returns their results in rank order.
-    An exception on one rank breaks the barrier, so the others stop instead of waiting."""
+    An exception on one rank breaks the barriers (MPI's and NCCL's), so the others stop instead of
+    waiting; the exception raised here is the first rank's own error, not a broken barrier of
+    a rank that was waiting for it."""
     group = RankGroup(K)
 
     def one(rank):
@@ -353,16 +356,28 @@ def run_ranks(K, fn):
             return fn(rank, comm)
         except BaseException:
             group.barrier.abort()
+            nccl = getattr(threading.current_thread(), "nccl_comm", None)
+            if nccl is not None:
+                nccl.communicator.abort()                  # the others may wait in an NCCL collective
             raise
     with concurrent.futures.ThreadPoolExecutor(K) as pool:
-        return [f.result() for f in [pool.submit(one, r) for r in range(K)]]
+        futures = [pool.submit(one, r) for r in range(K)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+    own = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if errors:
+        raise (own or errors)[0]
+    return [f.result() for f in futures]
 
 
 @pytest.fixture
 def emulated_ranks(emulated_gpu, monkeypatch):
-    """The emulated GPU (tests/test_cuda.py), AdamW with the kernel's stochastic rounding, and
-    gpt2_cuda's process group (llmc.multinode) replaced by the rank group of the calling thread."""
+    """The emulated GPU (tests/test_cuda.py), AdamW with the kernel's stochastic rounding,
+    gpt2_cuda's process group (llmc.multinode) replaced by the rank group of the calling thread,
+    and its NcclComm recorded on the emulated device's NCCL (llmc.cuda.library("nccl") with the
+    device "cpu", restored after)."""
     monkeypatch.setitem(EMULATED_KERNELS, "adamw_update", k_adamw_update_sr)
+    monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())
+    llmc.cuda.use_device("cpu")
     monkeypatch.setattr(gpt2_cuda.multinode, "init_process_group", lambda args: threading.current_thread().rank_comm)
     # -o's write probe is named by the process id, which the K threads share: one at a time
     lock, make_output_dir = threading.Lock(), cli.TrainingRun.make_output_dir
@@ -391,7 +406,7 @@ def train_rank(rank, comm, zero_stage, precision, batches, grad_clip=0.0, weight
     model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, zero_stage=zero_stage, process_rank=rank,
                            num_processes=K)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
-    nccl = EmulatedNccl(comm) if K > 1 else None
+    nccl = RecordedNcclComm(comm) if K > 1 else None
     norms = []
     for step, (x, y) in enumerate(batches):
         rows = slice(rank * B, (rank + 1) * B) if K > 1 else slice(None)

@@ -1,0 +1,1 @@
+"""llmc/emulator/: the emulated CUDA device (device memory as host memory) and its vendor libraries."""
