@@ -57,7 +57,7 @@ KERNEL_CONTRACT = {
     "classifier.cu": ("fused_classifier",),
     "adamw.cu": ("adamw_update",),
     "global_norm.cu": ("global_norm_squared", "global_norm_finalize"),
-    "cast.cu": ("cast_float_to_floatX", "cast_floatX_to_float", "fill_float"),
+    "cast.cu": ("cast_float_to_floatX", "cast_floatX_to_float"),
     "flash_attention.cu": ("flash_attention_backward_preprocess",)
                           + tuple(f"flash_attention_{kind}_hs{HS}" for kind in ("forward", "backward_dkdv", "backward_dq")
                                   for HS in (16, 32, 64, 128)),
