@@ -76,29 +76,57 @@ def test_mfu_and_peak_lookup():
     assert llmc.mfu.mfu(n, 12, 768, 1024, tok_s, "Some Future GPU", "bf16", False) is None
 
 
-@pytest.mark.parametrize("B,T,V", [(1, 1, 5), (2, 7, 3), (4, 33, 50), (3, 64, 50257)])
-def test_encoder_segments_reproduce_add_at(B, T, V):
+def _scatter_add_by_plan(seg, dout, V):
+    """The dwte scatter-add as the two kernels perform it, in float64 on the host: each chunk's
+    sum added directly (its token's only chunk) or into a partial row, then each partial range
+    summed in order."""
+    C = dout.shape[1]
+    dwte = np.zeros((V, C))
+    partial = np.full((max(1, seg.reduce_start[-1]), C), np.nan)          # unwritten rows would poison
+    for k in range(seg.chunk_token.size):
+        total = dout[seg.positions[seg.chunk_start[k]:seg.chunk_start[k + 1]]].sum(axis=0)
+        if seg.chunk_slot[k] < 0:
+            dwte[seg.chunk_token[k]] += total
+        else:
+            partial[seg.chunk_slot[k]] = total
+    for m in range(seg.reduce_token.size):
+        dwte[seg.reduce_token[m]] += partial[seg.reduce_start[m]:seg.reduce_start[m + 1]].sum(axis=0)
+    return dwte
+
+
+@pytest.mark.parametrize("B,T,V,frequent", [(1, 1, 5, 0), (2, 7, 3, 0), (4, 33, 50, 0), (3, 64, 50257, 0),
+                                            (8, 128, 50257, 0.04), (2, 100, 7, 0.3)])
+def test_encoder_segments_reproduce_add_at(B, T, V, frequent):
     rng = np.random.default_rng(B * 1000 + T)
     inp = rng.integers(0, V, (B, T)).astype(np.int32)
-    positions, seg_start, seg_token = gpt2_cuda.encoder_backward_segments(inp)
-    N = B * T
-    assert positions.dtype == seg_start.dtype == seg_token.dtype == np.int32
-    assert sorted(positions.tolist()) == list(range(N))                 # a permutation of 0..N-1
-    assert seg_start[0] == 0 and seg_start[-1] == N and np.all(np.diff(seg_start) > 0)
-    assert len(set(seg_token.tolist())) == seg_token.size               # one block per distinct token
+    inp[rng.random((B, T)) < frequent] = 2                              # one token a share `frequent` of the batch
+    seg = gpt2_cuda.encoder_backward_segments(inp)
+    N, R = B * T, gpt2_cuda.WTE_CHUNK_ROWS
+    assert all(a.dtype == np.int32 for a in seg)
+    assert sorted(seg.positions.tolist()) == list(range(N))             # a permutation of 0..N-1
+    sizes = np.diff(seg.chunk_start)
+    assert seg.chunk_start[0] == 0 and seg.chunk_start[-1] == N and np.all(sizes > 0)
+    assert sizes.max() <= R                                             # no block sums more than R rows
     flat = inp.ravel()
-    for s in range(seg_token.size):                                     # stable: increasing positions
-        seg = positions[seg_start[s]:seg_start[s + 1]]
-        assert np.all(flat[seg] == seg_token[s]) and np.all(np.diff(seg) > 0)
-    # the scatter-add the kernel performs, done here on NumPy, equals np.add.at
-    C = 3
-    dout = rng.standard_normal((N, C))
-    dwte = np.zeros((V, C))
-    for s in range(seg_token.size):
-        dwte[seg_token[s]] += dout[positions[seg_start[s]:seg_start[s + 1]]].sum(axis=0)
-    ref = np.zeros((V, C))
+    for k in range(seg.chunk_token.size):                               # stable: increasing positions
+        chunk = seg.positions[seg.chunk_start[k]:seg.chunk_start[k + 1]]
+        assert np.all(flat[chunk] == seg.chunk_token[k]) and np.all(np.diff(chunk) > 0)
+    # a token's chunks: one, added directly, or several, each with its own partial row, in order
+    counts = np.bincount(flat, minlength=V)
+    for k, token in enumerate(seg.chunk_token):
+        assert (seg.chunk_slot[k] < 0) == (counts[token] <= R), (k, token)
+    slots = seg.chunk_slot[seg.chunk_slot >= 0]
+    assert np.array_equal(slots, np.arange(slots.size))
+    assert np.array_equal(seg.reduce_token, np.flatnonzero(counts > R))
+    assert np.array_equal(np.diff(seg.reduce_start), -(-counts[counts > R] // R))
+    assert seg.reduce_token.size <= gpt2_cuda.wte_reduce_max(N) and slots.size <= gpt2_cuda.wte_partial_rows(N)
+    if frequent >= 0.04:
+        assert seg.reduce_token.size >= 1                               # the frequent token is split
+    # the scatter-add the kernels perform, done here on NumPy, equals np.add.at
+    dout = rng.standard_normal((N, 3))
+    ref = np.zeros((V, 3))
     np.add.at(ref, flat, dout)
-    np.testing.assert_allclose(dwte, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_scatter_add_by_plan(seg, dout, V), ref, rtol=1e-12, atol=1e-12)
 
 
 def test_grids():
@@ -409,15 +437,29 @@ def k_encoder_backward_wpe(grid, block, dwpe, dout, B, T, C):
     _store(dwpe, _load(dwpe, T * C) + _load(dout, B * T * C).reshape(B, T * C).sum(axis=0))
 
 
-def k_encoder_backward_wte(grid, block, dwte, dout, positions, seg_start, seg_token, num_segments, C):
-    starts, tokens = seg_start.reshape(-1), seg_token.reshape(-1)[:num_segments]
-    real = [s for s in range(num_segments) if starts[s] != starts[s + 1]]     # empty segments are skipped
-    assert len(set(tokens[real].tolist())) == len(real), "two segments would write the same dwte row"
+def k_encoder_backward_wte(grid, block, dwte, partial, dout, positions, chunk_start, chunk_token, chunk_slot,
+                           num_chunks, C):
+    starts, tokens, slots = chunk_start.reshape(-1), chunk_token.reshape(-1), chunk_slot.reshape(-1)
+    real = [k for k in range(num_chunks) if starts[k] != starts[k + 1]]        # empty chunks are skipped
+    direct = [int(tokens[k]) for k in real if slots[k] < 0]
+    assert len(set(direct)) == len(direct), "two chunks would add into the same dwte row"
     d = _load(dout, dout.size).reshape(-1, C)
     pos = positions.reshape(-1)
-    for s in real:
-        row = _load(dwte, C, int(tokens[s]) * C) + d[pos[starts[s]:starts[s + 1]]].sum(axis=0)
-        _store(dwte, row, int(tokens[s]) * C)
+    for k in real:
+        total = d[pos[starts[k]:starts[k + 1]]].sum(axis=0)
+        if slots[k] < 0:
+            _store(dwte, _load(dwte, C, int(tokens[k]) * C) + total, int(tokens[k]) * C)
+        else:
+            partial.reshape(-1)[int(slots[k]) * C:(int(slots[k]) + 1) * C] = total
+
+
+def k_encoder_backward_wte_reduce(grid, block, dwte, partial, reduce_start, reduce_token, num_reduce, C):
+    starts, tokens = reduce_start.reshape(-1), reduce_token.reshape(-1)
+    rows = partial.reshape(-1)
+    for m in range(num_reduce):
+        if starts[m] != starts[m + 1]:
+            total = rows[int(starts[m]) * C:int(starts[m + 1]) * C].reshape(-1, C).sum(axis=0)
+            _store(dwte, _load(dwte, C, int(tokens[m]) * C) + total, int(tokens[m]) * C)
 
 
 def _layernorm_rows(x, weight, bias):
@@ -736,11 +778,13 @@ def _fake_cupy():
     def zeros(shape, dtype=np.float32):
         return np.zeros(shape, dtype).view(FakeDeviceArray)
 
-    stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
+    event = types.SimpleNamespace(synchronize=lambda: None)
+    stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None, record=lambda: event)
     pool = types.SimpleNamespace(total_bytes=lambda: 0)
     runtime = types.SimpleNamespace(memGetInfo=lambda: (6 * 2**30, 8 * 2**30))    # (free, total) bytes
     return types.SimpleNamespace(zeros=zeros, add=np.add, get_default_memory_pool=lambda: pool,
-                                 cuda=types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime))
+                                 cuda=types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime,
+                                                            alloc_pinned_memory=bytearray))
 
 
 @pytest.fixture
@@ -773,6 +817,7 @@ def test_emulated_model_matches_gpt2_cpu(emulated_gpu, precision, recompute, B, 
     x = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     x[0, :4] = 5                                                # repeated tokens: dwte accumulation
+    x[:, T - 12:] = 9                                           # 12 B positions: over 32 (B=3) the token is chunked
     assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
     # twice in a row: gradients are zeroed, activations overwritten, nothing leaks between passes
     assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
@@ -801,6 +846,61 @@ def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
         # m = beta1 m + (1 - beta1) g inherits (1 - beta1) of the gradients' differences, which the
         # grads check above allows up to 1e-6 absolute: so 1e-7 absolute here (m itself is ~1e-3)
         assert check_tensor(model.m.get(), cpu.m, "m", 1e-7, 1e-4)
+
+
+def test_emulated_micro_batch_runs_the_classifier_once(emulated_gpu, monkeypatch):
+    # the training step's fused classifier is one pass writing the losses and dlogits (not a
+    # forward pass for the loss and a backward pass again); the step's results are unchanged
+    launched = []
+
+    def recording_launch(file, precision, name, grid, block, args):
+        launched.append((name, args))
+        emulated_launch(file, precision, name, grid, block, args)
+    monkeypatch.setattr(llmc.cuda, "launch", recording_launch)
+    rng = np.random.default_rng(4)
+    x, y = (rng.integers(0, TINY.vocab_size, (2, 8)).astype(np.int32) for _ in range(2))
+    model = _tiny_model("fp32", True)
+    gpt2_cuda.gpt2_zero_grad(model)
+    gpt2_cuda.gpt2_activations(model, 2, 8)["loss_accum"].fill(0)
+    gpt2_cuda.gpt2_micro_batch(model, x, y, 0.5)
+    classifier = [args for name, args in launched if name == "fused_classifier"]
+    assert len(classifier) == 1 and int(classifier[0][-1]) == 1           # write_dlogits
+    cpu = gpt2_cpu.gpt2_init(TINY, 42)
+    gpt2_cpu.gpt2_forward(cpu, x, y)
+    gpt2_cpu.gpt2_zero_grad(cpu)
+    gpt2_cpu.gpt2_backward(cpu, loss_scale=0.5)
+    loss_accum = gpt2_cuda.gpt2_activations(model, 2, 8)["loss_accum"]
+    assert float(loss_accum.sum(dtype=np.float64)) / 16 == pytest.approx(cpu.mean_loss, rel=1e-6)
+    assert check_tensor(model.grads.get(), cpu.grads, "grads", 1e-6, 1e-4)
+
+
+def test_emulated_uploads_are_async_copies_from_pinned_buffers(emulated_gpu, monkeypatch):
+    # every per-micro-batch host -> device copy (ids, targets, the dwte chunks) starts in pinned
+    # memory allocated once, and is queued on a stream (asynchronous)
+    pinned, copies = [], []
+
+    def alloc_pinned_memory(nbytes):
+        pinned.append(bytearray(nbytes))
+        return pinned[-1]
+
+    def recording_set(self, arr, stream=None):
+        copies.append((arr, stream))
+        np.copyto(self, arr)
+    monkeypatch.setattr(emulated_gpu.cuda, "alloc_pinned_memory", alloc_pinned_memory)
+    monkeypatch.setattr(FakeDeviceArray, "set", recording_set)
+    model = _tiny_model("bf16", True)
+    gpt2_cuda.gpt2_allocate(model, (2, 16))
+    assert len(pinned) == 4                                                # two buffers each for batch and chunks
+    copies.clear()                                                         # the parameters' upload is not a micro-batch's
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        x, y = (rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32) for _ in range(2))
+        x[0, :] = 3                                                        # 16 positions of one token
+        gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0 / 3)
+    assert len(pinned) == 4 and len(copies) == 3 * (2 + len(gpt2_cuda.WteSegments._fields))
+    buffers = [np.frombuffer(b, np.uint8) for b in pinned]
+    for arr, stream in copies:
+        assert stream is not None and (arr.size == 0 or any(np.shares_memory(arr, b) for b in buffers))
 
 
 def test_emulated_allocation_holds_every_size_at_once(emulated_gpu):
@@ -1149,6 +1249,7 @@ def test_encoder_kernels(gpu_rng, precision, B, T, C, Vp):
     maxT = T + 5
     inp = gpu_rng.integers(0, Vp, (B, T)).astype(np.int32)
     inp[0, :3] = inp[-1, -1] = 1                                         # repeated ids accumulate
+    inp[:, ::3] = 2                                                      # a third of the batch: chunked
     wte, wpe = gpu_rng.standard_normal((Vp, C)), gpu_rng.standard_normal((maxT, C))
     out = poisoned((B, T, C), precision)
     cp = _cp()
@@ -1158,9 +1259,10 @@ def test_encoder_kernels(gpu_rng, precision, B, T, C, Vp):
     dout = gpu_rng.standard_normal((B, T, C))
     dwte0, dwpe0 = gpu_rng.standard_normal((Vp, C)), gpu_rng.standard_normal((maxT, C))
     dwte, dwpe = to_device(dwte0, precision), to_device(dwpe0, precision)
-    positions, seg_start, seg_token = gpt2_cuda.encoder_backward_segments(inp)
-    gpt2_cuda.encoder_backward(dwte, dwpe, to_device(dout, precision), cp.asarray(positions), cp.asarray(seg_start),
-                               cp.asarray(seg_token), seg_token.size, B, T, C)
+    seg = gpt2_cuda.encoder_backward_segments(inp)
+    partial = cp.zeros(gpt2_cuda.wte_partial_rows(B * T) * C, np.float32)
+    gpt2_cuda.encoder_backward(dwte, dwpe, partial, to_device(dout, precision), *(cp.asarray(a) for a in seg),
+                               seg.chunk_token.size, seg.reduce_token.size, B, T, C)
     ref_wte, ref_wpe = as_input(dwte0, precision), as_input(dwpe0, precision)
     gpt2_cpu.encoder_backward(ref_wte, ref_wpe, as_input(dout, precision), inp)
     assert_kernel("encoder_backward", precision, dwte, ref_wte, "dwte (accumulated)")
