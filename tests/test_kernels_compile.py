@@ -47,7 +47,7 @@ ELF_MAGIC = b"\x7fELF"
 
 # The kernel contract that gpt2_cuda.py launches against: file -> its extern "C" kernels.
 KERNEL_CONTRACT = {
-    "encoder.cu": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte"),
+    "encoder.cu": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte", "encoder_backward_wte_reduce"),
     "layernorm.cu": ("layernorm_forward", "fused_residual_forward", "layernorm_backward",
                      "layernorm_param_reduce", "residual_forward"),
     "gelu.cu": ("gelu_forward", "gelu_backward_inplace"),
