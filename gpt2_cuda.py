@@ -751,6 +751,10 @@ def gpt2_allocate(model, *sizes):
     batch_bytes, segment_bytes = staging_bytes(max(B * T for B, T in sizes))
     model.staging["batch"].reserve(batch_bytes)
     model.staging["segments"].reserve(segment_bytes)
+    if model.attention == "cudnn":                                    # its graphs and one workspace, before any capture
+        from llmc import cudnn_attention
+        cfg = model.config
+        cudnn_attention.prepare(sizes, cfg.num_heads, cfg.channels // cfg.num_heads)
     return sum(buf.nbytes for buf in model.buffers.values())
 
 
