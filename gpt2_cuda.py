@@ -282,17 +282,25 @@ def matmul_forward(out, inp, weight, bias, B, T, C, OC):
     """out (B,T,OC) = inp (B,T,C) @ weight^T + bias, weight (OC,C) (nn.Linear layout), bias (OC,)
     or None. Column-major (llmc/cuda.py explains the trick), out^T (OC,N) = weight (OC,C) @ inp^T
     (C,N): weight's memory is the column-major (C,OC) matrix weight^T, so op(A) = T; inp's memory
-    is already inp^T, op(B) = N. cuBLAS adds the bias itself: out is first filled with the bias
-    broadcast over the N rows (a copy), then the gemm accumulates onto it (beta = 1)."""
+    is already inp^T, op(B) = N. The GEMM writes the product (beta = 0), then add_bias adds the
+    bias in place (kernels/bias.cu); with --cublaslt the bias is the GEMM's epilogue instead."""
     if MATMUL_OPTIONS["cublaslt"]:                                      # the bias in the epilogue
         from llmc import cublaslt
         return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC)
     N = B * T
     floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
     check_launch("matmul_forward", floatX + ([("bias", bias, OC)] if bias is not None else []))
+    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC)
     if bias is not None:
-        out.reshape(N, OC)[...] = bias                                  # (OC,) broadcast to (N,OC)
-    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC, accumulate=bias is not None)
+        add_bias(out, bias, N, OC)
+
+
+def add_bias(out, bias, N, OC):
+    """out (N,OC) += bias (OC,) over every row, in place (kernels/bias.cu)."""
+    vectorized = OC % vector_size(cuda.precision_of(out)) == 0
+    precision = check_launch("add_bias", [("out", out, N * OC), ("bias", bias, OC)], aligned=vectorized)
+    groups = N * OC // (vector_size(precision) if vectorized else 1)
+    cuda.launch("bias", precision, "add_bias", elementwise_grid(groups), BLOCK_SIZE, (out, bias, np.int32(N), np.int32(OC)))
 
 
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC):

@@ -352,6 +352,30 @@ def _from_f32(x, precision):
 @pytest.fixture
 def emulated_cublas(monkeypatch):
     monkeypatch.setattr(llmc.cuda, "gemm", emulated_gemm)
+    monkeypatch.setattr(llmc.cuda, "launch", emulated_launch)           # add_bias, bias_backward
+
+
+@pytest.mark.parametrize("precision,OC", [("fp32", 12), ("fp32", 5), ("bf16", 24), ("bf16", 7)])
+def test_matmul_forward_adds_the_bias_after_a_beta_0_gemm(emulated_cublas, monkeypatch, precision, OC):
+    # no broadcast copy of the bias into out and no beta = 1 GEMM reading it back: the GEMM
+    # overwrites out (poisoned first), then one add_bias launch (vectorized or not by OC)
+    gemms, launches = [], []
+    monkeypatch.setattr(llmc.cuda, "gemm", lambda *a, **k: (gemms.append(k.get("accumulate", False)),
+                                                             emulated_gemm(*a, **k)))
+    monkeypatch.setattr(llmc.cuda, "launch", lambda file, prec, name, grid, block, args: (
+        launches.append((name, grid)), emulated_launch(file, prec, name, grid, block, args)))
+    B, T, C = 2, 3, 8
+    rng = np.random.default_rng(OC)
+    inp, weight, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)), rng.standard_normal(OC)
+    out = _from_f32(np.full((B, T, OC), np.nan, np.float32), precision)
+    gpt2_cuda.matmul_forward(out, *(_from_f32(a.astype(np.float32), precision) for a in (inp, weight, bias)),
+                             B, T, C, OC)
+    assert gemms == [False] and [name for name, _ in launches] == ["add_bias"]
+    vec = llmc.cuda.vector_size(precision) if OC % llmc.cuda.vector_size(precision) == 0 else 1
+    assert launches[0][1] == llmc.cuda.elementwise_grid(B * T * OC // vec)
+    r = lambda a: _to_f32(_from_f32(a.astype(np.float32), precision)).astype(np.float64)   # noqa: E731
+    atol, rtol = TOLERANCES[f"kernel_{precision}"]["matmul"]
+    np.testing.assert_allclose(_to_f32(out), r(inp) @ r(weight).T + r(bias), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("B,T,C,OC", [(2, 3, 4, 5), (1, 7, 8, 12), (3, 5, 6, 1)])
@@ -519,6 +543,10 @@ def k_gelu_forward(grid, block, out, inp, n):
 
 def k_gelu_backward_inplace(grid, block, d_in_out, inp, n):
     _store(d_in_out, gpt2_cpu.gelu_backward(_load(d_in_out, int(n)), _load(inp, int(n))))
+
+
+def k_add_bias(grid, block, out, bias, N, OC):
+    _store(out, _load(out, N * OC).reshape(N, OC) + _load(bias, OC))
 
 
 def k_bias_backward(grid, block, scratch, dout, N, OC):

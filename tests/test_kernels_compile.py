@@ -51,7 +51,7 @@ KERNEL_CONTRACT = {
     "layernorm.cu": ("layernorm_forward", "fused_residual_forward", "layernorm_backward",
                      "layernorm_param_reduce", "residual_forward"),
     "gelu.cu": ("gelu_forward", "gelu_backward_inplace"),
-    "bias.cu": ("bias_backward", "bias_reduce"),
+    "bias.cu": ("add_bias", "bias_backward", "bias_reduce"),
     "attention.cu": ("permute_qkv", "permute_qkv_backward", "unpermute", "unpermute_backward",
                      "softmax_forward", "softmax_backward"),
     "classifier.cu": ("fused_classifier",),
