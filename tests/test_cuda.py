@@ -46,6 +46,8 @@ import llmc.mfu
 from gpt2_cpu import GPT2Config
 from llmc.check import TOLERANCES, check_tensor
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from cuda_kernel_checks import (as_input, check_adamw_norm_cast, check_attention, check_classifier, check_encoder,
+                                check_gelu, check_layernorm, check_matmul_and_bias, poisoned, to_device, to_host)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
@@ -1213,41 +1215,13 @@ def test_emulated_bf16_training_writes_master_weights(emulated_gpu, tmp_path):
 # part 2: on a GPU
 
 # Kernel tolerances: llmc.check.TOLERANCES['kernel_fp32' / 'kernel_bf16'] (absolute atol, inputs ~N(0,1)).
+# The checks themselves are in tests/cuda_kernel_checks.py (tests/test_gpu_training_shapes.py runs
+# them at the shapes training uses).
 
 
 def _cp():
     import cupy
     return cupy
-
-
-def to_device(x, precision):
-    """fp32 host array -> floatX device array (bf16: rounded to nearest even)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    return _cp().asarray(float32_to_bfloat16_bits(x) if precision == "bf16" else x)
-
-
-def as_input(x, precision):
-    """What the kernel will actually see: x rounded to floatX, back in float64 for the reference."""
-    x = np.asarray(x, dtype=np.float32)
-    return (bfloat16_bits_to_float32(float32_to_bfloat16_bits(x)) if precision == "bf16" else x).astype(np.float64)
-
-
-def poisoned(shape, precision):
-    """A floatX device array full of NaN: any element a kernel fails to write stays NaN."""
-    cp = _cp()
-    if precision == "bf16":
-        return cp.full(shape, gpt2_cuda.BF16_NAN_BITS, dtype=np.uint16)
-    return cp.full(shape, np.nan, dtype=np.float32)
-
-
-def to_host(x):
-    return gpt2_cuda.as_float32(x.get())
-
-
-def assert_kernel(name, precision, got, ref, label):
-    atol, rtol = TOLERANCES[f"kernel_{precision}"][name]
-    got = to_host(got) if hasattr(got, "get") else got                  # a device array, or already on the host
-    assert check_tensor(got, ref, f"{label} [{precision}]", atol, rtol), label
 
 
 PRECISION_PARAMS = pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -1274,158 +1248,44 @@ def test_cublas_enums_match_cupy():
 @PRECISION_PARAMS
 @pytest.mark.parametrize("B,T,C,Vp", [(2, 3, 16, 24), (3, 37, 64, 128), (4, 64, 768, 256)])
 def test_encoder_kernels(gpu_rng, precision, B, T, C, Vp):
-    maxT = T + 5
-    inp = gpu_rng.integers(0, Vp, (B, T)).astype(np.int32)
-    inp[0, :3] = inp[-1, -1] = 1                                         # repeated ids accumulate
-    inp[:, ::3] = 2                                                      # a third of the batch: chunked
-    wte, wpe = gpu_rng.standard_normal((Vp, C)), gpu_rng.standard_normal((maxT, C))
-    out = poisoned((B, T, C), precision)
-    cp = _cp()
-    gpt2_cuda.encoder_forward(out, cp.asarray(inp), to_device(wte, precision), to_device(wpe, precision), B, T, C)
-    ref = gpt2_cpu.encoder_forward(inp, as_input(wte, precision), as_input(wpe, precision))
-    assert_kernel("encoder_forward", precision, out, ref, "encoded")
-    dout = gpu_rng.standard_normal((B, T, C))
-    dwte0, dwpe0 = gpu_rng.standard_normal((Vp, C)), gpu_rng.standard_normal((maxT, C))
-    dwte, dwpe = to_device(dwte0, precision), to_device(dwpe0, precision)
-    seg = gpt2_cuda.encoder_backward_segments(inp)
-    partial = cp.zeros(gpt2_cuda.wte_partial_rows(B * T) * C, np.float32)
-    gpt2_cuda.encoder_backward(dwte, dwpe, partial, to_device(dout, precision), *(cp.asarray(a) for a in seg),
-                               seg.chunk_token.size, seg.reduce_token.size, B, T, C)
-    ref_wte, ref_wpe = as_input(dwte0, precision), as_input(dwpe0, precision)
-    gpt2_cpu.encoder_backward(ref_wte, ref_wpe, as_input(dout, precision), inp)
-    assert_kernel("encoder_backward", precision, dwte, ref_wte, "dwte (accumulated)")
-    assert_kernel("encoder_backward", precision, dwpe, ref_wpe, "dwpe (accumulated)")
+    check_encoder(gpu_rng, precision, B, T, C, Vp, frequent=0.3)     # a third of the batch: chunked
 
 
 @pytest.mark.gpu
 @PRECISION_PARAMS
 @pytest.mark.parametrize("B,T,C", [(1, 1, 8), (2, 37, 96), (4, 64, 768), (3, 100, 1600)])
 def test_layernorm_kernels(gpu_rng, precision, B, T, C):
-    cp = _cp()
-    N = B * T
-    inp = gpu_rng.standard_normal((B, T, C)) * 2 + 0.5
-    w, b = gpu_rng.standard_normal(C), gpu_rng.standard_normal(C)
-    x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(b, precision)
-    out, mean, rstd = poisoned((B, T, C), precision), cp.full((B, T), np.nan, np.float32), cp.full((B, T), np.nan, np.float32)
-    gpt2_cuda.layernorm_forward(out, mean, rstd, to_device(inp, precision), to_device(w, precision),
-                                to_device(b, precision), B, T, C)
-    ref, ref_mean, ref_rstd = gpt2_cpu.layernorm_forward(x, wx, bx)
-    assert_kernel("layernorm_forward", precision, out, ref, "ln out")
-    assert_kernel("layernorm_forward", "fp32", mean.get(), ref_mean, "ln mean")   # fp32 statistics of floatX inputs
-    assert_kernel("layernorm_forward", "fp32", rstd.get(), ref_rstd, "ln rstd")
-    # fused residual + layernorm
-    inp2 = gpu_rng.standard_normal((B, T, C))
-    residual, normed = poisoned((B, T, C), precision), poisoned((B, T, C), precision)
-    gpt2_cuda.fused_residual_forward(residual, normed, mean, rstd, to_device(inp, precision), to_device(inp2, precision),
-                                     to_device(w, precision), to_device(b, precision), N, C)
-    ref_res = as_input(x + as_input(inp2, precision), precision)                     # rounded to floatX first
-    assert_kernel("residual_forward", precision, residual, ref_res, "fused residual")
-    assert_kernel("layernorm_forward", precision, normed, gpt2_cpu.layernorm_forward(ref_res, wx, bx)[0], "fused normed")
-    plain = poisoned((B, T, C), precision)
-    gpt2_cuda.residual_forward(plain, to_device(inp, precision), to_device(inp2, precision), N * C)
-    assert_kernel("residual_forward", precision, plain, x + as_input(inp2, precision), "residual")
-    # backward: dinp, dweight, dbias all accumulate
-    gpt2_cuda.layernorm_forward(out, mean, rstd, to_device(inp, precision), to_device(w, precision),
-                                to_device(b, precision), B, T, C)
-    dout = gpu_rng.standard_normal((B, T, C))
-    dinp0, dw0, db0 = gpu_rng.standard_normal((B, T, C)), gpu_rng.standard_normal(C), gpu_rng.standard_normal(C)
-    dinp, dw, db = to_device(dinp0, precision), to_device(dw0, precision), to_device(db0, precision)
-    scratch = cp.full(gpt2_cuda.scratch_floats(GPT2Config(channels=C)), np.nan, np.float32)
-    gpt2_cuda.layernorm_backward(dinp, dw, db, scratch, to_device(dout, precision), to_device(inp, precision),
-                                 to_device(w, precision), mean, rstd, B, T, C)
-    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
-    ref_dinp = as_input(dinp0, precision) + gpt2_cpu.layernorm_backward(ref_dw, ref_db, as_input(dout, precision), x, wx,
-                                                                        ref_mean, ref_rstd)
-    assert_kernel("layernorm_backward", precision, dinp, ref_dinp, "ln dinp (accumulated)")
-    assert_kernel("layernorm_backward", precision, dw, ref_dw, "ln dweight (accumulated)")
-    assert_kernel("layernorm_backward", precision, db, ref_db, "ln dbias (accumulated)")
+    check_layernorm(gpu_rng, precision, B, T, C)
 
 
 @pytest.mark.gpu
 @PRECISION_PARAMS
 @pytest.mark.parametrize("n", [1, 7, 4096 + 3, 3 * 37 * 4 * 96])
 def test_gelu_kernels(gpu_rng, precision, n):
-    x = gpu_rng.standard_normal(n) * 3
-    out = poisoned(n, precision)
-    gpt2_cuda.gelu_forward(out, to_device(x, precision), n)
-    assert_kernel("gelu", precision, out, gpt2_cpu.gelu_forward(as_input(x, precision)), "gelu")
-    d = gpu_rng.standard_normal(n)
-    dd = to_device(d, precision)
-    gpt2_cuda.gelu_backward_inplace(dd, to_device(x, precision), n)
-    assert_kernel("gelu", precision, dd, gpt2_cpu.gelu_backward(as_input(d, precision), as_input(x, precision)), "dgelu")
+    check_gelu(gpu_rng, precision, n)
 
 
 @pytest.mark.gpu
 @PRECISION_PARAMS
 @pytest.mark.parametrize("B,T,C,OC", [(2, 3, 16, 24), (3, 37, 96, 288), (4, 64, 768, 3072), (1, 5, 64, 50304)])
 def test_matmul_and_bias_kernels(gpu_rng, precision, monkeypatch, B, T, C, OC):
-    cp = _cp()
     monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
-    inp, w, bias = gpu_rng.standard_normal((B, T, C)), gpu_rng.standard_normal((OC, C)) / math.sqrt(C), gpu_rng.standard_normal(OC)
-    x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(bias, precision)
-    out = poisoned((B, T, OC), precision)
-    gpt2_cuda.matmul_forward(out, to_device(inp, precision), to_device(w, precision), to_device(bias, precision), B, T, C, OC)
-    assert_kernel("matmul", precision, out, gpt2_cpu.matmul_forward(x, wx, bx), "matmul out")
-    dout = gpu_rng.standard_normal((B, T, OC))
-    dw0, db0 = gpu_rng.standard_normal((OC, C)), gpu_rng.standard_normal(OC)
-    dinp, dw, db = poisoned((B, T, C), precision), to_device(dw0, precision), to_device(db0, precision)
-    scratch = cp.full(gpt2_cuda.scratch_floats(GPT2Config(channels=max(C, OC))), np.nan, np.float32)
-    gpt2_cuda.matmul_backward(dinp, dw, db, to_device(dout, precision), to_device(inp, precision), to_device(w, precision),
-                              scratch, B, T, C, OC)
-    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
-    ref_dinp = gpt2_cpu.matmul_backward(ref_dw, ref_db, as_input(dout, precision), x, wx)
-    assert_kernel("matmul", precision, dinp, ref_dinp, "matmul dinp")
-    assert_kernel("matmul", precision, dw, ref_dw, "matmul dweight (accumulated)")
-    assert_kernel("matmul", precision, db, ref_db, "bias_backward dbias (accumulated)")
+    check_matmul_and_bias(gpu_rng, precision, B, T, C, OC)
 
 
 @pytest.mark.gpu
 @PRECISION_PARAMS
 @pytest.mark.parametrize("B,T,NH,HS", [(1, 1, 1, 8), (2, 37, 3, 16), (4, 64, 12, 64), (1, 128, 2, 8)])
 def test_attention_kernels(gpu_rng, precision, monkeypatch, B, T, NH, HS):
-    cp = _cp()
     monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
-    C = NH * HS
-    qkv = gpu_rng.standard_normal((B, T, 3 * C))
-    out, qkvr, att = poisoned((B, T, C), precision), poisoned((3, B, NH, T, HS), precision), poisoned((B, NH, T, T), precision)
-    scratch = poisoned(B * T * max(3 * C, NH * T), precision)
-    scratch[:B * T * 3 * C] = to_device(qkv, precision).ravel()
-    gpt2_cuda.attention_forward(out, qkvr, att, scratch, B, T, C, NH)
-    ref_out, ref_att = gpt2_cpu.attention_forward(as_input(qkv, precision), NH)
-    ref_qkvr = as_input(qkv, precision).reshape(B, T, 3, NH, HS).transpose(2, 0, 3, 1, 4)
-    assert_kernel("attention", precision, qkvr, ref_qkvr, "permute_qkv")
-    assert_kernel("attention", precision, att, ref_att, "att (softmax, 0 above the diagonal)")
-    assert_kernel("attention", precision, out, ref_out, "attention out")
-    dout = gpu_rng.standard_normal((B, T, C))
-    dinp = poisoned((B, T, 3 * C), precision)
-    dqkvr, dy, datt = poisoned((3, B, NH, T, HS), precision), poisoned((B, NH, T, HS), precision), poisoned(B * NH * T * T, precision)
-    gpt2_cuda.attention_backward(dinp, dqkvr, datt, dy, to_device(dout, precision), qkvr, att, B, T, C, NH)
-    ref_dinp = gpt2_cpu.attention_backward(as_input(dout, precision), as_input(qkv, precision), to_host(att).astype(np.float64), NH)
-    assert_kernel("attention", precision, dinp, ref_dinp, "attention dqkv")
-    assert cp.isfinite(cp.asarray(to_host(dinp))).all()
+    check_attention(gpu_rng, precision, B, T, NH, HS)
 
 
 @pytest.mark.gpu
 @PRECISION_PARAMS
 @pytest.mark.parametrize("B,T,V,Vp", [(1, 1, 5, 8), (2, 37, 1000, 1024), (2, 64, 50257, 50304)])
 def test_classifier_kernel(gpu_rng, precision, B, T, V, Vp):
-    cp = _cp()
-    logits = gpu_rng.standard_normal((B, T, Vp)) * 3
-    targets = gpu_rng.integers(0, V, (B, T)).astype(np.int32)
-    z = as_input(logits, precision)
-    dev = to_device(logits, precision)
-    losses = cp.full((B, T), np.nan, np.float32)
-    gpt2_cuda.fused_classifier(dev, losses, cp.asarray(targets), 0.0, B, T, V, Vp, write_dlogits=False)
-    probs = gpt2_cpu.softmax_forward(z, V)
-    ref_losses = gpt2_cpu.crossentropy_forward(probs, targets)
-    assert_kernel("classifier", "fp32", losses.get(), ref_losses, "losses")
-    assert_kernel("classifier", precision, dev, z, "logits untouched without write_dlogits")
-    dloss = 1.0 / (B * T)
-    gpt2_cuda.fused_classifier(dev, losses, cp.asarray(targets), dloss, B, T, V, Vp, write_dlogits=True)
-    ref = gpt2_cpu.crossentropy_softmax_backward(np.full((B, T), dloss), probs, targets)
-    atol, rtol = TOLERANCES[f"kernel_{precision}"]["classifier"]
-    assert check_tensor(to_host(dev), ref, f"dlogits [{precision}]", atol * dloss, rtol)
-    assert np.all(to_host(dev)[..., V:] == 0.0)
+    check_classifier(gpu_rng, precision, B, T, V, Vp)
 
 
 @pytest.mark.gpu
@@ -1448,33 +1308,7 @@ def test_stochastic_rounding_near_the_largest_float_never_gives_nan():
 @PRECISION_PARAMS
 @pytest.mark.parametrize("n", [1, 1000, 1 << 20])
 def test_adamw_norm_and_cast_kernels(gpu_rng, precision, n):
-    cp = _cp()
-    p0, g0 = gpu_rng.standard_normal(n).astype(np.float32), gpu_rng.standard_normal(n).astype(np.float32)
-    m0, v0 = gpu_rng.standard_normal(n).astype(np.float32) * 0.1, np.abs(gpu_rng.standard_normal(n)).astype(np.float32)
-    params, grads, m, v = to_device(p0, precision), to_device(g0, precision), cp.asarray(m0), cp.asarray(v0)
-    master = cp.asarray(as_input(p0, precision).astype(np.float32))
-    lr, b1, b2, eps, wd, t, scale = 1e-3, 0.9, 0.95, 1e-8, 0.1, 3, 0.7
-    gpt2_cuda.adamw_update(params, master, grads, m, v, n, lr, b1, b2, 1 - b1 ** t, 1 - b2 ** t, eps, wd, scale, 1234)
-    ref = types.SimpleNamespace(params=as_input(p0, precision).astype(np.float32), grads=as_input(g0, precision).astype(np.float32),
-                                m=m0.copy(), v=v0.copy(), param_shapes=[("wte", (n,))])
-    gpt2_cpu.gpt2_update(ref, lr, b1, b2, eps, wd, t, scale)
-    atol, rtol = TOLERANCES["kernel_fp32"]["adamw"]
-    assert check_tensor(master.get(), ref.params, "master", atol, rtol)
-    assert check_tensor(m.get(), ref.m, "m", atol, rtol)
-    assert check_tensor(v.get(), ref.v, "v", atol, rtol)
-    assert_kernel("adamw", precision, params, ref.params, "params (stochastically rounded in bf16)")
-    # global norm, fixed-order reduction
-    out, partial = cp.full(1, np.nan, np.float32), cp.full(gpt2_cuda.GLOBAL_NORM_GRID, np.nan, np.float32)
-    gpt2_cuda.global_norm(out, partial, grads, n)
-    ref_norm = np.sqrt((as_input(g0, precision) ** 2).sum())
-    assert_kernel("global_norm", precision, out.get(), np.array([ref_norm]), "global norm")
-    # casts: exact round-trips
-    f = cp.full(n, np.nan, np.float32)
-    gpt2_cuda.cast_floatX_to_float(f, grads, n)
-    assert_kernel("cast", precision, f.get(), as_input(g0, precision), "cast floatX -> float")
-    back = poisoned(n, precision)
-    gpt2_cuda.cast_float_to_floatX(back, cp.asarray(g0), n)
-    assert_kernel("cast", precision, back, as_input(g0, precision), "cast float -> floatX (nearest even)")
+    check_adamw_norm_cast(gpu_rng, precision, n)
 
 
 @pytest.mark.gpu
