@@ -125,7 +125,7 @@ def activation_shapes(config, B, T, recompute=True, attention="naive"):
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
         ("output", (output_floats,), "X"),
-        ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj; in the backward dlnf, dln2, datty, dln1
+        ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj (bias-free); in the backward dlnf, dln2, datty, dln1
         ("scratch_bt4c", (B, T, 4 * C), "X"),  # in the backward dfch, then dqkv (B,T,3C)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
         *attention_scratch,
@@ -243,15 +243,20 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, B, T, C):
                 (out, mean, rstd, inp, weight, bias, np.int32(N), np.int32(C)))
 
 
-def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C):
-    """residual (N,C) = inp1 + inp2 (rounded to floatX), then normed, mean, rstd = layernorm of it:
-    residual_forward and the next layernorm_forward in one pass over the rows."""
+def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, inp2_bias, weight, bias, N, C):
+    """residual (N,C) = inp1 + (inp2 + inp2_bias) (rounded to floatX once), then normed, mean, rstd =
+    layernorm of it: residual_forward and the next layernorm_forward in one pass over the rows.
+    inp2_bias (C,) is the bias of the projection that wrote inp2 with a bias-free GEMM, or None:
+    folded here, the bias costs no pass over (N,C) of its own."""
+    bias_arg = [("inp2_bias", inp2_bias, C)] if inp2_bias is not None else []
     precision = check_launch("fused_residual_forward",
                              [("residual", residual, N * C), ("normed", normed, N * C), ("inp1", inp1, N * C),
-                              ("inp2", inp2, N * C), ("weight", weight, C), ("bias", bias, C)],
+                              ("inp2", inp2, N * C), ("weight", weight, C), ("bias", bias, C)] + bias_arg,
                              float32=[("mean", mean, N), ("rstd", rstd, N)], vector_dim=("C", C))
+    null = np.uint64(0)                    # a NULL floatX*: no projection bias
     cuda.launch("layernorm", precision, "fused_residual_forward", warp_row_grid(N), WARP_ROW_BLOCK_SIZE,
-                (residual, normed, mean, rstd, inp1, inp2, weight, bias, np.int32(N), np.int32(C)))
+                (residual, normed, mean, rstd, inp1, inp2, null if inp2_bias is None else inp2_bias, weight, bias,
+                 np.int32(N), np.int32(C)))
 
 
 def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd, B, T, C):
@@ -863,21 +868,21 @@ def gpt2_forward_kernels(model, B, T, with_loss):
         else:                                                                      # qkv and lse kept
             matmul_forward(A["qkv"][l], A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)
             fused_attention_forward(model.attention, A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH)
-        attproj = A["scratch_btc"]
-        matmul_forward(attproj, A["atty"][l], p["attprojw"], p["attprojb"], B, T, C, C)
-        # residual2 = residual + attproj, and ln2 = layernorm(residual2), in one kernel
+        attproj = A["scratch_btc"]                                                 # without its bias:
+        matmul_forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)      # the next kernel adds it
+        # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
         fused_residual_forward(A["residual2"][l], A["ln2"][l], A["ln2_mean"][l], A["ln2_rstd"][l],
-                               residual, attproj, p["ln2w"], p["ln2b"], B * T, C)
+                               residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
         # forward pass 2: MLP block
         matmul_gelu_forward(fch_gelu, A["fch"][l], A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C)  # (B,T,4C)
         fcproj = A["scratch_btc"]
-        matmul_forward(fcproj, fch_gelu, p["fcprojw"], p["fcprojb"], B, T, 4 * C, C)  # (B,T,C)
-        # residual3 = residual2 + fcproj, and the next LayerNorm: layer l+1's ln1, or the final lnf
+        matmul_forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)        # (B,T,C), bias added next
+        # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
         if l + 1 < L:
             norm = (A["ln1"][l + 1], A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
         else:
             norm = (A["lnf"], A["lnf_mean"], A["lnf_rstd"], P["lnfw"], P["lnfb"])
-        fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj,
+        fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
                                norm[3], norm[4], B * T, C)
     # forward pass 3: classifier tied to wte (lnf was written by the last fused residual), loss
     logits = prefix(A["output"], (B, T, Vp))

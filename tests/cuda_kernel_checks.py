@@ -140,14 +140,18 @@ def check_layernorm(rng, precision, B, T, C):
     assert_kernel("layernorm_forward", precision, out, ref, "ln out")
     assert_kernel("layernorm_forward", "fp32", mean.get(), ref_mean, "ln mean")   # fp32 statistics of floatX inputs
     assert_kernel("layernorm_forward", "fp32", rstd.get(), ref_rstd, "ln rstd")
-    # fused residual + layernorm
-    inp2 = rng.standard_normal((B, T, C))
-    residual, normed = poisoned((B, T, C), precision), poisoned((B, T, C), precision)
-    gpt2_cuda.fused_residual_forward(residual, normed, mean, rstd, to_device(inp, precision), to_device(inp2, precision),
-                                     to_device(w, precision), to_device(b, precision), N, C)
-    ref_res = as_input(x + as_input(inp2, precision), precision)                     # rounded to floatX first
-    assert_kernel("residual_forward", precision, residual, ref_res, "fused residual")
-    assert_kernel("layernorm_forward", precision, normed, gpt2_cpu.layernorm_forward(ref_res, wx, bx)[0], "fused normed")
+    # fused residual + layernorm, without and with the projection bias of inp2
+    inp2, proj_bias = rng.standard_normal((B, T, C)), rng.standard_normal(C)
+    for bias_of_inp2 in (None, proj_bias):
+        residual, normed = poisoned((B, T, C), precision), poisoned((B, T, C), precision)
+        gpt2_cuda.fused_residual_forward(residual, normed, mean, rstd, to_device(inp, precision), to_device(inp2, precision),
+                                         None if bias_of_inp2 is None else to_device(bias_of_inp2, precision),
+                                         to_device(w, precision), to_device(b, precision), N, C)
+        shift = 0.0 if bias_of_inp2 is None else as_input(bias_of_inp2, precision)
+        ref_res = as_input(x + (as_input(inp2, precision) + shift), precision)        # rounded to floatX first
+        label = "fused residual" + ("" if bias_of_inp2 is None else " + projection bias")
+        assert_kernel("residual_forward", precision, residual, ref_res, label)
+        assert_kernel("layernorm_forward", precision, normed, gpt2_cpu.layernorm_forward(ref_res, wx, bx)[0], f"{label}: normed")
     plain = poisoned((B, T, C), precision)
     gpt2_cuda.residual_forward(plain, to_device(inp, precision), to_device(inp2, precision), N * C)
     assert_kernel("residual_forward", precision, plain, x + as_input(inp2, precision), "residual")

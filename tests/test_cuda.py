@@ -504,8 +504,9 @@ def k_layernorm_forward(grid, block, out, mean, rstd, inp, weight, bias, N, C):
         rstd.reshape(-1)[:N] = r
 
 
-def k_fused_residual_forward(grid, block, residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C):
-    _store(residual, _load(inp1, N * C) + _load(inp2, N * C))
+def k_fused_residual_forward(grid, block, residual, normed, mean, rstd, inp1, inp2, inp2_bias, weight, bias, N, C):
+    shift = 0.0 if _null(inp2_bias) else _load(inp2_bias, C)
+    _store(residual, _load(inp1, N * C) + (_load(inp2, N * C).reshape(N, C) + shift).ravel())
     k_layernorm_forward(grid, block, normed, mean, rstd, residual, weight, bias, N, C)
 
 
@@ -902,6 +903,25 @@ def test_emulated_micro_batch_runs_the_classifier_once(emulated_gpu, monkeypatch
     loss_accum = gpt2_cuda.gpt2_activations(model, 2, 8)["loss_accum"]
     assert float(loss_accum.sum(dtype=np.float64)) / 16 == pytest.approx(cpu.mean_loss, rel=1e-6)
     assert check_tensor(model.grads.get(), cpu.grads, "grads", 1e-6, 1e-4)
+
+
+def test_emulated_projection_biases_ride_on_the_fused_residual(emulated_gpu, monkeypatch):
+    # of a layer's four linear layers, qkv and fc add their bias with add_bias; the attention and
+    # MLP projections hand theirs to the fused residual + LayerNorm (no pass of their own)
+    launched = []
+
+    def recording_launch(file, precision, name, grid, block, args):
+        launched.append((name, args))
+        emulated_launch(file, precision, name, grid, block, args)
+    monkeypatch.setattr(llmc.cuda, "launch", recording_launch)
+    model = _tiny_model("bf16", True)
+    x = np.arange(16, dtype=np.int32).reshape(2, 8)
+    gpt2_cuda.gpt2_forward(model, x, x)
+    L = TINY.num_layers
+    assert sum(name == "add_bias" for name, _ in launched) == 2 * L
+    projection_biases = [args[6] for name, args in launched if name == "fused_residual_forward"]
+    assert len(projection_biases) == 2 * L and not any(_null(b) for b in projection_biases)
+    assert all(np.shares_memory(b, model.params) for b in projection_biases)
 
 
 def test_emulated_uploads_are_async_copies_from_pinned_buffers(emulated_gpu, monkeypatch):
