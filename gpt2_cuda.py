@@ -683,10 +683,12 @@ class PinnedStaging:
 
 
 def staging_bytes(N):
-    """Pinned bytes of the uploads of a micro-batch of N positions, per buffer: (batch, segments)."""
-    aligned = lambda ints: ceil_div(4 * ints, PinnedStaging.ALIGNMENT) * PinnedStaging.ALIGNMENT   # noqa: E731
+    """Pinned bytes of the uploads of a micro-batch of N positions, per buffer: (batch, segments),
+    each int32 array rounded up to PinnedStaging.ALIGNMENT as upload places them."""
+    def ints(n):
+        return ceil_div(4 * n, PinnedStaging.ALIGNMENT) * PinnedStaging.ALIGNMENT
     R = wte_reduce_max(N)
-    return 2 * aligned(N), 3 * aligned(N) + aligned(N + 1) + 2 * aligned(R + 1)
+    return 2 * ints(N), ints(N) + ints(N + 1) + 2 * ints(N) + 2 * ints(R + 1)   # positions, chunks, reduce
 
 
 class GPT2:
@@ -927,16 +929,20 @@ def upload_segments(model, padded):
     A = gpt2_activations(model, B, T)
     seg = encoder_backward_segments(model.host_inputs)
     K, M = seg.chunk_token.size, seg.reduce_token.size
-    if padded:
-        empty = lambda n, value: np.full(n, value, dtype=np.int32)                     # noqa: E731
-        seg = seg._replace(chunk_start=np.concatenate([seg.chunk_start, empty(N - K, N)]),            # (N+1,)
-                           chunk_token=np.concatenate([seg.chunk_token, empty(N - K, -1)]),           # never read
-                           chunk_slot=np.concatenate([seg.chunk_slot, empty(N - K, -1)]),
-                           reduce_start=np.concatenate([seg.reduce_start, empty(wte_reduce_max(N) - M, seg.reduce_start[-1])]),
-                           reduce_token=np.concatenate([seg.reduce_token, empty(wte_reduce_max(N) - M, -1)]))
-        K, M = N, wte_reduce_max(N)
+    if padded:                             # an empty chunk starts where the last one ends
+        R = wte_reduce_max(N)
+        seg = seg._replace(chunk_start=padded_to(seg.chunk_start, N + 1, N), chunk_token=padded_to(seg.chunk_token, N, -1),
+                           chunk_slot=padded_to(seg.chunk_slot, N, -1),
+                           reduce_start=padded_to(seg.reduce_start, R + 1, seg.reduce_start[-1]),
+                           reduce_token=padded_to(seg.reduce_token, R, -1))
+        K, M = N, R
     model.staging["segments"].upload([(A[name][:getattr(seg, name).size], getattr(seg, name)) for name in seg._fields])
     return K, M
+
+
+def padded_to(values, length, fill):
+    """The int32 array `values` followed by `fill` up to `length` entries."""
+    return np.concatenate([values, np.full(length - values.size, fill, dtype=np.int32)])
 
 
 def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):

@@ -131,6 +131,18 @@ def test_encoder_segments_reproduce_add_at(B, T, V, frequent):
     np.testing.assert_allclose(_scatter_add_by_plan(seg, dout, V), ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("N", [1, 33, 2048, 65536])
+def test_pinned_staging_holds_the_largest_uploads(N):
+    # the CUDA graph's padded uploads are the largest a micro-batch of N positions makes: they fit
+    # the buffers gpt2_allocate reserves, so no pinned allocation happens inside training
+    def placed(ints):
+        return -(-4 * ints // gpt2_cuda.PinnedStaging.ALIGNMENT) * gpt2_cuda.PinnedStaging.ALIGNMENT
+    R = gpt2_cuda.wte_reduce_max(N)
+    batch, segments = gpt2_cuda.staging_bytes(N)
+    assert batch >= 2 * placed(N)
+    assert segments >= sum(placed(n) for n in (N, N + 1, N, N, R + 1, R))
+
+
 def test_grids():
     assert llmc.cuda.ceil_div(10, 3) == 4 and llmc.cuda.ceil_div(9, 3) == 3
     assert llmc.cuda.elementwise_grid(0) == 1 and llmc.cuda.elementwise_grid(257) == 2
