@@ -3,8 +3,8 @@ kernels/encoder.cu: token + position embedding, forward and backward.
 
 Progression: `python dev/cuda/encoder.py` shows the way here; this file is its version 2 of
 encoder_forward and version 3 of encoder_backward, each version validated against gpt2_cpu.py,
-then timed against the GPU's measured limits. The share of the limit these kernels reach is not measured yet:
-they have not run on a GPU.
+then timed against the GPU's measured limits. The share of the limit these kernels reach is not
+measured yet: they have not run on a GPU.
 
     forward:  out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]
     backward: dwte[v,:] += sum over all (b,t) with inp[b,t] == v of dout[b,t,:]
@@ -21,8 +21,8 @@ Kernels (N = B*T rows; inp (B,T) int32; wte (Vp,C); wpe (maxT,C); out, dout (B,T
   llm.c's train_gpt2.cu encoder_backward: the host sorts the flat positions p = b*T+t by token id
   (stable sort), so each token's positions form one run, and cuts each run into chunks of at most
   WTE_CHUNK_ROWS positions (gpt2_cuda.encoder_backward_segments). One block owns one chunk and
-  sums its dout rows in position order in fp32: a token that is 4% of a batch (300 rows of 8192)
-  is then ten blocks, not one serial tail. A token's only chunk adds its sum into dwte directly;
+  sums its dout rows in position order in fp32: a token that is 4% of a batch (330 rows of 8192)
+  is then 11 blocks of at most 32 rows, not one serial tail. A token's only chunk adds its sum into dwte directly;
   the chunks of a token with several write their sums to fp32 rows of `partial` (chunk_slot).
   Grid-stride over chunks; threads stride over the x128 groups of C.
 - encoder_backward_wte_reduce: one block per token with several chunks, adding its partial rows
@@ -31,7 +31,8 @@ Kernels (N = B*T rows; inp (B,T) int32; wte (Vp,C); wpe (maxT,C); out, dout (B,T
 Launcher must check: C % x128::size == 0 (8 in bf16, 4 in fp32) and 16-byte aligned pointers
 (wte/wpe/dwte/dwpe views at element offsets that are multiples of x128::size); for
 encoder_backward_wte, a token's single chunk (chunk_slot -1) never shares its dwte row with
-another chunk or a reduce block, chunk_start[num_chunks] == N, partial holds every slot's C floats. Any block size (no warp-level code here).
+another chunk or a reduce block, chunk_start[num_chunks] == N, and partial holds C floats for
+every slot. Any block size (no warp-level code here).
 */
 #include "common.cuh"
 
