@@ -331,13 +331,13 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, O
 def matmul_gelu_forward(out, pre_gelu, inp, weight, bias, B, T, C, OC):
     """The MLP's first layer: pre_gelu (B,T,OC) = inp @ weight^T + bias (kept for the backward)
     and out = gelu(pre_gelu). With --cublaslt one cuBLASLt call (the GELU_AUX_BIAS epilogue applies
-    the bias and the same tanh GELU to the fp32 accumulator, and stores both); else matmul_forward
-    then gelu_forward."""
+    the bias and the same tanh GELU to the fp32 accumulator, and stores both); else the bias-free
+    GEMM, then gelu_forward adding the bias into pre_gelu and taking GELU in one pass."""
     if MATMUL_OPTIONS["cublaslt"]:
         from llmc import cublaslt
         return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu)
-    matmul_forward(pre_gelu, inp, weight, bias, B, T, C, OC)
-    gelu_forward(out, pre_gelu, B * T * OC)
+    matmul_forward(pre_gelu, inp, weight, None, B, T, C, OC)
+    gelu_forward(out, pre_gelu, B * T * OC, bias, OC)              # adds the bias into pre_gelu too
 
 
 def matmul_dgelu_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, scratch, B, T, C, OC):
@@ -570,11 +570,17 @@ def fused_attention_backward(path, dqkv, D, dout, out, qkv, lse, B, T, C, NH):
         cudnn_attention.attention_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, C // NH)
 
 
-def gelu_forward(out, inp, n):
-    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise over n values."""
-    precision = check_launch("gelu_forward", [("out", out, n), ("inp", inp, n)], aligned=True)
+def gelu_forward(out, inp, n, inp_bias=None, OC=0):
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise over n values x of inp.
+    With inp_bias (OC,), inp is (n/OC, OC) matmul outputs without their bias: the kernel first adds
+    it into inp in place (inp is the pre-GELU activation the backward reads), then takes GELU."""
+    bias_arg = [("inp_bias", inp_bias, OC)] if inp_bias is not None else []
+    precision = check_launch("gelu_forward", [("out", out, n), ("inp", inp, n)] + bias_arg, aligned=True)
+    if inp_bias is not None:
+        require(OC % vector_size(precision) == 0 and n % OC == 0,
+                f"gelu_forward: OC={OC} must be a multiple of {vector_size(precision)} dividing n={n}")
     cuda.launch("gelu", precision, "gelu_forward", elementwise_grid(ceil_div(n, vector_size(precision))), BLOCK_SIZE,
-                (out, inp, np.uint64(n)))
+                (out, inp, np.uint64(0) if inp_bias is None else inp_bias, np.uint64(n), np.int32(OC)))
 
 
 def gelu_backward_inplace(d_in_out, inp, n):

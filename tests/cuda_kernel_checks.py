@@ -172,12 +172,20 @@ def check_layernorm(rng, precision, B, T, C):
     assert_kernel("layernorm_backward", precision, db, ref_db, "ln dbias (accumulated)")
 
 
-def check_gelu(rng, precision, n):
-    """gelu_forward and gelu_backward_inplace over n values."""
+def check_gelu(rng, precision, n, OC=None):
+    """gelu_forward and gelu_backward_inplace over n values; with OC (dividing n), gelu_forward
+    also adds a bias of OC values into its input first, as the MLP's first layer does."""
     x = rng.standard_normal(n) * 3
     out = poisoned(n, precision)
     gpt2_cuda.gelu_forward(out, to_device(x, precision), n)
     assert_kernel("gelu", precision, out, gpt2_cpu.gelu_forward(as_input(x, precision)), "gelu")
+    if OC is not None:
+        bias = rng.standard_normal(OC)
+        pre, out = to_device(x, precision), poisoned(n, precision)
+        gpt2_cuda.gelu_forward(out, pre, n, to_device(bias, precision), OC)
+        ref_pre = as_input((as_input(x, precision).reshape(-1, OC) + as_input(bias, precision)).ravel(), precision)
+        assert_kernel("gelu", precision, pre, ref_pre, "inp + bias, stored")
+        assert_kernel("gelu", precision, out, gpt2_cpu.gelu_forward(ref_pre), "gelu(inp + bias)")
     d = rng.standard_normal(n)
     dd = to_device(d, precision)
     gpt2_cuda.gelu_backward_inplace(dd, to_device(x, precision), n)

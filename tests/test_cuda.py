@@ -552,7 +552,9 @@ def _gelu(x):
     return gpt2_cpu.gelu_forward(x.astype(np.float32))
 
 
-def k_gelu_forward(grid, block, out, inp, n):
+def k_gelu_forward(grid, block, out, inp, inp_bias, n, OC):
+    if not _null(inp_bias):
+        _store(inp, (_load(inp, int(n)).reshape(-1, OC) + _load(inp_bias, OC)).ravel())
     _store(out, _gelu(_load(inp, int(n))))
 
 
@@ -917,9 +919,10 @@ def test_emulated_micro_batch_runs_the_classifier_once(emulated_gpu, monkeypatch
     assert check_tensor(model.grads.get(), cpu.grads, "grads", 1e-6, 1e-4)
 
 
-def test_emulated_projection_biases_ride_on_the_fused_residual(emulated_gpu, monkeypatch):
-    # of a layer's four linear layers, qkv and fc add their bias with add_bias; the attention and
-    # MLP projections hand theirs to the fused residual + LayerNorm (no pass of their own)
+def test_emulated_biases_ride_on_the_next_kernel(emulated_gpu, monkeypatch):
+    # of a layer's four linear layers only qkv adds its bias with add_bias; fc hands its bias to
+    # the GELU, the attention and MLP projections theirs to the fused residual + LayerNorm (no
+    # pass of their own)
     launched = []
 
     def recording_launch(file, precision, name, grid, block, args):
@@ -930,7 +933,9 @@ def test_emulated_projection_biases_ride_on_the_fused_residual(emulated_gpu, mon
     x = np.arange(16, dtype=np.int32).reshape(2, 8)
     gpt2_cuda.gpt2_forward(model, x, x)
     L = TINY.num_layers
-    assert sum(name == "add_bias" for name, _ in launched) == 2 * L
+    assert sum(name == "add_bias" for name, _ in launched) == L
+    fc_biases = [args[2] for name, args in launched if name == "gelu_forward"]
+    assert len(fc_biases) == L and all(np.shares_memory(b, model.P["fcb"]) for b in fc_biases)
     projection_biases = [args[6] for name, args in launched if name == "fused_residual_forward"]
     assert len(projection_biases) == 2 * L and not any(_null(b) for b in projection_biases)
     assert all(np.shares_memory(b, model.params) for b in projection_biases)
@@ -1292,9 +1297,9 @@ def test_layernorm_kernels(gpu_rng, precision, B, T, C):
 
 @pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("n", [1, 7, 4096 + 3, 3 * 37 * 4 * 96])
-def test_gelu_kernels(gpu_rng, precision, n):
-    check_gelu(gpu_rng, precision, n)
+@pytest.mark.parametrize("n,OC", [(1, None), (7, None), (4096 + 3, None), (3 * 37 * 4 * 96, 4 * 96)])
+def test_gelu_kernels(gpu_rng, precision, n, OC):
+    check_gelu(gpu_rng, precision, n, OC)
 
 
 @pytest.mark.gpu

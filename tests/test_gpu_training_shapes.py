@@ -67,7 +67,7 @@ def run_every_kernel_check(rng, precision):
     seg = check_encoder(rng, precision, B, T, C, Vp, frequent=FREQUENT_TOKEN_SHARE)
     assert seg.reduce_token.size >= 1                   # the frequent token took several chunks
     check_layernorm(rng, precision, B, T, C)
-    check_gelu(rng, precision, B * T * 4 * C)
+    check_gelu(rng, precision, B * T * 4 * C, 4 * C)
     for C_in, OC in LINEAR_SHAPES.values():
         check_matmul_and_bias(rng, precision, B, T, C_in, OC)
     check_attention(rng, precision, B, T, NH, HS)
