@@ -78,6 +78,7 @@ DEFAULT_ATTENTION = "naive"
 LAYERNORM_BACKWARD_BLOCK_SIZE = 512
 LAYERNORM_BACKWARD_GRID = 512          # scratch slots of layernorm_backward: fixed, so results reproduce
 BIAS_BACKWARD_CHUNKS = 256             # row chunks (scratch slots) of bias_backward: fixed, likewise
+WTE_CHUNK_ROWS = 32                    # most positions one block of the dwte scatter-add sums
 CLASSIFIER_BLOCK_SIZE = 1024           # one block per row of Vp logits (llm.c's fused_classifier)
 GLOBAL_NORM_GRID = 1024                # partial sums of the gradient norm: fixed, likewise
 GLOBAL_NORM_BLOCK_SIZE = 512
@@ -125,11 +126,14 @@ def activation_shapes(config, B, T, recompute=True, attention="naive"):
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
         ("output", (output_floats,), "X"),
-        ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj; in the backward dlnf, dln2, datty, dln1
+        ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj (bias-free); in the backward dlnf, dln2, datty, dln1
         ("scratch_bt4c", (B, T, 4 * C), "X"),  # in the backward dfch, then dqkv (B,T,3C)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
         *attention_scratch,
-        ("positions", (B * T,), "i32"), ("seg_start", (B * T + 1,), "i32"), ("seg_token", (B * T,), "i32"),
+        # the dwte scatter-add's plan (WteSegments), sized for the most chunks and tokens B*T can have
+        ("positions", (B * T,), "i32"), ("chunk_start", (B * T + 1,), "i32"), ("chunk_token", (B * T,), "i32"),
+        ("chunk_slot", (B * T,), "i32"), ("reduce_start", (wte_reduce_max(B * T) + 1,), "i32"),
+        ("reduce_token", (wte_reduce_max(B * T) + 1,), "i32"), ("wte_partial", (wte_partial_rows(B * T), C), "f32"),
     ]
 
 
@@ -151,40 +155,82 @@ def encoder_forward(out, inp, wte, wpe, B, T, C):
                 (out, inp, wte, wpe, np.int32(B), np.int32(T), np.int32(C)))
 
 
-def encoder_backward_segments(inp):
-    """Host side of the deterministic dwte scatter-add: inp (B,T) token ids -> int32 arrays
-        positions (N,)    flat positions b*T+t, stably sorted by token id
-        seg_start (S+1,)  segment s is positions[seg_start[s]:seg_start[s+1]]; seg_start[S] = N
-        seg_token (S,)    the (distinct) token id of segment s
-    so that dwte[seg_token[s]] += sum of dout[positions[j]] over segment s: np.add.at semantics,
-    with one GPU block per distinct token and no atomics."""
+class WteSegments(NamedTuple):
+    """The host's plan of the deterministic dwte scatter-add (encoder_backward_segments), int32
+    arrays: K chunks of at most WTE_CHUNK_ROWS positions each, M tokens with several chunks."""
+    positions: np.ndarray      # (N,)   flat positions b*T+t, stably sorted by token id
+    chunk_start: np.ndarray    # (K+1,) chunk k is positions[chunk_start[k]:chunk_start[k+1]]; chunk_start[K] = N
+    chunk_token: np.ndarray    # (K,)   the token id of chunk k
+    chunk_slot: np.ndarray     # (K,)   -1: k is its token's only chunk; else k's row of the fp32 partial sums
+    reduce_start: np.ndarray   # (M+1,) token m's partial rows are reduce_start[m]:reduce_start[m+1]
+    reduce_token: np.ndarray   # (M,)   the token id of token m
+
+
+def encoder_backward_segments(inp, chunk_rows=WTE_CHUNK_ROWS):
+    """Host side of the deterministic dwte scatter-add: inp (B,T) token ids -> WteSegments, so
+    that dwte[v] += sum of dout[p] over the positions p of token v (np.add.at semantics) becomes:
+    each chunk (at most chunk_rows positions of one token, in position order) summed by one GPU
+    block; a token's only chunk added into dwte, the several chunks of a frequent token written
+    to fp32 partial rows and added in chunk order by one more block. No atomics, the same order
+    every run, and no block sums more than chunk_rows rows (a token that is 4% of a batch would
+    otherwise be one block's serial tail)."""
     flat = np.ascontiguousarray(inp, dtype=np.int32).ravel()
+    N = flat.size
     # a stable sort of uint16 keys is NumPy's radix sort (linear time: ~1 ms at N=65,536)
-    keys = flat.astype(np.uint16) if flat.size and flat.max() <= np.iinfo(np.uint16).max else flat
+    keys = flat.astype(np.uint16) if N and flat.max() <= np.iinfo(np.uint16).max else flat
     positions = np.argsort(keys, kind="stable").astype(np.int32)
     sorted_tokens = flat[positions]
     starts = np.flatnonzero(np.diff(sorted_tokens, prepend=np.int32(-1)))   # token ids are >= 0
-    seg_start = np.append(starts, flat.size).astype(np.int32)
-    seg_token = sorted_tokens[starts].astype(np.int32)
-    return positions, seg_start, seg_token
+    counts = np.diff(np.append(starts, N))                                  # positions per distinct token
+    tokens = sorted_tokens[starts]
+    chunks = -(-counts // chunk_rows)                                       # chunks per token
+    owner = np.repeat(np.arange(tokens.size), chunks)                       # (K,) the token of each chunk
+    first = np.cumsum(chunks) - chunks                                      # each token's first chunk
+    chunk_start = np.append(starts[owner] + (np.arange(owner.size) - first[owner]) * chunk_rows, N)
+    several = chunks > 1
+    in_several = several[owner]
+    chunk_slot = np.where(in_several, np.cumsum(in_several) - 1, -1)
+    reduce_start = np.append(0, np.cumsum(chunks[several]))
+    return WteSegments(*(a.astype(np.int32) for a in (positions, chunk_start, tokens[owner], chunk_slot,
+                                                      reduce_start, tokens[several])))
 
 
-def encoder_backward(dwte, dwpe, dout, positions, seg_start, seg_token, num_segments, B, T, C):
-    """Accumulate dwte (Vp,C) and dwpe (maxT,C) from dout (B,T,C); positions, seg_start, seg_token
-    are device int32 arrays from encoder_backward_segments (seg_start with num_segments+1 entries).
+def wte_reduce_max(N):
+    """Most tokens with several chunks a batch of N positions can have (each has > WTE_CHUNK_ROWS)."""
+    return N // (WTE_CHUNK_ROWS + 1)
+
+
+def wte_partial_rows(N):
+    """Most fp32 partial rows a batch of N positions can need: a token of n > WTE_CHUNK_ROWS
+    positions has ceil(n / WTE_CHUNK_ROWS) <= n / WTE_CHUNK_ROWS + 1 chunks, summed over at most
+    wte_reduce_max(N) such tokens."""
+    return ceil_div(N, WTE_CHUNK_ROWS) + wte_reduce_max(N)
+
+
+def encoder_backward(dwte, dwpe, partial, dout, positions, chunk_start, chunk_token, chunk_slot, reduce_start,
+                     reduce_token, num_chunks, num_reduce, B, T, C):
+    """Accumulate dwte (Vp,C) and dwpe (maxT,C) from dout (B,T,C). The other arrays are on the
+    device: WteSegments' int32 arrays (chunk_start with num_chunks+1 entries, reduce_start with
+    num_reduce+1) and partial, fp32 scratch of at least wte_partial_rows(B*T) rows of C.
         out[b,t] = wte[inp[b,t]] + wpe[t]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v,
                                                dwpe[t] += sum_b dout[b,t]"""
     N = B * T
     precision = check_launch("encoder_backward", [("dwte", dwte, dwte.size), ("dwpe", dwpe, dwpe.size), ("dout", dout, N * C)],
-                             int32=[("positions", positions, N), ("seg_start", seg_start, num_segments + 1),
-                                    ("seg_token", seg_token, num_segments)], vector_dim=("C", C))
+                             int32=[("positions", positions, N), ("chunk_start", chunk_start, num_chunks + 1),
+                                    ("chunk_token", chunk_token, num_chunks), ("chunk_slot", chunk_slot, num_chunks),
+                                    ("reduce_start", reduce_start, num_reduce + 1),
+                                    ("reduce_token", reduce_token, num_reduce)], vector_dim=("C", C))
+    require(partial.dtype == np.float32 and partial.size >= wte_partial_rows(N) * C,
+            f"encoder_backward: partial needs {wte_partial_rows(N) * C} floats")
     vec = vector_size(precision)
     cuda.launch("encoder", precision, "encoder_backward_wpe", elementwise_grid(T * C // vec), BLOCK_SIZE,
                 (dwpe, dout, np.int32(B), np.int32(T), np.int32(C)))
     groups_per_row = C // vec                                  # threads of a block stride over these
     block = min(MAX_THREADS_PER_BLOCK, ceil_div(groups_per_row, WARP_SIZE) * WARP_SIZE)
-    cuda.launch("encoder", precision, "encoder_backward_wte", max(1, num_segments), block,
-                (dwte, dout, positions, seg_start, seg_token, np.int32(num_segments), np.int32(C)))
+    cuda.launch("encoder", precision, "encoder_backward_wte", max(1, num_chunks), block,
+                (dwte, partial, dout, positions, chunk_start, chunk_token, chunk_slot, np.int32(num_chunks), np.int32(C)))
+    cuda.launch("encoder", precision, "encoder_backward_wte_reduce", max(1, num_reduce), block,
+                (dwte, partial, reduce_start, reduce_token, np.int32(num_reduce), np.int32(C)))
 
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias, B, T, C):
@@ -198,15 +244,20 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, B, T, C):
                 (out, mean, rstd, inp, weight, bias, np.int32(N), np.int32(C)))
 
 
-def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, weight, bias, N, C):
-    """residual (N,C) = inp1 + inp2 (rounded to floatX), then normed, mean, rstd = layernorm of it:
-    residual_forward and the next layernorm_forward in one pass over the rows."""
+def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, inp2_bias, weight, bias, N, C):
+    """residual (N,C) = inp1 + (inp2 + inp2_bias) (rounded to floatX once), then normed, mean, rstd =
+    layernorm of it: residual_forward and the next layernorm_forward in one pass over the rows.
+    inp2_bias (C,) is the bias of the projection that wrote inp2 with a bias-free GEMM, or None:
+    folded here, the bias costs no pass over (N,C) of its own."""
+    bias_arg = [("inp2_bias", inp2_bias, C)] if inp2_bias is not None else []
     precision = check_launch("fused_residual_forward",
                              [("residual", residual, N * C), ("normed", normed, N * C), ("inp1", inp1, N * C),
-                              ("inp2", inp2, N * C), ("weight", weight, C), ("bias", bias, C)],
+                              ("inp2", inp2, N * C), ("weight", weight, C), ("bias", bias, C)] + bias_arg,
                              float32=[("mean", mean, N), ("rstd", rstd, N)], vector_dim=("C", C))
+    null = np.uint64(0)                    # a NULL floatX*: no projection bias
     cuda.launch("layernorm", precision, "fused_residual_forward", warp_row_grid(N), WARP_ROW_BLOCK_SIZE,
-                (residual, normed, mean, rstd, inp1, inp2, weight, bias, np.int32(N), np.int32(C)))
+                (residual, normed, mean, rstd, inp1, inp2, null if inp2_bias is None else inp2_bias, weight, bias,
+                 np.int32(N), np.int32(C)))
 
 
 def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd, B, T, C):
@@ -237,17 +288,25 @@ def matmul_forward(out, inp, weight, bias, B, T, C, OC):
     """out (B,T,OC) = inp (B,T,C) @ weight^T + bias, weight (OC,C) (nn.Linear layout), bias (OC,)
     or None. Column-major (llmc/cuda.py explains the trick), out^T (OC,N) = weight (OC,C) @ inp^T
     (C,N): weight's memory is the column-major (C,OC) matrix weight^T, so op(A) = T; inp's memory
-    is already inp^T, op(B) = N. cuBLAS adds the bias itself: out is first filled with the bias
-    broadcast over the N rows (a copy), then the gemm accumulates onto it (beta = 1)."""
+    is already inp^T, op(B) = N. The GEMM writes the product (beta = 0), then add_bias adds the
+    bias in place (kernels/bias.cu); with --cublaslt the bias is the GEMM's epilogue instead."""
     if MATMUL_OPTIONS["cublaslt"]:                                      # the bias in the epilogue
         from llmc import cublaslt
         return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC)
     N = B * T
     floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
     check_launch("matmul_forward", floatX + ([("bias", bias, OC)] if bias is not None else []))
+    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC)
     if bias is not None:
-        out.reshape(N, OC)[...] = bias                                  # (OC,) broadcast to (N,OC)
-    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC, accumulate=bias is not None)
+        add_bias(out, bias, N, OC)
+
+
+def add_bias(out, bias, N, OC):
+    """out (N,OC) += bias (OC,) over every row, in place (kernels/bias.cu)."""
+    vectorized = OC % vector_size(cuda.precision_of(out)) == 0
+    precision = check_launch("add_bias", [("out", out, N * OC), ("bias", bias, OC)], aligned=vectorized)
+    groups = N * OC // (vector_size(precision) if vectorized else 1)
+    cuda.launch("bias", precision, "add_bias", elementwise_grid(groups), BLOCK_SIZE, (out, bias, np.int32(N), np.int32(OC)))
 
 
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC):
@@ -273,13 +332,13 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, O
 def matmul_gelu_forward(out, pre_gelu, inp, weight, bias, B, T, C, OC):
     """The MLP's first layer: pre_gelu (B,T,OC) = inp @ weight^T + bias (kept for the backward)
     and out = gelu(pre_gelu). With --cublaslt one cuBLASLt call (the GELU_AUX_BIAS epilogue applies
-    the bias and the same tanh GELU to the fp32 accumulator, and stores both); else matmul_forward
-    then gelu_forward."""
+    the bias and the same tanh GELU to the fp32 accumulator, and stores both); else the bias-free
+    GEMM, then gelu_forward adding the bias into pre_gelu and taking GELU in one pass."""
     if MATMUL_OPTIONS["cublaslt"]:
         from llmc import cublaslt
         return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu)
-    matmul_forward(pre_gelu, inp, weight, bias, B, T, C, OC)
-    gelu_forward(out, pre_gelu, B * T * OC)
+    matmul_forward(pre_gelu, inp, weight, None, B, T, C, OC)
+    gelu_forward(out, pre_gelu, B * T * OC, bias, OC)              # adds the bias into pre_gelu too
 
 
 def matmul_dgelu_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, scratch, B, T, C, OC):
@@ -512,11 +571,17 @@ def fused_attention_backward(path, dqkv, D, dout, out, qkv, lse, B, T, C, NH):
         cudnn_attention.attention_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, C // NH)
 
 
-def gelu_forward(out, inp, n):
-    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise over n values."""
-    precision = check_launch("gelu_forward", [("out", out, n), ("inp", inp, n)], aligned=True)
+def gelu_forward(out, inp, n, inp_bias=None, OC=0):
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise over n values x of inp.
+    With inp_bias (OC,), inp is (n/OC, OC) matmul outputs without their bias: the kernel first adds
+    it into inp in place (inp is the pre-GELU activation the backward reads), then takes GELU."""
+    bias_arg = [("inp_bias", inp_bias, OC)] if inp_bias is not None else []
+    precision = check_launch("gelu_forward", [("out", out, n), ("inp", inp, n)] + bias_arg, aligned=True)
+    if inp_bias is not None:
+        require(OC % vector_size(precision) == 0 and n % OC == 0,
+                f"gelu_forward: OC={OC} must be a multiple of {vector_size(precision)} dividing n={n}")
     cuda.launch("gelu", precision, "gelu_forward", elementwise_grid(ceil_div(n, vector_size(precision))), BLOCK_SIZE,
-                (out, inp, np.uint64(n)))
+                (out, inp, np.uint64(0) if inp_bias is None else inp_bias, np.uint64(n), np.int32(OC)))
 
 
 def gelu_backward_inplace(d_in_out, inp, n):
@@ -578,6 +643,61 @@ def cast_floatX_to_float(out, inp, n):
 # ----------------------------------------------------------------------------
 # the model: parameters, activations, forward, backward, zero_grad, grad norm
 
+class PinnedStaging:
+    """The host side of the per-micro-batch uploads (token ids, targets, the dwte chunks): two
+    page-locked (pinned) host buffers used in turn. The host writes an array into one, and the
+    copy to the device is queued asynchronously on the current stream (from pageable memory the
+    driver would first stage it synchronously). Before a buffer is written again, the host waits
+    for the event recorded after its previous copies: by then the GPU has long read it (the other
+    buffer served the upload in between)."""
+
+    ALIGNMENT = 64                         # bytes: each staged array starts aligned for any dtype
+
+    def __init__(self):
+        self.buffers = []                  # two uint8 NumPy views of pinned memory
+        self.events = [None, None]         # the event after each buffer's last copies
+        self.turn = 0
+
+    def reserve(self, nbytes):
+        """Make both buffers hold at least nbytes (allocated once per size; the old ones are
+        freed only after their copies are done)."""
+        if self.buffers and self.buffers[0].size >= nbytes:
+            return
+        for event in self.events:
+            if event is not None:
+                event.synchronize()
+        cp = cuda.cupy()
+        self.buffers = [np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes) for _ in range(2)]
+        self.events = [None, None]
+
+    def upload(self, copies):
+        """copies: (device array, host array) pairs of equal shape and dtype. Each host array is
+        copied into the next pinned buffer, and from there to its device array asynchronously."""
+        def aligned(n):
+            return ceil_div(n, self.ALIGNMENT) * self.ALIGNMENT
+        self.reserve(sum(aligned(src.nbytes) for _, src in copies))
+        i, self.turn = self.turn, 1 - self.turn
+        if self.events[i] is not None:
+            self.events[i].synchronize()   # the GPU has read this buffer's previous contents
+        stream = cuda.cupy().cuda.get_current_stream()
+        offset = 0
+        for dst, src in copies:
+            staged = self.buffers[i][offset:offset + src.nbytes].view(src.dtype).reshape(src.shape)
+            staged[...] = src
+            dst.set(staged, stream=stream)                # asynchronous: from pinned memory
+            offset += aligned(src.nbytes)
+        self.events[i] = stream.record()
+
+
+def staging_bytes(N):
+    """Pinned bytes of the uploads of a micro-batch of N positions, per buffer: (batch, segments),
+    each int32 array rounded up to PinnedStaging.ALIGNMENT as upload places them."""
+    def ints(n):
+        return ceil_div(4 * n, PinnedStaging.ALIGNMENT) * PinnedStaging.ALIGNMENT
+    R = wte_reduce_max(N)
+    return 2 * ints(N), ints(N) + ints(N + 1) + 2 * ints(N) + 2 * ints(R + 1)   # positions, chunks, reduce
+
+
 class GPT2:
     """A GPT-2 on the GPU: flat floatX parameter and gradient buffers with named views (the order
     and shapes of gpt2_cpu.parameter_shapes, so the file loader, AdamW and the CPU model all agree),
@@ -629,8 +749,8 @@ class GPT2:
         self.views = {}                              # (B,T) -> name -> view
         self.graphs = {}                             # (B,T,loss_scale) -> captured CUDA graph (gpt2_micro_batch)
         self.BT = None                               # (B,T) of the last forward
-        self.num_segments = 0
         self.host_inputs = None                      # the last forward's token ids, for gpt2_backward
+        self.staging = {"batch": PinnedStaging(), "segments": PinnedStaging()}   # pinned host buffers of the uploads
         self.has_targets = False
 
 
@@ -650,6 +770,13 @@ def gpt2_allocate(model, *sizes):
                      for i, (name, _, kind) in enumerate(tables[0])}
     model.allocated = sizes
     model.views = {}
+    batch_bytes, segment_bytes = staging_bytes(max(B * T for B, T in sizes))
+    model.staging["batch"].reserve(batch_bytes)
+    model.staging["segments"].reserve(segment_bytes)
+    if model.attention == "cudnn":                                    # its graphs and one workspace, before any capture
+        from llmc import cudnn_attention
+        cfg = model.config
+        cudnn_attention.prepare(sizes, cfg.num_heads, cfg.channels // cfg.num_heads)
     return sum(buf.nbytes for buf in model.buffers.values())
 
 
@@ -709,7 +836,6 @@ def gpt2_forward(model, inputs, targets=None):
 def upload_batch(model, inputs, targets):
     """The host half of gpt2_forward: check the token ids, copy them (and the targets) into the
     device buffers of their (B,T), and remember them for the backward. Returns (B,T)."""
-    cp = cuda.cupy()
     cfg = model.config
     inputs = np.asarray(inputs)
     B, T = inputs.shape
@@ -720,13 +846,12 @@ def upload_batch(model, inputs, targets):
         if ids is not None and (ids.min() < 0 or ids.max() >= V):
             raise InputError(f"{name} id out of range [0, {V}): {ids.min()}..{ids.max()}")
     A = gpt2_activations(model, B, T)
-    stream = cp.cuda.get_current_stream()
-    # host -> device: asynchronous (pageable memory is staged at once, so the host arrays may go)
-    A["inputs"].set(np.ascontiguousarray(inputs, dtype=np.int32), stream=stream)
-    model.BT, model.has_targets = (B, T), targets is not None
+    copies = [(A["inputs"], np.ascontiguousarray(inputs, dtype=np.int32))]
     if targets is not None:
-        A["targets"].set(np.ascontiguousarray(targets, dtype=np.int32), stream=stream)
+        copies.append((A["targets"], np.ascontiguousarray(targets, dtype=np.int32)))
         model.host_inputs = inputs                    # gpt2_backward sorts them for the encoder's backward
+    model.staging["batch"].upload(copies)             # pinned host memory, asynchronous copies
+    model.BT, model.has_targets = (B, T), targets is not None
     return B, T
 
 
@@ -752,21 +877,21 @@ def gpt2_forward_kernels(model, B, T, with_loss):
         else:                                                                      # qkv and lse kept
             matmul_forward(A["qkv"][l], A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)
             fused_attention_forward(model.attention, A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH)
-        attproj = A["scratch_btc"]
-        matmul_forward(attproj, A["atty"][l], p["attprojw"], p["attprojb"], B, T, C, C)
-        # residual2 = residual + attproj, and ln2 = layernorm(residual2), in one kernel
+        attproj = A["scratch_btc"]                                                 # without its bias:
+        matmul_forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)      # the next kernel adds it
+        # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
         fused_residual_forward(A["residual2"][l], A["ln2"][l], A["ln2_mean"][l], A["ln2_rstd"][l],
-                               residual, attproj, p["ln2w"], p["ln2b"], B * T, C)
+                               residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
         # forward pass 2: MLP block
         matmul_gelu_forward(fch_gelu, A["fch"][l], A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C)  # (B,T,4C)
         fcproj = A["scratch_btc"]
-        matmul_forward(fcproj, fch_gelu, p["fcprojw"], p["fcprojb"], B, T, 4 * C, C)  # (B,T,C)
-        # residual3 = residual2 + fcproj, and the next LayerNorm: layer l+1's ln1, or the final lnf
+        matmul_forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)        # (B,T,C), bias added next
+        # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
         if l + 1 < L:
             norm = (A["ln1"][l + 1], A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
         else:
             norm = (A["lnf"], A["lnf_mean"], A["lnf_rstd"], P["lnfw"], P["lnfb"])
-        fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj,
+        fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
                                norm[3], norm[4], B * T, C)
     # forward pass 3: classifier tied to wte (lnf was written by the last fused residual), loss
     logits = prefix(A["output"], (B, T, Vp))
@@ -789,46 +914,56 @@ def gpt2_zero_grad(model):
 
 def gpt2_backward(model, loss_scale=1.0):
     """Backward pass of the last gpt2_forward (which must have had targets): accumulates the
-    gradient of loss_scale * mean(losses) into model.grads (loss_scale = 1/n over n micro-batches)."""
+    gradient of loss_scale * mean(losses) into model.grads (loss_scale = 1/n over n micro-batches).
+    Its fused classifier writes the losses again (the same values) together with dlogits: the
+    forward's pass left the logits intact for whoever called gpt2_forward (--check, tests); the
+    training step, gpt2_micro_batch, runs the classifier only here."""
     if not model.has_targets:
         raise RuntimeError("gpt2_backward needs a forward pass with targets")
-    upload_segments(model, padded=False)
-    gpt2_backward_kernels(model, loss_scale, model.num_segments)
+    gpt2_backward_kernels(model, loss_scale, *upload_segments(model, padded=False))
 
 
 def upload_segments(model, padded):
-    """Sort the last forward's token ids into the encoder backward's segments (a host sort) and
-    copy them to the device. Done at the backward rather than the forward: only a backward needs
-    them (validation does not), and the GPU is still busy with the forward the host launched
-    asynchronously, so the sort overlaps it. padded: fill all B*T segment slots, those past the S
-    real ones empty (seg_start = N), so that the encoder backward always launches over B*T
-    segments, the fixed arguments a CUDA graph needs; empty segments change nothing."""
+    """Sort the last forward's token ids into the dwte scatter-add's chunks (WteSegments, a host
+    sort) and copy them to the device. Done at the backward rather than the forward: only a
+    backward needs them (validation does not), and the GPU is still busy with the forward the
+    host launched asynchronously, so the sort overlaps it. Returns (num_chunks, num_reduce), the
+    counts the kernels are launched over. padded: fill all B*T chunk slots and all
+    wte_reduce_max(B*T) token slots, those past the real ones empty, so that the launches always
+    have the same arguments, as a CUDA graph needs; empty chunks and tokens change nothing."""
     B, T = model.BT
+    N = B * T
     A = gpt2_activations(model, B, T)
-    positions, seg_start, seg_token = encoder_backward_segments(model.host_inputs)
-    model.num_segments = seg_token.size
-    if padded:
-        N, S = B * T, seg_token.size
-        seg_start = np.concatenate([seg_start, np.full(N - S, N, dtype=np.int32)])       # (N+1,)
-        seg_token = np.concatenate([seg_token, np.full(N - S, -1, dtype=np.int32)])      # (N,): never read
-    stream = cuda.cupy().cuda.get_current_stream()
-    A["positions"].set(positions, stream=stream)
-    A["seg_start"][:seg_start.size].set(seg_start, stream=stream)
-    A["seg_token"][:seg_token.size].set(seg_token, stream=stream)
+    seg = encoder_backward_segments(model.host_inputs)
+    K, M = seg.chunk_token.size, seg.reduce_token.size
+    if padded:                             # an empty chunk starts where the last one ends
+        R = wte_reduce_max(N)
+        seg = seg._replace(chunk_start=padded_to(seg.chunk_start, N + 1, N), chunk_token=padded_to(seg.chunk_token, N, -1),
+                           chunk_slot=padded_to(seg.chunk_slot, N, -1),
+                           reduce_start=padded_to(seg.reduce_start, R + 1, seg.reduce_start[-1]),
+                           reduce_token=padded_to(seg.reduce_token, R, -1))
+        K, M = N, R
+    model.staging["segments"].upload([(A[name][:getattr(seg, name).size], getattr(seg, name)) for name in seg._fields])
+    return K, M
 
 
-def gpt2_backward_kernels(model, loss_scale, num_segments):
+def padded_to(values, length, fill):
+    """The int32 array `values` followed by `fill` up to `length` entries."""
+    return np.concatenate([values, np.full(length - values.size, fill, dtype=np.int32)])
+
+
+def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     """The device half of gpt2_backward: every launch of the backward pass of the (B,T) forward,
-    the encoder's segments already on the device (num_segments of them). Launches only, with the
-    same arguments every call for given (B,T), loss_scale and num_segments: graph-capturable."""
+    the dwte scatter-add's chunks already on the device (upload_segments' counts). Launches only,
+    with the same arguments every call for given (B,T), loss_scale and counts: graph-capturable."""
     cfg = model.config
     B, T = model.BT
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
     scratch = model.scratch
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
-    # The fused classifier runs again, now writing dlogits over the logits in place (the forward
-    # left them intact for sampling and validation; llm.c fuses this into the forward).
+    # The fused classifier writes the losses and, over the logits in place, dlogits in one pass
+    # (the training step's forward skips it; llm.c runs it at the end of the forward instead).
     dloss = loss_scale / (B * T)                                                    # d(mean loss)/d(losses)
     logits = prefix(A["output"], (B, T, Vp))
     fused_classifier(logits, A["losses"], A["targets"], dloss, B, T, V, Vp, write_dlogits=True)
@@ -868,41 +1003,63 @@ def gpt2_backward_kernels(model, loss_scale, num_segments):
         layernorm_backward(dresidual, g["ln1w"], g["ln1b"], scratch, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
     # backward of the encoder: encoded = wte[inputs] + wpe
-    S = num_segments
-    encoder_backward(G["wte"], G["wpe"], dresidual, A["positions"], A["seg_start"][:S + 1], A["seg_token"][:S], S,
+    K, M = num_chunks, num_reduce
+    encoder_backward(G["wte"], G["wpe"], A["wte_partial"], dresidual, A["positions"], A["chunk_start"][:K + 1],
+                     A["chunk_token"][:K], A["chunk_slot"][:K], A["reduce_start"][:M + 1], A["reduce_token"][:M], K, M,
                      B, T, C)
 
 
+def micro_batch_kernels(model, B, T, loss_scale, num_chunks, num_reduce):
+    """The device work of one micro-batch, launches only (graph-capturable): the forward without
+    the classifier, the backward (whose fused classifier writes the losses and dlogits in one
+    pass), and the losses added into loss_accum."""
+    A = gpt2_activations(model, B, T)
+    gpt2_forward_kernels(model, B, T, with_loss=False)
+    gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce)
+    cuda.cupy().add(A["loss_accum"], A["losses"], out=A["loss_accum"])
+
+
+def capture_graph(stream, launches):
+    """Library call: a CUDA graph of the work `launches()` puts on `stream` (captured, not run).
+    An error inside the capture propagates as itself: the capture is ended (its graph, invalid
+    after the error, dropped) without letting end_capture's own complaint replace it."""
+    stream.begin_capture()
+    try:
+        launches()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:                  # "capture invalidated": a consequence of the error above
+            pass
+        raise
+    return stream.end_capture()
+
+
 def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
-    """One micro-batch of a training step: the forward with targets, its losses added into
-    loss_accum on the device, and the backward, accumulating the gradient of loss_scale *
-    mean(losses) into model.grads. With cuda_graph, the ~25 L + 20 launches of the three are
-    captured into a CUDA graph on the first call for their ((B,T), loss_scale), and replayed as one
-    launch on the calls after: the host stops being the bottleneck of small models. The host part
-    (the token ids, targets and the encoder's padded segments, copied to their fixed device
-    buffers) runs before it, outside the graph. Both paths give bitwise the same results: the same
-    kernels with the same arguments in the same order (the padding segments do nothing)."""
+    """One micro-batch of a training step: the forward with targets, the backward accumulating
+    the gradient of loss_scale * mean(losses) into model.grads, and the losses added into
+    loss_accum on the device; the fused classifier runs once, in the backward. With cuda_graph,
+    the ~25 L + 20 launches are captured into a CUDA graph per ((B,T), loss_scale) and replayed
+    as one launch: the host stops being the bottleneck of small models. The first micro-batch of
+    each key runs eagerly (PyTorch's graph warm-up): first-time work (cuBLAS's workspace on the
+    stream, cuBLASLt's heuristics, cuDNN's plans, CuPy's memory pool) happens then, not inside
+    the capture, which follows it. The host part (the token ids, targets and the encoder's padded
+    chunks, copied to their fixed device buffers) runs outside the graph. Both paths give bitwise
+    the same results: the same kernels with the same arguments in the same order (the padding
+    chunks do nothing)."""
     cp = cuda.cupy()
     B, T = upload_batch(model, inputs, targets)
-    A = gpt2_activations(model, B, T)
     if not cuda_graph:
-        gpt2_forward_kernels(model, B, T, True)
-        cp.add(A["loss_accum"], A["losses"], out=A["loss_accum"])
-        gpt2_backward(model, loss_scale)
+        micro_batch_kernels(model, B, T, loss_scale, *upload_segments(model, padded=False))
         return
-    upload_segments(model, padded=True)
+    counts = upload_segments(model, padded=True)
+    stream = cp.cuda.get_current_stream()         # a created stream: the legacy one cannot capture
     key = (B, T, loss_scale)
-    if key not in model.graphs:
-        stream = cp.cuda.get_current_stream()        # a created stream: the legacy one cannot capture
-        stream.begin_capture()
-        try:
-            gpt2_forward_kernels(model, B, T, True)
-            cp.add(A["loss_accum"], A["losses"], out=A["loss_accum"])
-            gpt2_backward_kernels(model, loss_scale, B * T)
-        finally:
-            graph = stream.end_capture()             # captured, not run: it runs below
-        model.graphs[key] = graph
-    model.graphs[key].launch(cp.cuda.get_current_stream())
+    if key in model.graphs:
+        model.graphs[key].launch(stream)
+        return
+    micro_batch_kernels(model, B, T, loss_scale, *counts)                 # the warm-up: this micro-batch, eagerly
+    model.graphs[key] = capture_graph(stream, lambda: micro_batch_kernels(model, B, T, loss_scale, *counts))
 
 
 def gpt2_grad_norm(model):

@@ -1,10 +1,16 @@
 /*
-kernels/bias.cu: the bias gradient of a matmul, a column sum over all N = B*T rows.
+kernels/bias.cu: the bias of a matmul: added in the forward, its gradient in the backward (a
+column sum over all N = B*T rows).
 
     out = inp @ weight^T + bias   =>   dbias[oc] += sum_{row} dout[row, oc]
 
-The weight and input gradients are cuBLAS matmuls on the Python side; only this column sum
-is hand-written. Deterministic in two steps (llm.c dev/cuda/matmul_backward_bias.cu version 9,
+The products are cuBLAS matmuls on the Python side; only the bias is hand-written.
+- add_bias: out (N,OC) += bias (OC,) in place, after the GEMM (beta = 0) wrote inp @ weight^T.
+  It replaces the broadcast copy of the bias into out followed by a beta = 1 GEMM: one launch of
+  ours with 16-byte accesses instead of CuPy's copy kernel, and a GEMM that reads no C. The bias
+  stays in L1/L2 (OC values). Grid-stride over the N*OC/WIDTH groups, WIDTH = x128::size when
+  OC is a multiple of it (out then 16-byte aligned, checked by the launcher), else 1.
+The backward: Deterministic in two steps (llm.c dev/cuda/matmul_backward_bias.cu version 9,
 "write per-block partials to an auxiliary buffer, sum them in a second kernel", instead of the
 atomics of versions 5-8):
 - bias_backward: grid (X, num_chunks). Block row blockIdx.y owns the contiguous row chunk
@@ -19,6 +25,32 @@ num_chunks. Keep num_chunks fixed (not timing-dependent) for bit-reproducible re
 (no vector loads), any block size, any gridDim.x.
 */
 #include "common.cuh"
+
+template <int WIDTH>
+__device__ void add_bias_groups(floatX* out, const floatX* bias, int N, int OC) {
+    const size_t num_groups = (size_t)N * OC / WIDTH;
+    for (size_t g = blockIdx.x * (size_t)blockDim.x + threadIdx.x; g < num_groups;
+         g += (size_t)gridDim.x * blockDim.x) {
+        const size_t i = g * WIDTH;                     // flat index of the group's first element
+        const int oc = (int)(i % OC);                   // a group never crosses a row: OC % WIDTH == 0
+        float values[WIDTH], biases[WIDTH];
+        load_group<WIDTH>(values, out + i);
+        load_group<WIDTH>(biases, bias + oc);
+        for (int k = 0; k < WIDTH; k++) {
+            values[k] += biases[k];
+        }
+        store_group<WIDTH>(out + i, values);
+    }
+}
+
+// out (N,OC) += bias (OC,), broadcast over the rows
+extern "C" __global__ void add_bias(floatX* out, const floatX* bias, int N, int OC) {
+    if (OC % x128::size == 0) {
+        add_bias_groups<x128::size>(out, bias, N, OC);
+    } else {
+        add_bias_groups<1>(out, bias, N, OC);
+    }
+}
 
 // scratch (num_chunks, OC) float = per-chunk column sums of dout (N,OC)
 extern "C" __global__ void bias_backward(float* scratch, const floatX* dout, int N, int OC) {

@@ -1,12 +1,11 @@
 /*
-kernels/cast.cu: conversions between float and floatX, and a float fill.
+kernels/cast.cu: conversions between float and floatX.
 
 Kernels (n elements, grid-stride, any grid and block size, any alignment):
 - cast_float_to_floatX: out = round-to-nearest-even(inp) (bf16 build) or a copy (fp32 build).
   Used when parameters enter the GPU (from a float32 checkpoint or the init) and for the
   master-weight copy; stochastic rounding belongs to AdamW, not here.
 - cast_floatX_to_float: exact (every bf16 is a float).
-- fill_float: out = value (the AdamW moments and scratch buffers).
 Not hot paths (once per run or per checkpoint), so scalar loads keep them alignment-free;
 consecutive threads still touch consecutive elements, so the accesses coalesce.
 */
@@ -29,13 +28,5 @@ extern "C" __global__ void cast_floatX_to_float(float* out, const floatX* inp, s
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         out[i] = (float)inp[i];
-    }
-}
-
-// out (n,) float = value
-extern "C" __global__ void fill_float(float* out, float value, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        out[i] = value;
     }
 }

@@ -12,11 +12,13 @@ have not run on a GPU.
                term 1: through the leading x; term 2: through tanh (d tanh(u)/du = 1 - tanh^2)
 
 Kernels (any shape, n elements):
-- gelu_forward: out = gelu(inp), llm.c dev/cuda/gelu_forward.cu version 2 (x128).
+- gelu_forward: out = gelu(inp), llm.c dev/cuda/gelu_forward.cu version 2 (x128); optionally
+  adding the bias of the matmul that wrote inp into inp first (inp_bias, or NULL).
 - gelu_backward_inplace: d = d * gelu'(inp), in place on the incoming gradient (it is the
   matmul output gradient, not needed afterwards), llm.c dev/cuda/gelu_backward.cu version 2.
 Both: x128 groups then a scalar tail, grid-stride: any n, any grid and block size. Launcher must
-check 16-byte aligned pointers. tanhf (not the faster tanh.approx) so fp32 matches NumPy closely.
+check 16-byte aligned pointers, and OC % x128::size == 0 with n a multiple of OC when inp_bias is
+given. tanhf (not the faster tanh.approx) so fp32 matches NumPy closely.
 */
 #include "common.cuh"
 
@@ -35,13 +37,23 @@ __device__ inline float gelu_derivative(float x) {
     return 0.5f * (1.0f + tanh_u) + 0.5f * x * (1.0f - tanh_u * tanh_u) * du_dx;
 }
 
-// out (n,) = gelu(inp)
-extern "C" __global__ void gelu_forward(floatX* out, const floatX* inp, size_t n) {
+// out (n,) = gelu(inp). With inp_bias (OC,) not NULL, inp holds n/OC rows of OC matmul outputs
+// computed without their bias: inp += inp_bias first (rounded to floatX and stored: the backward
+// reads it), and out = gelu of that. The MLP's first layer then needs no bias pass of its own.
+extern "C" __global__ void gelu_forward(floatX* out, floatX* inp, const floatX* inp_bias, size_t n,
+                                        int OC) {
     const size_t thread = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     const size_t num_groups = n / x128::size;
     for (size_t g = thread; g < num_groups; g += stride) {
-        const x128 x = load128cs(inp + g * x128::size);
+        x128 x = load128(inp + g * x128::size);
+        if (inp_bias != nullptr) {                 // the same branch for the whole grid
+            const x128 bias = load128(inp_bias + (g * x128::size) % OC);   // OC % x128::size == 0
+            for (int k = 0; k < x128::size; k++) {
+                x[k] = (floatX)((float)x[k] + (float)bias[k]);
+            }
+            store128(inp + g * x128::size, x);
+        }
         x128 out_group;
         for (int k = 0; k < x128::size; k++) {
             out_group[k] = (floatX)gelu((float)x[k]);
@@ -49,6 +61,9 @@ extern "C" __global__ void gelu_forward(floatX* out, const floatX* inp, size_t n
         store128(out + g * x128::size, out_group);
     }
     for (size_t i = num_groups * x128::size + thread; i < n; i += stride) {
+        if (inp_bias != nullptr) {
+            inp[i] = (floatX)((float)inp[i] + (float)inp_bias[i % OC]);
+        }
         out[i] = (floatX)gelu((float)inp[i]);
     }
 }

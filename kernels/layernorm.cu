@@ -19,7 +19,8 @@ Kernels (inp, out, dout, dinp (N,C) floatX; weight, bias (C,) floatX; mean, rstd
   squares loses bits when |mean| >> std. The row is re-read from L1/L2 for each pass, not from
   DRAM.
 - fused_residual_forward: llm.c dev/cuda/fused_residual_forward.cu: one warp per row stores
-  residual = inp1 + inp2 (rounded to floatX), then calls the same layernorm_row on that rounded
+  residual = inp1 + inp2 (rounded to floatX; plus inp2's projection bias when given, so the
+  attention and MLP projections need no bias pass), then calls the same layernorm_row on that rounded
   residual, so the normalized output is bit for bit what an unfused residual_forward +
   layernorm_forward would give. Each lane re-reads only the residual groups it wrote itself.
 - layernorm_backward: dinp += (the residual stream's gradient accumulates) and per-block partial
@@ -117,11 +118,14 @@ extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rs
     }
 }
 
-// residual (N,C) = inp1 + inp2 (rounded to floatX); normed (N,C) = layernorm(residual)
+// residual (N,C) = inp1 + (inp2 + inp2_bias), rounded to floatX once; normed (N,C) =
+// layernorm(residual). inp2_bias (C,) is the bias of the projection that wrote inp2 (its GEMM
+// ran without it), or NULL: added here, it costs no pass over (N,C) of its own.
 extern "C" __global__ void fused_residual_forward(floatX* residual, floatX* normed, float* mean,
                                                   float* rstd, const floatX* inp1,
-                                                  const floatX* inp2, const floatX* weight,
-                                                  const floatX* bias, int N, int C) {
+                                                  const floatX* inp2, const floatX* inp2_bias,
+                                                  const floatX* weight, const floatX* bias, int N,
+                                                  int C) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int warps_per_block = blockDim.x / WARP_SIZE;
     const int row_stride = gridDim.x * warps_per_block;
@@ -132,9 +136,20 @@ extern "C" __global__ void fused_residual_forward(floatX* residual, floatX* norm
         for (int c = lane * x128::size; c < C; c += WARP_SIZE * x128::size) {
             const x128 a = load128cs(inp1 + offset + c);
             const x128 b = load128cs(inp2 + offset + c);
+            float shift[x128::size];
+            if (inp2_bias != nullptr) {                   // the same branch for the whole grid
+                const x128 projection_bias = load128(inp2_bias + c);
+                for (int k = 0; k < x128::size; k++) {
+                    shift[k] = (float)projection_bias[k];
+                }
+            } else {
+                for (int k = 0; k < x128::size; k++) {
+                    shift[k] = 0.0f;
+                }
+            }
             x128 sum_group;
             for (int k = 0; k < x128::size; k++) {
-                sum_group[k] = (floatX)((float)a[k] + (float)b[k]);
+                sum_group[k] = (floatX)((float)a[k] + ((float)b[k] + shift[k]));
             }
             store128(residual + offset + c, sum_group);
         }

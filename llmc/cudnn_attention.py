@@ -17,8 +17,11 @@ No permutes: cuDNN takes any strides, so q, k, v are described as strided (B,NH,
 and in the backward dq, dk, dv are written into a (B,T,3C) dqkv laid out like qkv.
 
 Graphs are built once per shape (building is the slow part: heuristics, kernel compilation) and
-cached in GRAPHS; one cuDNN handle and one CuPy workspace (grown as needed, kept) serve them all,
-on the caller's current CuPy stream. Our bf16 tensors are CuPy uint16 arrays holding bf16 bits
+cached in GRAPHS; one cuDNN handle and one CuPy workspace serve them all, on the caller's current
+CuPy stream. The trainer calls prepare() before its first step: every graph of the run built and
+the workspace allocated once, at the largest size they need, so that no workspace is replaced
+under a CUDA graph that captured its address. A graph built later that needs more gets a larger
+workspace, and the old one is kept (never freed: a captured graph may still point at it). Our bf16 tensors are CuPy uint16 arrays holding bf16 bits
 (llmc/cuda.py), so the graph declares their type and the variant pack passes raw device pointers.
 
 What it deliberately is not: a ctypes binding of cuDNN (the frontend package is the binding), an
@@ -59,7 +62,7 @@ MAX_HEAD_SIZE = 128                      # the SDPA backward's limit on Ampere (
 DETERMINISTIC_BACKWARD = True
 
 GRAPHS = {}        # (direction, B, T, NH, HS, training) -> AttentionGraph, built once
-_RESOURCES = {}    # "handle": the cuDNN handle, "workspace": a CuPy uint8 array (grown, kept)
+_RESOURCES = {}    # "handle": the cuDNN handle, "workspace": a CuPy uint8 array, "retired": the replaced ones
 
 
 @dataclass
@@ -176,11 +179,22 @@ def _handle():
 
 
 def _workspace(nbytes):
-    """The shared CuPy workspace, grown to at least nbytes (the old one goes back to CuPy's pool)."""
+    """The shared CuPy workspace, at least nbytes. A larger one replaces a smaller one, which is
+    kept in _RESOURCES["retired"], not freed: a CUDA graph captured earlier may hold its address."""
     current = _RESOURCES.get("workspace")
     if current is None or current.size < nbytes:
-        _RESOURCES["workspace"] = cuda.cupy().zeros((nbytes,), dtype=np.uint8)
+        if current is not None:
+            _RESOURCES.setdefault("retired", []).append(current)
+        _RESOURCES["workspace"] = cuda.cupy().zeros((max(1, nbytes),), dtype=np.uint8)
     return _RESOURCES["workspace"]
+
+
+def prepare(sizes, NH, HS):
+    """Build every graph a run needs, the forward and backward for each (B,T) in `sizes` (the
+    training, evaluation and sampling batches), then allocate the workspace once at the largest
+    of their sizes: called before any CUDA graph capture. Raises InputError as attention_graph."""
+    entries = [attention_graph(direction, B, T, NH, HS) for B, T in sizes for direction in DESCRIBE]
+    return _workspace(max(entry.workspace_bytes for entry in entries))
 
 
 def _new_graph(cudnn):
@@ -236,7 +250,7 @@ DESCRIBE = {"forward": _describe_forward, "backward": _describe_backward}
 def attention_graph(direction, B, T, NH, HS, training=True):
     """The cached AttentionGraph for `direction` ("forward" or "backward") at this shape, built
     on first use: validate, build the operation graph, heuristics (mode A, then the fallback
-    list), support check, plans; the shared workspace grows to the plan's size. Raises InputError
+    list), support check, plans (the workspace is allocated by prepare, or at execution). Raises InputError
     (one line naming the shape and cuDNN's reason) if cuDNN cannot build it."""
     key = (direction, B, T, NH, HS, bool(training))
     if key in GRAPHS:
@@ -255,7 +269,6 @@ def attention_graph(direction, B, T, NH, HS, training=True):
         mode = "training" if training else "inference"
         raise InputError(f"cuDNN attention: cannot build the {direction} graph for B={B}, T={T}, NH={NH}, "
                          f"HS={HS} ({mode}): {_first_line(e)}") from None
-    _workspace(workspace_bytes)
     GRAPHS[key] = AttentionGraph(graph, tensors, workspace_bytes)
     return GRAPHS[key]
 

@@ -138,6 +138,7 @@ def _numpy_cudnn(calls):
         dqkv[...] = _from_f32(full.astype(np.float32), precision)
 
     return types.SimpleNamespace(attention_forward_cudnn=forward, attention_backward_cudnn=backward,
+                                 prepare=lambda sizes, NH, HS: calls.append("prepare"),
                                  unavailable_reason=lambda precision, HS: None)
 
 
@@ -153,7 +154,7 @@ def test_emulated_model_on_cudnn_path_matches_gpt2_cpu(emulated_gpu, monkeypatch
     x = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
-    assert calls == ["forward"] * TINY.num_layers + ["backward"] * TINY.num_layers
+    assert calls == ["prepare"] + ["forward"] * TINY.num_layers + ["backward"] * TINY.num_layers   # prepare: at allocation
     A = gpt2_cuda.gpt2_activations(model, B, T)
     assert "att" not in A and "qkvr" not in A and A["lse"].shape == (TINY.num_layers, B, TINY.num_heads, T)
 

@@ -8,9 +8,11 @@ but was captured once makes the replayed run differ from the eager one, and the 
 CuPy's own array operations that gpt2_cuda uses on device arrays (fill, add, a broadcast copy
 `out[...] = bias`) are kernel launches on the current stream too, so they are recorded as well.
 Checked: training steps with the graph equal eager steps bitwise (parameters, AdamW moments, the
-accumulated losses) in fp32 and bf16 on the naive attention path; one capture per (B,T,loss_scale),
-replays after; a reallocation drops the graphs (they point into the old buffers); and a whole
-training run with --cuda-graph 1 prints the same losses as --cuda-graph 0.
+accumulated losses) in fp32 and bf16 on the naive attention path; the first micro-batch of a
+(B,T,loss_scale) runs eagerly before its capture (first-time library work stays outside it), one
+capture per key, replays after; an error inside the capture propagates as itself, not as the
+"capture invalidated" of ending it; a reallocation drops the graphs (they point into the old
+buffers); and a whole training run with --cuda-graph 1 prints the same losses as --cuda-graph 0.
 What a GPU must still show: that CuPy's stream capture accepts cuBLAS, our kernels and (for
 --attention cudnn) cuDNN's execution, and the speed-up.
 Run: pytest tests/test_cuda_graph.py   (a few seconds)
@@ -111,7 +113,7 @@ def test_graph_steps_equal_eager_steps_bitwise(capture, precision):
     eager_sums = _train(eager, batches, cuda_graph=False)
     assert capture.captures == 0
     graph_sums = _train(graphed, batches, cuda_graph=True)
-    assert capture.captures == 1 and capture.replays == 9      # captured once, replayed per micro-batch
+    assert capture.captures == 1 and capture.replays == 8      # the first micro-batch eager, then replays
     assert list(graphed.graphs) == [(2, 16, 1.0 / 3)]
     assert graph_sums == eager_sums
     for name in ("params", "m", "v", "grads"):
@@ -124,6 +126,50 @@ def test_graph_steps_equal_eager_steps_bitwise(capture, precision):
         gpt2_cuda.gpt2_micro_batch(graphed, x, y, 1.0 / 3, cuda_graph=True)
         losses.append(float(gpt2_cuda.gpt2_activations(graphed, 2, 16)["losses"].sum()))
     assert len(set(losses)) == 3 and capture.captures == 1
+
+
+def test_first_micro_batch_runs_eagerly_before_the_capture(capture, monkeypatch):
+    # a library's first-time work (cuBLAS's workspace, cuDNN's plans) must not happen inside a
+    # capture: this gemm refuses its very first call while capturing, as such work would fail
+    calls = []
+    recorded_gemm = llmc.cuda.gemm
+
+    def gemm(*args, **kwargs):
+        if not calls and capture.ops is not None:
+            raise RuntimeError("first-time library work inside a stream capture")
+        calls.append(capture.ops is None)
+        return recorded_gemm(*args, **kwargs)
+    monkeypatch.setattr(llmc.cuda, "gemm", gemm)
+    model = _model("fp32")
+    (x, y), = _batches(1, 8, 1, seed=2)
+    gpt2_cuda.gpt2_activations(model, 1, 8)["loss_accum"].fill(0)
+    gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph=True)
+    assert calls[0] and capture.captures == 1 and capture.replays == 0       # eager first, then captured
+    # the eager micro-batch did the work: its loss is the forward's loss, counted once
+    loss = float(gpt2_cuda.gpt2_activations(model, 1, 8)["loss_accum"].sum())
+    cpu = gpt2_cpu.gpt2_init(TINY, 42)
+    gpt2_cpu.gpt2_forward(cpu, x, y)
+    assert loss / 8 == pytest.approx(cpu.mean_loss, rel=1e-5)
+
+
+def test_an_error_inside_the_capture_propagates_as_itself(capture, monkeypatch):
+    # CUDA invalidates a capture in which something failed, and ending it then raises too: the
+    # error the user sees must be the first one
+    def end_capture_after_error():
+        capture.ops = None
+        raise RuntimeError("cudaErrorStreamCaptureInvalidated: capture invalidated")
+    monkeypatch.setattr(gpt2_cuda.cuda.cupy().cuda.get_current_stream(), "end_capture", end_capture_after_error)
+
+    def failing_gemm(*args, **kwargs):
+        if capture.ops is not None:
+            raise ValueError("gemm: the real cause")
+        return emulated_gemm(*args, **kwargs)
+    monkeypatch.setattr(llmc.cuda, "gemm", failing_gemm)
+    model = _model("fp32")
+    (x, y), = _batches(1, 8, 1, seed=2)
+    with pytest.raises(ValueError, match="the real cause"):
+        gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph=True)
+    assert capture.ops is None and model.graphs == {}                        # the capture was ended
 
 
 def test_reallocation_drops_the_graphs(capture):
@@ -151,7 +197,7 @@ def test_training_run_with_cuda_graph_prints_the_same_losses(capture, tmp_path, 
         logs[graph] = _train_losses(f"{out_dir}/main.log")
     capsys.readouterr()
     assert len(logs[0]) == 4 and logs[1] == logs[0]
-    assert capture.captures == 1 and capture.replays == 4 * 2                 # 4 steps of 2 micro-batches
+    assert capture.captures == 1 and capture.replays == 4 * 2 - 1             # 4 steps of 2 micro-batches, the first eager
 
 
 

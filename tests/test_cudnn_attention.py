@@ -12,6 +12,8 @@ llmc.cuda.library("cudnn"), with its graphs and calls recorded; CuPy is replaced
   the address NumPy indexing of our buffer gives (qkv[b, t, j*C + h*HS + s], out[b, t, h*HS + s],
   stats[b, h, t]), for every element;
 - the workspace sized from get_workspace_size (grown, kept) and execution on the current stream;
+  prepare() builds every graph of the run and allocates the largest workspace once; a replaced
+  workspace is retired, never freed (a captured CUDA graph may point at it);
 - a failing build is one InputError line naming the shape, with no chained traceback;
 - end to end: the emulation computes SDPA (forward with the statistics, backward from them)
   straight from the declared strides at the passed pointers; the results against
@@ -331,6 +333,30 @@ def test_workspace_sized_from_the_plans_and_stream(fake_cudnn):
     assert kinds == ["set_stream", "execute"] * 3
     assert all(c[1:] == (handle, STREAM_PTR) for c in fake_cudnn.calls if c[0] == "set_stream")
     assert all(c[2] is handle for c in fake_cudnn.calls if c[0] == "execute")
+
+
+def test_prepare_allocates_the_largest_workspace_once(fake_cudnn, monkeypatch):
+    # a training (B,T) and a larger evaluation batch: four graphs, one workspace of the largest
+    allocated = []
+    zeros = ca.cuda.cupy().zeros
+
+    def counting_zeros(shape, dtype):
+        allocated.append(shape)
+        return zeros(shape, dtype)
+    monkeypatch.setattr(ca.cuda.cupy(), "zeros", counting_zeros)
+    workspace = ca.prepare([(2, 64), (4, 64)], 4, 64)
+    assert allocated == [(5000,)] and workspace is ca._RESOURCES["workspace"]
+    assert len(fake_cudnn.graphs) == 4 and len(ca.GRAPHS) == 4
+    _forward(4, 64, 4, 64)                                                 # built already: nothing new
+    assert allocated == [(5000,)] and fake_cudnn.graphs[2].executions[0][1] == _address(workspace)
+
+
+def test_a_grown_workspace_keeps_the_old_one_alive(fake_cudnn):
+    # a graph built after prepare that needs more: the old workspace is retired, not freed
+    first = ca.prepare([(2, 64)], 4, 64)
+    fake_cudnn.workspace_bytes["sdpa"] = 9000
+    _forward(1, 32, 4, 64)
+    assert ca._RESOURCES["workspace"].nbytes == 9000 and ca._RESOURCES["retired"] == [first]
 
 
 @pytest.mark.parametrize("step", ["validate", "check_support", "build_plans"])

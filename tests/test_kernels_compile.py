@@ -47,17 +47,17 @@ ELF_MAGIC = b"\x7fELF"
 
 # The kernel contract that gpt2_cuda.py launches against: file -> its extern "C" kernels.
 KERNEL_CONTRACT = {
-    "encoder.cu": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte"),
+    "encoder.cu": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte", "encoder_backward_wte_reduce"),
     "layernorm.cu": ("layernorm_forward", "fused_residual_forward", "layernorm_backward",
                      "layernorm_param_reduce", "residual_forward"),
     "gelu.cu": ("gelu_forward", "gelu_backward_inplace"),
-    "bias.cu": ("bias_backward", "bias_reduce"),
+    "bias.cu": ("add_bias", "bias_backward", "bias_reduce"),
     "attention.cu": ("permute_qkv", "permute_qkv_backward", "unpermute", "unpermute_backward",
                      "softmax_forward", "softmax_backward"),
     "classifier.cu": ("fused_classifier",),
     "adamw.cu": ("adamw_update",),
     "global_norm.cu": ("global_norm_squared", "global_norm_finalize"),
-    "cast.cu": ("cast_float_to_floatX", "cast_floatX_to_float", "fill_float"),
+    "cast.cu": ("cast_float_to_floatX", "cast_floatX_to_float"),
     "flash_attention.cu": ("flash_attention_backward_preprocess",)
                           + tuple(f"flash_attention_{kind}_hs{HS}" for kind in ("forward", "backward_dkdv", "backward_dq")
                                   for HS in (16, 32, 64, 128)),

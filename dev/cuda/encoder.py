@@ -16,17 +16,24 @@ encoder_backward, dwte[v] += sum of dout[b,t] over inp[b,t] == v; dwpe[t] += sum
             three reasons: zeroing and re-adding the whole (Vp,C) table even though a batch
             touches few rows, atomics contending on repeated tokens and positions, and an order
             of additions that changes run to run (not reproducible).
-  version 2 (kernels/encoder.cu encoder_backward_wpe + encoder_backward_wte, production) needs
-            no atomics: dwpe has one thread per (t, x128 group) summing b in order; for dwte the
+  version 2 (encoder_backward_wte_v2 with kernels/encoder.cu encoder_backward_wpe) needs no
+            atomics: dwpe has one thread per (t, x128 group) summing b in order; for dwte the
             host sorts positions by token (gpt2_cuda.encoder_backward_segments, not timed here),
             and one block per distinct token sums its rows in order and adds once. Only touched
-            rows are read and written, with x128 accesses, and the result is deterministic.
-            gpt2_cuda.py launches encoder_backward_wte with block = C / x128::size rounded up to
-            a warp; here both kernels take the swept block size.
-
+            rows are read and written, with x128 accesses, and the result is deterministic; but
+            a frequent token (the benchmark makes one 4% of the batch, as "the" or "," are) is
+            one block summing hundreds of rows while the others sum one or two: a serial tail.
+  version 3 (kernels/encoder.cu encoder_backward_wpe + encoder_backward_wte +
+            encoder_backward_wte_reduce, production) cuts each token's run of positions into
+            chunks of at most gpt2_cuda.WTE_CHUNK_ROWS: one block per chunk, so no block sums
+            more rows than that; a token's only chunk adds into dwte directly, the chunks of a
+            frequent token write fp32 partial rows that one more block per such token adds in
+            chunk order. Still no atomics, still deterministic.
+            gpt2_cuda.py launches the dwte kernels with block = C / x128::size rounded up to a
+            warp; here every kernel takes the swept block size.
 Napkin math (minimum traffic): forward reads N=B*T token ids, N*C of wte, T*C of wpe and writes
 N*C; backward reads N*C of dout, reads and writes T*C of dwpe and S*C of dwte (S = distinct
-tokens in the batch), plus the production's index arrays.
+tokens in the batch), plus the index arrays (version 3 also writes and reads its fp32 partial rows).
 
 Run (needs a CUDA GPU; without one it says so and exits 2):
     python dev/cuda/encoder.py           # both progressions, every version, bf16
@@ -51,17 +58,21 @@ OP = "encoder"
 ENCODER_FORWARD_V1 = dev_kernel(OP, "encoder_forward_v1")
 ENCODER_BACKWARD_V1 = dev_kernel(OP, "encoder_backward_v1")
 ENCODER_BACKWARD_ACCUMULATE_V1 = dev_kernel(OP, "encoder_backward_accumulate_v1")
+ENCODER_BACKWARD_WTE_V2 = dev_kernel(OP, "encoder_backward_wte_v2")
 ENCODER_FORWARD = production_kernel("encoder", "encoder_forward")
 ENCODER_BACKWARD_WPE = production_kernel("encoder", "encoder_backward_wpe")
 ENCODER_BACKWARD_WTE = production_kernel("encoder", "encoder_backward_wte")
+ENCODER_BACKWARD_WTE_REDUCE = production_kernel("encoder", "encoder_backward_wte_reduce")
 
 
 # ----------------------------------------------------------------------------
 # problems: inputs, references from gpt2_cpu.py
 
-def token_ids(rng, B, T, V):
-    """(B,T) int32 ids in [0, V), with some repeats forced so that accumulation is exercised."""
+def token_ids(rng, B, T, V, frequent=0.0):
+    """(B,T) int32 ids in [0, V), with some repeats forced so that accumulation is exercised, and
+    token 1 at a share `frequent` of the positions (a common token: the dwte kernels' load balance)."""
     inp = rng.integers(0, V, (B, T)).astype(np.int32)
+    inp[rng.random((B, T)) < frequent] = 1
     inp[0, :3] = inp[-1, -1] = 1
     return inp
 
@@ -80,21 +91,24 @@ def make_forward_case(rng, precision, B, T, C, V, Vp, maxT):
     return case
 
 
-def make_backward_case(rng, precision, B, T, C, V, Vp, maxT):
+def make_backward_case(rng, precision, B, T, C, V, Vp, maxT, frequent):
     """dout (B,T,C), dwte (Vp,C), dwpe (maxT,C) accumulating -> gpt2_cpu.encoder_backward."""
     case = common.Case(precision)
-    inp = token_ids(rng, B, T, V)
-    positions, seg_start, seg_token = gpt2_cuda.encoder_backward_segments(inp)
-    S = seg_token.size
-    for name, value in dict(B=B, T=T, C=C, num_segments=S, n_wte=Vp * C, n_wpe=maxT * C).items():
+    inp = token_ids(rng, B, T, V, frequent)
+    seg = gpt2_cuda.encoder_backward_segments(inp)                     # version 3's chunks
+    whole = gpt2_cuda.encoder_backward_segments(inp, chunk_rows=B * T)  # version 2: one chunk per token
+    S = whole.chunk_token.size
+    for name, value in dict(B=B, T=T, C=C, num_segments=S, num_chunks=seg.chunk_token.size,
+                            num_reduce=seg.reduce_token.size, n_wte=Vp * C, n_wpe=maxT * C).items():
         case.scalar(name, value)
-    for name, value in dict(inp=inp, positions=positions, seg_start=seg_start, seg_token=seg_token).items():
+    for name, value in dict(inp=inp, seg_start=whole.chunk_start, seg_token=whole.chunk_token, **seg._asdict()).items():
         case.input(name, value, "i32")
     dout = case.input("dout", rng.standard_normal((B, T, C)))
     dwte = case.input("dwte", rng.standard_normal((Vp, C)))           # float64 copies: the reference
     dwpe = case.input("dwpe", rng.standard_normal((maxT, C)))         # accumulates into them
     case.scratch("dwte_acc", (Vp, C))                                  # version 1's fp32 accumulators
     case.scratch("dwpe_acc", (maxT, C))
+    case.scratch("partial", (max(1, int(seg.reduce_start[-1])), C))    # version 3's partial rows
     gpt2_cpu.encoder_backward(dwte, dwpe, dout, inp)
     case.check("dwte", dwte, "encoder_backward")
     case.check("dwpe", dwpe, "encoder_backward")
@@ -126,16 +140,29 @@ def backward_v1(d, block_size):
 
 
 def backward_v2(d, block_size):
+    vec = vector_size(d.precision)
+    ENCODER_BACKWARD_WPE.launch(d.precision, elementwise_grid(d.T * d.C // vec, block_size), block_size,
+                                (d.dwpe, d.dout, np.int32(d.B), np.int32(d.T), np.int32(d.C)))
+    ENCODER_BACKWARD_WTE_V2.launch(d.precision, max(1, d.num_segments), block_size,
+                                   (d.dwte, d.dout, d.positions, d.seg_start, d.seg_token, np.int32(d.num_segments),
+                                    np.int32(d.C)))
+
+
+def backward_v3(d, block_size):
     vec = vector_size(d.precision)                                   # gpt2_cuda.encoder_backward
     ENCODER_BACKWARD_WPE.launch(d.precision, elementwise_grid(d.T * d.C // vec, block_size), block_size,
                                 (d.dwpe, d.dout, np.int32(d.B), np.int32(d.T), np.int32(d.C)))
-    ENCODER_BACKWARD_WTE.launch(d.precision, max(1, d.num_segments), block_size,
-                                (d.dwte, d.dout, d.positions, d.seg_start, d.seg_token, np.int32(d.num_segments),
-                                 np.int32(d.C)))
+    ENCODER_BACKWARD_WTE.launch(d.precision, max(1, d.num_chunks), block_size,
+                                (d.dwte, d.partial, d.dout, d.positions, d.chunk_start, d.chunk_token, d.chunk_slot,
+                                 np.int32(d.num_chunks), np.int32(d.C)))
+    ENCODER_BACKWARD_WTE_REDUCE.launch(d.precision, max(1, d.num_reduce), block_size,
+                                       (d.dwte, d.partial, d.reduce_start, d.reduce_token, np.int32(d.num_reduce),
+                                        np.int32(d.C)))
 
 
 SIZES = dict(B=8, T=1024, C=768, V=50257, Vp=50304, maxT=1024)      # GPT-2 124M
 TEST_SIZES = dict(B=2, T=37, C=64, V=100, Vp=128, maxT=42)
+FREQUENT_TOKEN_SHARE = 0.04          # the most common GPT-2 tokens ("," "the" ".") are a few % of text
 PROGRESSIONS = [
     Progression("encoder_forward", make_forward_case, [
         Version(1, "naive port, one thread per output element", (ENCODER_FORWARD_V1,), forward_v1),
@@ -144,10 +171,11 @@ PROGRESSIONS = [
     Progression("encoder_backward", make_backward_case, [
         Version(1, "naive port of np.add.at: fp32 atomics, then a pass over the tables",
                 (ENCODER_BACKWARD_V1, ENCODER_BACKWARD_ACCUMULATE_V1), backward_v1),
-        Version(2, "production: no atomics, in-order sums per position and per token segment",
-                (ENCODER_BACKWARD_WPE, ENCODER_BACKWARD_WTE), backward_v2),
-    ], SIZES, TEST_SIZES),
+        Version(2, "no atomics, in-order sums per position and per token",
+                (ENCODER_BACKWARD_WPE, ENCODER_BACKWARD_WTE_V2), backward_v2),
+        Version(3, "production: version 2 with each token cut into bounded chunks, reduced in order",
+                (ENCODER_BACKWARD_WPE, ENCODER_BACKWARD_WTE, ENCODER_BACKWARD_WTE_REDUCE), backward_v3),
+    ], dict(SIZES, frequent=FREQUENT_TOKEN_SHARE), dict(TEST_SIZES, frequent=0.5)),
 ]
-
 if __name__ == "__main__":
     sys.exit(common.main(OP, PROGRESSIONS))

@@ -7,7 +7,9 @@ gelu_forward, out = gelu(inp) over n = B*T*4C values (the MLP's hidden layer):
   version 2 (kernels/gelu.cu gelu_forward, the production kernel) loads and stores 16 bytes per
             thread (x128: 8 bf16 or 4 floats) in a grid-stride loop, with the streaming hint on
             the input it reads once. Faster because each memory instruction moves 4-8x more bytes,
-            so far fewer instructions (and fewer warps) keep the same bytes in flight.
+            so far fewer instructions (and fewer warps) keep the same bytes in flight. It can also
+            add the bias of the matmul that wrote inp into inp first (gpt2_cuda's MLP does; here
+            NULL, the math of version 1).
 gelu_backward, d = d * gelu'(inp), in place on the incoming gradient:
   version 1 (gelu_backward_v1) naive port of gpt2_cpu.gelu_backward, one thread per element;
   version 2 (kernels/gelu.cu gelu_backward_inplace) the same x128 rewrite.
@@ -77,7 +79,8 @@ def forward_v1(d, block_size):
 
 def forward_v2(d, block_size):
     grid = elementwise_grid(ceil_div(d.n, vector_size(d.precision)), block_size)   # gpt2_cuda.gelu_forward
-    GELU_FORWARD.launch(d.precision, grid, block_size, (d.out, d.inp, np.uint64(d.n)))
+    GELU_FORWARD.launch(d.precision, grid, block_size,           # NULL inp_bias: no matmul bias to fold
+                        (d.out, d.inp, np.uint64(0), np.uint64(d.n), np.int32(0)))
 
 
 def backward_v1(d, block_size):

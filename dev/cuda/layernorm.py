@@ -16,6 +16,8 @@ layernorm_forward, out = (x - mean) * rstd * weight + bias per row of C (N = B*T
 fused_residual_forward, residual = inp1 + inp2, then the LayerNorm of it, in one kernel:
   versions 1, 2, 3 are the same three steps (thread per row; warp per row; production x128).
   Fusing saves re-reading the residual from DRAM for the LayerNorm (it is still in L1/L2).
+  Version 3 also takes the bias of the projection that wrote inp2 (gpt2_cuda runs the
+  attention and MLP projections' GEMMs without theirs); here it gets NULL, the math of 1 and 2.
 layernorm_backward, dinp += ..., dweight += ..., dbias += ... (gpt2_cpu.layernorm_backward):
   version 1 (layernorm_backward_v1) is the naive port: one thread per row, and every element's
             dweight/dbias term atomically added to one fp32 (2, C) scratch: uncoalesced rows,
@@ -158,7 +160,9 @@ def fused_v2(d, block_size):
 
 
 def fused_v3(d, block_size):
-    FUSED_RESIDUAL_FORWARD.launch(d.precision, warp_row_grid(d.N, block_size), block_size, fused_args(d))
+    args = fused_args(d)                  # the production kernel also folds in inp2's projection bias:
+    FUSED_RESIDUAL_FORWARD.launch(d.precision, warp_row_grid(d.N, block_size), block_size,
+                                  args[:6] + (np.uint64(0),) + args[6:])   # NULL, the math of versions 1-2
 
 
 def backward_args(d):

@@ -14,9 +14,11 @@ at GPT-2 124M's three shapes (B*T = 8192 rows): qkv (C -> 3C), fc (C -> 4C), fcp
             of a 128 x 128 output block and, per step, turns 8 + 8 shared-memory values into 64
             FMAs (an outer product): 4 FMAs per shared-memory load instead of 0.5. The larger a
             thread's tile, the higher this arithmetic intensity, until registers run out.
-  version 4 (library call: cuBLAS, gpt2_cuda.matmul_forward itself, the production path) copies
-            the bias into out and accumulates the GEMM onto it; tensor cores in bf16, fp32 FMA
-            units in fp32 (llmc.cuda.gemm, no TF32 unless the trainer's -f asks for it).
+  version 4 (library call: cuBLAS, gpt2_cuda.matmul_forward itself, the production path): the
+            GEMM writes out (beta = 0), then kernels/bias.cu add_bias adds the bias in place with
+            16-byte accesses (an earlier form copied the bias into out and accumulated the GEMM
+            onto it: a CuPy broadcast copy plus a GEMM that reads C); tensor cores in bf16, fp32
+            FMA units in fp32 (llmc.cuda.gemm, no TF32 unless the trainer's -f asks for it).
   version 5 (library call: cuBLASLt through llmc.cublaslt.matmul_forward_lt) adds the bias in the
             GEMM's epilogue: one launch, no bias copy. Skipped with its reason where
             llmc/cublaslt.py or nvmath-python is missing.
@@ -213,7 +215,7 @@ FORWARD_VERSIONS = [
             tuple(V2_TILES)),
     Version(3, "register tiles: 8x8 outputs per thread, 64 FMAs per 16 shared loads", (MATMUL_V3,), forward_v3,
             (V3_THREADS,)),
-    Version(4, "library call: cuBLAS (gpt2_cuda.matmul_forward, production): bias copy + GEMM", (CUBLAS_GEMM,),
+    Version(4, "library call: cuBLAS (gpt2_cuda.matmul_forward, production): GEMM + add_bias", (CUBLAS_GEMM,),
             forward_v4, LIBRARY_BLOCK_SIZES),
     Version(5, "library call: cuBLASLt, bias in the epilogue (llmc.cublaslt)", (CUBLASLT_MATMUL,), forward_v5,
             LIBRARY_BLOCK_SIZES),
