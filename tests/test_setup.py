@@ -10,6 +10,7 @@ Run: pytest tests/test_setup.py
 """
 
 import itertools
+import time
 import os
 import subprocess
 import sys
@@ -215,3 +216,78 @@ def test_outside_a_virtual_environment_it_creates_one_and_installs_there(tmp_pat
     assert (venv / "bin" / "python").exists() and "installing" not in r.stdout
     r = run_script(venv / "bin" / "python", ["--python"], tmp_path, None)
     assert r.stdout.strip() == str(venv / "bin" / "python")
+
+
+# ----------------------------------------------------------------------------
+# dev/run_gpu_tests.py, the first GPU run: its plan, limits and verdicts (no GPU needed)
+
+def _load_run_gpu_tests():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("run_gpu_tests", os.path.join(ROOT, "dev", "run_gpu_tests.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_first_gpu_run_plan_has_every_part():
+    rgt = _load_run_gpu_tests()
+    for cmds in (rgt.commands(), rgt.quick_commands()):
+        texts = [" ".join(c[1:]) for c in cmds]
+        assert sum("--check" in t for t in texts) == 8
+        assert sum("--attention cudnn" in t for t in texts) == 2
+        assert "-m pytest -m gpu -v -rs tests" in texts and "gpt2_cuda.py -x 50 -v 25 -s 50" in texts
+        assert any(t.startswith("dev/bench.py -b 16") for t in texts)
+    assert rgt.QUICK_DEADLINE_S <= 600 - 30                 # a running command is cut at the deadline too
+
+
+def test_preparation_installs_carried_wheels_and_builds_missing_data(tmp_path):
+    rgt = _load_run_gpu_tests()
+    (tmp_path / "w").mkdir()
+    assert rgt.preparation("/tmp/site", str(tmp_path / "w"), [__file__]) == []
+    (tmp_path / "w" / "a-1.0-py3-none-any.whl").write_bytes(b"")
+    pip, data = rgt.preparation("/tmp/site", str(tmp_path / "w"), [str(tmp_path / "missing.bin")])
+    assert pip[1:4] == ["-m", "pip", "install"] and pip[pip.index("--target") + 1] == "/tmp/site"
+    assert "--no-index" in pip and "--no-deps" in pip and pip[-1].endswith("a-1.0-py3-none-any.whl")
+    assert data[1:] == ["dev/data/tinyshakespeare.py"]
+    assert rgt.kind_of(pip) == "wheels" and rgt.kind_of(data) == "data"
+
+
+def test_cudnn_fallback_is_a_skip_not_a_pass():
+    rgt = _load_run_gpu_tests()
+    cudnn = ["python", "gpt2_cuda.py", "--check", "--attention", "cudnn"]
+    said = ("gpt2_cuda.py: cuDNN attention unavailable (the cuDNN frontend is not importable (No module named "
+            "'cudnn'): pip install nvidia-cudnn-frontend): using flash attention\nTENSOR OK\n")
+    assert rgt.verdict(cudnn, 0, said).startswith("SKIP (cuDNN attention unavailable, ran flash: the cuDNN frontend")
+    assert rgt.verdict(cudnn, 0, "TENSOR OK\n") == "PASS"
+    assert rgt.verdict(cudnn, 1, said) == "FAIL (1)" and rgt.verdict(cudnn, 124, "") == "TIMEOUT"
+
+
+def test_a_command_past_its_limit_is_killed_with_its_children(tmp_path):
+    rgt = _load_run_gpu_tests()
+    sleeper = [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '60']); "
+               "print('started', flush=True); time.sleep(60)"]
+    with open(tmp_path / "x.log", "w") as log:
+        t0 = time.monotonic()
+        status = rgt.run_and_tee(sleeper, log, timeout_s=2)
+    assert status == rgt.TIMEOUT_EXIT and time.monotonic() - t0 < 30
+    assert "started" in (tmp_path / "x.log").read_text()
+
+
+def test_quick_run_keeps_going_and_stops_at_its_deadline(tmp_path, monkeypatch):
+    """Past the GPU gate: a failure, a timeout at the deadline, a command never started; the log
+    goes to $OUT."""
+    rgt = _load_run_gpu_tests()
+    ok = [sys.executable, "-c", "print('fine')"]
+    bad = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    slow = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(rgt.cuda, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(rgt, "device_name", lambda: "NVIDIA Test GPU")
+    monkeypatch.setattr(rgt, "software_versions", lambda: "driver 0.0")
+    monkeypatch.setattr(rgt, "quick_commands", lambda: [ok, bad, slow, ok])
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert rgt.main(["--quick", "--deadline", "15"]) == 1
+    (name,) = os.listdir(tmp_path)
+    assert name.endswith("_nvidia-test-gpu_test-gpu-quick.log")
+    summary = (tmp_path / name).read_text().split("# summary")[1].splitlines()
+    verdicts = [line.split()[1] for line in summary[1:5]]
+    assert verdicts == ["PASS", "FAIL", "TIMEOUT", "NOT"], summary
