@@ -124,7 +124,7 @@ def preparation(site=SITE, wheel_dir=WHEEL_DIR, shards=SHARDS):
     `site`, and build data/ (if a shard is missing)."""
     python = sys.executable
     cmds = []
-    wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
+    wheels = sorted(os.path.relpath(w, REPO_ROOT) for w in glob.glob(os.path.join(wheel_dir, "*.whl")))
     if wheels:
         cmds.append([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
                      "--upgrade", "--target", site] + wheels)
@@ -144,6 +144,11 @@ def verdict(cmd, status, output):
     if fallback:
         return f"SKIP (cuDNN attention unavailable, ran {fallback.group(2)}: {fallback.group(1)})"
     return "PASS"
+
+
+def shown(cmd):
+    """A command as the summary shows it: this interpreter's path as `python`."""
+    return " ".join(["python" if arg == sys.executable else arg for arg in cmd])
 
 
 def package_versions():
@@ -290,7 +295,7 @@ def main(argv=None):
                 sys.path.insert(0, SITE)
         failed = sum(v.startswith(("FAIL", "TIMEOUT")) for _, v, _ in results)
         tee(f"\n# versions: {package_versions()}\n# summary ({time.monotonic() - started:.0f} s)\n"
-            + "".join(f"#   {v:9s} {t:6.1f} s  {' '.join(c)}\n" for c, v, t in results), log)
+            + "".join(f"#   {v:9s} {t:6.1f} s  {shown(c)}\n" for c, v, t in results), log)
         tee(f"# {'all passed' if not failed else f'{failed} of {len(cmds)} FAILED'}; log: {path}\n", log)
     return 1 if failed else 0
 
