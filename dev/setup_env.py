@@ -293,6 +293,9 @@ def setup(target, dry_run):
     if install:
         print(f"setup ({target}): installing {' '.join(install)}")
         failure = pip_install(install)
+        if failure and len(install) > 1:      # one that cannot be had must not keep out the others
+            failures = [pip_install([requirement]) for requirement in install]
+            failure = next((f for f in failures if f), None)
         works = probe(target)
         still = [k for k in NEEDS[target]["required"] if works[k] is not None]
         if failure:
