@@ -1,54 +1,56 @@
 # llm.cupy: every target only wraps a command; `make help` lists them.
+# Each target first runs dev/setup_env.py, which installs what that target needs and nothing that
+# already works, into the active virtual environment, else into .venv (created once, said in one
+# line). PY is the interpreter the commands then run with.
 PYTHON ?= python3
-PIP    ?= $(PYTHON) -m pip
-STAMP  := .setup-done
+SETUP   = $(PYTHON) dev/setup_env.py
+PY     := $(shell $(PYTHON) dev/setup_env.py --python)
+export PATH := $(dir $(PY)):$(PATH)
 
-.PHONY: help setup data train train-cpu test test-gpu bench bench-cpu compile-kernels dev-cuda clean
+.PHONY: help data train train-cpu test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels clean
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-# setup: idempotent. Installs the runtime and test requirements once (a stamp file remembers it)
-# and builds the default dataset. `make setup PIP="pip --user"` to change how pip is called.
-setup: $(STAMP) data ## install requirements and build the Shakespeare data
+data:            ## tokenize Shakespeare into data/ (does nothing if it is there; needs numpy, tiktoken)
+	$(SETUP) data
+	$(PY) dev/data/tinyshakespeare.py
 
-$(STAMP): requirements.txt requirements-dev.txt
-	$(PIP) install -q -r requirements-dev.txt
-	@touch $(STAMP)
+# train: the GPU trainer where CuPy sees a CUDA GPU, else the NumPy trainer, saying why.
+train: data      ## train GPT-2 on Shakespeare (GPU if present, else CPU; ARGS="-x 50" passes flags)
+	$(SETUP) train
+	@trainer=$$($(PY) dev/setup_env.py --trainer) && echo "$(PY) $$trainer $(ARGS)" && $(PY) $$trainer $(ARGS)
 
-data: $(STAMP)   ## tokenize Shakespeare into data/ (does nothing if it is there)
-	$(PYTHON) dev/data/tinyshakespeare.py
+train-cpu: data  ## train with the NumPy trainer (ARGS="-x 50" passes flags)
+	$(PY) gpt2_cpu.py $(ARGS)
 
-# train: the GPU trainer where CuPy sees a CUDA GPU, else the NumPy trainer, saying so.
-train: setup     ## train GPT-2 on Shakespeare (GPU if present, else CPU)
-	@if $(PYTHON) -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)" 2>/dev/null \
-	   && [ -f gpt2_cuda.py ]; then \
-	  $(PYTHON) gpt2_cuda.py $(ARGS); \
-	else \
-	  echo "make train: no CUDA GPU (or no CuPy) here: running the NumPy trainer gpt2_cpu.py instead"; \
-	  $(PYTHON) gpt2_cpu.py $(ARGS); \
-	fi
+test:            ## run the test suite (GPU tests skip without a GPU)
+	$(SETUP) test
+	$(PY) dev/data/tinyshakespeare.py
+	$(PY) -m pytest -q
 
-train-cpu: setup ## train with the NumPy trainer (ARGS="-x 50" passes flags)
-	$(PYTHON) gpt2_cpu.py $(ARGS)
+test-gpu:        ## run every GPU test and check, log under dev/results/ (ARGS="--quick")
+	$(SETUP) test-gpu
+	$(PY) dev/run_gpu_tests.py $(ARGS)
 
-test: setup      ## run the test suite (GPU tests skip without a GPU)
-	$(PYTHON) -m pytest -q
+compile-kernels: ## compile every kernels/*.cu and dev/cuda/*.cu with NVRTC for sm_80 and sm_90 (no GPU needed)
+	$(SETUP) compile-kernels
+	$(PY) dev/cuda/nvrtc_compile.py --dev
 
-test-gpu: setup  ## run only the GPU tests, saving the output under dev/results/
-	$(PYTHON) dev/run_gpu_tests.py
+dev-cuda:        ## run every dev/cuda progression on a GPU, one table per op in dev/results/ (ARGS="-p fp32")
+	$(SETUP) dev-cuda
+	$(PY) dev/cuda/run_all.py $(ARGS)
 
-compile-kernels: setup ## compile every kernels/*.cu and dev/cuda/*.cu with NVRTC for sm_80 and sm_90 (no GPU needed)
-	$(PYTHON) dev/cuda/nvrtc_compile.py --dev
+bench:           ## GPU benchmark: gpt2_cuda.py vs the PyTorch twin (needs a GPU, no data)
+	$(SETUP) bench
+	$(PY) dev/bench.py $(ARGS)
 
-dev-cuda: setup  ## run every dev/cuda progression on a GPU, one table per op in dev/results/ (ARGS="-p fp32")
-	$(PYTHON) dev/cuda/run_all.py $(ARGS)
+bench-cpu:       ## CPU benchmark: the NumPy step vs its matmuls alone
+	$(SETUP) bench-cpu
+	$(PY) dev/bench_cpu.py
 
-bench: setup     ## GPU benchmark: gpt2_cuda.py vs the PyTorch twin (needs a GPU)
-	$(PYTHON) dev/bench.py
+gpu-wheels:      ## download into .whl/ the wheels the offline GPU machine lacks (dev/results/README.md)
+	$(SETUP) gpu-wheels
 
-bench-cpu: setup ## CPU benchmark: the NumPy step vs its matmuls alone
-	$(PYTHON) dev/bench_cpu.py
-
-clean:           ## remove the setup stamp and caches (keeps data/)
-	rm -rf $(STAMP) .pytest_cache __pycache__ */__pycache__
+clean:           ## remove caches (keeps data/, .venv/ and .whl/)
+	rm -rf .pytest_cache __pycache__ */__pycache__

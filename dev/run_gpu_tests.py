@@ -1,38 +1,57 @@
 """
-dev/run_gpu_tests.py: everything that needs a GPU to check gpt2_cuda.py, in one run, with its
-output kept as a dated log (`make test-gpu` runs this).
+dev/run_gpu_tests.py: the first contact with a GPU machine, in one command: everything that needs
+a GPU to check gpt2_cuda.py, with its output kept as a dated log (`make test-gpu` runs this).
 
-It runs, in order, and keeps going after a failure so that one log shows everything:
-    python -m pytest -m gpu -v tests          # every test marked gpu (tests/test_cuda.py part 2:
-                                              # the kernels, the 124M model, training, resume)
+It runs, in order, each command with its own time limit, and keeps going after a failure so that
+one log shows everything:
+    pip install --no-index --no-deps --target <site> .whl/*.whl   # the carried wheels, if .whl/ is there
+    python dev/data/tinyshakespeare.py                            # only if data/ lacks the shards
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0 --attention flash
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention flash
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention cudnn
-    python gpt2_cuda.py --check -e d12 -b 1 -t 1024 --precision bf16 --attention <each of the three>
-(--check reads its batch from the default -i, the Shakespeare shards: `make data` first.)
+    python gpt2_cuda.py -x 50 -v 25 -s 50                         # 50 steps on Shakespeare
+    python -m pytest -m gpu -v -rs tests                          # every test marked gpu
+    python dev/bench.py -b 16                                     # ours and the PyTorch twin, B=16
+    python gpt2_cuda.py --check -e d12 -b 1 -t 1024 --precision bf16 --attention <naive, flash, cudnn>
+--quick gives the bench fewer steps and every command a shorter limit, so that the whole run ends
+inside --deadline seconds (default 540 with --quick: one device command of at most 10 minutes);
+a command that would start after the deadline is recorded as NOT RUN. The wheels are installed
+into /tmp/llmc-site, which is put first on the commands' PYTHONPATH.
+(--check reads its batch from the Shakespeare shards: carry data/ to a machine without network.)
+
 Each command's output (stdout and stderr, interleaved as printed) goes to the terminal and to
-    dev/results/<UTC date>_<device>_test-gpu.log      e.g. 2026-11-22_nvidia-h100-80gb-hbm3_test-gpu.log
-which starts with a header (the UTC time, the device as nvidia-smi or CuPy names it, the
-driver, CuPy and CUDA runtime versions, the git commit, the commands) and ends with one line
-per command and its exit status. A second run on the same day and device replaces that log.
+    <results>/<UTC date>_<device>_test-gpu.log      e.g. 2026-11-22_nvidia-h100-80gb-hbm3_test-gpu.log
+(`_test-gpu-quick.log` with --quick), where <results> is --results-dir, else $OUT when set (the
+device tool's folder that comes back), else dev/results/. The log starts with a header (the UTC
+time, the device as nvidia-smi or CuPy names it, the driver, CuPy and CUDA runtime versions, the
+versions of the packages that matter, the git commit, the commands) and ends with one line per
+command: PASS, FAIL (exit status), TIMEOUT, SKIP (why) or NOT RUN, and its seconds. A `--attention
+cudnn` run that fell back to flash (no cuDNN frontend) is a SKIP with the trainer's reason, not a
+PASS. A second run on the same day and device replaces that log.
 
 What it deliberately is not: a test runner of its own. The checks live in the pytest files and
 in gpt2_cuda.py --check; this only runs them and keeps the record.
 
 Run it:
-    python dev/run_gpu_tests.py
-exits 0 if every command passed, 1 if any failed. Without a CUDA GPU (or CuPy) it prints one
-line saying so and exits 2, writing no log.
+    python dev/run_gpu_tests.py [--quick]
+exits 0 if no command failed, 1 if any failed or timed out. Without a CUDA GPU (or CuPy) it prints
+one line saying so and exits 2, writing no log. dev/results/README.md gives the plan of the first
+run on the device machine.
 """
 
 import argparse
 import datetime
+import glob
+import importlib.metadata
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -40,23 +59,107 @@ sys.path.insert(0, REPO_ROOT)
 from llmc import cuda  # noqa: E402  (imports CuPy only when asked: this file runs without it too)
 
 RESULTS_DIR = os.path.join(REPO_ROOT, "dev", "results")
+WHEEL_DIR = os.path.join(REPO_ROOT, ".whl")
+SITE = "/tmp/llmc-site"                # the carried wheels go here, first on the commands' PYTHONPATH
+SHARDS = [os.path.join(REPO_ROOT, "data", "tinyshakespeare", f"tiny_shakespeare_{split}.bin") for split in ("train", "val")]
 CHECK_ARGS = ["--check", "-e", "d12", "-b", "4", "-t", "64"]
 NO_GPU_EXIT = 2
+TIMEOUT_EXIT = 124                      # as timeout(1) reports it
+QUICK_DEADLINE_S = 540                  # one device command may run 600 s; 60 s to spare
+# Time limits per command, in seconds, (full run, --quick). Guesses until the first GPU run
+# measures them (dev/results/README.md): the first --check compiles every kernel (NVRTC) and each
+# builds the 124M reference with gpt2_cpu.py on the host; the bench compiles the twin (torch.compile).
+LIMITS_S = {"wheels": (120, 60), "data": (300, 120), "check": (300, 40), "check-long": (300, 50),
+            "train": (300, 60), "pytest": (1800, 200), "bench": (1800, 180)}
+PACKAGES = ["numpy", "cupy-cuda13x", "cupy-cuda12x", "torch", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12",
+            "nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvmath-python", "tiktoken", "pytest"]
+CUDNN_FALLBACK = re.compile(r"cuDNN attention unavailable \((.*)\): using (\w+) attention")
 
 
 def commands():
-    """The commands of a run, as argument lists (run from the repository root)."""
+    """The commands of a full run, as argument lists (run from the repository root)."""
+    return preparation() + _commands(quick=False)
+
+
+def quick_commands():
+    """The commands of a --quick run: the same list, the bench at fewer steps."""
+    return preparation() + _commands(quick=True)
+
+
+def _commands(quick):
     python = sys.executable
     fp32, bf16 = ["--precision", "fp32", "-f", "0"], ["--precision", "bf16"]
     long = ["--check", "-e", "d12", "-b", "1", "-t", "1024"]
+    bench = [python, "dev/bench.py", "-b", "16"] + (["--steps", "10", "--warmup", "3"] if quick else [])
     return [
-        [python, "-m", "pytest", "-m", "gpu", "-v", "tests"],
         [python, "gpt2_cuda.py"] + CHECK_ARGS + fp32,
         [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16,
         [python, "gpt2_cuda.py"] + CHECK_ARGS + fp32 + ["--attention", "flash"],
         [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16 + ["--attention", "flash"],
         [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16 + ["--attention", "cudnn"],
+        [python, "gpt2_cuda.py", "-x", "50", "-v", "25", "-s", "50"],
+        [python, "-m", "pytest", "-m", "gpu", "-v", "-rs", "tests"],
+        bench,
     ] + [[python, "gpt2_cuda.py"] + long + bf16 + ["--attention", path] for path in ("naive", "flash", "cudnn")]
+
+
+def kind_of(cmd):
+    """The LIMITS_S key of a command."""
+    text = " ".join(cmd)
+    if "pip install" in text or (len(cmd) > 2 and cmd[1:3] == ["-m", "pip"]):
+        return "wheels"
+    for key, marker in (("data", "tinyshakespeare.py"), ("pytest", "pytest"), ("bench", "bench.py"),
+                        ("check-long", "-t 1024"), ("check", "--check")):
+        if marker in text:
+            return key
+    return "train"
+
+
+def limit_s(cmd, quick):
+    return LIMITS_S[kind_of(cmd)][1 if quick else 0]
+
+
+def preparation(site=SITE, wheel_dir=WHEEL_DIR, shards=SHARDS):
+    """The commands before the checks: install the carried wheels (if wheel_dir holds any) into
+    `site`, and build data/ (if a shard is missing)."""
+    python = sys.executable
+    cmds = []
+    wheels = sorted(os.path.relpath(w, REPO_ROOT) for w in glob.glob(os.path.join(wheel_dir, "*.whl")))
+    if wheels:
+        cmds.append([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                     "--upgrade", "--target", site] + wheels)
+    if not all(os.path.isfile(p) for p in shards):
+        cmds.append([python, "dev/data/tinyshakespeare.py"])
+    return cmds
+
+
+def verdict(cmd, status, output):
+    """One summary word for a finished command: PASS, FAIL (status), TIMEOUT, or SKIP (why) for a
+    `--attention cudnn` run that passed on another path because cuDNN attention is unavailable."""
+    if status == TIMEOUT_EXIT:
+        return "TIMEOUT"
+    if status != 0:
+        return f"FAIL ({status})"
+    fallback = CUDNN_FALLBACK.search(output) if "cudnn" in cmd else None
+    if fallback:
+        return f"SKIP (cuDNN attention unavailable, ran {fallback.group(2)}: {fallback.group(1)})"
+    return "PASS"
+
+
+def shown(cmd):
+    """A command as the summary shows it: this interpreter's path as `python`."""
+    return " ".join(["python" if arg == sys.executable else arg for arg in cmd])
+
+
+def package_versions():
+    """'name version, ...' of the PACKAGES installed here (no import: read from their metadata)."""
+    found = []
+    for name in PACKAGES:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return f"Python {sys.version.split()[0]}; " + ", ".join(found)
 
 
 def device_name():
@@ -94,9 +197,9 @@ def device_slug(name):
     return re.sub(r"[^a-z0-9]+", "-", name.strip().lower()).strip("-")
 
 
-def log_path(results_dir, date, device):
-    """<results_dir>/<date>_<device slug>_test-gpu.log"""
-    return os.path.join(results_dir, f"{date}_{device_slug(device)}_test-gpu.log")
+def log_path(results_dir, date, device, name="test-gpu"):
+    """<results_dir>/<date>_<device slug>_<name>.log"""
+    return os.path.join(results_dir, f"{date}_{device_slug(device)}_{name}.log")
 
 
 def git_commit():
@@ -119,23 +222,47 @@ def tee(line, log):
     log.flush()
 
 
-def run_and_tee(cmd, log):
+def run_and_tee(cmd, log, timeout_s=None, env=None, output=None):
     """Run cmd from the repository root, copying its output line by line to the terminal and to
-    the open file `log`, between a `$ command` line and an `exit status N` line. Returns N."""
+    the open file `log`, between a `$ command` line and an `exit status N` line. After timeout_s
+    seconds the command and every process it started are killed, and N is TIMEOUT_EXIT. The lines
+    are also appended to the list `output` when one is given. Returns N."""
     tee(f"\n$ {' '.join(cmd)}\n", log)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}                    # children's lines arrive as printed
+    env = {**(env or os.environ), "PYTHONUNBUFFERED": "1"}            # children's lines arrive as printed
+    timed_out = threading.Event()
     with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, errors="replace", bufsize=1) as proc:
+                          text=True, errors="replace", bufsize=1, start_new_session=True) as proc:
+        def kill():
+            timed_out.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)                     # its own session: pytest's and bench's children too
+            except ProcessLookupError:
+                pass
+        timer = threading.Timer(timeout_s, kill) if timeout_s else None
+        if timer:
+            timer.start()
         for line in proc.stdout:
             tee(line, log)
-    tee(f"exit status {proc.returncode}\n", log)
-    return proc.returncode
+            if output is not None:
+                output.append(line)
+        proc.wait()
+        if timer:
+            timer.cancel()
+    status = TIMEOUT_EXIT if timed_out.is_set() else proc.returncode
+    tee(f"exit status {status}" + (f" (killed after {timeout_s:.0f} s)" if timed_out.is_set() else "") + "\n", log)
+    return status
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--results-dir", default=RESULTS_DIR, help="where the log goes")
+    p.add_argument("--results-dir", default=os.environ.get("OUT") or RESULTS_DIR,
+                   help="where the log goes (default: $OUT when set, else dev/results/)")
+    p.add_argument("--quick", action="store_true", help="shorter limits and bench, to end inside --deadline")
+    p.add_argument("--deadline", type=float, default=None,
+                   help=f"seconds after which no command starts (default: {QUICK_DEADLINE_S} with --quick, none without)")
     args = p.parse_args(argv)
+    started = time.monotonic()
+    deadline = args.deadline if args.deadline is not None else (QUICK_DEADLINE_S if args.quick else None)
     reason = cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/run_gpu_tests.py: no CUDA GPU found ({reason}); nothing to run here "
@@ -143,18 +270,32 @@ def main(argv=None):
         return NO_GPU_EXIT
     now = datetime.datetime.now(datetime.timezone.utc)
     device = device_name()
-    cmds = commands()
+    cmds = quick_commands() if args.quick else commands()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SITE, os.environ.get("PYTHONPATH")]))}
     os.makedirs(args.results_dir, exist_ok=True)
-    path = log_path(args.results_dir, now.strftime("%Y-%m-%d"), device)
+    path = log_path(args.results_dir, now.strftime("%Y-%m-%d"), device, "test-gpu-quick" if args.quick else "test-gpu")
+    results = []                                                       # (command, verdict, seconds)
     with open(path, "w") as log:
-        tee(f"# dev/run_gpu_tests.py, {now.strftime('%Y-%m-%d %H:%M:%S')} UTC\n"
+        tee(f"# dev/run_gpu_tests.py{' --quick' if args.quick else ''}, {now.strftime('%Y-%m-%d %H:%M:%S')} UTC\n"
             f"# device: {device} ({software_versions()})\n"
             f"# commit: {git_commit()}\n"
             "# commands:\n" + "".join(f"#   {' '.join(c)}\n" for c in cmds), log)
-        statuses = [run_and_tee(cmd, log) for cmd in cmds]
-        tee("\n# summary\n" + "".join(f"#   {'PASS' if s == 0 else f'FAIL ({s})':9s} {' '.join(c)}\n"
-                                      for c, s in zip(cmds, statuses)), log)
-        failed = sum(s != 0 for s in statuses)
+        for cmd in cmds:
+            limit = limit_s(cmd, args.quick) if (args.quick or deadline) else None
+            if deadline is not None:
+                left = deadline - (time.monotonic() - started)
+                if left < 10:
+                    results.append((cmd, f"NOT RUN (past the {deadline:.0f} s deadline)", 0.0))
+                    continue
+                limit = min(limit, left)
+            t0, output = time.monotonic(), []
+            status = run_and_tee(cmd, log, timeout_s=limit, env=env, output=output)
+            results.append((cmd, verdict(cmd, status, "".join(output)), time.monotonic() - t0))
+            if kind_of(cmd) == "wheels":                               # the header's versions see them too
+                sys.path.insert(0, SITE)
+        failed = sum(v.startswith(("FAIL", "TIMEOUT")) for _, v, _ in results)
+        tee(f"\n# versions: {package_versions()}\n# summary ({time.monotonic() - started:.0f} s)\n"
+            + "".join(f"#   {v:9s} {t:6.1f} s  {shown(c)}\n" for c, v, t in results), log)
         tee(f"# {'all passed' if not failed else f'{failed} of {len(cmds)} FAILED'}; log: {path}\n", log)
     return 1 if failed else 0
 

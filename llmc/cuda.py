@@ -11,6 +11,8 @@ __nv_bfloat16. Nothing here imports CuPy until it is called, so the host logic i
 
 import hashlib
 import os
+import re
+import subprocess
 
 import numpy as np
 
@@ -57,6 +59,25 @@ def cuda_unavailable_reason():
     except Exception as e:                 # no driver, driver too old, no device
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None if count > 0 else "the CUDA runtime reports 0 devices"
+
+
+# The pip names of the CUDA wheels, by CUDA major version (CUDA 13's wheels carry no -cu13 suffix).
+CUDA_PIP_NAMES = {12: {"cupy": "cupy-cuda12x", "nvrtc": "nvidia-cuda-nvrtc-cu12", "runtime": "nvidia-cuda-runtime-cu12"},
+                  13: {"cupy": "cupy-cuda13x", "nvrtc": "'nvidia-cuda-nvrtc==13.*'",
+                       "runtime": "'nvidia-cuda-runtime==13.*'"}}
+
+
+def pip_advice(*wheels):
+    """'pip install ...' for the CUDA wheels named ("cupy", "nvrtc", "runtime") in the forms of the
+    NVIDIA driver's CUDA major version, read from nvidia-smi's "CUDA Version: 13.0"; CUDA 12's
+    where there is no driver (the CPU-only compile check) or the version is another."""
+    try:
+        header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        header = ""
+    match = re.search(r"CUDA Version:\s*(\d+)\.", header)
+    major = int(match.group(1)) if match and int(match.group(1)) in CUDA_PIP_NAMES else 12
+    return "pip install " + " ".join(CUDA_PIP_NAMES[major][w] for w in wheels)
 
 
 # ----------------------------------------------------------------------------
@@ -170,7 +191,7 @@ def cuda_include_dir():
         if os.path.isfile(os.path.join(d, CUDA_HEADER)):
             return d
     raise KernelCompileError(f"{CUDA_HEADER} not found (looked in {', '.join(candidates)}): "
-                             "pip install nvidia-cuda-runtime-cu12")
+                             + pip_advice("runtime"))
 
 
 def common_header_digest():

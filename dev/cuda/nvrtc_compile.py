@@ -109,8 +109,7 @@ def load_nvrtc():
             return nvrtc
         except Exception as error:
             raise NvrtcUnavailable(f"cannot load NVRTC through CuPy ({error}; first try: "
-                                   f"{first_error}): pip install cupy-cuda12x "
-                                   "nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12") from error
+                                   f"{first_error}): {cuda.pip_advice('cupy', 'nvrtc', 'runtime')}") from error
 
 
 # ----------------------------------------------------------------------------
