@@ -14,11 +14,12 @@ import codecs
 import math
 import os
 import sys
+import traceback
 
 import numpy as np
 
 from llmc.checkpoint import checkpoint_paths, latest_checkpoint_step, rotate_checkpoints, write_done_marker
-from llmc.comm import abort_all_ranks
+from llmc.comm import abort_all_ranks, launched_size
 from llmc.dataloader import DataLoader
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
 from llmc.logger import Logger
@@ -336,19 +337,42 @@ class TrainingRun:
         self.logger.log_train(step, loss, lr, norm)
 
 
+def launched_rank():
+    """This process's rank under mpiexec (PMI_RANK / OMPI_COMM_WORLD_RANK), None without it."""
+    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+    return int(rank) if rank is not None and launched_size() > 1 else None
+
+
+def error_line(e, expected):
+    """The one line that reports exception e: its message for bad input or a failed write
+    (`expected`); otherwise the exception's type, message and the innermost line of this project
+    that raised it (an internal error); under mpiexec prefixed with the rank it happened on."""
+    if isinstance(e, expected):
+        text = str(e)
+    elif isinstance(e, MemoryError):
+        text = "out of memory (MemoryError): lower -b or -t, or use a smaller model"
+    else:
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        text = f"internal error: {type(e).__name__}: {e}{where}"
+    rank = launched_rank()
+    return f"error: {'' if rank is None else f'rank {rank}: '}{text}"
+
+
 def run_main(fn, args, errors=(InputError,)):
     """Run fn(args) as a command and return the exit code: fn's own if it returns an int (e.g.
     gpt2_cuda.py --check), else 0; 1 with one `error:` line on stderr for bad input (any of
-    `errors`) or a failed write (OSError: disk full, permissions; atomic_write leaves no
-    temporary file); 130 on Ctrl-C. Under mpiexec an error on one rank ends every rank."""
+    `errors`), a failed write (OSError: disk full, permissions; atomic_write leaves no temporary
+    file), or any other exception (error_line); 130 on Ctrl-C. Under mpiexec any of these on one
+    rank ends every rank within seconds (MPI_Abort), so no rank waits forever in a collective."""
     try:
         result = fn(args)
-    except errors + (OSError,) as e:
-        print(f"error: {e}", file=sys.stderr)
-        abort_all_ranks(1)
-        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         abort_all_ranks(130)
         return 130
+    except Exception as e:                                  # noqa: BLE001: every exception is one line
+        print(error_line(e, errors + (OSError,)), file=sys.stderr)
+        abort_all_ranks(1)
+        return 1
     return result if type(result) is int else 0

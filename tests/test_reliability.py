@@ -260,3 +260,54 @@ def test_atomic_write_leaves_nothing_on_error(tmp_path):
     with pytest.raises(OSError):
         atomic_write(str(tmp_path / "x.bin"), boom)
     assert os.listdir(tmp_path) == []
+
+
+# ============================================================================
+# The suite of record for issue 19: hostile use of every command, one class per section, one
+# line per case. Each class states the promise it checks.
+
+def in_process(argv, capsys):
+    """gpt2_cpu.main(argv) in this process (much faster than a subprocess): (exit code, stdout,
+    stderr lines)."""
+    code = g.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def one_line(code, err):
+    """The promise for bad input: exit 1 and exactly one `error:` line."""
+    return code == 1 and len(err) == 1 and err[0].startswith("error: ")
+
+
+# ----------------------------------------------------------------------------
+# class 1: a job never hangs: any exception on any MPI rank ends every rank within seconds
+
+FAULT_SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+import gpt2_cpu
+if os.environ.get("PMI_RANK", "0") == "1":                  # rank 1 only: rank 0 waits in a collective
+    def broken(*args, **kwargs):
+        raise {exc}("injected fault")
+    gpt2_cpu.gpt2_backward = broken
+sys.exit(gpt2_cpu.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec (pip install mpich mpi4py)")
+@pytest.mark.parametrize("exc,said", [("RuntimeError", "RuntimeError: injected fault"),
+                                      ("ZeroDivisionError", "ZeroDivisionError: injected fault"),
+                                      ("KeyError", "KeyError: 'injected fault'"), ("MemoryError", "out of memory")])
+def test_any_exception_on_one_rank_ends_the_job(data, small_model, tmp_path, exc, said):
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_SCRIPT.format(root=ROOT, exc=exc))
+    cmd = ["mpiexec", "-n", "2", sys.executable, str(script)] + common(small_model, data, **{"-x": "3", "-v": "0"})
+    start = time.monotonic()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job hung: rank 0 still waits in the all-reduce rank 1 never reached")
+    assert time.monotonic() - start < 60
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    ours = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith("error: rank 1: ") and said in ours[0], out.stderr
