@@ -125,6 +125,7 @@ def read_state(path, num_parameters, process_rank, num_processes, zero_stage=0):
             raise InputError(f"{path}: trailing bytes: the state file does not match a model of {num_parameters} parameters")
     if not (np.isfinite(out["m"]).all() and np.isfinite(out["v"]).all() and (out["v"] >= 0).all()):
         raise InputError(f"{path}: corrupt state file: AdamW moments are not finite")
+    loader["source"] = path
     out["loader"] = loader
     return out
 
@@ -166,6 +167,8 @@ def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_o
     model_path, state_path, _ = checkpoint_paths(out_dir, step, process_rank)
     shape, params = read_model_file(model_path, num_parameters_of)
     st = read_state(state_path, state_num_parameters or params.size, process_rank, num_processes, zero_stage)
+    if st["step"] != step:
+        raise InputError(f"{state_path}: corrupt state file: step {st['step']} in the file of step {step}")
     st["shape"], st["state_path"] = shape, state_path
     master = st["master_weights"]
     st["params"] = master if master is not None and master.size == params.size else params

@@ -34,12 +34,22 @@ from llmc.utils import TMP_SUFFIX, InputError, stale_temporaries
 # ----------------------------------------------------------------------------
 # the flags
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with this project's promise for a bad flag: one `error:` line (on rank 0 only
+    under mpiexec) and exit 1, instead of argparse's usage dump and exit 2."""
+
+    def error(self, message):
+        if launched_rank() in (None, 0):
+            print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(1)
+
+
 def build_parser(prog, description, lr_schedules):
     """The trainers' argparse parser: llm.c's one-letter flags, each with a long alias and llm.c's
     default (train_gpt2.cu), then NEWCOMER_DEFAULTS on top (see there). -h is HellaSwag in llm.c,
     so help is --help only. lr_schedules: the names -k accepts (the trainer's learning_rate_at
     implements them). gpt2_cuda.py adds its GPU flags to this parser."""
-    p = argparse.ArgumentParser(prog=prog, add_help=False, description=description,
+    p = ArgumentParser(prog=prog, add_help=False, description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--help", action="help", help="show this help and exit")
@@ -97,6 +107,10 @@ def newcomer_defaults(parser):
     parser.set_defaults(**NEWCOMER_DEFAULTS)
 
 
+INT32_MAX = 2**31 - 1                  # llm.c counts tokens in int
+UINT64_MAX = 2**64 - 1                 # the seeds are 64-bit states
+
+
 def check_args(args):
     """One InputError for flags that make no sense, before anything runs (llm.c accepts some of
     these silently; here each is one clear line)."""
@@ -117,10 +131,14 @@ def check_args(args):
         (not args.resume or args.output_dir or args.generate, "-y 1 needs -o DIR to find the checkpoint in"),
         (args.val_every >= 0 and args.sample_every >= 0 and args.gen_tokens >= 0, "-v, -s and -g must be >= 0"),
         (args.val_max_steps > 0 or args.val_max_steps == -1, f"-m {args.val_max_steps}: must be positive, or -1 for the whole split"),
-        (args.seed >= 0, f"--seed {args.seed}: seeds must be >= 0"),
+        (args.batch_size * args.seq_len <= INT32_MAX,
+         f"-b {args.batch_size} -t {args.seq_len}: B*T = {args.batch_size * args.seq_len:,} tokens per micro-batch "
+         f"do not fit in a 32-bit count (at most {INT32_MAX:,})"),
+        (0 <= args.seed <= UINT64_MAX, f"--seed {args.seed}: seeds must be in [0, 2^64)"),
         (math.isfinite(args.temperature) and args.temperature >= 0, f"--temperature {args.temperature}: must be >= 0"),
         (args.top_k >= 0, f"--top-k {args.top_k}: must be >= 0"),
-        (args.sample_seed > 0, f"--sample-seed {args.sample_seed}: must be positive (xorshift's state is never 0)"),
+        (0 < args.sample_seed <= UINT64_MAX,
+         f"--sample-seed {args.sample_seed}: must be in [1, 2^64) (xorshift's 64-bit state is never 0)"),
         (args.generate >= 0, f"--generate {args.generate}: must be >= 0"),
     ]
     for ok, message in checks:
@@ -174,7 +192,7 @@ class TrainingRun:
         self.resume_step = latest_checkpoint_step(args.output_dir) if self.resuming else None
         if self.resuming and self.resume_step is None:
             raise InputError(f"{args.output_dir}: no complete checkpoint (DONE_* marker) to resume from")
-        self.start_step = 0
+        self.start_step = self.step = 0
         self.loss_outliers, self.grad_outliers = OutlierDetector(), OutlierDetector()
 
     def say(self, *parts, **kwargs):
@@ -210,9 +228,14 @@ class TrainingRun:
         if self.total_batch % tokens_per_micro:
             raise InputError(f"-d {self.total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
         self.grad_accum_steps = self.total_batch // tokens_per_micro
-        self.train_loader = DataLoader(args.input_bin, B, T, comm.rank, comm.size, bool(args.shuffle), args.seed)
-        self.val_loader = DataLoader(args.input_val_bin, B, T, comm.rank, comm.size) if args.input_val_bin else None
+        V = config.vocab_size
+        self.train_loader = DataLoader(args.input_bin, B, T, comm.rank, comm.size, bool(args.shuffle), args.seed, V)
+        self.val_loader = DataLoader(args.input_val_bin, B, T, comm.rank, comm.size, vocab_size=V) \
+            if args.input_val_bin else None
         self.num_steps = args.max_steps if args.max_steps > 0 else self.train_loader.num_tokens // self.total_batch
+        if self.num_steps == 0 and not args.eval_only:
+            raise InputError(f"-d {self.total_batch}: one step needs more tokens than the train data's "
+                             f"{self.train_loader.num_tokens:,}, so -x -1 (one epoch) is no step at all")
         if args.output_dir:
             self.make_output_dir(args.output_dir)
         self.examples = read_hellaswag(args.hellaswag_file) if args.hellaswag else None
@@ -269,7 +292,15 @@ class TrainingRun:
     def skip_update(self, loss, norm):
         """Feed this step's loss and gradient norm to the outlier detectors (llm.c's -sl / -sg).
         Returns (skip, zloss, zgrad): skip is True, having said so, when the update is to be
-        skipped."""
+        skipped. A non-finite loss or norm is never fed to the detectors: with -sl or -sg the
+        step is skipped, else it raises InputError naming the step (training never goes on on NaN)."""
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            what, value = ("loss", loss) if not math.isfinite(loss) else ("grad norm", norm)
+            if self.args.skip_update_lossz > 0 or self.args.skip_update_gradz > 0:
+                self.say(f"skipping update due to a non-finite {what} at step {self.step + 1} ({value})")
+                return True, math.nan, math.nan
+            raise InputError(f"step {self.step + 1}: the {what} is {value}, not finite: training diverged (lower -l, "
+                             f"or let -sl/-sg skip such steps)")
         zloss, zgrad = self.loss_outliers.update(loss), self.grad_outliers.update(norm)
         reason = skip_reason(zloss, zgrad, self.args.skip_update_lossz, self.args.skip_update_gradz)
         if reason:
@@ -281,8 +312,8 @@ class TrainingRun:
         batch_loss(inputs (B,T), targets (B,T)) -> the batch's mean loss, a float."""
         loader, steps = self.val_loader, self.args.val_max_steps
         loader.reset()
-        steps = steps if steps > 0 else loader.shard_num_samples * len(loader.files)
-        total = sum(batch_loss(*loader.next_batch()) for _ in range(steps))
+        steps = steps if steps > 0 else loader.num_batches
+        total = math.fsum(batch_loss(*loader.next_batch()) for _ in range(steps))
         return self.comm.mean(total / steps)
 
     def hellaswag(self, forward_losses):
@@ -303,6 +334,7 @@ class TrainingRun:
         the end. generate(prompt ids, n) -> ids; save(step) -> the DONE path it leaves to write.
         Returns True at the last step (the loop ends)."""
         args, last_step = self.args, step == self.num_steps
+        self.step = step
         if self.val_loader and args.val_every > 0 and (step % args.val_every == 0 or last_step):
             val_loss = self.validate(batch_loss)
             self.say(f"val loss {val_loss:.6f}")
@@ -366,7 +398,8 @@ def run_main(fn, args, errors=(InputError,)):
     file), or any other exception (error_line); 130 on Ctrl-C. Under mpiexec any of these on one
     rank ends every rank within seconds (MPI_Abort), so no rank waits forever in a collective."""
     try:
-        result = fn(args)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # non-finite values are checked, not warned
+            result = fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         abort_all_ranks(130)

@@ -311,3 +311,158 @@ def test_any_exception_on_one_rank_ends_the_job(data, small_model, tmp_path, exc
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     ours = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and ours[0].startswith("error: rank 1: ") and said in ours[0], out.stderr
+
+
+# ----------------------------------------------------------------------------
+# class 2: every value read is validated before it is used
+
+V, VP = SMALL.vocab_size, SMALL.padded_vocab_size
+
+
+def shard(tmp_path, name, n=400, bad_at=None, bad=None, seed=0):
+    """A shard of n random token ids in [0, 1000) in tmp_path, with `bad` at position bad_at."""
+    tokens = np.random.default_rng(seed).integers(0, 1000, n)
+    if bad_at is not None:
+        tokens[bad_at] = bad
+    path = tmp_path / name
+    formats.write_shard(str(path), tokens)
+    return str(path)
+
+
+# B=2, T=16: the first window is tokens 0..32; token 32 is only ever a target
+@pytest.mark.parametrize("bad_at,bad", [(32, VP), (32, V), (32, VP - 1), (5, V), (399, 65535), (200, VP + 7)])
+@pytest.mark.parametrize("split", ["-i", "-j"])
+def test_token_ids_outside_the_vocabulary(small_model, tmp_path, capsys, bad_at, bad, split):
+    good, bad_path = shard(tmp_path, "good.bin"), shard(tmp_path, "bad.bin", bad_at=bad_at, bad=bad)
+    files = {"-i": good, "-j": good, split: bad_path}
+    code, out, err = in_process(common(small_model, files["-i"], **{"-j": files["-j"], "-x": "3", "-v": "2"}), capsys)
+    assert one_line(code, err), err
+    assert "bad.bin" in err[0] and f"token id {bad}" in err[0] and f"position {bad_at}" in err[0], err
+    assert "loss inf" not in out and "loss nan" not in out
+
+
+def test_forward_checks_the_targets_too():
+    model = g.gpt2_init(SMALL, seed=0)
+    inputs = np.zeros((1, 4), np.int32)
+    for target in (V, VP, -1):
+        with pytest.raises(g.InputError, match="target"):
+            g.gpt2_forward(model, inputs, np.full((1, 4), target, np.int32))
+
+
+TRUNCATE_SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+from llmc.dataloader import DataLoader
+from llmc.utils import InputError
+loader = DataLoader({path!r}, 2, 16, vocab_size=50257)
+loader.next_batch()
+{change}
+try:
+    for _ in range(40):
+        loader.next_batch()
+except InputError as e:
+    print("error:", e)
+"""
+
+
+@pytest.mark.parametrize("change", [
+    "os.truncate(loader_path, 1024 + 50)",                                      # truncated while read
+    "os.truncate(loader_path, 0)",
+    "open(loader_path, 'r+b').write(b'garbage' * 10)",                          # header rewritten in place
+])
+def test_shard_changed_while_read(tmp_path, change):
+    path = shard(tmp_path, "s.bin", n=2000)
+    code = TRUNCATE_SCRIPT.format(root=ROOT, path=path, change=change.replace("loader_path", repr(path)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"killed by signal {-out.returncode}" if out.returncode < 0 else out.stderr
+    assert out.stdout.startswith("error: ") and "s.bin" in out.stdout, out.stdout + out.stderr
+
+
+def test_grad_norm_accumulates_in_float64():
+    model = g.gpt2_init(SMALL, seed=0)
+    rng = np.random.default_rng(1)
+    model.grads[...] = rng.standard_normal(model.grads.size).astype(np.float32) * 1e-2 + 3e-3
+    reference = math.sqrt(math.fsum(float(x) * float(x) for x in model.grads[::1]))
+    assert g.gpt2_grad_norm(model) == pytest.approx(reference, rel=1e-12)
+
+
+def checkpointed(small_model, data, tmp_path, capsys, **extra):
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path), **extra}), capsys)
+    assert code == 0, err
+    return tmp_path / "state_00000002_00000.bin"
+
+
+def rewrite_state(path, edit):
+    """Read a shuffled state file's tail sections, let edit(sections) change them, write it back."""
+    raw = bytearray(path.read_bytes())
+    edit(raw)
+    path.write_bytes(bytes(raw))
+
+
+def shuffle_sections(raw, num_parameters):
+    """Offsets (shard count, shard order, sample count, sample order) of a shuffled state file."""
+    at = formats.HEADER_BYTES + 2 * 4 * num_parameters
+    ns = int(np.frombuffer(raw, "<u8", 1, at)[0])
+    nb_at = at + 8 + 4 * ns
+    return at + 8, ns, nb_at + 8, int(np.frombuffer(raw, "<u8", 1, nb_at)[0])
+
+
+NUM_PARAMETERS = g.num_elements(g.parameter_shapes(SMALL))
+
+
+def set_i32(raw, offset, value):
+    raw[offset:offset + 4] = np.int32(value).tobytes()
+
+
+@pytest.mark.parametrize("corrupt,said", [
+    (lambda raw: set_i32(raw, shuffle_sections(raw, NUM_PARAMETERS)[0], 5), "shard order"),
+    (lambda raw: set_i32(raw, shuffle_sections(raw, NUM_PARAMETERS)[2], -4), "sample order"),
+    (lambda raw: set_i32(raw, shuffle_sections(raw, NUM_PARAMETERS)[2] + 4,
+                         int(np.frombuffer(raw, "<i4", 1, shuffle_sections(raw, NUM_PARAMETERS)[2])[0])),
+     "sample order"),                                                         # a repeated sample
+    (lambda raw: raw.__setitem__(slice(4 * checkpoint.STATE_SLOT_STEP, 4 * checkpoint.STATE_SLOT_STEP + 4),
+                                 np.int32(7).tobytes()), "step 7"),             # step differs from the name
+])
+def test_corrupt_state_sections(data, small_model, tmp_path, capsys, corrupt, said):
+    path = checkpointed(small_model, data, tmp_path, capsys, **{"--shuffle": "1"})
+    rewrite_state(path, corrupt)
+    code, out, err = in_process(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1",
+                                                            "--shuffle": "1"}), capsys)
+    assert one_line(code, err) and said in err[0] and "state_00000002_00000.bin" in err[0], err
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_model_file_with_non_finite_weights(data, tmp_path, capsys, value):
+    model = g.gpt2_init(SMALL, seed=0)
+    model.params[1234] = value
+    path = tmp_path / "bad.bin"
+    g.write_model(str(path), model)
+    code, out, err = in_process(common(str(path), data, **{"-x": "1"}), capsys)
+    assert one_line(code, err) and "bad.bin" in err[0] and "not finite" in err[0], err
+
+
+def test_diverging_run_stops_naming_the_step(data, small_model, capsys):
+    code, out, err = in_process(common(small_model, data, **{"-x": "4", "-l": "1e30"}), capsys)
+    assert one_line(code, err) and re.search(r"step \d+: ", err[0]) and "not finite" in err[0], err
+    assert not re.search(r"loss (nan|inf)", out)
+
+
+@pytest.mark.parametrize("skip", [{"-sl": "3"}, {"-sg": "3"}])
+def test_diverging_steps_are_skipped_with_sl_sg(data, small_model, capsys, skip):
+    code, out, err = in_process(common(small_model, data, **{"-x": "4", "-l": "1e30", **skip}), capsys)
+    assert code == 0, err
+    assert re.search(r"skipping update due to a non-finite (loss|grad norm) at step \d+", out), out
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["-b", "abc"], "-b/--batch-size: invalid int value: 'abc'"), (["-x", "1.5"], "invalid int value: '1.5'"),
+    (["-k", "nope"], "invalid choice: 'nope'"), (["--shuffle", "2"], "invalid choice: 2"),
+    (["-y", "7"], "invalid choice: 7"), (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["-l", "fast"], "invalid float value: 'fast'"), (["-b"], "expected one argument"),
+    (["--seed", str(2 ** 64)], f"--seed {2 ** 64}"), (["--sample-seed", str(2 ** 64)], f"--sample-seed {2 ** 64}"),
+    (["-d", "1000000000", "-x", "-1"], "-d 1000000000"), (["-b", str(2 ** 40)], f"-b {2 ** 40}"),
+])
+def test_every_flag_error_is_one_line(data, small_model, flags, said, capsys):
+    code, out, err = in_process(["-e", small_model, "-i", data, "-j", "", "-t", "16", "-v", "0"] + flags, capsys)
+    assert one_line(code, err) and said in err[0], err
+    assert "usage:" not in out
