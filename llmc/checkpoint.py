@@ -11,6 +11,7 @@ Both trainers write and read the same files, so either one resumes the other's r
 
 import glob
 import os
+import re
 
 import numpy as np
 
@@ -35,6 +36,12 @@ STATE_U64_SHARD = 15                   # slots 30-31: the loader's current shard
 STATE_U64_SAMPLE = 16                  # slots 32-33: the loader's sample index within the shard
 UINT64_MASK = (1 << 64) - 1
 OUTLIER_DETECTORS_FLOATS = 2 * OUTLIER_STATE_FLOATS   # the loss and the grad-norm detector            # the loader's 128-bit PCG64 state is stored as two uint64
+
+
+# every name a run writes in -o (main.log is llmc/logger.py's): what start-up cleanup may remove
+# (their dead temporaries) and what a fresh run moves aside (an older run's files)
+RUN_FILE_NAMES = r"model_\d{8}\.bin|state_\d{8}_\d{5}\.bin|DONE_\d{8}|main\.log"
+PREVIOUS_RUN_DIR = "previous_run_{}"
 
 
 def checkpoint_paths(out_dir, step, rank=0):
@@ -173,6 +180,25 @@ def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_o
     master = st["master_weights"]
     st["params"] = master if master is not None and master.size == params.size else params
     return st
+
+
+def move_previous_run_aside(out_dir):
+    """A fresh run into a directory that holds another run's files (RUN_FILE_NAMES: its
+    checkpoints, its main.log): move them, untouched, into out_dir/previous_run_<k> (the first k
+    free), so the two runs never mix and a later -y 1 resumes the new one. Returns that directory,
+    or None when there was nothing to move."""
+    pattern = re.compile(RUN_FILE_NAMES)
+    names = sorted(n for n in os.listdir(out_dir) if pattern.fullmatch(n) and os.path.isfile(os.path.join(out_dir, n)))
+    if not names:
+        return None
+    k = 1
+    while os.path.exists(os.path.join(out_dir, PREVIOUS_RUN_DIR.format(k))):
+        k += 1
+    aside = os.path.join(out_dir, PREVIOUS_RUN_DIR.format(k))
+    os.mkdir(aside)
+    for name in names:
+        os.replace(os.path.join(out_dir, name), os.path.join(aside, name))
+    return aside
 
 
 def delete_checkpoint(out_dir, step, process_rank):

@@ -13,12 +13,14 @@ import argparse
 import codecs
 import math
 import os
+import re
 import sys
 import traceback
 
 import numpy as np
 
-from llmc.checkpoint import checkpoint_paths, latest_checkpoint_step, rotate_checkpoints, write_done_marker
+from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, latest_checkpoint_step, move_previous_run_aside,
+                             rotate_checkpoints, write_done_marker)
 from llmc.comm import abort_all_ranks, launched_size
 from llmc.dataloader import DataLoader
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
@@ -27,7 +29,9 @@ from llmc.sampler import SAMPLE_SEED
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
 from llmc.tokenizer import GPT2_EOT, Tokenizer, gpt2_encoding
 from llmc.outlier import OUTLIER_STATE_FLOATS, OutlierDetector, skip_reason
-from llmc.utils import TMP_SUFFIX, InputError, stale_temporaries
+from llmc.utils import TMP_SUFFIX, InputError, lock_directory, release_directory_locks, stale_temporaries
+
+WRITE_PROBE = ".write_probe"           # make_output_dir's test file in -o
 
 
 
@@ -188,9 +192,13 @@ class TrainingRun:
         self.args, self.comm = args, comm
         self.master = comm.rank == 0
         self.B, self.T = args.batch_size, args.seq_len
-        self.resuming = bool(args.resume) and not args.eval_only and not args.generate
-        self.resume_step = latest_checkpoint_step(args.output_dir) if self.resuming else None
-        if self.resuming and self.resume_step is None:
+        self.training = not args.eval_only and not args.generate
+        self.resuming = bool(args.resume) and self.training
+        self.from_checkpoint = bool(args.resume) and bool(args.output_dir)    # --eval-only/--generate -y 1 too
+        if self.resuming and self.master and os.path.isdir(args.output_dir):
+            lock_directory(args.output_dir)                    # before the checkpoint is read
+        self.resume_step = latest_checkpoint_step(args.output_dir) if self.from_checkpoint else None
+        if self.from_checkpoint and self.resume_step is None:
             raise InputError(f"{args.output_dir}: no complete checkpoint (DONE_* marker) to resume from")
         self.start_step = self.step = 0
         self.loss_outliers, self.grad_outliers = OutlierDetector(), OutlierDetector()
@@ -201,8 +209,9 @@ class TrainingRun:
             print(*parts, **kwargs)
 
     def model_spec(self):
-        """Where the model comes from: the checkpoint being resumed (its shape too), else -e."""
-        if self.resuming:
+        """Where the model comes from: with -y 1 the newest checkpoint in -o (resumed, or for
+        --eval-only / --generate evaluated), else -e."""
+        if self.from_checkpoint:
             return checkpoint_paths(self.args.output_dir, self.resume_step, self.comm.rank)[0]
         return self.args.model
 
@@ -248,19 +257,27 @@ class TrainingRun:
                 self.say(f"note: {e}; samples will print token ids")
 
     def make_output_dir(self, out_dir):
-        """Create -o if needed and check it can be written; on rank 0 remove the `*.tmp<pid>`
-        files that a run killed mid-write left behind. Raises InputError."""
+        """Create -o if needed and check it can be written. A training run then, on rank 0, takes
+        the directory's lock (one run at a time: llmc.utils.lock_directory), removes the
+        temporaries that a run killed mid-write left behind (its own file names only, writer
+        gone), and, unless resuming, moves an older run's files aside (saying where), so two runs
+        never mix. Raises InputError."""
         try:
             os.makedirs(out_dir, exist_ok=True)
-            probe = os.path.join(out_dir, f".write_probe{TMP_SUFFIX}{os.getpid()}")
+            probe = os.path.join(out_dir, f"{WRITE_PROBE}{TMP_SUFFIX}{os.getpid()}")
             with open(probe, "wb"):
                 pass
             os.remove(probe)
         except OSError as e:
             raise InputError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
-        if self.master:
-            for path in stale_temporaries(out_dir):
+        if self.master and self.training:
+            lock_directory(out_dir)
+            for path in stale_temporaries(out_dir, f"{RUN_FILE_NAMES}|{re.escape(WRITE_PROBE)}"):
                 os.remove(path)
+            aside = None if self.resuming else move_previous_run_aside(out_dir)
+            if aside:
+                self.say(f"note: -o {out_dir} held another run's files (checkpoints, main.log): moved them to {aside}")
+        self.comm.barrier()
 
     def banner(self, config, num_parameters):
         """The model and batch lines every run starts with."""
@@ -408,4 +425,6 @@ def run_main(fn, args, errors=(InputError,)):
         print(error_line(e, errors + (OSError,)), file=sys.stderr)
         abort_all_ranks(1)
         return 1
+    finally:
+        release_directory_locks()
     return result if type(result) is int else 0

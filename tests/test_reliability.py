@@ -466,3 +466,75 @@ def test_every_flag_error_is_one_line(data, small_model, flags, said, capsys):
     code, out, err = in_process(["-e", small_model, "-i", data, "-j", "", "-t", "16", "-v", "0"] + flags, capsys)
     assert one_line(code, err) and said in err[0], err
     assert "usage:" not in out
+
+
+# ----------------------------------------------------------------------------
+# class 3: a run never touches what is not its own
+
+def dead_pid():
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("name,removed", [
+    ("model_00000004.bin.tmp{dead}", True), ("state_00000004_00000.bin.tmp{dead}", True),
+    ("DONE_00000004.tmp{dead}", True),
+    ("model_00000004.bin.tmp{live}", False),                   # a live process's temporary: still being written
+    ("notes.tmp2024", False), ("notes.tmp{dead}", False),      # a user's files: not a name this program writes
+    ("model_final.bin.tmp{dead}", False), ("data.bin.tmp{dead}", False),
+])
+def test_start_up_cleanup_removes_only_its_own_dead_temporaries(data, small_model, tmp_path, capsys, name, removed):
+    path = tmp_path / name.format(dead=dead_pid(), live=os.getppid())
+    path.write_bytes(b"\0" * 100)
+    code, out, err = in_process(common(small_model, data, **{"-x": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    assert path.exists() != removed
+
+
+HOLD_LOCK = """
+import sys, time
+sys.path.insert(0, {root!r})
+from llmc.utils import lock_directory
+lock = lock_directory({out!r})
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("resume", ["0", "1"])
+def test_second_run_on_one_output_dir_refuses(data, small_model, tmp_path, capsys, resume):
+    code, out, err = in_process(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    def files():                                               # the run's files (the lock file is the holder's)
+        return {p: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name != ".llmc.lock"}
+    before = files()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=ROOT, out=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path),
+                                                                "-y": resume}), capsys)
+        assert one_line(code, err) and f"pid {holder.pid}" in err[0] and "another run" in err[0], err
+        assert files() == before, "nothing touched"
+    finally:
+        holder.kill()                                          # kill -9: the kernel drops its lock
+        holder.wait()
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path),
+                                                            "-y": resume}), capsys)
+    assert code == 0, err
+
+
+def test_fresh_run_into_an_old_runs_directory_moves_it_aside(data, small_model, tmp_path, capsys):
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    old = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path) if not name.startswith(".")}
+    code, out, err = in_process(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    aside = tmp_path / "previous_run_1"
+    assert f"moved them to {aside}" in out
+    assert {name: (aside / name).read_bytes() for name in os.listdir(aside)} == old, "the old run, intact"
+    assert not (tmp_path / "DONE_00000002").exists()
+    code, out, err = in_process(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1"}), capsys)
+    assert code == 0 and "at step 1" in out, "the resume continues the newer run, not the old one"
