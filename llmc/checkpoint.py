@@ -10,6 +10,7 @@ Both trainers write and read the same files, so either one resumes the other's r
 """
 
 import glob
+import json
 import os
 import re
 
@@ -40,7 +41,7 @@ OUTLIER_DETECTORS_FLOATS = 2 * OUTLIER_STATE_FLOATS   # the loss and the grad-no
 
 # every name a run writes in -o (main.log is llmc/logger.py's): what start-up cleanup may remove
 # (their dead temporaries) and what a fresh run moves aside (an older run's files)
-RUN_FILE_NAMES = r"model_\d{8}\.bin|state_\d{8}_\d{5}\.bin|DONE_\d{8}|main\.log"
+RUN_FILE_NAMES = r"model_\d{8}\.bin|state_\d{8}_\d{5}\.bin|config_\d{8}\.json|DONE_\d{8}|main\.log"
 PREVIOUS_RUN_DIR = "previous_run_{}"
 
 
@@ -49,6 +50,33 @@ def checkpoint_paths(out_dir, step, rank=0):
     return (os.path.join(out_dir, f"model_{step:08d}.bin"),
             os.path.join(out_dir, f"state_{step:08d}_{rank:05d}.bin"),
             os.path.join(out_dir, f"DONE_{step:08d}"))
+
+
+def config_path(out_dir, step):
+    """The checkpoint's run configuration, config_<step>.json (this project's; llm.c keeps none):
+    the flags that decide the result, so a resume can refuse a change (llmc/cli.py)."""
+    return os.path.join(out_dir, f"config_{step:08d}.json")
+
+
+def write_run_config(path, config):
+    """Write the run configuration (a dict of JSON values) atomically, one key a line."""
+    text = json.dumps(config, indent=1, sort_keys=True) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def read_run_config(path):
+    """The run configuration dict of a checkpoint, or None when it has none (a checkpoint written
+    by llm.c, or before this file existed). Raises InputError on a corrupt file."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: corrupt run configuration ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: corrupt run configuration (not a JSON object)")
+    return config
 
 
 def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rng_state,
@@ -203,26 +231,30 @@ def move_previous_run_aside(out_dir):
 
 def delete_checkpoint(out_dir, step, process_rank):
     """Remove the checkpoint of `step`: its DONE marker first (so a half-deleted checkpoint never
-    looks complete), then the model file (rank 0) and this rank's state file."""
+    looks complete), then the model file and the run configuration (rank 0) and this rank's
+    state file."""
     model_path, state_path, done_path = checkpoint_paths(out_dir, step, process_rank)
-    for path in ([done_path, model_path] if process_rank == 0 else []) + [state_path]:
+    rank0 = [done_path, model_path, config_path(out_dir, step)] if process_rank == 0 else []
+    for path in rank0 + [state_path]:
         if os.path.exists(path):
             os.remove(path)
 
 
-def rotate_checkpoints(out_dir, step, checkpoint_every, keep, major_every, process_rank):
+def rotate_checkpoints(out_dir, step, keep, major_every, process_rank):
     """llm.c's -nk / -nm, after the checkpoint of `step` was written: with keep > 0, keep only the
-    newest `keep` of the checkpoints a run writes (every checkpoint_every steps, and `step`
-    itself), except major ones (major_every > 0 and the step a multiple of it), which are never
-    deleted. Returns the steps deleted (those that were on disk)."""
+    newest `keep` checkpoints in out_dir up to `step` (those on disk, this rank's state files, so
+    a resumed run rotates the checkpoints the run wrote before the resume too), except major ones
+    (major_every > 0 and the step a multiple of it), which are never deleted. Returns the steps
+    deleted."""
     if keep <= 0:
         return []
-    written = sorted(set(range(checkpoint_every, step, checkpoint_every)) | {step})
+    pattern = re.compile(rf"state_(\d{{8}})_{process_rank:05d}\.bin")
+    on_disk = sorted(int(m.group(1)) for m in map(pattern.fullmatch, os.listdir(out_dir)) if m)
+    written = [s for s in on_disk if s <= step]
     deleted = []
     for old in written[:-keep]:
         if major_every > 0 and old % major_every == 0:
             continue
-        if os.path.exists(checkpoint_paths(out_dir, old, process_rank)[1]):
-            delete_checkpoint(out_dir, old, process_rank)
-            deleted.append(old)
+        delete_checkpoint(out_dir, old, process_rank)
+        deleted.append(old)
     return deleted

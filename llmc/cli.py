@@ -19,8 +19,9 @@ import traceback
 
 import numpy as np
 
-from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, latest_checkpoint_step, move_previous_run_aside,
-                             rotate_checkpoints, write_done_marker)
+from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, config_path, latest_checkpoint_step,
+                             move_previous_run_aside, read_run_config, rotate_checkpoints, write_done_marker,
+                             write_run_config)
 from llmc.comm import abort_all_ranks, launched_size
 from llmc.dataloader import DataLoader
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
@@ -111,6 +112,11 @@ def newcomer_defaults(parser):
     parser.set_defaults(**NEWCOMER_DEFAULTS)
 
 
+# the flags that change what a run computes, as (flag, argparse dest): a resume must keep them
+RESULT_FLAGS = (("-b", "batch_size"), ("-t", "seq_len"), ("-k", "lr_schedule"), ("-l", "learning_rate"),
+                ("-u", "warmup_iters"), ("-q", "final_lr_frac"), ("-c", "weight_decay"), ("--grad-clip", "grad_clip"),
+                ("-sl", "skip_update_lossz"), ("-sg", "skip_update_gradz"), ("-a", "overfit_single_batch"),
+                ("--shuffle", "shuffle"), ("--seed", "seed"))
 INT32_MAX = 2**31 - 1                  # llm.c counts tokens in int
 UINT64_MAX = 2**64 - 1                 # the seeds are 64-bit states
 
@@ -247,6 +253,8 @@ class TrainingRun:
                              f"{self.train_loader.num_tokens:,}, so -x -1 (one epoch) is no step at all")
         if args.output_dir:
             self.make_output_dir(args.output_dir)
+        if self.resuming:
+            self.check_resumed_config()
         self.examples = read_hellaswag(args.hellaswag_file) if args.hellaswag else None
         self.sampling = self.master and args.sample_every > 0 and not args.eval_only
         self.tokenizer = None
@@ -255,6 +263,34 @@ class TrainingRun:
                 self.tokenizer = Tokenizer(args.tokenizer)
             except InputError as e:
                 self.say(f"note: {e}; samples will print token ids")
+
+    def run_config(self):
+        """What decides the result of a run besides the model: the flags (RESULT_FLAGS) and a
+        fingerprint of the train data (its tokens and shards), as written to config_<step>.json."""
+        config = {flag: getattr(self.args, dest) for flag, dest in RESULT_FLAGS}
+        config.update({"-d": self.total_batch, "-x": self.num_steps, "processes": self.comm.size,
+                       "-i": f"{self.train_loader.num_tokens} tokens in {len(self.train_loader.files)} shard(s)"})
+        return config
+
+    def check_resumed_config(self):
+        """Resuming: refuse, listing every difference, a run whose flags would change the result
+        from the checkpoint's (config_<step>.json): any of RESULT_FLAGS, the train data, or a
+        smaller -x (the schedule's length). -v, -s, -g, -n, -nk, -nm, -h and a larger -x change
+        nothing that was trained. A checkpoint without the file (llm.c's) is not checked, with a
+        note. Raises InputError."""
+        path = config_path(self.args.output_dir, self.resume_step)
+        saved = read_run_config(path)
+        if saved is None:
+            self.say(f"note: {path} is missing: the flags cannot be checked against the checkpoint's")
+            return
+        now = self.run_config()
+        changed = [key for key in now if key in saved and saved[key] != now[key] and
+                   not (key == "-x" and now[key] >= saved[key])]
+        if changed:
+            def flags(config):
+                return " ".join(f"{key} {config[key]}" if key != "-i" else f"-i ({config[key]})" for key in changed)
+            raise InputError(f"{path}: the checkpoint was written with {flags(saved)}, but this run has {flags(now)}: "
+                             f"resume with the checkpoint's flags, or start a fresh run in another -o")
 
     def make_output_dir(self, out_dir):
         """Create -o if needed and check it can be written. A training run then, on rank 0, takes
@@ -299,7 +335,7 @@ class TrainingRun:
             self.say(f"the checkpoint is at step {start_step}, at or past -x {self.num_steps}: nothing to train "
                      f"(raise -x to train further)")
             return False
-        self.logger = Logger(self.args.output_dir if self.master else None, resuming=self.resuming)
+        self.logger = Logger(self.args.output_dir if self.master else None, start_step if self.resuming else None)
         return True
 
     def outlier_state(self):
@@ -352,6 +388,11 @@ class TrainingRun:
         Returns True at the last step (the loop ends)."""
         args, last_step = self.args, step == self.num_steps
         self.step = step
+        # resumed at this step: its evaluations and sample came before the checkpoint was written
+        # (and advanced the sampler's RNG then): doing them again would print them twice and
+        # draw a different sample from then on
+        if self.resuming and step == self.start_step and not last_step:
+            return False
         if self.val_loader and args.val_every > 0 and (step % args.val_every == 0 or last_step):
             val_loss = self.validate(batch_loss)
             self.say(f"val loss {val_loss:.6f}")
@@ -370,10 +411,10 @@ class TrainingRun:
             done = save(step)
             self.comm.barrier()
             if self.master:
+                write_run_config(config_path(args.output_dir, step), self.run_config())
                 write_done_marker(done)
                 self.say(f"checkpoint written: step {step} in {args.output_dir}")
-            rotate_checkpoints(args.output_dir, step, args.checkpoint_every, args.checkpoints_keep,
-                               args.major_checkpoint_every, self.comm.rank)
+            rotate_checkpoints(args.output_dir, step, args.checkpoints_keep, args.major_checkpoint_every, self.comm.rank)
         return last_step
 
     def log_step(self, step, loss, norm, lr, seconds, zloss=math.nan, zgrad=math.nan, extra=""):

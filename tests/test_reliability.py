@@ -131,7 +131,7 @@ def test_disk_full_while_checkpointing(data, small_model, tmp_path, monkeypatch,
     code = g.main(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and "No space left" in err[0]
-    assert sorted(os.listdir(tmp_path)) == ["main.log"], "no temporary file and no checkpoint left behind"
+    assert sorted(os.listdir(tmp_path)) == [".llmc.lock", "main.log"], "no temporary file and no checkpoint left behind"
 
 
 def test_model_header_with_impossible_dimensions(data, tmp_path):
@@ -538,3 +538,91 @@ def test_fresh_run_into_an_old_runs_directory_moves_it_aside(data, small_model, 
     assert not (tmp_path / "DONE_00000002").exists()
     code, out, err = in_process(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1"}), capsys)
     assert code == 0 and "at step 1" in out, "the resume continues the newer run, not the old one"
+
+
+# ----------------------------------------------------------------------------
+# class 4: resume is exact or refused
+
+@pytest.mark.parametrize("change,said", [
+    ({"-b": "1"}, "-b 2"), ({"-t": "8"}, "-t 16"), ({"-d": "64"}, "-d 32"), ({"-l": "2e-3"}, "-l 0.001"),
+    ({"-k": "cosine"}, "-k constant"), ({"-u": "3"}, "-u 0"), ({"-q": "0.5"}, "-q 0.0"), ({"-c": "0.1"}, "-c 0.0"),
+    ({"--grad-clip": "0.5"}, "--grad-clip 1.0"), ({"--seed": "7"}, "--seed 42"), ({"-sl": "2"}, "-sl 0.0"),
+    ({"-a": "1"}, "-a 0"), ({"-i": "other"}, "-i"),
+])
+def test_resume_that_changes_the_result_is_refused(data, small_model, tmp_path, capsys, change, said):
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path / "run")}), capsys)
+    assert code == 0, err
+    if change.get("-i") == "other":
+        change = {"-i": shard(tmp_path, "other.bin", n=5000)}
+    args = common(small_model, data, **{"-x": "3", "-o": str(tmp_path / "run"), "-y": "1", **change})
+    code, out, err = in_process(args, capsys)
+    assert one_line(code, err) and said in err[0] and "resumed from" not in out, err
+
+
+@pytest.mark.parametrize("change", [{"-v": "1"}, {"-s": "1"}, {"-n": "3"}, {"-g": "4"}, {"-x": "9"}, {"-nk": "1"}])
+def test_resume_with_flags_that_do_not_change_the_result(data, small_model, tmp_path, capsys, change):
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    code, out, err = in_process(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1", **change}), capsys)
+    assert code == 0 and "at step 2" in out, err
+
+
+def comparable(stdout, out_dir):
+    """stdout without timings and with the output directory's name taken out."""
+    stdout = re.sub(r"\| [0-9.]+ ms \| [0-9]+ tok/s", "", stdout.replace(str(out_dir), "D"))
+    return stdout.splitlines()
+
+
+def test_resumed_run_equals_the_straight_run(data, small_model, tmp_path, capsys):
+    """The checkpoint falls on a multiple of -s and -v: the sample, the validation and the state
+    after the resume are the straight run's, and so are every file and every line."""
+    flags = {"-s": "4", "-v": "4", "-n": "4", "-g": "8", "--shuffle": "1", "--tokenizer": "none"}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    code, s_out, err = in_process(common(small_model, data, **flags, **{"-x": "8", "-o": str(straight)}), capsys)
+    assert code == 0, err
+    code, first, err = in_process(common(small_model, data, **flags, **{"-x": "4", "-o": str(split)}), capsys)
+    assert code == 0, err
+    code, second, err = in_process(common(small_model, data, **flags, **{"-x": "8", "-o": str(split), "-y": "1"}), capsys)
+    assert code == 0, err
+    s_lines, r_lines = comparable(s_out, straight), comparable(second, split)
+    after = r_lines.index(next(line for line in r_lines if line.startswith("resumed from")))
+    from_4 = s_lines.index("checkpoint written: step 4 in D")
+    assert r_lines[after + 1:] == s_lines[from_4 + 1:]
+    for name in sorted(os.listdir(straight)):
+        if not name.startswith(".") and name != "config_00000004.json":    # that one records the first run's -x 4
+            assert (straight / name).read_bytes() == (split / name).read_bytes(), name
+
+
+def test_resume_after_a_crash_rewrites_main_log(data, small_model, tmp_path, capsys):
+    """A run killed after its checkpoint at step 2 had logged steps 3 and 4: the resume from step 2
+    logs them again, once."""
+    code, out, err = in_process(common(small_model, data, **{"-x": "4", "-n": "2", "-v": "2", "-o": str(tmp_path / "a")}), capsys)
+    assert code == 0, err
+    straight_log = (tmp_path / "a" / "main.log").read_text()
+    for step in (4,):
+        checkpoint.delete_checkpoint(str(tmp_path / "a"), step, 0)   # as if killed before the step-4 checkpoint
+    code, out, err = in_process(common(small_model, data, **{"-x": "4", "-n": "2", "-v": "2", "-o": str(tmp_path / "a"),
+                                                            "-y": "1"}), capsys)
+    assert code == 0, err
+    assert (tmp_path / "a" / "main.log").read_text() == straight_log
+
+
+def test_eval_only_resume_evaluates_the_checkpoint(data, small_model, tmp_path, capsys):
+    code, out, err = in_process(common(small_model, data, **{"-x": "3", "-n": "3", "-v": "3", "-j": data, "-m": "2",
+                                                            "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    trained = re.findall(r"val loss ([0-9.]+)", out)[-1]
+    code, out, err = in_process(["-e", "d2", "-i", data, "-j", data, "-b", "2", "-t", "16", "-m", "2", "--eval-only",
+                                 "-y", "1", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert re.findall(r"val loss ([0-9.]+)", out) == [trained]
+
+
+def test_rotation_across_a_resume(data, small_model, tmp_path, capsys):
+    code, out, err = in_process(common(small_model, data, **{"-x": "5", "-n": "2", "-nk": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    code, out, err = in_process(common(small_model, data, **{"-x": "9", "-n": "2", "-nk": "1", "-o": str(tmp_path),
+                                                            "-y": "1"}), capsys)
+    assert code == 0, err
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("DONE", "model", "state"))) == \
+        ["DONE_00000009", "model_00000009.bin", "state_00000009_00000.bin"]
