@@ -455,6 +455,8 @@ def run_main(fn, args, errors=(InputError,)):
     `errors`), a failed write (OSError: disk full, permissions; atomic_write leaves no temporary
     file), or any other exception (error_line); 130 on Ctrl-C. Under mpiexec any of these on one
     rank ends every rank within seconds (MPI_Abort), so no rank waits forever in a collective."""
+    if hasattr(sys.stdout, "reconfigure"):                 # a terminal that cannot show a sampled
+        sys.stdout.reconfigure(errors="replace")           # character gets '?', not an error
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # non-finite values are checked, not warned
             result = fn(args)

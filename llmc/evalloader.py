@@ -207,7 +207,11 @@ def evaluate_multiple_choice(forward_losses, examples, B, T, comm):
 
 
 def read_hellaswag(path):
-    """The HellaSwag examples for -h 1, with a hint when the file was never built. Raises InputError."""
+    """The HellaSwag examples for -h 1, with a hint when the file was never built. Raises InputError,
+    also for a file with no examples."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such eval file (build it with `python dev/data/hellaswag.py`, needs internet)")
-    return read_eval_file(path)
+    examples = read_eval_file(path)
+    if not examples:
+        raise InputError(f"{path}: the eval file holds no examples: nothing to measure an accuracy on")
+    return examples

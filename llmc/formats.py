@@ -183,14 +183,22 @@ def write_debug_state(path, x, y, logits, loss, grads):
 def read_debug_state(path, vocab_size, param_shapes):
     """Read a debug-state file for a model with vocab_size V and parameter table param_shapes
     (list of (name, shape)). Returns a dict with x, y (B,T) int32, logits (B,T,V), loss (float),
-    grads {name: array of that shape}. Raises InputError on a bad or mismatched file."""
+    grads {name: array of that shape}. B, T and the file's size are checked before anything is
+    read, and every token id against V. Raises InputError on a bad or mismatched file."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such debug-state file")
     with open(path, "rb") as f:
         h = read_header(f, path, DEBUG_STATE_MAGIC, (DEBUG_STATE_VERSION,), "debug state")
         B, T = int(h[DEBUG_SLOT_B]), int(h[DEBUG_SLOT_T])
+        expected = HEADER_BYTES + 4 * (2 * B * T + B * T * vocab_size + 1 + sum(math.prod(s) for _, s in param_shapes))
+        if B <= 0 or T <= 0 or os.path.getsize(path) != expected:      # checked before anything is allocated
+            raise InputError(f"{path}: a debug state of B={B} T={T} for this model (V={vocab_size}) is {expected} "
+                             f"bytes, the file {os.path.getsize(path)}: impossible B or T, or another model's file")
         x = read_exact(f, path, B * T, "<i4", "inputs").reshape(B, T)
         y = read_exact(f, path, B * T, "<i4", "targets").reshape(B, T)
+        for ids, what in ((x, "input"), (y, "target")):
+            if ids.min() < 0 or ids.max() >= vocab_size:
+                raise InputError(f"{path}: {what} token ids {ids.min()}..{ids.max()} are outside the vocabulary [0, {vocab_size})")
         logits = read_exact(f, path, B * T * vocab_size, "<f4", "logits").reshape(B, T, vocab_size)
         loss = float(read_exact(f, path, 1, "<f4", "loss")[0])
         grads = {name: read_exact(f, path, math.prod(shape), "<f4", f"gradient {name}").reshape(shape)

@@ -626,3 +626,129 @@ def test_rotation_across_a_resume(data, small_model, tmp_path, capsys):
     assert code == 0, err
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("DONE", "model", "state"))) == \
         ["DONE_00000009", "model_00000009.bin", "state_00000009_00000.bin"]
+
+
+# ----------------------------------------------------------------------------
+# class 5: the other commands keep the same promise
+
+def load_tool(relative):
+    """Import a script (dev/eval/export_hf.py, tests/check_gpt2.py, dev/vislog.py) as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(os.path.basename(relative)[:-3], os.path.join(ROOT, relative))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_export_hf_disk_full_leaves_nothing(small_model, tmp_path, monkeypatch, capsys):
+    export_hf = load_tool("dev/eval/export_hf.py")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    code = export_hf.main(["-i", small_model, "-o", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert one_line(code, err) and "No space left" in err[0], err
+    assert os.listdir(tmp_path / "hf") == [], "no partial model.safetensors or config.json"
+
+
+def test_export_hf_unwritable_output(small_model, tmp_path, capsys):
+    export_hf = load_tool("dev/eval/export_hf.py")
+    (tmp_path / "file").write_text("x")
+    code = export_hf.main(["-i", small_model, "-o", str(tmp_path / "file" / "hf")])
+    assert one_line(code, capsys.readouterr().err.strip().splitlines())
+
+
+def debug_state(tmp_path, edit=None):
+    """A model and its debug state (B=2, T=4), the state's bytes passed through edit(raw)."""
+    model = g.gpt2_init(SMALL, seed=0)
+    x = np.arange(8, dtype=np.int32).reshape(2, 4)
+    y = x + 1
+    logits = g.gpt2_forward(model, x, y)[..., :V]
+    g.gpt2_zero_grad(model)
+    g.gpt2_backward(model)
+    model_path, state_path = tmp_path / "m.bin", tmp_path / "s.bin"
+    g.write_model(str(model_path), model)
+    formats.write_debug_state(str(state_path), x, y, logits, model.mean_loss,
+                              [model.G[name] for name, _ in model.param_shapes])
+    if edit:
+        raw = bytearray(state_path.read_bytes())
+        edit(raw)
+        state_path.write_bytes(bytes(raw))
+    return str(model_path), str(state_path)
+
+
+@pytest.mark.parametrize("slot,value", [
+    (formats.DEBUG_SLOT_B, -1), (formats.DEBUG_SLOT_B, 0), (formats.DEBUG_SLOT_B, 2 ** 30),
+    (formats.DEBUG_SLOT_T, -4), (formats.DEBUG_SLOT_T, 2 ** 31 - 1),
+    ("y", V), ("y", 65535), ("x", -1),
+])
+def test_check_gpt2_impossible_debug_state(tmp_path, capsys, slot, value):
+    def edit(raw):
+        if slot == "x":
+            raw[formats.HEADER_BYTES:formats.HEADER_BYTES + 4] = np.int32(value).tobytes()
+        elif slot == "y":
+            at = formats.HEADER_BYTES + 4 * 8 + 4 * 3                 # y[0, 3]
+            raw[at:at + 4] = np.int32(value).tobytes()
+        else:
+            raw[4 * slot:4 * slot + 4] = np.int32(value).tobytes()
+    model_path, state_path = debug_state(tmp_path, edit)
+    code = load_tool("tests/check_gpt2.py").main(["-e", model_path, "-s", state_path])
+    out = capsys.readouterr()
+    assert one_line(code, out.err.strip().splitlines()) and "s.bin" in out.err, out.err
+
+
+@pytest.mark.parametrize("log,output,said", [
+    ("s:0 trl:5.0\ns:99999999999999999999999 trl:4.0\n", "plot.png", "step"),
+    ("s:0 trl:5.0\ns:-3 trl:4.0\n", "plot.png", "step"),
+    ("s:0 trl:5.0\ns:1 trl:4.0\n", "plot.xyz", "plot.xyz"),
+    ("s:0 trl:5.0\ns:1 trl:4.0\n", "plot", "plot"),
+])
+def test_vislog_absurd_input(tmp_path, capsys, log, output, said):
+    (tmp_path / "main.log").write_text(log)
+    code = load_tool("dev/vislog.py").main([str(tmp_path), "-o", str(tmp_path / output)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert one_line(code, err) and said in err[0], err
+    assert not (tmp_path / output).exists()
+
+
+def test_hellaswag_file_with_no_examples(data, small_model, tmp_path, capsys):
+    from llmc import evalloader
+    path = tmp_path / "empty.bin"
+    path.write_bytes(formats.make_header(evalloader.EVAL_MAGIC, evalloader.EVAL_VERSION).tobytes())
+    code, out, err = in_process(["-e", small_model, "-i", data, "-j", "", "-b", "4", "-t", "16", "-h", "1",
+                                 "--hellaswag-file", str(path), "--eval-only"], capsys)
+    assert one_line(code, err) and "empty.bin" in err[0] and "no examples" in err[0], err
+
+
+def test_generation_when_stdout_cannot_encode(small_model):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "gpt2_cpu.py"), "-e", small_model, "--generate", "30",
+                          "--prompt", "caf\u00e9 \u2603"], capture_output=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert out.returncode == 0 and out.stderr == b"", out.stderr.decode()
+    assert out.stdout.startswith(b"caf? ?")
+
+
+def test_validation_over_shards_of_unequal_size(small_model, tmp_path, capsys):
+    """-m -1 is every batch of every shard: the mean over all of them, whatever their sizes."""
+    paths = [shard(tmp_path, "val_a.bin", n=33 * 3, seed=1), shard(tmp_path, "val_b.bin", n=32 * 9 + 1, seed=2)]
+    model = g.read_model(small_model)
+    losses = []
+    for path in paths:
+        tokens = formats.read_shard(path).astype(np.int32)
+        for start in range(0, tokens.size - 32, 32):                   # B*T = 32 tokens a batch
+            window = tokens[start:start + 33]
+            g.gpt2_forward(model, window[:-1].reshape(2, 16), window[1:].reshape(2, 16))
+            losses.append(model.mean_loss)
+    assert len(losses) == 3 + 9
+    code, out, err = in_process(["-e", small_model, "-i", paths[0], "-j", str(tmp_path / "val_*.bin"), "-b", "2",
+                                 "-t", "16", "-m", "-1", "--eval-only"], capsys)
+    assert code == 0, err
+    assert float(re.search(r"val loss ([0-9.]+)", out).group(1)) == pytest.approx(np.mean(losses), abs=2e-6)
+
+
+@pytest.mark.parametrize("tool", ["dev/vislog.py", "dev/eval/export_hf.py", "tests/check_gpt2.py"])
+def test_tools_bad_flags_are_one_line(tool):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, tool), "--no-such-flag"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert one_error_line(out), out.stderr                    # (argparse names the missing required ones first)
