@@ -2,9 +2,10 @@
 llmc/checkpoint.py: checkpoints for resuming a run, in llm.c's files: per step a model file
 model_<step>.bin (llmc/formats.py), one training-state file per rank state_<step>_<rank>.bin
 (AdamW's moments, optional fp32 master weights, the step, the RNG states, the data loader's
-position), and, written last, an empty DONE_<step> marker. Every file is written under a
-temporary name and renamed, so a crash never leaves a checkpoint that looks complete, and a
-resume only ever reads a step that has its marker.
+position), this project's config_<step>.json (the flags that decide the result, so that a resume
+can refuse a change: llmc/cli.py), and, written last, an empty DONE_<step> marker. Every file is
+written under a temporary name and renamed, so a crash never leaves a checkpoint that looks
+complete, and a resume only ever reads a step that has its marker.
 
 Both trainers write and read the same files, so either one resumes the other's run.
 """
