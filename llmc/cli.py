@@ -144,6 +144,8 @@ def check_args(args):
         (args.batch_size * args.seq_len <= INT32_MAX,
          f"-b {args.batch_size} -t {args.seq_len}: B*T = {args.batch_size * args.seq_len:,} tokens per micro-batch "
          f"do not fit in a 32-bit count (at most {INT32_MAX:,})"),
+        (args.total_batch_size <= INT32_MAX, f"-d {args.total_batch_size}: tokens per step must fit in a 32-bit count "
+                                             f"(at most {INT32_MAX:,})"),
         (0 <= args.seed <= UINT64_MAX, f"--seed {args.seed}: seeds must be in [0, 2^64)"),
         (math.isfinite(args.temperature) and args.temperature >= 0, f"--temperature {args.temperature}: must be >= 0"),
         (args.top_k >= 0, f"--top-k {args.top_k}: must be >= 0"),

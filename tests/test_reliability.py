@@ -461,6 +461,7 @@ def test_diverging_steps_are_skipped_with_sl_sg(data, small_model, capsys, skip)
     (["-l", "fast"], "invalid float value: 'fast'"), (["-b"], "expected one argument"),
     (["--seed", str(2 ** 64)], f"--seed {2 ** 64}"), (["--sample-seed", str(2 ** 64)], f"--sample-seed {2 ** 64}"),
     (["-d", "1000000000", "-x", "-1"], "-d 1000000000"), (["-b", str(2 ** 40)], f"-b {2 ** 40}"),
+    (["-d", str(2 ** 62)], f"-d {2 ** 62}"), (["-t", str(2 ** 40)], f"-t {2 ** 40}"),
 ])
 def test_every_flag_error_is_one_line(data, small_model, flags, said, capsys):
     code, out, err = in_process(["-e", small_model, "-i", data, "-j", "", "-t", "16", "-v", "0"] + flags, capsys)
