@@ -144,7 +144,7 @@ def plot_runs(runs, out_path, ref_loss=None, ref_acc=None, ref_loss_label=None, 
 
 def parse_args(argv=None):
     p = ArgumentParser(description="Plot train/val loss and HellaSwag accuracy from main.log files.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("runs", nargs="+", help="run directory or main.log, optionally followed by :label")
     p.add_argument("-o", "--output", default="vislog.png", help="PNG to write")
     p.add_argument("--ref-loss", type=float, default=None, help="draw a reference val loss line (e.g. 3.28)")

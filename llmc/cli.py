@@ -55,7 +55,7 @@ def build_parser(prog, description, lr_schedules):
     so help is --help only. lr_schedules: the names -k accepts (the trainer's learning_rate_at
     implements them). gpt2_cuda.py adds its GPU flags to this parser."""
     p = ArgumentParser(prog=prog, add_help=False, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--help", action="help", help="show this help and exit")
     a("-i", "--input-bin", default=DEFAULT_TRAIN, help="train data: file or glob of shards")
@@ -437,8 +437,9 @@ def launched_rank():
 
 def error_line(e, expected):
     """The one line that reports exception e: its message for bad input or a failed write
-    (`expected`); otherwise the exception's type, message and the innermost line of this project
-    that raised it (an internal error); under mpiexec prefixed with the rank it happened on."""
+    (`expected`); otherwise the exception's type, message and the file and line that raised it
+    (an internal error); under mpiexec prefixed with the rank it happened on. A message of
+    several lines is joined into one."""
     if isinstance(e, expected):
         text = str(e)
     elif isinstance(e, MemoryError):
@@ -448,7 +449,7 @@ def error_line(e, expected):
         where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
         text = f"internal error: {type(e).__name__}: {e}{where}"
     rank = launched_rank()
-    return f"error: {'' if rank is None else f'rank {rank}: '}{text}"
+    return f"error: {'' if rank is None else f'rank {rank}: '}{' '.join(text.splitlines())}"
 
 
 def run_main(fn, args, errors=(InputError,)):

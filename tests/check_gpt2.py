@@ -242,7 +242,7 @@ def check(model_path, state_path, backend="cpu", verbose=False, expected_losses=
 
 def main(argv=None):
     p = ArgumentParser(prog="check_gpt2.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-e", "--model", required=True, help="model checkpoint .bin (fp32 or bf16)")
     p.add_argument("-s", "--debug-state", required=True, help="debug-state .bin written for that model")
     p.add_argument("--cuda", action="store_true", help="check gpt2_cuda.py instead (not available yet)")

@@ -100,7 +100,7 @@ def export_hf(model, out_dir):
 
 def parse_args(argv=None):
     p = ArgumentParser(description="Export a model .bin (fp32 or bf16) as a Hugging Face GPT-2 directory.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-i", "--input", required=True, help="our checkpoint .bin (version 3 fp32 or 5 bf16)")
     p.add_argument("-o", "--output-dir", required=True, help="directory for config.json + model.safetensors")
     return p.parse_args(argv)
