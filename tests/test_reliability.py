@@ -1,12 +1,23 @@
-"""Reliability of the command line and llm.c's remaining training features, as a user meets them:
-an error on one MPI rank ends the whole job; a resume never silently continues another run; bad
-flags and files give one `error:` line, never a traceback; killed runs' temporary files are
-cleaned up; checkpoints rotate (-nk, -nm); outlier steps are skipped (-sl, -sg) and the detectors
-resume exactly. The same code path serves gpt2_cuda.py (llmc/cli.py), which tests/test_cuda.py
-runs through its NumPy stand-ins.
+"""Reliability of every command under hostile use, the suite of record for the README's promise
+("What a run promises"): no hang, no traceback, no silent wrong result, no lost file, resume exact
+or refused. The first sections are the earlier cases (one error on one MPI rank, resume checks,
+one-line errors, litter, nonsense flags, outlier skipping); then one section per class of
+issue 19, each a parametrized test, so a new hostile case is one more line in its list:
+    class 1  a job never hangs (a fault injected on rank 1 only under mpiexec -n 2)
+    class 2  every value read is validated (token ids, shards changed while read, the gradient
+             norm in float64, state sections, non-finite weights, loss and norm, every flag)
+    class 3  a run never touches what is not its own (cleanup, the -o lock, an old run moved aside)
+    class 4  resume is exact or refused (changed flags, equality with the straight run, main.log,
+             --eval-only -y 1, rotation across a resume)
+    class 5  the other commands (export_hf, check_gpt2, vislog, HellaSwag, generation, -m -1)
+The same loop (llmc/cli.py) serves gpt2_cuda.py; tests/test_cuda.py runs it through its NumPy
+stand-ins. Most cases call gpt2_cpu.main(argv) in process; a subprocess only where the process
+itself is what is tested (mpiexec, a signal, the terminal's encoding, a held lock).
 
-A small model keeps these fast: 2 layers, 2 heads, 32 channels, the real GPT-2 vocabulary.
-Run: pytest tests/test_reliability.py   (about a minute on 2 cores)
+A small model keeps these fast: 2 layers, 2 heads, 32 channels, the real GPT-2 vocabulary, tiny
+shards written with llmc.formats into tmp_path.
+Run: pytest tests/test_reliability.py   (about six minutes on 2 shared cores, two of them the
+outlier test's 136-step runs)
 """
 
 import errno
