@@ -117,6 +117,10 @@ RESULT_FLAGS = (("-b", "batch_size"), ("-t", "seq_len"), ("-k", "lr_schedule"), 
                 ("-u", "warmup_iters"), ("-q", "final_lr_frac"), ("-c", "weight_decay"), ("--grad-clip", "grad_clip"),
                 ("-sl", "skip_update_lossz"), ("-sg", "skip_update_gradz"), ("-a", "overfit_single_batch"),
                 ("--shuffle", "shuffle"), ("--seed", "seed"))
+# gpt2_cuda.py's flags that change its arithmetic (compared when both runs have them, so a CPU run
+# resumes a CUDA run's checkpoint and the other way round); -z is the state file's own check
+DEVICE_RESULT_FLAGS = (("--precision", "precision"), ("-w", "master_weights"), ("-f", "tf32"),
+                       ("--attention", "attention"), ("--cublaslt", "cublaslt"))
 INT32_MAX = 2**31 - 1                  # llm.c counts tokens in int
 UINT64_MAX = 2**64 - 1                 # the seeds are 64-bit states
 
@@ -267,16 +271,19 @@ class TrainingRun:
                 self.say(f"note: {e}; samples will print token ids")
 
     def run_config(self):
-        """What decides the result of a run besides the model: the flags (RESULT_FLAGS) and a
-        fingerprint of the train data (its tokens and shards), as written to config_<step>.json."""
-        config = {flag: getattr(self.args, dest) for flag, dest in RESULT_FLAGS}
+        """What decides the result of a run besides the model: the flags (RESULT_FLAGS, and the
+        DEVICE_RESULT_FLAGS this trainer has) and a fingerprint of the train data (its tokens and
+        shards), as written to config_<step>.json."""
+        config = {flag: getattr(self.args, dest) for flag, dest in RESULT_FLAGS + DEVICE_RESULT_FLAGS
+                  if hasattr(self.args, dest)}
         config.update({"-d": self.total_batch, "-x": self.num_steps, "processes": self.comm.size,
                        "-i": f"{self.train_loader.num_tokens} tokens in {len(self.train_loader.files)} shard(s)"})
         return config
 
     def check_resumed_config(self):
         """Resuming: refuse, listing every difference, a run whose flags would change the result
-        from the checkpoint's (config_<step>.json): any of RESULT_FLAGS, the train data, or a
+        from the checkpoint's (config_<step>.json): any of RESULT_FLAGS (DEVICE_RESULT_FLAGS when
+        both runs have them), the number of processes, the train data, or a
         smaller -x (the schedule's length). -v, -s, -g, -n, -nk, -nm, -h and a larger -x change
         nothing that was trained. A checkpoint without the file (llm.c's) is not checked, with a
         note. Raises InputError."""

@@ -764,3 +764,22 @@ def test_tools_bad_flags_are_one_line(tool):
     out = subprocess.run([sys.executable, os.path.join(ROOT, tool), "--no-such-flag"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert one_error_line(out), out.stderr                    # (argparse names the missing required ones first)
+
+
+def test_resume_refuses_another_cuda_precision(data, small_model, tmp_path):
+    """gpt2_cuda.py's arithmetic flags are part of the checkpoint's configuration (checked without
+    a GPU: only the flags and the loop are involved)."""
+    gpt2_cuda = pytest.importorskip("gpt2_cuda")
+    from llmc.cli import TrainingRun
+    from llmc.comm import Comm
+    code = g.main(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}))
+    assert code == 0
+    saved = checkpoint.read_run_config(checkpoint.config_path(str(tmp_path), 1))
+    assert "--precision" not in saved, "a CPU run has no such flag: a CUDA run may resume it"
+    saved["--precision"] = "bf16"                                   # as a CUDA run with --precision bf16 wrote it
+    checkpoint.write_run_config(checkpoint.config_path(str(tmp_path), 1), saved)
+    args = gpt2_cuda.parse_args(common(small_model, data, **{"-x": "2", "-o": str(tmp_path), "-y": "1",
+                                                             "--precision": "fp32"}))
+    run = TrainingRun(args, Comm())
+    with pytest.raises(g.InputError, match="--precision bf16.*--precision fp32"):
+        run.prepare(SMALL)
