@@ -393,8 +393,9 @@ class TrainingRun:
     def between_steps(self, step, batch_loss, forward_losses, generate, save):
         """The work at the top of step `step` (and after the last): validation loss every -v steps,
         HellaSwag every -v steps, a sample every -s steps, a checkpoint every -n steps, each also at
-        the end. generate(prompt ids, n) -> ids; save(step) -> the DONE path it leaves to write.
-        Returns True at the last step (the loop ends)."""
+        the end (where the last sample, off the -s grid, follows the checkpoint). generate(prompt
+        ids, n) -> ids; save(step) -> the DONE path it leaves to write. Returns True at the last
+        step (the loop ends)."""
         args, last_step = self.args, step == self.num_steps
         self.step = step
         # resumed at this step: its evaluations and sample came before the checkpoint was written
@@ -410,11 +411,9 @@ class TrainingRun:
             acc, n = self.hellaswag(forward_losses)
             self.say(f"HellaSwag: {acc:.4f} accuracy over {n} examples")
             self.logger.log_eval(step, acc)
-        if self.sampling and ((step > 0 and step % args.sample_every == 0) or last_step):
-            self.say("generating:\n---")
-            ids = generate([self.tokenizer.eot_token if self.tokenizer else GPT2_EOT], args.gen_tokens)
-            self.say(self.tokenizer.decode(ids) if self.tokenizer else " ".join(map(str, ids)))
-            self.say("---")
+        on_grid_sample = self.sampling and step > 0 and step % args.sample_every == 0
+        if on_grid_sample:
+            self.sample(generate)
         if args.output_dir and args.checkpoint_every > 0 and step > self.start_step and \
                 (step % args.checkpoint_every == 0 or last_step):
             done = save(step)
@@ -424,7 +423,20 @@ class TrainingRun:
                 write_done_marker(done)
                 self.say(f"checkpoint written: step {step} in {args.output_dir}")
             rotate_checkpoints(args.output_dir, step, args.checkpoints_keep, args.major_checkpoint_every, self.comm.rank)
+        # the last step's sample off the -s grid comes after the checkpoint: drawn before it, it
+        # would advance the sampler's RNG saved there, and a run resumed from that checkpoint would
+        # sample differently from a straight one, which draws no sample at this step
+        if self.sampling and last_step and not on_grid_sample:
+            self.sample(generate)
         return last_step
+
+    def sample(self, generate):
+        """Print one sample of -g tokens from <|endoftext|> (decoded, or token ids without a
+        tokenizer). generate(prompt ids, n) -> ids."""
+        self.say("generating:\n---")
+        ids = generate([self.tokenizer.eot_token if self.tokenizer else GPT2_EOT], self.args.gen_tokens)
+        self.say(self.tokenizer.decode(ids) if self.tokenizer else " ".join(map(str, ids)))
+        self.say("---")
 
     def log_step(self, step, loss, norm, lr, seconds, zloss=math.nan, zgrad=math.nan, extra=""):
         """The step line (llm.c's, plus tok/s; the z-scores once the outlier windows are full) and

@@ -783,3 +783,22 @@ def test_resume_refuses_another_cuda_precision(data, small_model, tmp_path):
     run = TrainingRun(args, Comm())
     with pytest.raises(g.InputError, match="--precision bf16.*--precision fp32"):
         run.prepare(SMALL)
+
+
+def test_resume_after_a_run_that_ended_off_the_sample_grid(data, small_model, tmp_path, capsys):
+    """The first run ends at step 5 with -s 3: its last sample (off the grid) must not advance the
+    sampler's state in the step-5 checkpoint, so the resumed run samples at 6 as the straight one."""
+    flags = {"-s": "3", "-n": "4", "-g": "6", "-v": "0", "--tokenizer": "none"}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    code, s_out, err = in_process(common(small_model, data, **flags, **{"-x": "8", "-o": str(straight)}), capsys)
+    assert code == 0, err
+    code, first, err = in_process(common(small_model, data, **flags, **{"-x": "5", "-o": str(split)}), capsys)
+    assert code == 0 and first.count("generating:") == 2, err                    # at 3 and at the end
+    code, second, err = in_process(common(small_model, data, **flags, **{"-x": "8", "-o": str(split), "-y": "1"}), capsys)
+    assert code == 0, err
+    s_lines, r_lines = comparable(s_out, straight), comparable(second, split)
+    after = r_lines.index(next(line for line in r_lines if line.startswith("resumed from")))
+    at_5 = s_lines.index(next(line for line in s_lines if line.startswith("step    5/8")))
+    assert r_lines[after + 1:] == s_lines[at_5 + 1:]
+    for name in ("model_00000008.bin", "state_00000008_00000.bin", "config_00000008.json", "main.log"):
+        assert (straight / name).read_bytes() == (split / name).read_bytes(), name
