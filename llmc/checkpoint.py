@@ -153,6 +153,8 @@ def read_state(path, num_parameters, process_rank, num_processes, zero_stage=0):
             nb = int(read_exact(f, path, 1, "<u8", "sample count")[0])
             loader["sample_order"] = read_exact(f, path, nb, "<i4", "sample order")
             w = [int(x) for x in read_exact(f, path, 4, "<u8", "shuffle RNG state")]
+            if w[3] % 2 == 0:                  # PCG64's increment is always odd
+                raise InputError(f"{path}: corrupt shuffle RNG state: an even PCG64 increment")
             loader["rng"] = {"bit_generator": "PCG64", "state": {"state": (w[0] << 64) | w[1], "inc": (w[2] << 64) | w[3]},
                              "has_uint32": 0, "uinteger": 0}
         out["outliers"] = (read_exact(f, path, OUTLIER_DETECTORS_FLOATS, "<f8", "outlier detectors")

@@ -404,35 +404,55 @@ def checkpointed(small_model, data, tmp_path, capsys, **extra):
 
 
 def rewrite_state(path, edit):
-    """Read a shuffled state file's tail sections, let edit(sections) change them, write it back."""
+    """Read a state file's bytes, let edit(raw) change them in place, write them back."""
     raw = bytearray(path.read_bytes())
     edit(raw)
     path.write_bytes(bytes(raw))
 
 
-def shuffle_sections(raw, num_parameters):
-    """Offsets (shard count, shard order, sample count, sample order) of a shuffled state file."""
-    at = formats.HEADER_BYTES + 2 * 4 * num_parameters
+def shuffle_sections(raw):
+    """Byte offsets of a shuffled state file's sections after m and v: shard_order, sample_order
+    (int32 each) and the PCG64 increment's low word (uint64)."""
+    at = formats.HEADER_BYTES + 2 * 4 * NUM_PARAMETERS
     ns = int(np.frombuffer(raw, "<u8", 1, at)[0])
     nb_at = at + 8 + 4 * ns
-    return at + 8, ns, nb_at + 8, int(np.frombuffer(raw, "<u8", 1, nb_at)[0])
+    nb = int(np.frombuffer(raw, "<u8", 1, nb_at)[0])
+    rng_at = nb_at + 8 + 4 * nb                                  # state hi, state lo, inc hi, inc lo
+    return {"shard_order": at + 8, "sample_order": nb_at + 8, "inc_lo": rng_at + 24}
 
 
 NUM_PARAMETERS = g.num_elements(g.parameter_shapes(SMALL))
 
 
-def set_i32(raw, offset, value):
-    raw[offset:offset + 4] = np.int32(value).tobytes()
+def put(raw, offset, value):
+    """Overwrite the bytes of numpy scalar `value` at offset."""
+    raw[offset:offset + value.nbytes] = value.tobytes()
+
+
+def shard_out_of_range(raw):
+    put(raw, shuffle_sections(raw)["shard_order"], np.int32(5))
+
+
+def negative_sample(raw):
+    put(raw, shuffle_sections(raw)["sample_order"], np.int32(-4))
+
+
+def repeated_sample(raw):
+    at = shuffle_sections(raw)["sample_order"]
+    put(raw, at + 4, np.frombuffer(raw, "<i4", 1, at)[0])
+
+
+def even_rng_increment(raw):
+    put(raw, shuffle_sections(raw)["inc_lo"], np.uint64(2))
+
+
+def step_not_the_name(raw):
+    put(raw, 4 * checkpoint.STATE_SLOT_STEP, np.int32(7))
 
 
 @pytest.mark.parametrize("corrupt,said", [
-    (lambda raw: set_i32(raw, shuffle_sections(raw, NUM_PARAMETERS)[0], 5), "shard order"),
-    (lambda raw: set_i32(raw, shuffle_sections(raw, NUM_PARAMETERS)[2], -4), "sample order"),
-    (lambda raw: set_i32(raw, shuffle_sections(raw, NUM_PARAMETERS)[2] + 4,
-                         int(np.frombuffer(raw, "<i4", 1, shuffle_sections(raw, NUM_PARAMETERS)[2])[0])),
-     "sample order"),                                                         # a repeated sample
-    (lambda raw: raw.__setitem__(slice(4 * checkpoint.STATE_SLOT_STEP, 4 * checkpoint.STATE_SLOT_STEP + 4),
-                                 np.int32(7).tobytes()), "step 7"),             # step differs from the name
+    (shard_out_of_range, "shard order"), (negative_sample, "sample order"), (repeated_sample, "sample order"),
+    (even_rng_increment, "shuffle RNG state"), (step_not_the_name, "step 7"),
 ])
 def test_corrupt_state_sections(data, small_model, tmp_path, capsys, corrupt, said):
     path = checkpointed(small_model, data, tmp_path, capsys, **{"--shuffle": "1"})
