@@ -261,7 +261,7 @@ class TrainingRun:
             self.make_output_dir(args.output_dir)
         if self.resuming:
             self.check_resumed_config()
-        self.examples = read_hellaswag(args.hellaswag_file) if args.hellaswag else None
+        self.examples = read_hellaswag(args.hellaswag_file, config.vocab_size) if args.hellaswag else None
         self.sampling = self.master and args.sample_every > 0 and not args.eval_only
         self.tokenizer = None
         if self.sampling:

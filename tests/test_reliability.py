@@ -822,3 +822,13 @@ def test_resume_after_a_run_that_ended_off_the_sample_grid(data, small_model, tm
     assert r_lines[after + 1:] == s_lines[at_5 + 1:]
     for name in ("model_00000008.bin", "state_00000008_00000.bin", "config_00000008.json", "main.log"):
         assert (straight / name).read_bytes() == (split / name).read_bytes(), name
+
+
+def test_hellaswag_token_id_outside_the_vocabulary(data, small_model, tmp_path, capsys):
+    from llmc import evalloader
+    path = tmp_path / "hs.bin"
+    example = {"index": 0, "label": 1, "context": [1, 2, 3], "completions": [[4], [5, V + 3], [6], [7]]}
+    evalloader.write_eval_file(str(path), [example])
+    code, out, err = in_process(["-e", small_model, "-i", data, "-j", "", "-b", "4", "-t", "16", "-h", "1",
+                                 "--hellaswag-file", str(path), "--eval-only"], capsys)
+    assert one_line(code, err) and "hs.bin" in err[0] and f"token id {V + 3}" in err[0], err
