@@ -406,7 +406,7 @@ def gpt2_forward(model, inputs, targets=None):
     """Forward pass. inputs (B,T) int token ids; targets (B,T) or None.
     Returns logits (B,T,Vp). With targets it also computes probs and the per-position losses,
     and sets model.mean_loss. Every activation is kept in model.acts for the backward pass.
-    Raises InputError if T > maxT or a token id is out of range."""
+    Raises InputError if T > maxT or a token id (input or target) is out of range."""
     cfg = model.config
     B, T = inputs.shape
     L, NH, V = cfg.num_layers, cfg.num_heads, cfg.vocab_size
@@ -414,6 +414,8 @@ def gpt2_forward(model, inputs, targets=None):
         raise InputError(f"sequence length T={T} exceeds the model's max_seq_len {cfg.max_seq_len}")
     if inputs.min() < 0 or inputs.max() >= V:
         raise InputError(f"token id out of range [0, {V}): {inputs.min()}..{inputs.max()}")
+    if targets is not None and (targets.min() < 0 or targets.max() >= V):   # a padded row's id would train it
+        raise InputError(f"target id out of range [0, {V}): {targets.min()}..{targets.max()}")
     P, A = model.P, model.activations(B, T)
     model.inputs, model.targets = inputs, targets
 
@@ -489,11 +491,16 @@ def gpt2_backward(model, loss_scale=1.0):
     encoder_backward(G["wte"], G["wpe"], dresidual, model.inputs)
 
 
+GRAD_NORM_CHUNK = 1 << 20              # gradient values squared per float64 chunk (8 MiB)
+
+
 def gpt2_grad_norm(model):
-    """Global L2 norm of all parameter gradients, accumulated in float64 (a Python float)."""
+    """Global L2 norm of all parameter gradients, a Python float. The squares are summed in
+    float64 (np.dot of float32 arrays would sum in float32, off by ~1e-4 relative on a d12), a
+    chunk of GRAD_NORM_CHUNK values at a time so the float64 copy stays small."""
     total = 0.0
-    for name, _ in model.param_shapes:
-        g = model.G[name].ravel()
+    for start in range(0, model.grads.size, GRAD_NORM_CHUNK):
+        g = model.grads[start:start + GRAD_NORM_CHUNK].astype(np.float64)
         total += float(np.dot(g, g))
     return math.sqrt(total)
 
@@ -842,8 +849,13 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """Command-line entry point. Returns the exit code: 0; 1 with one `error:` line for bad input."""
-    return run_main(train, parse_args(argv))
+    """Command-line entry point. Returns the exit code: 0; 1 with one `error:` line for bad input
+    (a bad flag included)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:                               # --help (0), or a bad flag (1, its error line printed)
+        return e.code
+    return run_main(train, args)
 
 
 if __name__ == "__main__":

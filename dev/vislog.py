@@ -30,6 +30,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.utils import InputError  # noqa: E402
 
 LOG_NAME = "main.log"
@@ -39,6 +40,7 @@ FIGURE_DPI = 100
 TRAIN_ALPHA = 0.35                 # the noisy per-step train loss stays in the background
 REF_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.0}
 BINARY_SNIFF_BYTES = 8192          # a text log has no NUL byte; look this far before parsing
+MAX_STEP = 2**63 - 1               # steps are int64 (the plot's x axis)
 
 
 # ----------------------------------------------------------------------------
@@ -71,6 +73,8 @@ def parse_log(path):
                 if name != "s" or len(fields) < 2:
                     raise ValueError
                 step = int(step)
+                if not 0 <= step <= MAX_STEP:
+                    raise InputError(f"{path}:{lineno}: step {step} is outside [0, 2^63): not a main.log")
                 for field in fields[1:]:
                     key, value = field.split(":")
                     series.setdefault(key, {})[step] = float(value)
@@ -139,8 +143,8 @@ def plot_runs(runs, out_path, ref_loss=None, ref_acc=None, ref_loss_label=None, 
 # command line
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Plot train/val loss and HellaSwag accuracy from main.log files.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description="Plot train/val loss and HellaSwag accuracy from main.log files.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("runs", nargs="+", help="run directory or main.log, optionally followed by :label")
     p.add_argument("-o", "--output", default="vislog.png", help="PNG to write")
     p.add_argument("--ref-loss", type=float, default=None, help="draw a reference val loss line (e.g. 3.28)")
@@ -150,9 +154,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_output_name(path):
+    """The image format of the -o name's extension, which must be one matplotlib writes (png,
+    pdf, svg, ...): a name without one would be written as a PNG under a name that does not say
+    so. Raises InputError."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    extension = os.path.splitext(path)[1][1:].lower()
+    if extension not in formats:
+        raise InputError(f"-o {path}: not an image name: end it with one of {', '.join('.' + f for f in sorted(formats))}")
+    return extension
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
+        check_output_name(args.output)
         runs = []
         for spec in args.runs:
             path, label = resolve_run(spec)

@@ -2,15 +2,18 @@
 llmc/checkpoint.py: checkpoints for resuming a run, in llm.c's files: per step a model file
 model_<step>.bin (llmc/formats.py), one training-state file per rank state_<step>_<rank>.bin
 (AdamW's moments, optional fp32 master weights, the step, the RNG states, the data loader's
-position), and, written last, an empty DONE_<step> marker. Every file is written under a
-temporary name and renamed, so a crash never leaves a checkpoint that looks complete, and a
-resume only ever reads a step that has its marker.
+position), this project's config_<step>.json (the flags that decide the result, so that a resume
+can refuse a change: llmc/cli.py), and, written last, an empty DONE_<step> marker. Every file is
+written under a temporary name and renamed, so a crash never leaves a checkpoint that looks
+complete, and a resume only ever reads a step that has its marker.
 
 Both trainers write and read the same files, so either one resumes the other's run.
 """
 
 import glob
+import json
 import os
+import re
 
 import numpy as np
 
@@ -37,11 +40,44 @@ UINT64_MASK = (1 << 64) - 1
 OUTLIER_DETECTORS_FLOATS = 2 * OUTLIER_STATE_FLOATS   # the loss and the grad-norm detector            # the loader's 128-bit PCG64 state is stored as two uint64
 
 
+# every name a run writes in -o (main.log is llmc/logger.py's): what start-up cleanup may remove
+# (their dead temporaries) and what a fresh run moves aside (an older run's files)
+RUN_FILE_NAMES = r"model_\d{8}\.bin|state_\d{8}_\d{5}\.bin|config_\d{8}\.json|DONE_\d{8}|main\.log"
+PREVIOUS_RUN_DIR = "previous_run_{}"
+
+
 def checkpoint_paths(out_dir, step, rank=0):
     """(model, state, DONE-marker) file paths of the checkpoint at `step`, llm.c's names."""
     return (os.path.join(out_dir, f"model_{step:08d}.bin"),
             os.path.join(out_dir, f"state_{step:08d}_{rank:05d}.bin"),
             os.path.join(out_dir, f"DONE_{step:08d}"))
+
+
+def config_path(out_dir, step):
+    """The checkpoint's run configuration, config_<step>.json (this project's; llm.c keeps none):
+    the flags that decide the result, so a resume can refuse a change (llmc/cli.py)."""
+    return os.path.join(out_dir, f"config_{step:08d}.json")
+
+
+def write_run_config(path, config):
+    """Write the run configuration (a dict of JSON values) atomically, one key a line."""
+    text = json.dumps(config, indent=1, sort_keys=True) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def read_run_config(path):
+    """The run configuration dict of a checkpoint, or None when it has none (a checkpoint written
+    by llm.c, or before this file existed). Raises InputError on a corrupt file."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: corrupt run configuration ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: corrupt run configuration (not a JSON object)")
+    return config
 
 
 def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rng_state,
@@ -117,6 +153,8 @@ def read_state(path, num_parameters, process_rank, num_processes, zero_stage=0):
             nb = int(read_exact(f, path, 1, "<u8", "sample count")[0])
             loader["sample_order"] = read_exact(f, path, nb, "<i4", "sample order")
             w = [int(x) for x in read_exact(f, path, 4, "<u8", "shuffle RNG state")]
+            if w[3] % 2 == 0:                  # PCG64's increment is always odd
+                raise InputError(f"{path}: corrupt shuffle RNG state: an even PCG64 increment")
             loader["rng"] = {"bit_generator": "PCG64", "state": {"state": (w[0] << 64) | w[1], "inc": (w[2] << 64) | w[3]},
                              "has_uint32": 0, "uinteger": 0}
         out["outliers"] = (read_exact(f, path, OUTLIER_DETECTORS_FLOATS, "<f8", "outlier detectors")
@@ -125,6 +163,7 @@ def read_state(path, num_parameters, process_rank, num_processes, zero_stage=0):
             raise InputError(f"{path}: trailing bytes: the state file does not match a model of {num_parameters} parameters")
     if not (np.isfinite(out["m"]).all() and np.isfinite(out["v"]).all() and (out["v"] >= 0).all()):
         raise InputError(f"{path}: corrupt state file: AdamW moments are not finite")
+    loader["source"] = path
     out["loader"] = loader
     return out
 
@@ -166,34 +205,59 @@ def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_o
     model_path, state_path, _ = checkpoint_paths(out_dir, step, process_rank)
     shape, params = read_model_file(model_path, num_parameters_of)
     st = read_state(state_path, state_num_parameters or params.size, process_rank, num_processes, zero_stage)
+    if st["step"] != step:
+        raise InputError(f"{state_path}: corrupt state file: step {st['step']} in the file of step {step}")
     st["shape"], st["state_path"] = shape, state_path
     master = st["master_weights"]
     st["params"] = master if master is not None and master.size == params.size else params
     return st
 
 
+def move_previous_run_aside(out_dir):
+    """A fresh run into a directory that holds another run's files (RUN_FILE_NAMES: its
+    checkpoints, its main.log): move them, untouched, into out_dir/previous_run_<k> (the first k
+    free), so the two runs never mix and a later -y 1 resumes the new one. Returns that directory,
+    or None when there was nothing to move."""
+    pattern = re.compile(RUN_FILE_NAMES)
+    names = sorted(n for n in os.listdir(out_dir) if pattern.fullmatch(n) and os.path.isfile(os.path.join(out_dir, n)))
+    if not names:
+        return None
+    k = 1
+    while os.path.exists(os.path.join(out_dir, PREVIOUS_RUN_DIR.format(k))):
+        k += 1
+    aside = os.path.join(out_dir, PREVIOUS_RUN_DIR.format(k))
+    os.mkdir(aside)
+    for name in names:
+        os.replace(os.path.join(out_dir, name), os.path.join(aside, name))
+    return aside
+
+
 def delete_checkpoint(out_dir, step, process_rank):
     """Remove the checkpoint of `step`: its DONE marker first (so a half-deleted checkpoint never
-    looks complete), then the model file (rank 0) and this rank's state file."""
+    looks complete), then the model file and the run configuration (rank 0) and this rank's
+    state file."""
     model_path, state_path, done_path = checkpoint_paths(out_dir, step, process_rank)
-    for path in ([done_path, model_path] if process_rank == 0 else []) + [state_path]:
+    rank0 = [done_path, model_path, config_path(out_dir, step)] if process_rank == 0 else []
+    for path in rank0 + [state_path]:
         if os.path.exists(path):
             os.remove(path)
 
 
-def rotate_checkpoints(out_dir, step, checkpoint_every, keep, major_every, process_rank):
+def rotate_checkpoints(out_dir, step, keep, major_every, process_rank):
     """llm.c's -nk / -nm, after the checkpoint of `step` was written: with keep > 0, keep only the
-    newest `keep` of the checkpoints a run writes (every checkpoint_every steps, and `step`
-    itself), except major ones (major_every > 0 and the step a multiple of it), which are never
-    deleted. Returns the steps deleted (those that were on disk)."""
+    newest `keep` checkpoints in out_dir up to `step` (those on disk, this rank's state files, so
+    a resumed run rotates the checkpoints the run wrote before the resume too), except major ones
+    (major_every > 0 and the step a multiple of it), which are never deleted. Returns the steps
+    deleted."""
     if keep <= 0:
         return []
-    written = sorted(set(range(checkpoint_every, step, checkpoint_every)) | {step})
+    pattern = re.compile(rf"state_(\d{{8}})_{process_rank:05d}\.bin")
+    on_disk = sorted(int(m.group(1)) for m in map(pattern.fullmatch, os.listdir(out_dir)) if m)
+    written = [s for s in on_disk if s <= step]
     deleted = []
     for old in written[:-keep]:
         if major_every > 0 and old % major_every == 0:
             continue
-        if os.path.exists(checkpoint_paths(out_dir, old, process_rank)[1]):
-            delete_checkpoint(out_dir, old, process_rank)
-            deleted.append(old)
+        delete_checkpoint(out_dir, old, process_rank)
+        deleted.append(old)
     return deleted

@@ -13,12 +13,16 @@ import argparse
 import codecs
 import math
 import os
+import re
 import sys
+import traceback
 
 import numpy as np
 
-from llmc.checkpoint import checkpoint_paths, latest_checkpoint_step, rotate_checkpoints, write_done_marker
-from llmc.comm import abort_all_ranks
+from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, config_path, latest_checkpoint_step,
+                             move_previous_run_aside, read_run_config, rotate_checkpoints, write_done_marker,
+                             write_run_config)
+from llmc.comm import abort_all_ranks, launched_size
 from llmc.dataloader import DataLoader
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
 from llmc.logger import Logger
@@ -26,20 +30,32 @@ from llmc.sampler import SAMPLE_SEED
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
 from llmc.tokenizer import GPT2_EOT, Tokenizer, gpt2_encoding
 from llmc.outlier import OUTLIER_STATE_FLOATS, OutlierDetector, skip_reason
-from llmc.utils import TMP_SUFFIX, InputError, stale_temporaries
+from llmc.utils import TMP_SUFFIX, InputError, lock_directory, release_directory_locks, stale_temporaries
+
+WRITE_PROBE = ".write_probe"           # make_output_dir's test file in -o
 
 
 
 # ----------------------------------------------------------------------------
 # the flags
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with this project's promise for a bad flag: one `error:` line (on rank 0 only
+    under mpiexec) and exit 1, instead of argparse's usage dump and exit 2."""
+
+    def error(self, message):
+        if launched_rank() in (None, 0):
+            print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(1)
+
+
 def build_parser(prog, description, lr_schedules):
     """The trainers' argparse parser: llm.c's one-letter flags, each with a long alias and llm.c's
     default (train_gpt2.cu), then NEWCOMER_DEFAULTS on top (see there). -h is HellaSwag in llm.c,
     so help is --help only. lr_schedules: the names -k accepts (the trainer's learning_rate_at
     implements them). gpt2_cuda.py adds its GPU flags to this parser."""
-    p = argparse.ArgumentParser(prog=prog, add_help=False, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog=prog, add_help=False, description=description,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--help", action="help", help="show this help and exit")
     a("-i", "--input-bin", default=DEFAULT_TRAIN, help="train data: file or glob of shards")
@@ -96,6 +112,19 @@ def newcomer_defaults(parser):
     parser.set_defaults(**NEWCOMER_DEFAULTS)
 
 
+# the flags that change what a run computes, as (flag, argparse dest): a resume must keep them
+RESULT_FLAGS = (("-b", "batch_size"), ("-t", "seq_len"), ("-k", "lr_schedule"), ("-l", "learning_rate"),
+                ("-u", "warmup_iters"), ("-q", "final_lr_frac"), ("-c", "weight_decay"), ("--grad-clip", "grad_clip"),
+                ("-sl", "skip_update_lossz"), ("-sg", "skip_update_gradz"), ("-a", "overfit_single_batch"),
+                ("--shuffle", "shuffle"), ("--seed", "seed"))
+# gpt2_cuda.py's flags that change its arithmetic (compared when both runs have them, so a CPU run
+# resumes a CUDA run's checkpoint and the other way round); -z is the state file's own check
+DEVICE_RESULT_FLAGS = (("--precision", "precision"), ("-w", "master_weights"), ("-f", "tf32"),
+                       ("--attention", "attention"), ("--cublaslt", "cublaslt"))
+INT32_MAX = 2**31 - 1                  # llm.c counts tokens in int
+UINT64_MAX = 2**64 - 1                 # the seeds are 64-bit states
+
+
 def check_args(args):
     """One InputError for flags that make no sense, before anything runs (llm.c accepts some of
     these silently; here each is one clear line)."""
@@ -116,10 +145,16 @@ def check_args(args):
         (not args.resume or args.output_dir or args.generate, "-y 1 needs -o DIR to find the checkpoint in"),
         (args.val_every >= 0 and args.sample_every >= 0 and args.gen_tokens >= 0, "-v, -s and -g must be >= 0"),
         (args.val_max_steps > 0 or args.val_max_steps == -1, f"-m {args.val_max_steps}: must be positive, or -1 for the whole split"),
-        (args.seed >= 0, f"--seed {args.seed}: seeds must be >= 0"),
+        (args.batch_size * args.seq_len <= INT32_MAX,
+         f"-b {args.batch_size} -t {args.seq_len}: B*T = {args.batch_size * args.seq_len:,} tokens per micro-batch "
+         f"do not fit in a 32-bit count (at most {INT32_MAX:,})"),
+        (args.total_batch_size <= INT32_MAX, f"-d {args.total_batch_size}: tokens per step must fit in a 32-bit count "
+                                             f"(at most {INT32_MAX:,})"),
+        (0 <= args.seed <= UINT64_MAX, f"--seed {args.seed}: seeds must be in [0, 2^64)"),
         (math.isfinite(args.temperature) and args.temperature >= 0, f"--temperature {args.temperature}: must be >= 0"),
         (args.top_k >= 0, f"--top-k {args.top_k}: must be >= 0"),
-        (args.sample_seed > 0, f"--sample-seed {args.sample_seed}: must be positive (xorshift's state is never 0)"),
+        (0 < args.sample_seed <= UINT64_MAX,
+         f"--sample-seed {args.sample_seed}: must be in [1, 2^64) (xorshift's 64-bit state is never 0)"),
         (args.generate >= 0, f"--generate {args.generate}: must be >= 0"),
     ]
     for ok, message in checks:
@@ -169,11 +204,15 @@ class TrainingRun:
         self.args, self.comm = args, comm
         self.master = comm.rank == 0
         self.B, self.T = args.batch_size, args.seq_len
-        self.resuming = bool(args.resume) and not args.eval_only and not args.generate
-        self.resume_step = latest_checkpoint_step(args.output_dir) if self.resuming else None
-        if self.resuming and self.resume_step is None:
+        self.training = not args.eval_only and not args.generate
+        self.resuming = bool(args.resume) and self.training
+        self.from_checkpoint = bool(args.resume) and bool(args.output_dir)    # --eval-only/--generate -y 1 too
+        if self.resuming and self.master and os.path.isdir(args.output_dir):
+            lock_directory(args.output_dir)                    # before the checkpoint is read
+        self.resume_step = latest_checkpoint_step(args.output_dir) if self.from_checkpoint else None
+        if self.from_checkpoint and self.resume_step is None:
             raise InputError(f"{args.output_dir}: no complete checkpoint (DONE_* marker) to resume from")
-        self.start_step = 0
+        self.start_step = self.step = 0
         self.loss_outliers, self.grad_outliers = OutlierDetector(), OutlierDetector()
 
     def say(self, *parts, **kwargs):
@@ -182,8 +221,9 @@ class TrainingRun:
             print(*parts, **kwargs)
 
     def model_spec(self):
-        """Where the model comes from: the checkpoint being resumed (its shape too), else -e."""
-        if self.resuming:
+        """Where the model comes from: with -y 1 the newest checkpoint in -o (resumed, or for
+        --eval-only / --generate evaluated), else -e."""
+        if self.from_checkpoint:
             return checkpoint_paths(self.args.output_dir, self.resume_step, self.comm.rank)[0]
         return self.args.model
 
@@ -209,12 +249,19 @@ class TrainingRun:
         if self.total_batch % tokens_per_micro:
             raise InputError(f"-d {self.total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
         self.grad_accum_steps = self.total_batch // tokens_per_micro
-        self.train_loader = DataLoader(args.input_bin, B, T, comm.rank, comm.size, bool(args.shuffle), args.seed)
-        self.val_loader = DataLoader(args.input_val_bin, B, T, comm.rank, comm.size) if args.input_val_bin else None
+        V = config.vocab_size
+        self.train_loader = DataLoader(args.input_bin, B, T, comm.rank, comm.size, bool(args.shuffle), args.seed, V)
+        self.val_loader = DataLoader(args.input_val_bin, B, T, comm.rank, comm.size, vocab_size=V) \
+            if args.input_val_bin else None
         self.num_steps = args.max_steps if args.max_steps > 0 else self.train_loader.num_tokens // self.total_batch
+        if self.num_steps == 0 and not args.eval_only:
+            raise InputError(f"-d {self.total_batch}: one step needs more tokens than the train data's "
+                             f"{self.train_loader.num_tokens:,}, so -x -1 (one epoch) is no step at all")
         if args.output_dir:
             self.make_output_dir(args.output_dir)
-        self.examples = read_hellaswag(args.hellaswag_file) if args.hellaswag else None
+        if self.resuming:
+            self.check_resumed_config()
+        self.examples = read_hellaswag(args.hellaswag_file, config.vocab_size) if args.hellaswag else None
         self.sampling = self.master and args.sample_every > 0 and not args.eval_only
         self.tokenizer = None
         if self.sampling:
@@ -223,20 +270,59 @@ class TrainingRun:
             except InputError as e:
                 self.say(f"note: {e}; samples will print token ids")
 
+    def run_config(self):
+        """What decides the result of a run besides the model: the flags (RESULT_FLAGS, and the
+        DEVICE_RESULT_FLAGS this trainer has) and a fingerprint of the train data (its tokens and
+        shards), as written to config_<step>.json."""
+        config = {flag: getattr(self.args, dest) for flag, dest in RESULT_FLAGS + DEVICE_RESULT_FLAGS
+                  if hasattr(self.args, dest)}
+        config.update({"-d": self.total_batch, "-x": self.num_steps, "processes": self.comm.size,
+                       "-i": f"{self.train_loader.num_tokens} tokens in {len(self.train_loader.files)} shard(s)"})
+        return config
+
+    def check_resumed_config(self):
+        """Resuming: refuse, listing every difference, a run whose flags would change the result
+        from the checkpoint's (config_<step>.json): any of RESULT_FLAGS (DEVICE_RESULT_FLAGS when
+        both runs have them), the number of processes, the train data, or a
+        smaller -x (the schedule's length). -v, -s, -g, -n, -nk, -nm, -h and a larger -x change
+        nothing that was trained. A checkpoint without the file (llm.c's) is not checked, with a
+        note. Raises InputError."""
+        path = config_path(self.args.output_dir, self.resume_step)
+        saved = read_run_config(path)
+        if saved is None:
+            self.say(f"note: {path} is missing: the flags cannot be checked against the checkpoint's")
+            return
+        now = self.run_config()
+        changed = [key for key in now if key in saved and saved[key] != now[key] and
+                   not (key == "-x" and now[key] >= saved[key])]
+        if changed:
+            def flags(config):
+                return " ".join(f"{key} {config[key]}" if key != "-i" else f"-i ({config[key]})" for key in changed)
+            raise InputError(f"{path}: the checkpoint was written with {flags(saved)}, but this run has {flags(now)}: "
+                             f"resume with the checkpoint's flags, or start a fresh run in another -o")
+
     def make_output_dir(self, out_dir):
-        """Create -o if needed and check it can be written; on rank 0 remove the `*.tmp<pid>`
-        files that a run killed mid-write left behind. Raises InputError."""
+        """Create -o if needed and check it can be written. A training run then, on rank 0, takes
+        the directory's lock (one run at a time: llmc.utils.lock_directory), removes the
+        temporaries that a run killed mid-write left behind (its own file names only, writer
+        gone), and, unless resuming, moves an older run's files aside (saying where), so two runs
+        never mix. Raises InputError."""
         try:
             os.makedirs(out_dir, exist_ok=True)
-            probe = os.path.join(out_dir, f".write_probe{TMP_SUFFIX}{os.getpid()}")
+            probe = os.path.join(out_dir, f"{WRITE_PROBE}{TMP_SUFFIX}{os.getpid()}")
             with open(probe, "wb"):
                 pass
             os.remove(probe)
         except OSError as e:
             raise InputError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
-        if self.master:
-            for path in stale_temporaries(out_dir):
+        if self.master and self.training:
+            lock_directory(out_dir)
+            for path in stale_temporaries(out_dir, f"{RUN_FILE_NAMES}|{re.escape(WRITE_PROBE)}"):
                 os.remove(path)
+            aside = None if self.resuming else move_previous_run_aside(out_dir)
+            if aside:
+                self.say(f"note: -o {out_dir} held another run's files (checkpoints, main.log): moved them to {aside}")
+        self.comm.barrier()
 
     def banner(self, config, num_parameters):
         """The model and batch lines every run starts with."""
@@ -258,7 +344,7 @@ class TrainingRun:
             self.say(f"the checkpoint is at step {start_step}, at or past -x {self.num_steps}: nothing to train "
                      f"(raise -x to train further)")
             return False
-        self.logger = Logger(self.args.output_dir if self.master else None, resuming=self.resuming)
+        self.logger = Logger(self.args.output_dir if self.master else None, start_step if self.resuming else None)
         return True
 
     def outlier_state(self):
@@ -268,7 +354,15 @@ class TrainingRun:
     def skip_update(self, loss, norm):
         """Feed this step's loss and gradient norm to the outlier detectors (llm.c's -sl / -sg).
         Returns (skip, zloss, zgrad): skip is True, having said so, when the update is to be
-        skipped."""
+        skipped. A non-finite loss or norm is never fed to the detectors: with -sl or -sg the
+        step is skipped, else it raises InputError naming the step (training never goes on on NaN)."""
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            what, value = ("loss", loss) if not math.isfinite(loss) else ("grad norm", norm)
+            if self.args.skip_update_lossz > 0 or self.args.skip_update_gradz > 0:
+                self.say(f"skipping update due to a non-finite {what} at step {self.step + 1} ({value})")
+                return True, math.nan, math.nan
+            raise InputError(f"step {self.step + 1}: the {what} is {value}, not finite: training diverged (lower -l, "
+                             f"or let -sl/-sg skip such steps)")
         zloss, zgrad = self.loss_outliers.update(loss), self.grad_outliers.update(norm)
         reason = skip_reason(zloss, zgrad, self.args.skip_update_lossz, self.args.skip_update_gradz)
         if reason:
@@ -280,8 +374,8 @@ class TrainingRun:
         batch_loss(inputs (B,T), targets (B,T)) -> the batch's mean loss, a float."""
         loader, steps = self.val_loader, self.args.val_max_steps
         loader.reset()
-        steps = steps if steps > 0 else loader.shard_num_samples * len(loader.files)
-        total = sum(batch_loss(*loader.next_batch()) for _ in range(steps))
+        steps = steps if steps > 0 else loader.num_batches
+        total = math.fsum(batch_loss(*loader.next_batch()) for _ in range(steps))
         return self.comm.mean(total / steps)
 
     def hellaswag(self, forward_losses):
@@ -299,9 +393,16 @@ class TrainingRun:
     def between_steps(self, step, batch_loss, forward_losses, generate, save):
         """The work at the top of step `step` (and after the last): validation loss every -v steps,
         HellaSwag every -v steps, a sample every -s steps, a checkpoint every -n steps, each also at
-        the end. generate(prompt ids, n) -> ids; save(step) -> the DONE path it leaves to write.
-        Returns True at the last step (the loop ends)."""
+        the end (where the last sample, off the -s grid, follows the checkpoint). generate(prompt
+        ids, n) -> ids; save(step) -> the DONE path it leaves to write. Returns True at the last
+        step (the loop ends)."""
         args, last_step = self.args, step == self.num_steps
+        self.step = step
+        # resumed at this step: its evaluations and sample came before the checkpoint was written
+        # (and advanced the sampler's RNG then): doing them again would print them twice and
+        # draw a different sample from then on
+        if self.resuming and step == self.start_step and not last_step:
+            return False
         if self.val_loader and args.val_every > 0 and (step % args.val_every == 0 or last_step):
             val_loss = self.validate(batch_loss)
             self.say(f"val loss {val_loss:.6f}")
@@ -310,21 +411,32 @@ class TrainingRun:
             acc, n = self.hellaswag(forward_losses)
             self.say(f"HellaSwag: {acc:.4f} accuracy over {n} examples")
             self.logger.log_eval(step, acc)
-        if self.sampling and ((step > 0 and step % args.sample_every == 0) or last_step):
-            self.say("generating:\n---")
-            ids = generate([self.tokenizer.eot_token if self.tokenizer else GPT2_EOT], args.gen_tokens)
-            self.say(self.tokenizer.decode(ids) if self.tokenizer else " ".join(map(str, ids)))
-            self.say("---")
+        on_grid_sample = self.sampling and step > 0 and step % args.sample_every == 0
+        if on_grid_sample:
+            self.sample(generate)
         if args.output_dir and args.checkpoint_every > 0 and step > self.start_step and \
                 (step % args.checkpoint_every == 0 or last_step):
             done = save(step)
             self.comm.barrier()
             if self.master:
+                write_run_config(config_path(args.output_dir, step), self.run_config())
                 write_done_marker(done)
                 self.say(f"checkpoint written: step {step} in {args.output_dir}")
-            rotate_checkpoints(args.output_dir, step, args.checkpoint_every, args.checkpoints_keep,
-                               args.major_checkpoint_every, self.comm.rank)
+            rotate_checkpoints(args.output_dir, step, args.checkpoints_keep, args.major_checkpoint_every, self.comm.rank)
+        # the last step's sample off the -s grid comes after the checkpoint: drawn before it, it
+        # would advance the sampler's RNG saved there, and a run resumed from that checkpoint would
+        # sample differently from a straight one, which draws no sample at this step
+        if self.sampling and last_step and not on_grid_sample:
+            self.sample(generate)
         return last_step
+
+    def sample(self, generate):
+        """Print one sample of -g tokens from <|endoftext|> (decoded, or token ids without a
+        tokenizer). generate(prompt ids, n) -> ids."""
+        self.say("generating:\n---")
+        ids = generate([self.tokenizer.eot_token if self.tokenizer else GPT2_EOT], self.args.gen_tokens)
+        self.say(self.tokenizer.decode(ids) if self.tokenizer else " ".join(map(str, ids)))
+        self.say("---")
 
     def log_step(self, step, loss, norm, lr, seconds, zloss=math.nan, zgrad=math.nan, extra=""):
         """The step line (llm.c's, plus tok/s; the z-scores once the outlier windows are full) and
@@ -336,19 +448,48 @@ class TrainingRun:
         self.logger.log_train(step, loss, lr, norm)
 
 
+def launched_rank():
+    """This process's rank under mpiexec (PMI_RANK / OMPI_COMM_WORLD_RANK), None without it."""
+    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+    return int(rank) if rank is not None and launched_size() > 1 else None
+
+
+def error_line(e, expected):
+    """The one line that reports exception e: its message for bad input or a failed write
+    (`expected`); otherwise the exception's type, message and the file and line that raised it
+    (an internal error); under mpiexec prefixed with the rank it happened on. A message of
+    several lines is joined into one."""
+    if isinstance(e, expected):
+        text = str(e)
+    elif isinstance(e, MemoryError):
+        text = "out of memory (MemoryError): lower -b or -t, or use a smaller model"
+    else:
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        text = f"internal error: {type(e).__name__}: {e}{where}"
+    rank = launched_rank()
+    return f"error: {'' if rank is None else f'rank {rank}: '}{' '.join(text.splitlines())}"
+
+
 def run_main(fn, args, errors=(InputError,)):
     """Run fn(args) as a command and return the exit code: fn's own if it returns an int (e.g.
     gpt2_cuda.py --check), else 0; 1 with one `error:` line on stderr for bad input (any of
-    `errors`) or a failed write (OSError: disk full, permissions; atomic_write leaves no
-    temporary file); 130 on Ctrl-C. Under mpiexec an error on one rank ends every rank."""
+    `errors`), a failed write (OSError: disk full, permissions; atomic_write leaves no temporary
+    file), or any other exception (error_line); 130 on Ctrl-C. Under mpiexec any of these on one
+    rank ends every rank within seconds (MPI_Abort), so no rank waits forever in a collective."""
+    if hasattr(sys.stdout, "reconfigure"):                 # a terminal that cannot show a sampled
+        sys.stdout.reconfigure(errors="replace")           # character gets '?', not an error
     try:
-        result = fn(args)
-    except errors + (OSError,) as e:
-        print(f"error: {e}", file=sys.stderr)
-        abort_all_ranks(1)
-        return 1
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # non-finite values are checked, not warned
+            result = fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         abort_all_ranks(130)
         return 130
+    except Exception as e:                                  # noqa: BLE001: every exception is one line
+        print(error_line(e, errors + (OSError,)), file=sys.stderr)
+        abort_all_ranks(1)
+        return 1
+    finally:
+        release_directory_locks()
     return result if type(result) is int else 0

@@ -1,14 +1,22 @@
 """
 llmc/dataloader.py: batches of training tokens from llm.c's token shards (llm.c's
 llmc/dataloader.h DataLoader): strided by rank for data parallelism, optionally shuffled.
+
+Every token id is checked against the model's vocabulary once per shard, when the shard is
+opened (vectorized, in chunks), and every read is a copy (pread), checked for length: a shard
+that changes while a run reads it is reported in one line, never a crash (a memory map would
+die of SIGBUS) and never a silent wrong batch.
 """
 
 import glob
+import os
 
 import numpy as np
 
-from llmc.formats import read_shard
+from llmc.formats import HEADER_BYTES, read_shard_tokens, shard_num_tokens
 from llmc.utils import InputError
+
+VALIDATE_CHUNK = 1 << 22               # tokens read per piece when checking a shard's ids (8 MiB)
 
 
 class DataLoader:
@@ -17,22 +25,27 @@ class DataLoader:
     reads its B*T (+1 for the targets) tokens at offset rank*B*T inside each global batch. After
     the last batch of a shard comes the next shard; after the last shard, the first (an epoch).
     With shuffle, the shard order and the order of batches inside each shard are permuted by a
-    seeded RNG (numpy PCG64), reshuffled every epoch / shard.
-    Raises InputError if nothing matches, a shard is bad, or a shard is shorter than one batch."""
+    seeded RNG (numpy PCG64), reshuffled every epoch / shard. vocab_size V: every id of a shard
+    must be in [0, V) (None: not checked). num_batches: the batches of all shards together.
+    Raises InputError if nothing matches, a shard is bad, a shard is shorter than one batch, a
+    token id is outside [0, V), or a shard changes while it is read."""
 
-    def __init__(self, pattern, B, T, process_rank=0, num_processes=1, shuffle=False, seed=42):
+    def __init__(self, pattern, B, T, process_rank=0, num_processes=1, shuffle=False, seed=42, vocab_size=None):
         self.pattern, self.B, self.T = pattern, B, T
         self.process_rank, self.num_processes = process_rank, num_processes
+        self.vocab_size = vocab_size
         self.files = sorted(glob.glob(pattern))
         if not self.files:
             raise InputError(f"{pattern}: no data file matches (run `make data` for the default dataset)")
         need = B * T * num_processes + 1
-        self.num_tokens = 0
-        for path in self.files:               # validate every shard up front
-            n = read_shard(path).size
+        self.num_tokens, self.num_batches = 0, 0
+        for path in self.files:               # every shard's header and size up front
+            n = shard_num_tokens(path)
             if n < need:
                 raise InputError(f"{path}: {n} tokens is shorter than one batch of B*T*processes+1 = {need}")
             self.num_tokens += n
+            self.num_batches += (n - 1) // (B * T * num_processes)
+        self.file, self.validated = None, {}
         self.shuffle = shuffle
         self.rng = np.random.default_rng(seed)
         self.reset()
@@ -44,25 +57,58 @@ class DataLoader:
         self.load_shard(0)
 
     def load_shard(self, idx):
-        """Map shard `idx` of the (possibly shuffled) order and start at its first batch."""
+        """Open shard `idx` of the (possibly shuffled) order, check it (check_shard), and start at
+        its first batch."""
         self.current_shard_idx = idx
-        self.tokens = read_shard(self.files[self.shard_order[idx]])
-        self.shard_num_samples = (self.tokens.size - 1) // (self.B * self.T * self.num_processes)
+        path = self.files[self.shard_order[idx]]
+        if self.file is not None:
+            self.file.close()
+        self.path, self.file = path, open(path, "rb")
+        self.num_shard_tokens = self.check_shard()
+        self.shard_num_samples = (self.num_shard_tokens - 1) // (self.B * self.T * self.num_processes)
         self.sample_order = (self.rng.permutation(self.shard_num_samples) if self.shuffle
                              else np.arange(self.shard_num_samples))
         self.current_sample_idx = 0
 
+    def file_identity(self):
+        """(inode, size, modification time) of the open shard: any change means it was rewritten."""
+        st = os.fstat(self.file.fileno())
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def check_shard(self):
+        """Check the open shard (header, size, and every id in [0, vocab_size)) unless this very
+        file, unchanged, was checked before. Returns its number of tokens. Raises InputError."""
+        identity = self.file_identity()
+        if self.validated.get(self.path) == identity:
+            return (identity[1] - HEADER_BYTES) // 2
+        n = shard_num_tokens(self.path)
+        if self.vocab_size is not None:
+            for start in range(0, n, VALIDATE_CHUNK):
+                ids = read_shard_tokens(self.file.fileno(), self.path, start, min(VALIDATE_CHUNK, n - start))
+                bad = np.flatnonzero(ids >= self.vocab_size)
+                if bad.size:
+                    raise InputError(f"{self.path}: token id {ids[bad[0]]} at position {start + bad[0]} is outside "
+                                     f"the model's vocabulary [0, {self.vocab_size})")
+        if self.file_identity() != identity or os.stat(self.path).st_ino != identity[0]:
+            raise InputError(f"{self.path}: the shard changed while this run read it")
+        self.validated[self.path] = identity
+        return n
+
     def next_batch(self):
-        """Return (inputs, targets), each (B,T) int32; targets are inputs shifted by one token."""
+        """Return (inputs, targets), each (B,T) int32; targets are inputs shifted by one token.
+        Raises InputError if the shard changed on disk since it was checked."""
         if self.current_sample_idx >= self.shard_num_samples:
             if self.current_shard_idx == len(self.files) - 1:
                 self.reset()
             else:
                 self.load_shard(self.current_shard_idx + 1)
+        if self.file_identity() != self.validated[self.path]:
+            raise InputError(f"{self.path}: the shard changed while this run read it (rewritten or truncated): "
+                             f"restart the run once the data is final")
         B, T = self.B, self.T
         sample = int(self.sample_order[self.current_sample_idx])
         start = (sample * self.num_processes + self.process_rank) * B * T
-        buf = np.asarray(self.tokens[start:start + B * T + 1], dtype=np.int32)
+        buf = read_shard_tokens(self.file.fileno(), self.path, start, B * T + 1)
         self.current_sample_idx += 1
         return buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
 
@@ -73,23 +119,32 @@ class DataLoader:
                 "rng": self.rng.bit_generator.state}
 
     def restore(self, state):
-        """Resume at a saved position. Raises InputError if it does not fit these files, or if the
-        saved run shuffled and this one does not, or the other way round (a shuffled position
-        means nothing in the unshuffled order)."""
+        """Resume at a saved position (state() of the saved run; state["source"], if there, names
+        the file it came from in errors). Every section is checked: the shard order must be a
+        permutation of these files' indices, the sample order one of the shard's batches, the
+        position inside both. Raises InputError if any does not fit, or if the saved run shuffled
+        and this one does not, or the other way round (a shuffled position means nothing in the
+        unshuffled order)."""
+        source = state.get("source", "the checkpoint")
         saved_shuffle = "shard_order" in state
         if saved_shuffle != self.shuffle:
-            raise InputError(f"the checkpoint was written with --shuffle {int(saved_shuffle)}: resume with the same "
+            raise InputError(f"{source} was written with --shuffle {int(saved_shuffle)}: resume with the same "
                              f"--shuffle (this run has --shuffle {int(self.shuffle)})")
+
+        def check_permutation(order, n, what):
+            order = np.asarray(order)
+            if order.shape != (n,) or not np.array_equal(np.sort(order), np.arange(n)):
+                raise InputError(f"{source}: corrupt {what}: not a permutation of 0..{n - 1}")
+            return order
         if self.shuffle:
-            self.shard_order = np.asarray(state["shard_order"])
+            self.shard_order = check_permutation(state["shard_order"], len(self.files), "shard order")
         if not 0 <= state["shard"] < len(self.files):
-            raise InputError(f"saved loader position (shard {state['shard']}) does not fit {len(self.files)} shard(s) of {self.pattern}")
+            raise InputError(f"{source}: loader position (shard {state['shard']}) does not fit "
+                             f"{len(self.files)} shard(s) of {self.pattern}")
         self.load_shard(state["shard"])
         if self.shuffle:
-            self.sample_order = np.asarray(state["sample_order"])
+            self.sample_order = check_permutation(state["sample_order"], self.shard_num_samples, "sample order")
             self.rng.bit_generator.state = state["rng"]
         if not 0 <= state["sample"] <= self.shard_num_samples:
-            raise InputError(f"saved loader position (sample {state['sample']}) does not fit shard {self.files[self.shard_order[state['shard']]]}")
+            raise InputError(f"{source}: loader position (sample {state['sample']}) does not fit shard {self.path}")
         self.current_sample_idx = state["sample"]
-
-

@@ -206,8 +206,18 @@ def evaluate_multiple_choice(forward_losses, examples, B, T, comm):
     return total / len(examples), len(examples)
 
 
-def read_hellaswag(path):
-    """The HellaSwag examples for -h 1, with a hint when the file was never built. Raises InputError."""
+def read_hellaswag(path, vocab_size=None):
+    """The HellaSwag examples for -h 1, with a hint when the file was never built. Every token id
+    must be in [0, vocab_size) (None: not checked). Raises InputError, also for a file with no
+    examples."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such eval file (build it with `python dev/data/hellaswag.py`, needs internet)")
-    return read_eval_file(path)
+    examples = read_eval_file(path)
+    if not examples:
+        raise InputError(f"{path}: the eval file holds no examples: nothing to measure an accuracy on")
+    for ex in examples if vocab_size is not None else ():
+        ids = [t for part in [ex["context"]] + list(ex["completions"]) for t in part]
+        if ids and max(ids) >= vocab_size:
+            raise InputError(f"{path}: example {ex['index']}: token id {max(ids)} is outside the model's "
+                             f"vocabulary [0, {vocab_size})")
+    return examples

@@ -118,7 +118,8 @@ def read_model_file(path, num_parameters_of):
     model of `shape` (a dict with MODEL_SLOTS' keys, padded_vocab_size 0 in old files), so this
     module needs no parameter table. Returns (shape dict, fp32 parameters (num_parameters,)).
     The dimensions are checked for consistency and against the file's size before anything is
-    allocated. Raises InputError on a missing file, bad header, impossible shape or wrong size."""
+    allocated, and every parameter must be finite. Raises InputError on a missing file, bad header,
+    impossible shape, wrong size or a NaN/inf parameter."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such model checkpoint")
     with open(path, "rb") as f:
@@ -137,6 +138,11 @@ def read_model_file(path, num_parameters_of):
                              f"({n * dtype.itemsize:,} bytes), the file holds {payload:,} bytes after the header")
         data = read_exact(f, path, n, dtype, "parameters")
     params = bfloat16_bits_to_float32(data) if dtype == MODEL_DTYPES[MODEL_VERSION_BF16] else data.astype(np.float32)
+    finite = np.isfinite(params)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        raise InputError(f"{path}: {bad.size:,} parameters are not finite (the first, at index {bad[0]:,}, is "
+                         f"{params[bad[0]]}): the model diverged before it was saved, or the file is corrupt")
     return shape, params
 
 
@@ -177,14 +183,22 @@ def write_debug_state(path, x, y, logits, loss, grads):
 def read_debug_state(path, vocab_size, param_shapes):
     """Read a debug-state file for a model with vocab_size V and parameter table param_shapes
     (list of (name, shape)). Returns a dict with x, y (B,T) int32, logits (B,T,V), loss (float),
-    grads {name: array of that shape}. Raises InputError on a bad or mismatched file."""
+    grads {name: array of that shape}. B, T and the file's size are checked before anything is
+    read, and every token id against V. Raises InputError on a bad or mismatched file."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such debug-state file")
     with open(path, "rb") as f:
         h = read_header(f, path, DEBUG_STATE_MAGIC, (DEBUG_STATE_VERSION,), "debug state")
         B, T = int(h[DEBUG_SLOT_B]), int(h[DEBUG_SLOT_T])
+        expected = HEADER_BYTES + 4 * (2 * B * T + B * T * vocab_size + 1 + sum(math.prod(s) for _, s in param_shapes))
+        if B <= 0 or T <= 0 or os.path.getsize(path) != expected:      # checked before anything is allocated
+            raise InputError(f"{path}: a debug state of B={B} T={T} for this model (V={vocab_size}) is {expected} "
+                             f"bytes, the file {os.path.getsize(path)}: impossible B or T, or another model's file")
         x = read_exact(f, path, B * T, "<i4", "inputs").reshape(B, T)
         y = read_exact(f, path, B * T, "<i4", "targets").reshape(B, T)
+        for ids, what in ((x, "input"), (y, "target")):
+            if ids.min() < 0 or ids.max() >= vocab_size:
+                raise InputError(f"{path}: {what} token ids {ids.min()}..{ids.max()} are outside the vocabulary [0, {vocab_size})")
         logits = read_exact(f, path, B * T * vocab_size, "<f4", "logits").reshape(B, T, vocab_size)
         loss = float(read_exact(f, path, 1, "<f4", "loss")[0])
         grads = {name: read_exact(f, path, math.prod(shape), "<f4", f"gradient {name}").reshape(shape)
@@ -211,9 +225,9 @@ def write_shard(path, tokens):
     atomic_write(path, write)
 
 
-def read_shard(path):
-    """Memory-map a token shard's tokens (uint16, read-only) after checking its header and that
-    the file is exactly HEADER_BYTES + 2N bytes. Raises InputError naming the file."""
+def shard_num_tokens(path):
+    """The number of tokens N of a token shard, after checking its header and that the file is
+    exactly HEADER_BYTES + 2N bytes. Raises InputError naming the file."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such data shard")
     size = os.path.getsize(path)
@@ -227,4 +241,25 @@ def read_shard(path):
                          f"({HEADER_BYTES + 2 * n} bytes): truncated or corrupt")
     if n == 0:
         raise InputError(f"{path}: data shard holds no tokens")
+    return n
+
+
+def read_shard(path):
+    """Memory-map a token shard's tokens (uint16, read-only) after checking its header and that
+    the file is exactly HEADER_BYTES + 2N bytes (shard_num_tokens). For tools that read a shard
+    whole; a training run reads with read_shard_tokens instead, because a mapped file that
+    shrinks under the reader kills it with SIGBUS. Raises InputError naming the file."""
+    n = shard_num_tokens(path)
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+def read_shard_tokens(fd, path, start, count):
+    """Tokens start .. start+count-1 (uint16 ids as int32) of the shard open as file descriptor
+    fd, copied out with one pread (never a memory map: a file truncated under the reader gives a
+    short read here, which is reported, where a map gives SIGBUS). Raises InputError if fewer
+    than count tokens are there."""
+    raw = os.pread(fd, 2 * count, HEADER_BYTES + 2 * start)
+    if len(raw) != 2 * count:
+        raise InputError(f"{path}: the shard changed while this run read it: tokens {start}..{start + count - 1} "
+                         f"are no longer there")
+    return np.frombuffer(raw, dtype="<u2").astype(np.int32)

@@ -7,15 +7,31 @@ llmc/logger.py: llm.c's main.log, one line per event (dev/vislog.py plots it):
 
 import os
 
+from llmc.utils import atomic_write
+
 
 class Logger:
     """Appends llm.c-style lines to DIR/main.log (a no-op without a directory). A fresh run
-    truncates the log; a resumed one appends."""
+    truncates the log. A run resumed at step `resume_step` keeps what the run logged before its
+    checkpoint there (every line of an earlier step, and that step's validation and eval lines,
+    which come before the checkpoint) and drops the rest, which a run killed after the checkpoint
+    had logged and this one will log again: the log then equals a straight run's."""
 
-    def __init__(self, out_dir, resuming=False):
+    def __init__(self, out_dir, resume_step=None):
         self.path = os.path.join(out_dir, "main.log") if out_dir else None
-        if self.path and not resuming:
+        if not self.path:
+            return
+        if resume_step is None or not os.path.exists(self.path):
             open(self.path, "w").close()
+            return
+        kept = []
+        with open(self.path) as f:
+            for line in f:
+                step = line.split(" ", 1)[0]
+                step = int(step[2:]) if step.startswith("s:") and step[2:].isdigit() else None
+                if step is not None and (step < resume_step or (step == resume_step and " trl:" not in line)):
+                    kept.append(line)
+        atomic_write(self.path, lambda f: f.write("".join(kept).encode()))
 
     def _write(self, line):
         if self.path:

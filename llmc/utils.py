@@ -1,9 +1,11 @@
 """
-llmc/utils.py: the error every command-line tool reports in one line, and writing files so that a
-crash never leaves one that looks complete (llm.c's llmc/utils.h: fopenCheck and friends).
+llmc/utils.py: the error every command-line tool reports in one line, writing files so that a
+crash never leaves one that looks complete (llm.c's llmc/utils.h: fopenCheck and friends), and
+the two rules that keep a run to its own files in -o: a temporary is removed only when its name is
+the run's and its writer is gone, and one run at a time holds the directory's lock.
 """
 
-import glob
+import fcntl
 import os
 import re
 
@@ -31,8 +33,66 @@ def atomic_write(path, write_fn):
             os.remove(tmp)
 
 
-def stale_temporaries(directory):
-    """The `*.tmp<pid>` files atomic_write left in `directory` when a run was killed mid-write."""
-    pattern = re.compile(re.escape(TMP_SUFFIX) + r"\d+$")
-    return sorted(p for p in glob.glob(os.path.join(glob.escape(directory), "*" + TMP_SUFFIX + "*"))
-                  if pattern.search(p) and os.path.isfile(p))
+def process_alive(pid):
+    """Whether a process with this pid runs on this machine (signal 0 probes without sending)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:            # alive, another user's
+        return True
+    return True
+
+
+def stale_temporaries(directory, own_names):
+    """The temporary files `<name>.tmp<pid>` in `directory` that atomic_write left when a run was
+    killed mid-write: only those whose <name> matches the regex `own_names` (the names the caller
+    writes, so a user's `notes.tmp2024` is never one) and whose writer, process <pid>, is gone
+    (a live run's temporary is still being written)."""
+    pattern = re.compile(f"({own_names}){re.escape(TMP_SUFFIX)}(\\d+)$")
+    stale = []
+    for name in sorted(os.listdir(directory)):
+        match = pattern.fullmatch(name)
+        if match and os.path.isfile(os.path.join(directory, name)):
+            pid = int(match.group(match.lastindex))
+            if pid != os.getpid() and not process_alive(pid):
+                stale.append(os.path.join(directory, name))
+    return stale
+
+
+LOCK_NAME = ".llmc.lock"               # the run lock file in -o (lock_directory)
+_held_locks = {}                       # directory (real path) -> its open lock file, in this process
+
+
+def lock_directory(directory):
+    """Take `directory`'s run lock: an exclusive fcntl (POSIX record) lock on directory/LOCK_NAME,
+    held until this process exits. The kernel releases it when the process dies, even by kill -9,
+    so a lock is never stale. Taking it again in the same process is a no-op. The file holds the
+    owner's pid, for the message. Returns the open lock file. Raises InputError naming the pid
+    when another process holds it."""
+    key = os.path.realpath(directory)
+    if key in _held_locks:
+        return _held_locks[key]
+    f = open(os.path.join(directory, LOCK_NAME), "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        owner = f.read().strip() or "?"
+        f.close()
+        raise InputError(f"-o {directory}: another run (pid {owner}) is using this directory: wait for it to "
+                         f"end, or use another -o") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _held_locks[key] = f
+    return f
+
+
+def release_directory_locks():
+    """Release every lock lock_directory took in this process (the end of a command: the
+    command line's run_main calls it, so a process that runs several commands, as the tests
+    do, holds none between them)."""
+    while _held_locks:
+        _held_locks.popitem()[1].close()

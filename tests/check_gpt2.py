@@ -46,6 +46,7 @@ if REPO_ROOT not in sys.path:
 
 import gpt2_cpu  # noqa: E402  (needs the repository root on sys.path)
 from llmc import formats  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.check import check_tensor  # noqa: E402
 from llmc.formats import HEADER_BYTES  # noqa: E402
 from llmc.utils import InputError  # noqa: E402
@@ -240,8 +241,8 @@ def check(model_path, state_path, backend="cpu", verbose=False, expected_losses=
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="check_gpt2.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="check_gpt2.py", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-e", "--model", required=True, help="model checkpoint .bin (fp32 or bf16)")
     p.add_argument("-s", "--debug-state", required=True, help="debug-state .bin written for that model")
     p.add_argument("--cuda", action="store_true", help="check gpt2_cuda.py instead (not available yet)")

@@ -1,12 +1,23 @@
-"""Reliability of the command line and llm.c's remaining training features, as a user meets them:
-an error on one MPI rank ends the whole job; a resume never silently continues another run; bad
-flags and files give one `error:` line, never a traceback; killed runs' temporary files are
-cleaned up; checkpoints rotate (-nk, -nm); outlier steps are skipped (-sl, -sg) and the detectors
-resume exactly. The same code path serves gpt2_cuda.py (llmc/cli.py), which tests/test_cuda.py
-runs through its NumPy stand-ins.
+"""Reliability of every command under hostile use, the suite of record for the README's promise
+("What a run promises"): no hang, no traceback, no silent wrong result, no lost file, resume exact
+or refused. The first sections are the earlier cases (one error on one MPI rank, resume checks,
+one-line errors, litter, nonsense flags, outlier skipping); then one section per class of
+issue 19, each a parametrized test, so a new hostile case is one more line in its list:
+    class 1  a job never hangs (a fault injected on rank 1 only under mpiexec -n 2)
+    class 2  every value read is validated (token ids, shards changed while read, the gradient
+             norm in float64, state sections, non-finite weights, loss and norm, every flag)
+    class 3  a run never touches what is not its own (cleanup, the -o lock, an old run moved aside)
+    class 4  resume is exact or refused (changed flags, equality with the straight run, main.log,
+             --eval-only -y 1, rotation across a resume)
+    class 5  the other commands (export_hf, check_gpt2, vislog, HellaSwag, generation, -m -1)
+The same loop (llmc/cli.py) serves gpt2_cuda.py; tests/test_cuda.py runs it through its NumPy
+stand-ins. Most cases call gpt2_cpu.main(argv) in process; a subprocess only where the process
+itself is what is tested (mpiexec, a signal, the terminal's encoding, a held lock).
 
-A small model keeps these fast: 2 layers, 2 heads, 32 channels, the real GPT-2 vocabulary.
-Run: pytest tests/test_reliability.py   (about a minute on 2 cores)
+A small model keeps these fast: 2 layers, 2 heads, 32 channels, the real GPT-2 vocabulary, tiny
+shards written with llmc.formats into tmp_path.
+Run: pytest tests/test_reliability.py   (about six minutes on 2 shared cores, two of them the
+outlier test's 136-step runs)
 """
 
 import errno
@@ -145,7 +156,7 @@ def test_disk_full_while_checkpointing(data, small_model, tmp_path, monkeypatch,
     code = g.main(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and "No space left" in err[0]
-    assert sorted(os.listdir(tmp_path)) == ["main.log"], "no temporary file and no checkpoint left behind"
+    assert sorted(os.listdir(tmp_path)) == [".llmc.lock", "main.log"], "no temporary file and no checkpoint left behind"
 
 
 def test_model_header_with_impossible_dimensions(data, tmp_path):
@@ -274,3 +285,564 @@ def test_atomic_write_leaves_nothing_on_error(tmp_path):
     with pytest.raises(OSError):
         atomic_write(str(tmp_path / "x.bin"), boom)
     assert os.listdir(tmp_path) == []
+
+
+# ============================================================================
+# The suite of record for issue 19: hostile use of every command, one class per section, one
+# line per case. Each class states the promise it checks.
+
+def in_process(argv, capsys):
+    """gpt2_cpu.main(argv) in this process (much faster than a subprocess): (exit code, stdout,
+    stderr lines)."""
+    code = g.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def one_line(code, err):
+    """The promise for bad input: exit 1 and exactly one `error:` line."""
+    return code == 1 and len(err) == 1 and err[0].startswith("error: ")
+
+
+# ----------------------------------------------------------------------------
+# class 1: a job never hangs: any exception on any MPI rank ends every rank within seconds
+
+FAULT_SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+import gpt2_cpu
+if os.environ.get("PMI_RANK", "0") == "1":                  # rank 1 only: rank 0 waits in a collective
+    def broken(*args, **kwargs):
+        raise {exc}("injected fault")
+    gpt2_cpu.gpt2_backward = broken
+sys.exit(gpt2_cpu.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec (pip install mpich mpi4py)")
+@pytest.mark.parametrize("exc,said", [("RuntimeError", "RuntimeError: injected fault"),
+                                      ("ZeroDivisionError", "ZeroDivisionError: injected fault"),
+                                      ("KeyError", "KeyError: 'injected fault'"), ("MemoryError", "out of memory")])
+def test_any_exception_on_one_rank_ends_the_job(data, small_model, tmp_path, exc, said):
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_SCRIPT.format(root=ROOT, exc=exc))
+    cmd = ["mpiexec", "-n", "2", sys.executable, str(script)] + common(small_model, data, **{"-x": "3", "-v": "0"})
+    start = time.monotonic()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job hung: rank 0 still waits in the all-reduce rank 1 never reached")
+    assert time.monotonic() - start < 60
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    ours = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith("error: rank 1: ") and said in ours[0], out.stderr
+
+
+# ----------------------------------------------------------------------------
+# class 2: every value read is validated before it is used
+
+V, VP = SMALL.vocab_size, SMALL.padded_vocab_size
+
+
+def shard(tmp_path, name, n=400, bad_at=None, bad=None, seed=0):
+    """A shard of n random token ids in [0, 1000) in tmp_path, with `bad` at position bad_at."""
+    tokens = np.random.default_rng(seed).integers(0, 1000, n)
+    if bad_at is not None:
+        tokens[bad_at] = bad
+    path = tmp_path / name
+    formats.write_shard(str(path), tokens)
+    return str(path)
+
+
+# B=2, T=16: the first window is tokens 0..32; token 32 is only ever a target
+@pytest.mark.parametrize("bad_at,bad", [(32, VP), (32, V), (32, VP - 1), (5, V), (399, 65535), (200, VP + 7)])
+@pytest.mark.parametrize("split", ["-i", "-j"])
+def test_token_ids_outside_the_vocabulary(small_model, tmp_path, capsys, bad_at, bad, split):
+    good, bad_path = shard(tmp_path, "good.bin"), shard(tmp_path, "bad.bin", bad_at=bad_at, bad=bad)
+    files = {"-i": good, "-j": good, split: bad_path}
+    code, out, err = in_process(common(small_model, files["-i"], **{"-j": files["-j"], "-x": "3", "-v": "2"}), capsys)
+    assert one_line(code, err), err
+    assert "bad.bin" in err[0] and f"token id {bad}" in err[0] and f"position {bad_at}" in err[0], err
+    assert "loss inf" not in out and "loss nan" not in out
+
+
+def test_forward_checks_the_targets_too():
+    model = g.gpt2_init(SMALL, seed=0)
+    inputs = np.zeros((1, 4), np.int32)
+    for target in (V, VP, -1):
+        with pytest.raises(g.InputError, match="target"):
+            g.gpt2_forward(model, inputs, np.full((1, 4), target, np.int32))
+
+
+TRUNCATE_SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+from llmc.dataloader import DataLoader
+from llmc.utils import InputError
+loader = DataLoader({path!r}, 2, 16, vocab_size=50257)
+loader.next_batch()
+{change}
+try:
+    for _ in range(40):
+        loader.next_batch()
+except InputError as e:
+    print("error:", e)
+"""
+
+
+@pytest.mark.parametrize("change", [
+    "os.truncate(loader_path, 1024 + 50)",                                      # truncated while read
+    "os.truncate(loader_path, 0)",
+    "open(loader_path, 'r+b').write(b'garbage' * 10)",                          # header rewritten in place
+])
+def test_shard_changed_while_read(tmp_path, change):
+    path = shard(tmp_path, "s.bin", n=2000)
+    code = TRUNCATE_SCRIPT.format(root=ROOT, path=path, change=change.replace("loader_path", repr(path)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"killed by signal {-out.returncode}" if out.returncode < 0 else out.stderr
+    assert out.stdout.startswith("error: ") and "s.bin" in out.stdout, out.stdout + out.stderr
+
+
+def test_grad_norm_accumulates_in_float64():
+    model = g.gpt2_init(SMALL, seed=0)
+    rng = np.random.default_rng(1)
+    model.grads[...] = rng.standard_normal(model.grads.size).astype(np.float32) * 1e-2 + 3e-3
+    reference = math.sqrt(math.fsum(float(x) * float(x) for x in model.grads[::1]))
+    assert g.gpt2_grad_norm(model) == pytest.approx(reference, rel=1e-12)
+
+
+def checkpointed(small_model, data, tmp_path, capsys, **extra):
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path), **extra}), capsys)
+    assert code == 0, err
+    return tmp_path / "state_00000002_00000.bin"
+
+
+def rewrite_state(path, edit):
+    """Read a state file's bytes, let edit(raw) change them in place, write them back."""
+    raw = bytearray(path.read_bytes())
+    edit(raw)
+    path.write_bytes(bytes(raw))
+
+
+def shuffle_sections(raw):
+    """Byte offsets of a shuffled state file's sections after m and v: shard_order, sample_order
+    (int32 each) and the PCG64 increment's low word (uint64)."""
+    at = formats.HEADER_BYTES + 2 * 4 * NUM_PARAMETERS
+    ns = int(np.frombuffer(raw, "<u8", 1, at)[0])
+    nb_at = at + 8 + 4 * ns
+    nb = int(np.frombuffer(raw, "<u8", 1, nb_at)[0])
+    rng_at = nb_at + 8 + 4 * nb                                  # state hi, state lo, inc hi, inc lo
+    return {"shard_order": at + 8, "sample_order": nb_at + 8, "inc_lo": rng_at + 24}
+
+
+NUM_PARAMETERS = g.num_elements(g.parameter_shapes(SMALL))
+
+
+def put(raw, offset, value):
+    """Overwrite the bytes of numpy scalar `value` at offset."""
+    raw[offset:offset + value.nbytes] = value.tobytes()
+
+
+def shard_out_of_range(raw):
+    put(raw, shuffle_sections(raw)["shard_order"], np.int32(5))
+
+
+def negative_sample(raw):
+    put(raw, shuffle_sections(raw)["sample_order"], np.int32(-4))
+
+
+def repeated_sample(raw):
+    at = shuffle_sections(raw)["sample_order"]
+    put(raw, at + 4, np.frombuffer(raw, "<i4", 1, at)[0])
+
+
+def even_rng_increment(raw):
+    put(raw, shuffle_sections(raw)["inc_lo"], np.uint64(2))
+
+
+def step_not_the_name(raw):
+    put(raw, 4 * checkpoint.STATE_SLOT_STEP, np.int32(7))
+
+
+@pytest.mark.parametrize("corrupt,said", [
+    (shard_out_of_range, "shard order"), (negative_sample, "sample order"), (repeated_sample, "sample order"),
+    (even_rng_increment, "shuffle RNG state"), (step_not_the_name, "step 7"),
+])
+def test_corrupt_state_sections(data, small_model, tmp_path, capsys, corrupt, said):
+    path = checkpointed(small_model, data, tmp_path, capsys, **{"--shuffle": "1"})
+    rewrite_state(path, corrupt)
+    code, out, err = in_process(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1",
+                                                            "--shuffle": "1"}), capsys)
+    assert one_line(code, err) and said in err[0] and "state_00000002_00000.bin" in err[0], err
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_model_file_with_non_finite_weights(data, tmp_path, capsys, value):
+    model = g.gpt2_init(SMALL, seed=0)
+    model.params[1234] = value
+    path = tmp_path / "bad.bin"
+    g.write_model(str(path), model)
+    code, out, err = in_process(common(str(path), data, **{"-x": "1"}), capsys)
+    assert one_line(code, err) and "bad.bin" in err[0] and "not finite" in err[0], err
+
+
+def test_diverging_run_stops_naming_the_step(data, small_model, capsys):
+    code, out, err = in_process(common(small_model, data, **{"-x": "4", "-l": "1e30"}), capsys)
+    assert one_line(code, err) and re.search(r"step \d+: ", err[0]) and "not finite" in err[0], err
+    assert not re.search(r"loss (nan|inf)", out)
+
+
+@pytest.mark.parametrize("skip", [{"-sl": "3"}, {"-sg": "3"}])
+def test_diverging_steps_are_skipped_with_sl_sg(data, small_model, capsys, skip):
+    code, out, err = in_process(common(small_model, data, **{"-x": "4", "-l": "1e30", **skip}), capsys)
+    assert code == 0, err
+    assert re.search(r"skipping update due to a non-finite (loss|grad norm) at step \d+", out), out
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["-b", "abc"], "-b/--batch-size: invalid int value: 'abc'"), (["-x", "1.5"], "invalid int value: '1.5'"),
+    (["-k", "nope"], "invalid choice: 'nope'"), (["--shuffle", "2"], "invalid choice: 2"),
+    (["-y", "7"], "invalid choice: 7"), (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["-l", "fast"], "invalid float value: 'fast'"), (["-b"], "expected one argument"),
+    (["--seed", str(2 ** 64)], f"--seed {2 ** 64}"), (["--sample-seed", str(2 ** 64)], f"--sample-seed {2 ** 64}"),
+    (["-d", "1000000000", "-x", "-1"], "-d 1000000000"), (["-b", str(2 ** 40)], f"-b {2 ** 40}"),
+    (["-d", str(2 ** 62)], f"-d {2 ** 62}"), (["-t", str(2 ** 40)], f"-t {2 ** 40}"),
+])
+def test_every_flag_error_is_one_line(data, small_model, flags, said, capsys):
+    code, out, err = in_process(["-e", small_model, "-i", data, "-j", "", "-t", "16", "-v", "0"] + flags, capsys)
+    assert one_line(code, err) and said in err[0], err
+    assert "usage:" not in out
+
+
+# ----------------------------------------------------------------------------
+# class 3: a run never touches what is not its own
+
+def dead_pid():
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("name,removed", [
+    ("model_00000004.bin.tmp{dead}", True), ("state_00000004_00000.bin.tmp{dead}", True),
+    ("DONE_00000004.tmp{dead}", True),
+    ("model_00000004.bin.tmp{live}", False),                   # a live process's temporary: still being written
+    ("notes.tmp2024", False), ("notes.tmp{dead}", False),      # a user's files: not a name this program writes
+    ("model_final.bin.tmp{dead}", False), ("data.bin.tmp{dead}", False),
+])
+def test_start_up_cleanup_removes_only_its_own_dead_temporaries(data, small_model, tmp_path, capsys, name, removed):
+    path = tmp_path / name.format(dead=dead_pid(), live=os.getppid())
+    path.write_bytes(b"\0" * 100)
+    code, out, err = in_process(common(small_model, data, **{"-x": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    assert path.exists() != removed
+
+
+HOLD_LOCK = """
+import sys, time
+sys.path.insert(0, {root!r})
+from llmc.utils import lock_directory
+lock = lock_directory({out!r})
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("resume", ["0", "1"])
+def test_second_run_on_one_output_dir_refuses(data, small_model, tmp_path, capsys, resume):
+    code, out, err = in_process(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    def files():                                               # the run's files (the lock file is the holder's)
+        return {p: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name != ".llmc.lock"}
+    before = files()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=ROOT, out=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path),
+                                                                "-y": resume}), capsys)
+        assert one_line(code, err) and f"pid {holder.pid}" in err[0] and "another run" in err[0], err
+        assert files() == before, "nothing touched"
+    finally:
+        holder.kill()                                          # kill -9: the kernel drops its lock
+        holder.wait()
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path),
+                                                            "-y": resume}), capsys)
+    assert code == 0, err
+
+
+def test_fresh_run_into_an_old_runs_directory_moves_it_aside(data, small_model, tmp_path, capsys):
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    old = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path) if not name.startswith(".")}
+    code, out, err = in_process(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    aside = tmp_path / "previous_run_1"
+    assert f"moved them to {aside}" in out
+    assert {name: (aside / name).read_bytes() for name in os.listdir(aside)} == old, "the old run, intact"
+    assert not (tmp_path / "DONE_00000002").exists()
+    code, out, err = in_process(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1"}), capsys)
+    assert code == 0 and "at step 1" in out, "the resume continues the newer run, not the old one"
+
+
+# ----------------------------------------------------------------------------
+# class 4: resume is exact or refused
+
+@pytest.mark.parametrize("change,said", [
+    ({"-b": "1"}, "-b 2"), ({"-t": "8"}, "-t 16"), ({"-d": "64"}, "-d 32"), ({"-l": "2e-3"}, "-l 0.001"),
+    ({"-k": "cosine"}, "-k constant"), ({"-u": "3"}, "-u 0"), ({"-q": "0.5"}, "-q 0.0"), ({"-c": "0.1"}, "-c 0.0"),
+    ({"--grad-clip": "0.5"}, "--grad-clip 1.0"), ({"--seed": "7"}, "--seed 42"), ({"-sl": "2"}, "-sl 0.0"),
+    ({"-a": "1"}, "-a 0"), ({"-i": "other"}, "-i"),
+])
+def test_resume_that_changes_the_result_is_refused(data, small_model, tmp_path, capsys, change, said):
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path / "run")}), capsys)
+    assert code == 0, err
+    if change.get("-i") == "other":
+        change = {"-i": shard(tmp_path, "other.bin", n=5000)}
+    args = common(small_model, data, **{"-x": "3", "-o": str(tmp_path / "run"), "-y": "1", **change})
+    code, out, err = in_process(args, capsys)
+    assert one_line(code, err) and said in err[0] and "resumed from" not in out, err
+
+
+@pytest.mark.parametrize("change", [{"-v": "1"}, {"-s": "1"}, {"-n": "3"}, {"-g": "4"}, {"-x": "9"}, {"-nk": "1"}])
+def test_resume_with_flags_that_do_not_change_the_result(data, small_model, tmp_path, capsys, change):
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    code, out, err = in_process(common(small_model, data, **{"-x": "3", "-o": str(tmp_path), "-y": "1", **change}), capsys)
+    assert code == 0 and "at step 2" in out, err
+
+
+def comparable(stdout, out_dir):
+    """stdout without timings and with the output directory's name taken out."""
+    stdout = re.sub(r"\| [0-9.]+ ms \| [0-9]+ tok/s", "", stdout.replace(str(out_dir), "D"))
+    return stdout.splitlines()
+
+
+def test_resumed_run_equals_the_straight_run(data, small_model, tmp_path, capsys):
+    """The checkpoint falls on a multiple of -s and -v: the sample, the validation and the state
+    after the resume are the straight run's, and so are every file and every line."""
+    flags = {"-s": "4", "-v": "4", "-n": "4", "-g": "8", "--shuffle": "1", "--tokenizer": "none"}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    code, s_out, err = in_process(common(small_model, data, **flags, **{"-x": "8", "-o": str(straight)}), capsys)
+    assert code == 0, err
+    code, first, err = in_process(common(small_model, data, **flags, **{"-x": "4", "-o": str(split)}), capsys)
+    assert code == 0, err
+    code, second, err = in_process(common(small_model, data, **flags, **{"-x": "8", "-o": str(split), "-y": "1"}), capsys)
+    assert code == 0, err
+    s_lines, r_lines = comparable(s_out, straight), comparable(second, split)
+    after = r_lines.index(next(line for line in r_lines if line.startswith("resumed from")))
+    from_4 = s_lines.index("checkpoint written: step 4 in D")
+    assert r_lines[after + 1:] == s_lines[from_4 + 1:]
+    for name in sorted(os.listdir(straight)):
+        if not name.startswith(".") and name != "config_00000004.json":    # that one records the first run's -x 4
+            assert (straight / name).read_bytes() == (split / name).read_bytes(), name
+
+
+def test_resume_after_a_crash_rewrites_main_log(data, small_model, tmp_path, capsys):
+    """A run killed after its checkpoint at step 2 had logged steps 3 and 4: the resume from step 2
+    logs them again, once."""
+    code, out, err = in_process(common(small_model, data, **{"-x": "4", "-n": "2", "-v": "2", "-o": str(tmp_path / "a")}), capsys)
+    assert code == 0, err
+    straight_log = (tmp_path / "a" / "main.log").read_text()
+    for step in (4,):
+        checkpoint.delete_checkpoint(str(tmp_path / "a"), step, 0)   # as if killed before the step-4 checkpoint
+    code, out, err = in_process(common(small_model, data, **{"-x": "4", "-n": "2", "-v": "2", "-o": str(tmp_path / "a"),
+                                                            "-y": "1"}), capsys)
+    assert code == 0, err
+    assert (tmp_path / "a" / "main.log").read_text() == straight_log
+
+
+def test_eval_only_resume_evaluates_the_checkpoint(data, small_model, tmp_path, capsys):
+    code, out, err = in_process(common(small_model, data, **{"-x": "3", "-n": "3", "-v": "3", "-j": data, "-m": "2",
+                                                            "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    trained = re.findall(r"val loss ([0-9.]+)", out)[-1]
+    code, out, err = in_process(["-e", "d2", "-i", data, "-j", data, "-b", "2", "-t", "16", "-m", "2", "--eval-only",
+                                 "-y", "1", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert re.findall(r"val loss ([0-9.]+)", out) == [trained]
+
+
+def test_rotation_across_a_resume(data, small_model, tmp_path, capsys):
+    code, out, err = in_process(common(small_model, data, **{"-x": "5", "-n": "2", "-nk": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    code, out, err = in_process(common(small_model, data, **{"-x": "9", "-n": "2", "-nk": "1", "-o": str(tmp_path),
+                                                            "-y": "1"}), capsys)
+    assert code == 0, err
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("DONE", "model", "state"))) == \
+        ["DONE_00000009", "model_00000009.bin", "state_00000009_00000.bin"]
+
+
+# ----------------------------------------------------------------------------
+# class 5: the other commands keep the same promise
+
+def load_tool(relative):
+    """Import a script (dev/eval/export_hf.py, tests/check_gpt2.py, dev/vislog.py) as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(os.path.basename(relative)[:-3], os.path.join(ROOT, relative))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_export_hf_disk_full_leaves_nothing(small_model, tmp_path, monkeypatch, capsys):
+    export_hf = load_tool("dev/eval/export_hf.py")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    code = export_hf.main(["-i", small_model, "-o", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert one_line(code, err) and "No space left" in err[0], err
+    assert os.listdir(tmp_path / "hf") == [], "no partial model.safetensors or config.json"
+
+
+def test_export_hf_unwritable_output(small_model, tmp_path, capsys):
+    export_hf = load_tool("dev/eval/export_hf.py")
+    (tmp_path / "file").write_text("x")
+    code = export_hf.main(["-i", small_model, "-o", str(tmp_path / "file" / "hf")])
+    assert one_line(code, capsys.readouterr().err.strip().splitlines())
+
+
+def debug_state(tmp_path, edit=None):
+    """A model and its debug state (B=2, T=4), the state's bytes passed through edit(raw)."""
+    model = g.gpt2_init(SMALL, seed=0)
+    x = np.arange(8, dtype=np.int32).reshape(2, 4)
+    y = x + 1
+    logits = g.gpt2_forward(model, x, y)[..., :V]
+    g.gpt2_zero_grad(model)
+    g.gpt2_backward(model)
+    model_path, state_path = tmp_path / "m.bin", tmp_path / "s.bin"
+    g.write_model(str(model_path), model)
+    formats.write_debug_state(str(state_path), x, y, logits, model.mean_loss,
+                              [model.G[name] for name, _ in model.param_shapes])
+    if edit:
+        raw = bytearray(state_path.read_bytes())
+        edit(raw)
+        state_path.write_bytes(bytes(raw))
+    return str(model_path), str(state_path)
+
+
+@pytest.mark.parametrize("slot,value", [
+    (formats.DEBUG_SLOT_B, -1), (formats.DEBUG_SLOT_B, 0), (formats.DEBUG_SLOT_B, 2 ** 30),
+    (formats.DEBUG_SLOT_T, -4), (formats.DEBUG_SLOT_T, 2 ** 31 - 1),
+    ("y", V), ("y", 65535), ("x", -1),
+])
+def test_check_gpt2_impossible_debug_state(tmp_path, capsys, slot, value):
+    def edit(raw):
+        if slot == "x":
+            raw[formats.HEADER_BYTES:formats.HEADER_BYTES + 4] = np.int32(value).tobytes()
+        elif slot == "y":
+            at = formats.HEADER_BYTES + 4 * 8 + 4 * 3                 # y[0, 3]
+            raw[at:at + 4] = np.int32(value).tobytes()
+        else:
+            raw[4 * slot:4 * slot + 4] = np.int32(value).tobytes()
+    model_path, state_path = debug_state(tmp_path, edit)
+    code = load_tool("tests/check_gpt2.py").main(["-e", model_path, "-s", state_path])
+    out = capsys.readouterr()
+    assert one_line(code, out.err.strip().splitlines()) and "s.bin" in out.err, out.err
+
+
+@pytest.mark.parametrize("log,output,said", [
+    ("s:0 trl:5.0\ns:99999999999999999999999 trl:4.0\n", "plot.png", "step"),
+    ("s:0 trl:5.0\ns:-3 trl:4.0\n", "plot.png", "step"),
+    ("s:0 trl:5.0\ns:1 trl:4.0\n", "plot.xyz", "plot.xyz"),
+    ("s:0 trl:5.0\ns:1 trl:4.0\n", "plot", "plot"),
+])
+def test_vislog_absurd_input(tmp_path, capsys, log, output, said):
+    (tmp_path / "main.log").write_text(log)
+    code = load_tool("dev/vislog.py").main([str(tmp_path), "-o", str(tmp_path / output)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert one_line(code, err) and said in err[0], err
+    assert not (tmp_path / output).exists()
+
+
+def test_hellaswag_file_with_no_examples(data, small_model, tmp_path, capsys):
+    from llmc import evalloader
+    path = tmp_path / "empty.bin"
+    path.write_bytes(formats.make_header(evalloader.EVAL_MAGIC, evalloader.EVAL_VERSION).tobytes())
+    code, out, err = in_process(["-e", small_model, "-i", data, "-j", "", "-b", "4", "-t", "16", "-h", "1",
+                                 "--hellaswag-file", str(path), "--eval-only"], capsys)
+    assert one_line(code, err) and "empty.bin" in err[0] and "no examples" in err[0], err
+
+
+def test_generation_when_stdout_cannot_encode(small_model):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "gpt2_cpu.py"), "-e", small_model, "--generate", "30",
+                          "--prompt", "caf\u00e9 \u2603"], capture_output=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert out.returncode == 0 and out.stderr == b"", out.stderr.decode()
+    assert out.stdout.startswith(b"caf? ?")
+
+
+def test_validation_over_shards_of_unequal_size(small_model, tmp_path, capsys):
+    """-m -1 is every batch of every shard: the mean over all of them, whatever their sizes."""
+    paths = [shard(tmp_path, "val_a.bin", n=33 * 3, seed=1), shard(tmp_path, "val_b.bin", n=32 * 9 + 1, seed=2)]
+    model = g.read_model(small_model)
+    losses = []
+    for path in paths:
+        tokens = formats.read_shard(path).astype(np.int32)
+        for start in range(0, tokens.size - 32, 32):                   # B*T = 32 tokens a batch
+            window = tokens[start:start + 33]
+            g.gpt2_forward(model, window[:-1].reshape(2, 16), window[1:].reshape(2, 16))
+            losses.append(model.mean_loss)
+    assert len(losses) == 3 + 9
+    code, out, err = in_process(["-e", small_model, "-i", paths[0], "-j", str(tmp_path / "val_*.bin"), "-b", "2",
+                                 "-t", "16", "-m", "-1", "--eval-only"], capsys)
+    assert code == 0, err
+    assert float(re.search(r"val loss ([0-9.]+)", out).group(1)) == pytest.approx(np.mean(losses), abs=2e-6)
+
+
+@pytest.mark.parametrize("tool", ["dev/vislog.py", "dev/eval/export_hf.py", "tests/check_gpt2.py"])
+def test_tools_bad_flags_are_one_line(tool):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, tool), "--no-such-flag"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert one_error_line(out), out.stderr                    # (argparse names the missing required ones first)
+
+
+def test_resume_refuses_another_cuda_precision(data, small_model, tmp_path):
+    """gpt2_cuda.py's arithmetic flags are part of the checkpoint's configuration (checked without
+    a GPU: only the flags and the loop are involved)."""
+    gpt2_cuda = pytest.importorskip("gpt2_cuda")
+    from llmc.cli import TrainingRun
+    from llmc.comm import Comm
+    code = g.main(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}))
+    assert code == 0
+    saved = checkpoint.read_run_config(checkpoint.config_path(str(tmp_path), 1))
+    assert "--precision" not in saved, "a CPU run has no such flag: a CUDA run may resume it"
+    saved["--precision"] = "bf16"                                   # as a CUDA run with --precision bf16 wrote it
+    checkpoint.write_run_config(checkpoint.config_path(str(tmp_path), 1), saved)
+    args = gpt2_cuda.parse_args(common(small_model, data, **{"-x": "2", "-o": str(tmp_path), "-y": "1",
+                                                             "--precision": "fp32"}))
+    run = TrainingRun(args, Comm())
+    with pytest.raises(g.InputError, match="--precision bf16.*--precision fp32"):
+        run.prepare(SMALL)
+
+
+def test_resume_after_a_run_that_ended_off_the_sample_grid(data, small_model, tmp_path, capsys):
+    """The first run ends at step 5 with -s 3: its last sample (off the grid) must not advance the
+    sampler's state in the step-5 checkpoint, so the resumed run samples at 6 as the straight one."""
+    flags = {"-s": "3", "-n": "4", "-g": "6", "-v": "0", "--tokenizer": "none"}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    code, s_out, err = in_process(common(small_model, data, **flags, **{"-x": "8", "-o": str(straight)}), capsys)
+    assert code == 0, err
+    code, first, err = in_process(common(small_model, data, **flags, **{"-x": "5", "-o": str(split)}), capsys)
+    assert code == 0 and first.count("generating:") == 2, err                    # at 3 and at the end
+    code, second, err = in_process(common(small_model, data, **flags, **{"-x": "8", "-o": str(split), "-y": "1"}), capsys)
+    assert code == 0, err
+    s_lines, r_lines = comparable(s_out, straight), comparable(second, split)
+    after = r_lines.index(next(line for line in r_lines if line.startswith("resumed from")))
+    at_5 = s_lines.index(next(line for line in s_lines if line.startswith("step    5/8")))
+    assert r_lines[after + 1:] == s_lines[at_5 + 1:]
+    for name in ("model_00000008.bin", "state_00000008_00000.bin", "config_00000008.json", "main.log"):
+        assert (straight / name).read_bytes() == (split / name).read_bytes(), name
+
+
+def test_hellaswag_token_id_outside_the_vocabulary(data, small_model, tmp_path, capsys):
+    from llmc import evalloader
+    path = tmp_path / "hs.bin"
+    example = {"index": 0, "label": 1, "context": [1, 2, 3], "completions": [[4], [5, V + 3], [6], [7]]}
+    evalloader.write_eval_file(str(path), [example])
+    code, out, err = in_process(["-e", small_model, "-i", data, "-j", "", "-b", "4", "-t", "16", "-h", "1",
+                                 "--hellaswag-file", str(path), "--eval-only"], capsys)
+    assert one_line(code, err) and "hs.bin" in err[0] and f"token id {V + 3}" in err[0], err

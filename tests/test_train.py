@@ -85,7 +85,8 @@ def test_resume_equals_straight_run(shakespeare, small_model, tmp_path):
     assert straight.returncode == 0, straight.stderr
     first = run(common + ["-x", "3", "-n", "3", "-o", str(tmp_path)])
     assert first.returncode == 0, first.stderr
-    assert sorted(os.listdir(tmp_path)) == ["DONE_00000003", "main.log", "model_00000003.bin", "state_00000003_00000.bin"]
+    assert sorted(os.listdir(tmp_path)) == [".llmc.lock", "DONE_00000003", "config_00000003.json", "main.log",
+                                            "model_00000003.bin", "state_00000003_00000.bin"]
     second = run(common + ["-x", "6", "-o", str(tmp_path), "-y", "1"])
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
@@ -184,11 +185,11 @@ def test_bad_model_and_state_files(shakespeare, small_model, tmp_path):
     assert run(common + ["-x", "1", "-n", "1", "-o", str(ckpt)]).returncode == 0
     state = ckpt / "state_00000001_00000.bin"
     state.write_bytes(state.read_bytes()[:3000])
-    before = {p: (ckpt / p).read_bytes() for p in os.listdir(ckpt)}
+    before = {p: (ckpt / p).read_bytes() for p in os.listdir(ckpt) if p != ".llmc.lock"}   # the lock names its holder
     out = run(common + ["-x", "2", "-o", str(ckpt), "-y", "1"])
     assert out.returncode == 1 and "truncated" in out.stderr and str(state) in out.stderr
     assert out.stderr.count("\n") == 1
-    assert {p: (ckpt / p).read_bytes() for p in os.listdir(ckpt)} == before, "nothing overwritten"
+    assert {p: (ckpt / p).read_bytes() for p in os.listdir(ckpt) if p != ".llmc.lock"} == before, "nothing overwritten"
 
 
 def test_help_lists_flags():

@@ -379,12 +379,20 @@ def emulated_ranks(emulated_gpu, monkeypatch):
     monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())
     llmc.cuda.use_device("cpu")
     monkeypatch.setattr(gpt2_cuda.multinode, "init_process_group", lambda args: threading.current_thread().rank_comm)
-    # -o's write probe is named by the process id, which the K threads share: one at a time
+    # -o's write probe is named by the process id, which the K threads share: one at a time, with
+    # the ranks' closing barrier taken after the lock is released (inside it, the ranks would wait
+    # for each other forever)
     lock, make_output_dir = threading.Lock(), cli.TrainingRun.make_output_dir
 
     def locked(self, out_dir):
+        barrier = self.comm.barrier
         with lock:
-            make_output_dir(self, out_dir)
+            self.comm.barrier = lambda: None
+            try:
+                make_output_dir(self, out_dir)
+            finally:
+                self.comm.barrier = barrier
+        barrier()
     monkeypatch.setattr(cli.TrainingRun, "make_output_dir", locked)
     return emulated_gpu
 

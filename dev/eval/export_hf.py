@@ -31,13 +31,13 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from gpt2_cpu import LN_EPS, read_model  # noqa: E402
 from llmc.tokenizer import GPT2_EOT  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
+from llmc.utils import InputError, atomic_write  # noqa: E402
 
 HF_PREFIX = "transformer."          # GPT2LMHeadModel keeps the transformer under this name
 HF_WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
 HF_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")   # both are the tanh approximation we use
-NEW_FILE_MODE = 0o666               # what open() asks for; the umask then takes bits away
 # our per-layer tensor -> (HF name inside transformer.h.<l>., stored transposed?)
 HF_LAYER_TENSORS = {
     "ln1w": ("ln_1.weight", False), "ln1b": ("ln_1.bias", False),
@@ -80,37 +80,27 @@ def hf_state_dict(model):
     return {name: np.ascontiguousarray(t) for name, t in tensors.items()}
 
 
-def umask_file_mode():
-    """The mode open() gives a new file under the current umask (0644 under the usual 022).
-    The umask can only be read by setting it, so it is set and put straight back."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return NEW_FILE_MODE & ~umask
-
-
 def export_hf(model, out_dir):
-    """Write config.json and model.safetensors for `model` into out_dir (created if needed).
-    Raises InputError if wte's padding rows are not zero (they would be lost)."""
-    from safetensors.numpy import save_file
+    """Write config.json and model.safetensors for `model` into out_dir (created if needed), each
+    atomically (llmc.utils.atomic_write: a full disk or a crash leaves no partial file).
+    Raises InputError if wte's padding rows are not zero (they would be lost); OSError if the
+    files cannot be written."""
+    from safetensors.numpy import save
     cfg = model.config
     if np.any(model.P["wte"][cfg.vocab_size:]):
         raise InputError(f"wte rows {cfg.vocab_size}..{cfg.padded_vocab_size - 1} (vocabulary padding) are not zero: "
                          "Hugging Face has no place for them")
     os.makedirs(out_dir, exist_ok=True)
-    weights_path = os.path.join(out_dir, HF_WEIGHTS)
     # transformers refuses a safetensors file without {"format": "pt"} metadata
-    save_file(hf_state_dict(model), weights_path, metadata={"format": "pt"})
-    # save_file leaves the file at mode 0600 whatever the umask (seen with safetensors 0.8.0):
-    # give it the mode config.json gets from open()
-    os.chmod(weights_path, umask_file_mode())
-    with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
-        json.dump(hf_config(cfg), f, indent=2)
-        f.write("\n")
+    weights = save(hf_state_dict(model), metadata={"format": "pt"})
+    config = (json.dumps(hf_config(cfg), indent=2) + "\n").encode()
+    for name, payload in ((HF_WEIGHTS, weights), (HF_CONFIG, config)):
+        atomic_write(os.path.join(out_dir, name), lambda f: f.write(payload))   # open()'s mode: the umask's
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Export a model .bin (fp32 or bf16) as a Hugging Face GPT-2 directory.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description="Export a model .bin (fp32 or bf16) as a Hugging Face GPT-2 directory.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-i", "--input", required=True, help="our checkpoint .bin (version 3 fp32 or 5 bf16)")
     p.add_argument("-o", "--output-dir", required=True, help="directory for config.json + model.safetensors")
     return p.parse_args(argv)
