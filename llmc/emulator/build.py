@@ -264,3 +264,46 @@ class Library:
 def kernel_library(file, precision, mode="fibers"):
     """kernels/<file>.cu (or the .cu path `file`) loaded for `precision` ("bf16", "fp32")."""
     return Library(source_path(file), [PRECISION_DEFINES[precision]], (KERNELS_DIR,), mode)
+
+
+# ----------------------------------------------------------------------------
+# sanitizer runs: a Python interpreter with the sanitizer linked in
+
+SANITIZER_LINK_FLAGS = {"tsan": ("-fsanitize=thread",), "asan": ("-fsanitize=address,undefined",)}
+
+
+def sanitizer_python(mode):
+    """Path of a python3 executable linked with the sanitizer of `mode` ("tsan", "asan"), built
+    once into the cache from shim/sanitizer_python.cpp with python3-config's flags. Raises
+    EmulatorError when it cannot be built."""
+    import sysconfig
+    source = os.path.join(SHIM_DIR, "sanitizer_python.cpp")
+    include = sysconfig.get_path("include")
+    libdir = sysconfig.get_config_var("LIBDIR")
+    version = sysconfig.get_config_var("LDVERSION") or sysconfig.get_python_version()
+    flags = [*SANITIZER_LINK_FLAGS[mode], "-g", f"-I{include}", source, f"-L{libdir}", f"-lpython{version}",
+             "-ldl", "-lm", f"-Wl,-rpath,{libdir}"]
+    with open(source, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(flags + [compiler_version()]).encode()).hexdigest()[:16]
+    out = os.path.join(CACHE_DIR, f"python-{mode}-{key}")
+    if not os.path.isfile(out):
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        result = subprocess.run([CXX, *flags, "-o", out + ".tmp"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise EmulatorError(f"cannot build a {mode} python (needs libpython and the sanitizer runtime):\n"
+                                f"{result.stderr[-3000:]}")
+        os.replace(out + ".tmp", out)
+    return out
+
+
+def sanitizer_environment(mode):
+    """Environment for a sanitizer run: the build mode for llmc.emulator.device, and the
+    sanitizer's options (stop at the first report, with exit code SANITIZER_EXIT_CODE)."""
+    env = dict(os.environ, LLMC_EMULATOR_MODE=mode, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["TSAN_OPTIONS"] = f"halt_on_error=1 exitcode={SANITIZER_EXIT_CODE} report_signal_unsafe=0"
+    env["ASAN_OPTIONS"] = f"detect_leaks=0 halt_on_error=1 exitcode={SANITIZER_EXIT_CODE}"
+    env["UBSAN_OPTIONS"] = f"halt_on_error=1 print_stacktrace=1 exitcode={SANITIZER_EXIT_CODE}"
+    return env
+
+
+SANITIZER_EXIT_CODE = 66

@@ -28,6 +28,11 @@ ALLOCATION_ALIGNMENT = 256             # bytes, as CuPy's memory pool
 UNINITIALIZED_BYTE = 0xFF              # what empty() leaves: NaN in fp32 and bf16
 EMULATED_COMPUTE_CAPABILITY = (8, 0)   # bf16 kernels, as an A100 (no tensor cores: scalar tile ops)
 DEVICE_NAME = "emulated CUDA device (CPU)"
+# The sanitizer runs (dev/sanitize_kernels.py) set these: RawModule builds in that mode ("tsan",
+# "asan"), and allocations end exactly where the array does (16-byte aligned, as malloc gives),
+# so that a write past the end lands in AddressSanitizer's redzone instead of alignment slack
+BUILD_MODE = os.environ.get("LLMC_EMULATOR_MODE", "fibers")
+EXACT_ALLOCATIONS = BUILD_MODE == "asan"
 
 
 # ----------------------------------------------------------------------------
@@ -104,8 +109,12 @@ def _allocate(shape, dtype, fill_byte):
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALLOCATION_ALIGNMENT, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % ALLOCATION_ALIGNMENT
+    if EXACT_ALLOCATIONS:              # AddressSanitizer: the byte after the array is malloc's redzone
+        raw = np.empty(nbytes, dtype=np.uint8)
+        offset = 0
+    else:
+        raw = np.empty(nbytes + ALLOCATION_ALIGNMENT, dtype=np.uint8)
+        offset = (-raw.ctypes.data) % ALLOCATION_ALIGNMENT
     buffer = raw[offset:offset + nbytes]
     buffer.fill(fill_byte)
     _POOL.used += nbytes
@@ -373,7 +382,7 @@ class RawModule:
         include_dirs = [o[2:] for o in self.options if o.startswith("-I")]
         path = build.source_file(self.code)
         try:
-            self.library = build.Library(path, defines, include_dirs)
+            self.library = build.Library(path, defines, include_dirs, BUILD_MODE)
         except build.EmulatorError as e:
             raise CompileException(str(e)) from None
 
