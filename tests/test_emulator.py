@@ -14,6 +14,9 @@ leading dimension too small refused or a wrong one giving a wrong product.
 Run: python -m pytest -q tests/test_emulator.py   (the first run compiles ~20 s, then a few seconds)
 """
 
+import os
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -305,3 +308,88 @@ def test_strided_batched_gemm():
     # column-major (m,n) C_i = A_i^T B_i where A_i (k,m), B_i (k,n) column-major are a[i], b[i]
     got = C.get().reshape(batch, n, m).transpose(0, 2, 1)
     np.testing.assert_allclose(got, np.einsum("bkm,bkn->bmn", a, b), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# planted bugs on scratch copies of the kernels, each caught (the sanitizer runs are slow: each
+# compiles a kernel file with its sanitizer, and runs it in a python linked with that sanitizer)
+
+SCRATCH_DRIVER = r"""
+import sys
+import numpy as np
+from llmc.emulator import build, device as cp
+path, mode, kernel, n, block = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+library = build.Library(path, ["-DENABLE_FP32"], (), mode)
+if kernel == "fill_float":
+    out = cp.empty(n, np.float32)
+    library.kernel(kernel)((n // block + 1,), (block,), (out, np.float32(2.5), np.uint64(n)))
+    print("sum", float(out.get().sum()))
+else:                                       # global_norm_finalize over n partials of 1.0
+    out, partial = cp.empty(1, np.float32), cp.asarray(np.ones(n, np.float32))
+    library.kernel(kernel)((1,), (block,), (out, partial, np.int32(n)))
+    print("norm", float(out.get()[0]))
+"""
+
+
+def scratch_copy(tmp_path, file, replace=None, header_replace=None):
+    """kernels/<file>.cu and common.cuh copied to tmp_path, with one (old, new) text replacement
+    in each (asserted to apply); returns the .cu path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name, edit in ((f"{file}.cu", replace), ("common.cuh", header_replace)):
+        with open(os.path.join(root, "kernels", name)) as f:
+            text = f.read()
+        if edit:
+            assert edit[0] in text
+            text = text.replace(edit[0], edit[1], 1)
+        (tmp_path / name).write_text(text)
+    return str(tmp_path / f"{file}.cu")
+
+
+def run_sanitized(mode, path, kernel, n, block):
+    python = build.sanitizer_python(mode)
+    result = subprocess.run([python, "-c", SCRATCH_DRIVER, path, mode, kernel, str(n), str(block)],
+                            env=build.sanitizer_environment(mode), capture_output=True, text=True, timeout=600)
+    return result.returncode, result.stdout + result.stderr
+
+
+OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = value;",
+                 "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = value;")
+MISSING_BARRIER = ("        warp_sums[warp] = value;\n    }\n    __syncthreads();", "        warp_sums[warp] = value;\n    }")
+WRONG_MASK = ("value += __shfl_xor_sync(FULL_WARP_MASK, value, offset);",
+              "value += __shfl_xor_sync(0x0000ffffu, value, offset);")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True])
+def test_out_of_bounds_write_is_caught_by_addresssanitizer(tmp_path, planted):
+    path = scratch_copy(tmp_path, "cast", OUT_OF_BOUNDS if planted else None)
+    rc, out = run_sanitized("asan", path, "fill_float", 1001, 256)
+    if planted:
+        assert rc == build.SANITIZER_EXIT_CODE and "heap-buffer-overflow" in out, out[-3000:]
+    else:
+        assert rc == 0 and "sum 2502.5" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True])
+def test_missing_syncthreads_is_caught_by_threadsanitizer(tmp_path, planted):
+    path = scratch_copy(tmp_path, "global_norm", header_replace=MISSING_BARRIER if planted else None)
+    rc, out = run_sanitized("tsan", path, "global_norm_finalize", 300, 128)
+    if planted:
+        assert rc == build.SANITIZER_EXIT_CODE and "ThreadSanitizer: data race" in out, out[-3000:]
+    else:
+        assert rc == 0 and f"norm {np.sqrt(np.float32(300))}" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_wrong_shuffle_mask_is_caught_by_the_emulator(tmp_path, planted):
+    path = scratch_copy(tmp_path, "global_norm", header_replace=WRONG_MASK if planted else None)
+    library = build.Library(path, ["-DENABLE_FP32"], ())
+    out, partial = cp.empty(1, np.float32), cp.asarray(np.ones(300, np.float32))
+    launch = lambda: library.kernel("global_norm_finalize")((1,), (128,), (out, partial, np.int32(300)))  # noqa: E731
+    if planted:
+        with pytest.raises(build.EmulatorError, match="reads lane 16, which is not in the mask"):
+            launch()
+    else:
+        launch()
+        assert out.get()[0] == np.sqrt(np.float32(300))

@@ -21,6 +21,7 @@ llmc_emu_error() holds the message. In OS-thread mode they print it and abort.
 #include <mutex>
 #include <stdarg.h>
 #include <string>
+#include <sched.h>
 #include <sys/mman.h>
 #include <thread>
 #include <vector>
@@ -28,6 +29,18 @@ llmc_emu_error() holds the message. In OS-thread mode they print it and abort.
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
+#endif
+
+// the shim's bookkeeping, which ThreadSanitizer must not see (OS-thread mode, below)
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#define NO_TSAN __attribute__((no_sanitize("thread")))
+static void happens_before(void* sync) { __tsan_release(sync); }
+static void happens_after(void* sync) { __tsan_acquire(sync); }
+#else
+#define NO_TSAN
+[[maybe_unused]] static void happens_before(void*) {}
+[[maybe_unused]] static void happens_after(void*) {}
 #endif
 
 thread_local uint3 threadIdx;
@@ -107,7 +120,7 @@ static void record_error(const uint3& block, const CudaThread* t, const char* fo
 static const char* op_name(const CudaThread& t) { return t.wait == AT_BARRIER ? "__syncthreads" : t.what; }
 
 // which threads wait where, for the deadlock message
-static std::string describe_waits(const Block& b) {
+NO_TSAN static std::string describe_waits(const Block& b) {
     std::string s;
     int shown = 0;
     for (const CudaThread& t : b.threads) {
@@ -136,14 +149,14 @@ static std::string describe_waits(const Block& b) {
 // the rules of the synchronizing calls, shared by both modes. `wake` makes a waiting thread
 // runnable; each returns false (with the error recorded) when a rule is broken.
 
-static unsigned lanes_of_warp(const Block& b, int warp) {
+NO_TSAN static unsigned lanes_of_warp(const Block& b, int warp) {
     int lanes = b.n - warp * WARP < WARP ? b.n - warp * WARP : WARP;
     return lanes == WARP ? 0xffffffffu : (1u << lanes) - 1u;
 }
 
 // lane t arrives at a warp call; completes its group if it is the last of the mask to arrive
 template <class Wake>
-static bool warp_arrive(Block& b, CudaThread& t, bool* completed, Wake wake) {
+NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, bool* completed, Wake wake) {
     const int warp = t.linear / WARP, lane = t.linear % WARP;
     const uint3 block = blockIdx;
     if (!(t.mask >> lane & 1u)) {
@@ -196,7 +209,7 @@ static bool warp_arrive(Block& b, CudaThread& t, bool* completed, Wake wake) {
 // all threads that have not finished wait at __syncthreads: release them (exited threads count
 // as arrived, as on sm_70+)
 template <class Wake>
-static void barrier_release_if_complete(Block& b, CudaThread* self, Wake wake) {
+NO_TSAN static void barrier_release_if_complete(Block& b, CudaThread* self, Wake wake) {
     if (b.at_barrier == 0 || b.at_barrier != b.live) return;
     b.at_barrier = 0;
     for (CudaThread& u : b.threads) {
@@ -207,7 +220,7 @@ static void barrier_release_if_complete(Block& b, CudaThread* self, Wake wake) {
     }
 }
 
-static void init_block(Block& b, const dim3& block) {
+NO_TSAN static void init_block(Block& b, const dim3& block) {
     b.n = (int)(block.x * block.y * block.z);
     b.live = b.n;
     b.at_barrier = 0;
@@ -495,14 +508,27 @@ static void run_grid(long num_blocks) {
 #else
 // ----------------------------------------------------------------------------
 // OS-thread mode (sanitizer builds): a block's CUDA threads are OS threads, blocks one at a time
+//
+// The shim's own bookkeeping must not order the kernel's memory accesses, or ThreadSanitizer
+// would miss a missing barrier: a mutex around every shuffle would make all threads of the block
+// happen-after each other. So the bookkeeping runs under a spin lock of relaxed atomics in code
+// that ThreadSanitizer does not instrument (NO_TSAN), threads wait by spinning, and only what CUDA
+// orders is told to ThreadSanitizer: __syncthreads orders the whole block, __syncwarp the lanes of
+// its mask (release before the wait, acquire after it). A shuffle orders nothing.
+
 
 extern "C" char __start_llmc_emu_shared[] __attribute__((weak));
 extern "C" char __stop_llmc_emu_shared[] __attribute__((weak));
 
 static Block os_block;
-static std::mutex block_mutex;
-static std::condition_variable block_changed;
+static int spin;                                 // the bookkeeping's lock: relaxed atomics only
+static char block_sync, warp_sync[MAX_THREADS_PER_BLOCK / WARP];   // ThreadSanitizer's sync objects
 static thread_local CudaThread* this_thread;
+
+NO_TSAN static void lock() {
+    while (__atomic_exchange_n(&spin, 1, __ATOMIC_RELAXED)) sched_yield();
+}
+NO_TSAN static void unlock() { __atomic_store_n(&spin, 0, __ATOMIC_RELAXED); }
 
 [[noreturn]] void fail(const char* format, ...) {
     va_list ap;
@@ -513,10 +539,10 @@ static thread_local CudaThread* this_thread;
     abort();
 }
 
-static void wake_os(CudaThread&) { block_changed.notify_all(); }
+static void no_wake(CudaThread&) {}              // the waiting thread sees its state change
 
-// called with block_mutex held after a thread starts waiting or finishes
-static void check_deadlock(Block& b) {
+// with the lock held, after a thread starts waiting or finishes
+NO_TSAN static void check_deadlock(Block& b) {
     int waiting = 0;
     for (CudaThread& u : b.threads) waiting += u.wait == AT_BARRIER || u.wait == AT_WARP_CALL;
     if (b.live > 0 && waiting == b.live) {
@@ -524,38 +550,52 @@ static void check_deadlock(Block& b) {
     }
 }
 
-unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
-    std::unique_lock<std::mutex> lock(block_mutex);
+NO_TSAN static void wait_while(CudaThread& t, Wait state) {
+    while (__atomic_load_n(&t.wait, __ATOMIC_RELAXED) == state) sched_yield();
+}
+
+NO_TSAN unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
     CudaThread& t = *this_thread;
+    if (op == WARP_SYNC) happens_before(&warp_sync[t.linear / WARP]);
+    lock();
     t.op = op;
     t.mask = mask;
     t.value = value;
     t.source = source;
     t.what = what;
     bool completed = false;
-    if (!warp_arrive(os_block, t, &completed, wake_os)) {
+    if (!warp_arrive(os_block, t, &completed, no_wake)) {
         fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
         abort();
     }
-    if (completed) {
-        block_changed.notify_all();
-    } else {
-        check_deadlock(os_block);
-        block_changed.wait(lock, [&] { return t.wait != AT_WARP_CALL; });
-    }
+    if (!completed) check_deadlock(os_block);
+    unlock();
+    wait_while(t, AT_WARP_CALL);
+    if (op == WARP_SYNC) happens_after(&warp_sync[t.linear / WARP]);
     return t.result;
 }
 
-void sync_threads() {
-    std::unique_lock<std::mutex> lock(block_mutex);
+NO_TSAN void sync_threads() {
     CudaThread& t = *this_thread;
+    happens_before(&block_sync);
+    lock();
     t.wait = AT_BARRIER;
     os_block.at_barrier++;
-    barrier_release_if_complete(os_block, &t, wake_os);
-    if (t.wait == AT_BARRIER) {
-        check_deadlock(os_block);
-        block_changed.wait(lock, [&] { return t.wait != AT_BARRIER; });
-    }
+    barrier_release_if_complete(os_block, &t, no_wake);
+    if (t.wait == AT_BARRIER) check_deadlock(os_block);
+    unlock();
+    wait_while(t, AT_BARRIER);
+    happens_after(&block_sync);
+}
+
+NO_TSAN static void finish(CudaThread& t) {
+    happens_before(&block_sync);                 // exited threads count as arrived at later barriers
+    lock();
+    t.wait = FINISHED;
+    os_block.live--;
+    barrier_release_if_complete(os_block, &t, no_wake);
+    check_deadlock(os_block);
+    unlock();
 }
 
 static void run_grid(long num_blocks) {
@@ -573,11 +613,7 @@ static void run_grid(long num_blocks) {
                 threadIdx = t.idx;
                 blockIdx = block;
                 launch_now->body(launch_now->args);
-                std::lock_guard<std::mutex> lock(block_mutex);
-                t.wait = FINISHED;
-                os_block.live--;
-                barrier_release_if_complete(os_block, &t, wake_os);
-                check_deadlock(os_block);
+                finish(t);
             });
         }
         for (std::thread& thread : threads) thread.join();
