@@ -50,5 +50,8 @@ bench: setup     ## GPU benchmark: gpt2_cuda.py vs the PyTorch twin (needs a GPU
 bench-cpu: setup ## CPU benchmark: the NumPy step vs its matmuls alone
 	$(PYTHON) dev/bench_cpu.py
 
+sanitize:        ## every kernel on the emulated device under ThreadSanitizer, then ASan + UBSan (g++, no GPU)
+	$(PYTHON) dev/sanitize_kernels.py
+
 clean:           ## remove the setup stamp and caches (keeps data/)
 	rm -rf $(STAMP) .pytest_cache __pycache__ */__pycache__
