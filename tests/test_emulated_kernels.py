@@ -163,6 +163,29 @@ def test_training_steps_match_gpt2_cpu():
 
 
 # ----------------------------------------------------------------------------
+# CUDA graphs: captured once, replayed with new inputs, bitwise the eager results
+
+def test_cuda_graph_replay_equals_eager():
+    cfg, cp = CONFIGS[80], cuda.cupy()
+    eager, graphed = tiny_model("fp32", 80), tiny_model("fp32", 80)
+    stream = cp.cuda.Stream().use()                      # a created stream: the legacy one cannot capture
+    try:
+        for seed in (1, 2, 3):                           # capture on the first, replay on the next two
+            x, y = batch(cfg, 2, 9, seed)
+            for model, graph in ((eager, False), (graphed, True)):
+                gpt2_cuda.gpt2_zero_grad(model)
+                gpt2_cuda.gpt2_activations(model, 2, 9)["loss_accum"].fill(0)
+                gpt2_cuda.gpt2_micro_batch(model, x, y, 0.5, cuda_graph=graph)
+            assert len(graphed.graphs) == 1
+            assert np.array_equal(graphed.grads.get(), eager.grads.get())
+            assert np.array_equal(gpt2_cuda.gpt2_activations(graphed, 2, 9)["loss_accum"].get(),
+                                  gpt2_cuda.gpt2_activations(eager, 2, 9)["loss_accum"].get())
+            assert not np.isnan(eager.grads.get()).any()
+    finally:
+        cp.cuda.Stream.null.use()
+
+
+# ----------------------------------------------------------------------------
 # the sampling forward (KV cache: the cast kernels, residual_forward) and fill_float
 
 def run_sampling(precision="fp32"):

@@ -52,6 +52,14 @@ class ndarray(np.ndarray):
     def data(self):
         return MemoryPointer(self.__array_interface__["data"][0])
 
+    def fill(self, value):
+        """An elementwise kernel in CuPy, so it is recorded while a stream captures."""
+        enqueue(lambda: np.ndarray.fill(self, value))
+
+    def __setitem__(self, index, value):
+        """Assignment into a device array is a CuPy kernel too: recorded while capturing."""
+        enqueue(lambda: np.ndarray.__setitem__(self, index, value))
+
     def get(self, stream=None, out=None):
         """A host (NumPy) copy, as cupy.ndarray.get()."""
         host = np.array(self.view(np.ndarray), copy=True)
