@@ -4,6 +4,9 @@ CuPy imported lazily, NVRTC options, each kernels/<file>.cu compiled once per pr
 precision, the launch helper, the checks every launcher makes on its arguments, launch grids,
 the cuBLAS GEMM (a library call) and binding a process to its GPU.
 
+With use_device("cpu") the same calls answer for the emulated CUDA device (llmc/emulator/): the
+kernels compiled by g++ and run on the CPU, cuBLAS emulated with its exact contract.
+
 CuPy has no bfloat16 dtype, so bf16 tensors live in CuPy as uint16 arrays holding the raw bit
 patterns ("floatX" is uint16 in bf16 and float32 in fp32); only the kernels and cuBLAS see them as
 __nv_bfloat16. Nothing here imports CuPy until it is called, so the host logic imports without it.
