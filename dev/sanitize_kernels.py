@@ -34,7 +34,7 @@ def run(mode):
     python = build.sanitizer_python(mode)
     result = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKLOAD], cwd=ROOT,
                             env=build.sanitizer_environment(mode), capture_output=True, text=True)
-    return result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return result.returncode == 0, f"exit code {result.returncode}\n" + (result.stdout + result.stderr)[-6000:]
 
 
 def main():
