@@ -7,7 +7,7 @@ SETUP   = $(PYTHON) dev/setup_env.py
 PY     := $(shell $(PYTHON) dev/setup_env.py --python)
 export PATH := $(dir $(PY)):$(PATH)
 
-.PHONY: help data train train-cpu test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels clean
+.PHONY: help data train train-cpu test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels sanitize clean
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -52,5 +52,9 @@ bench-cpu:       ## CPU benchmark: the NumPy step vs its matmuls alone
 gpu-wheels:      ## download into .whl/ the wheels the offline GPU machine lacks (dev/results/README.md)
 	$(SETUP) gpu-wheels
 
-clean:           ## remove caches (keeps data/, .venv/ and .whl/)
+sanitize:        ## every kernel on the emulated device under ThreadSanitizer, then ASan + UBSan (g++, no GPU)
+	$(SETUP) test
+	$(PY) dev/sanitize_kernels.py $(ARGS)
+
+clean:           ## remove caches (keeps data/, .venv/, .whl/ and .emulator-cache/)
 	rm -rf .pytest_cache __pycache__ */__pycache__

@@ -1507,6 +1507,9 @@ def build_parser(prog="gpt2_cuda.py"):
       help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch")
     a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
     a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
+    a("--device", default="cuda", choices=cuda.DEVICES,
+      help="cpu: the emulated CUDA device (llmc/emulator/: our kernels compiled by g++ and run on the CPU, "
+           "slow; defaults --precision fp32 -f 0, so the losses are gpt2_cpu.py's)")
     a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
     multinode.add_flags(p)                     # -pm -pn -pr -pg -ps -pp -pj: one node or many
     return p
@@ -1514,7 +1517,10 @@ def build_parser(prog="gpt2_cuda.py"):
 
 def parse_args(argv=None):
     """gpt2_cpu.py's flags plus the GPU options -> argparse.Namespace."""
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    if parser.parse_known_args(argv)[0].device == "cpu":   # the emulated device's reference: gpt2_cpu.py, fp32
+        parser.set_defaults(precision="fp32", tf32=0)
+    return parser.parse_args(argv)
 
 
 def gpu_status_line(device):
@@ -1726,6 +1732,10 @@ def main(argv=None):
     """Command-line entry point. Returns the exit code: 0; 1 for bad input (one `error:` line);
     2 without a CUDA GPU or CuPy."""
     args = parse_args(argv)
+    cuda.use_device(args.device)
+    if args.device == "cpu":
+        print("gpt2_cuda.py --device cpu: the CUDA kernels run on the emulated device (compiled by g++, each "
+              "CUDA thread a fiber on the CPU): slow, and its timings and MFU say nothing about a GPU")
     reason = cuda.cuda_unavailable_reason()
     if reason:
         print(f"gpt2_cuda.py: no CUDA GPU found ({reason}); use gpt2_cpu.py", file=sys.stderr)

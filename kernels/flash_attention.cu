@@ -143,7 +143,9 @@ struct AccTile {
     float x[8];
 };
 
-#if defined(ENABLE_BF16)
+// The emulated device (llmc/emulator/, LLMC_EMULATED_DEVICE) has no tensor cores: its bf16 build
+// takes the scalar tile operations below, under the same tile algorithm (bf16 operands, fp32 sums).
+#if defined(ENABLE_BF16) && !defined(LLMC_EMULATED_DEVICE)
 
 // A or B operand of m16n16k16 bf16: 4 registers, each holding two bf16 values
 struct OperandTile {
@@ -195,7 +197,7 @@ __device__ inline void tile_load_acc(AccTile& c, const float* p, int ld) {
                    "=f"(c.x[4]), "=f"(c.x[5]), "=f"(c.x[6]), "=f"(c.x[7]) : "l"(p), "r"(ld) : "memory");
 }
 
-#else   // ENABLE_FP32: the same operations with scalar FMAs; lane l holds row l/2, columns (l%2)*8..+7
+#else   // ENABLE_FP32 or the emulated device: the same operations with scalar FMAs; lane l holds row l/2, columns (l%2)*8..+7
 
 __device__ inline int acc_row() { return (threadIdx.x % WARP_SIZE) / 2; }
 __device__ inline int acc_col0() { return (threadIdx.x % 2) * 8; }

@@ -4,6 +4,9 @@ CuPy imported lazily, NVRTC options, each kernels/<file>.cu compiled once per pr
 precision, the launch helper, the checks every launcher makes on its arguments, launch grids,
 the cuBLAS GEMM (a library call) and binding a process to its GPU.
 
+With use_device("cpu") the same calls answer for the emulated CUDA device (llmc/emulator/): the
+kernels compiled by g++ and run on the CPU, cuBLAS emulated with its exact contract.
+
 CuPy has no bfloat16 dtype, so bf16 tensors live in CuPy as uint16 arrays holding the raw bit
 patterns ("floatX" is uint16 in bf16 and float32 in fp32); only the kernels and cuBLAS see them as
 __nv_bfloat16. Nothing here imports CuPy until it is called, so the host logic imports without it.
@@ -49,7 +52,15 @@ def vector_size(precision):
 # CuPy, imported lazily
 
 def cuda_unavailable_reason():
-    """None if CuPy imports and sees a CUDA device, else a short reason (for the one-line exit)."""
+    """None if the device can run: CuPy imports and sees a CUDA device, or (device "cpu") a C++20
+    compiler builds the emulated device's kernels; else a short reason (for the one-line exit)."""
+    if _device == "cpu":
+        from llmc.emulator import build
+        try:
+            build.compiler_version()
+        except build.EmulatorError as e:
+            return str(e)
+        return None
     try:
         import cupy
     except Exception as e:                 # ImportError, or a CUDA library that fails to load
@@ -157,8 +168,8 @@ def select_device(comm):
 # ----------------------------------------------------------------------------
 # kernel modules: each kernels/<file>.cu compiled once per process per precision
 
-_MODULES = {}      # (file, precision) -> cupy.RawModule, compiled
-_FUNCTIONS = {}    # (file, precision, kernel name) -> cupy.RawKernel
+_MODULES = {}      # (device, file, precision) -> cupy.RawModule, compiled
+_FUNCTIONS = {}    # (device, file, precision, kernel name) -> cupy.RawKernel
 
 
 def cuda_include_dirs():
@@ -208,27 +219,34 @@ def kernel_compile_options(precision):
     directory (for common.cuh), the CUDA headers (cuda_bf16.h), and an unused macro holding
     common.cuh's digest, because CuPy keys its cache on the source text and the options, not on
     included headers: without it an edit of common.cuh would keep serving stale kernels.
+    The emulated device (use_device("cpu")) gets no CUDA include directory: its shim stands in
+    for cuda_bf16.h.
     Raises ValueError for an unknown precision, KernelCompileError without the CUDA headers."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
-    return (CXX_STANDARD, PRECISION_DEFINES[precision], f"-I{KERNELS_DIR}", f"-I{cuda_include_dir()}",
+    cuda_headers = () if _device == "cpu" else (f"-I{cuda_include_dir()}",)
+    return (CXX_STANDARD, PRECISION_DEFINES[precision], f"-I{KERNELS_DIR}", *cuda_headers,
             f"-DCOMMON_CUH_DIGEST=sha256_{common_header_digest()}")
 
 
 def load_module(file, precision):
-    """kernels/<file>.cu compiled for `precision`, once per process (CuPy also caches the binary
-    on disk). Raises KernelCompileError naming the file, with NVRTC's log."""
-    key = (file, precision)
+    """kernels/<file>.cu compiled for `precision`, once per process and device (CuPy also caches
+    the binary on disk, the emulated device its g++ build). Raises KernelCompileError naming the
+    file, with the compiler's log."""
+    key = (_device, file, precision)
     if key not in _MODULES:
         cp = cupy()
         path = os.path.join(KERNELS_DIR, f"{file}.cu")
         with open(path) as f:
             code = f.read()
+        if _device == "cpu":               # g++'s messages and gdb's breakpoints name the real file
+            code = f'#line 1 "{path}"\n' + code
         module = cp.RawModule(code=code, options=kernel_compile_options(precision))
         try:
             module.compile()               # RawModule compiles lazily; do it here, once
         except cp.cuda.compiler.CompileException as e:
-            raise KernelCompileError(f"{path}: NVRTC failed to compile it with {PRECISION_DEFINES[precision]}:\n"
+            compiler = "g++ (the emulated device)" if _device == "cpu" else "NVRTC"
+            raise KernelCompileError(f"{path}: {compiler} failed to compile it with {PRECISION_DEFINES[precision]}:\n"
                                      f"{e.get_message()}") from None
         _MODULES[key] = module
     return _MODULES[key]
@@ -245,7 +263,7 @@ def launch(file, precision, name, grid, block, args):
     """Launch kernel `name` of kernels/<file>.cu. grid: int or (x, y); block: threads; args: CuPy
     arrays and NumPy scalars typed exactly as the C signature (np.int32, np.float32, np.uint64,
     ...), since CuPy does not check them against it."""
-    key = (file, precision, name)
+    key = (_device, file, precision, name)
     if key not in _FUNCTIONS:
         _FUNCTIONS[key] = load_module(file, precision).get_function(name)
     grid = grid if isinstance(grid, tuple) else (grid,)
@@ -347,7 +365,7 @@ def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,
     MATMUL_OPTIONS["tf32"] is set in fp32 mode). alpha = 1, beta = 1 if accumulate else 0, both
     host floats (pointer mode host)."""
     cp = cupy()
-    from cupy_backends.cuda.libs import cublas
+    cublas = library("cublas")
     precision = precision_of(C)
     for arr, name in ((A, "A"), (B, "B")):
         if precision_of(arr) != precision:

@@ -26,6 +26,8 @@ def gpu_unavailable_reason():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy; skipped without one")
+    config.addinivalue_line("markers", "slow: takes minutes (the emulated device's command-line runs); "
+                                       "in the default run, deselect with -m 'not slow'")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,1 +1,16 @@
-"""llmc/emulator/: the emulated CUDA device (device memory as host memory) and its vendor libraries."""
+"""llmc/emulator/: the emulated CUDA device, so that gpt2_cuda.py runs on a CPU with its real kernels.
+
+    python gpt2_cuda.py --device cpu -e d2 -x 4      # the same losses as python gpt2_cpu.py -e d2 -x 4
+
+What it is: kernels/*.cu compiled unmodified by g++ as host C++ against a shim of CUDA's device
+names (shim/), each CUDA thread a fiber, blocks spread over the cores (build.py loads and
+launches them); device.py is the cupy-like module that llmc.cuda.cupy() returns on the CPU, with
+device memory as host memory; cublas.py (and cublaslt.py, cudnn.py, nccl.py) emulate the vendor
+libraries with their exact calling contracts. llmc.cuda picks this package with
+use_device("cpu"); the trainers never import it.
+
+What it is not: a GPU. It says nothing about timing, the GPU's weaker memory model (a race that
+fibers happen to order never shows; the ThreadSanitizer build is for that), tensor-core or
+cuBLAS/cuDNN numerics (the vendor libraries are emulated in fp32 NumPy), bank conflicts or
+register pressure.
+"""

@@ -1,0 +1,309 @@
+"""llmc/emulator/build.py: kernels/<file>.cu compiled by g++ into a host shared library, cached,
+loaded with ctypes, and launched with CuPy's (grid, block, args).
+
+The kernel file is compiled unmodified: a generated unit includes it after the shim
+(shim/cuda_shim.h, force-included; `#include <cuda_bf16.h>` finds shim/cuda_bf16.h first), then
+the launcher (shim/emulator.cpp), then one extern "C" entry per `extern "C" __global__` kernel
+of the file: llmc_emu_launch_<name>(grid[3], block[3], void** args), with args[i] pointing at the
+i-th argument as cuLaunchKernel takes them, and llmc_emu_parameters_<name>(sizes, pointers),
+which the launch uses to check every argument's size against the C signature (CuPy does not).
+
+Builds are cached in .emulator-cache/ (git-ignored; $LLMC_EMULATOR_CACHE overrides it) under a
+hash of the kernel file, common.cuh, the shim, the flags and the compiler's version: g++ takes
+tens of seconds per file, once. Modes: "fibers" (the emulated device), "tsan" and "asan" (the
+sanitizer builds: one OS thread per CUDA thread; they must run in a process that loads the
+sanitizer runtime first, see dev/sanitize_kernels.py).
+
+    python -c "from llmc.emulator import build; print(build.kernel_library('layernorm', 'fp32').path)"
+"""
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+
+import numpy as np
+
+EMULATOR_DIR = os.path.dirname(os.path.abspath(__file__))
+SHIM_DIR = os.path.join(EMULATOR_DIR, "shim")
+ROOT = os.path.dirname(os.path.dirname(EMULATOR_DIR))
+KERNELS_DIR = os.path.join(ROOT, "kernels")
+CACHE_DIR = os.environ.get("LLMC_EMULATOR_CACHE", os.path.join(ROOT, ".emulator-cache"))
+CXX = os.environ.get("CXX", "g++")
+
+PRECISION_DEFINES = {"bf16": "-DENABLE_BF16", "fp32": "-DENABLE_FP32"}
+COMMON_FLAGS = ("-std=c++20", "-fPIC", "-shared", "-pthread", "-Wno-unknown-pragmas", "-Wno-attributes",
+                "-DLLMC_EMULATED_DEVICE")
+# -g everywhere: a gdb breakpoint inside a kernel works on the cached library as it is.
+# LLMC_EMULATOR_DEBUG=1 compiles -O0 so that every local variable of a kernel can be printed.
+MODE_FLAGS = {
+    "fibers": ("-O0",) if os.environ.get("LLMC_EMULATOR_DEBUG") == "1" else ("-O2",),
+    "tsan": ("-O1", "-fsanitize=thread", "-DLLMC_EMU_OS_THREADS"),
+    "asan": ("-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+             "-fno-omit-frame-pointer", "-DLLMC_EMU_OS_THREADS"),
+}
+KERNEL_PATTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+SHIM_FILES = ("cuda_shim.h", "cuda_bf16.h", "emulator.cpp")
+MAX_PARAMETERS = 64
+
+
+class EmulatorError(RuntimeError):
+    """A kernel file that g++ rejects (with g++'s log), or a launch that breaks a CUDA rule."""
+
+
+def kernel_names(source):
+    """The `extern "C" __global__` kernel names of a .cu source text, in order."""
+    return KERNEL_PATTERN.findall(source)
+
+
+def compiler_flags(defines, include_dirs, mode="fibers"):
+    """g++ flags for a kernel library: the -D defines (e.g. "-DENABLE_BF16"), the shim, then the
+    include directories in order."""
+    return (COMMON_FLAGS + MODE_FLAGS[mode] + ("-g",) + tuple(defines)
+            + ("-include", os.path.join(SHIM_DIR, "cuda_shim.h"), f"-I{SHIM_DIR}")
+            + tuple(f"-I{d}" for d in include_dirs))
+
+
+def unit_source(kernel_path, names):
+    """The generated C++ unit: the kernel file, the launcher, one launch and one parameters entry
+    per kernel."""
+    lines = [f'#include "{kernel_path}"', f'#include "{os.path.join(SHIM_DIR, "emulator.cpp")}"', ""]
+    for name in names:
+        lines += [
+            f"static void llmc_emu_body_{name}(void* args) {{ llmc_emu::invoke({name}, (void**)args); }}",
+            f'extern "C" int llmc_emu_launch_{name}(const unsigned* grid, const unsigned* block, void** args) {{',
+            f'    return llmc_emu::launch("{name}", grid, block, llmc_emu_body_{name}, args);',
+            "}",
+            f'extern "C" int llmc_emu_parameters_{name}(int* sizes, int* pointers) {{',
+            f"    return llmc_emu::parameters({name}, sizes, pointers);",
+            "}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def compiler_version():
+    """First line of `g++ --version` (part of the cache key). Raises EmulatorError without g++."""
+    try:
+        return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise EmulatorError(f"the emulated device needs a C++20 compiler ({CXX}): {e}") from None
+
+
+def source_path(file):
+    """kernels/<file>.cu, or `file` itself when it is a path to a .cu file (a scratch copy)."""
+    return file if file.endswith(".cu") else os.path.join(KERNELS_DIR, f"{file}.cu")
+
+
+def source_file(code):
+    """Write a kernel source text to the cache, named by its hash (and by the file that a leading
+    `#line 1 "path"` names), and return the path."""
+    match = re.match(r'#line 1 "([^"]+)"', code)
+    stem = os.path.splitext(os.path.basename(match.group(1)))[0] if match else "module"
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    path = os.path.join(CACHE_DIR, f"{stem}-{hashlib.sha256(code.encode()).hexdigest()[:16]}.cu")
+    if not os.path.isfile(path):
+        fd, tmp = tempfile.mkstemp(suffix=".cu", dir=CACHE_DIR)
+        with os.fdopen(fd, "w") as f:
+            f.write(code)
+        os.replace(tmp, path)
+    return path
+
+
+def library_path(path, defines, include_dirs, mode="fibers"):
+    """The cached shared library of the .cu file `path` compiled with `defines` and
+    `include_dirs` (searched in order; the file's own directory first) in `mode`, compiled first
+    if it is not in the cache. Raises EmulatorError with g++'s log."""
+    with open(path) as f:
+        source = f.read()
+    include_dirs = list(dict.fromkeys([os.path.dirname(os.path.abspath(path))] + list(include_dirs)))
+    flags = compiler_flags(defines, include_dirs, mode)
+    digest = hashlib.sha256(source.encode())
+    for d in include_dirs:                       # common.cuh and any other header next to the kernels
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else ():
+            if name.endswith((".cuh", ".h")):
+                with open(os.path.join(d, name), "rb") as f:
+                    digest.update(name.encode() + f.read())
+    for name in SHIM_FILES:
+        with open(os.path.join(SHIM_DIR, name), "rb") as f:
+            digest.update(f.read())
+    digest.update(" ".join(flags + (compiler_version(), os.path.abspath(path))).encode())
+    stem = os.path.splitext(os.path.basename(path))[0]
+    base = os.path.join(CACHE_DIR, f"{stem}-{mode}-{digest.hexdigest()[:16]}")
+    if os.path.isfile(base + ".so"):
+        return base + ".so"
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    with open(base + ".cpp", "w") as f:
+        f.write(unit_source(os.path.abspath(path), kernel_names(source)))
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
+    os.close(fd)
+    result = subprocess.run([CXX, *flags, base + ".cpp", "-o", tmp], capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise EmulatorError(f"{path}: g++ failed to compile it for the emulated device "
+                            f"({' '.join(defines)}):\n{result.stderr[-4000:]}")
+    os.replace(tmp, base + ".so")
+    return base + ".so"
+
+
+def shared_arrays(path):
+    """(offsets, sizes, anchor offset) of the library's thread_local __shared__ arrays, from its
+    TLS symbols (readelf -sW): every TLS symbol except the shim's own."""
+    text = subprocess.run(["readelf", "-sW", path], capture_output=True, text=True, check=True).stdout
+    offsets, sizes, anchor = [], [], None
+    for line in text.splitlines():
+        cols = line.split()
+        if len(cols) < 8 or cols[3] != "TLS" or cols[6] == "UND":
+            continue
+        value, size, name = int(cols[1], 16), int(cols[2], 0), cols[7]
+        if "llmc_emu_tls_anchor" in name:
+            anchor = value
+        elif "llmc_emu" not in name and name not in ("threadIdx", "blockIdx"):
+            offsets.append(value)
+            sizes.append(size)
+    if anchor is None:
+        raise EmulatorError(f"{path}: no llmc_emu_tls_anchor TLS symbol (not an emulator library)")
+    return offsets, sizes, anchor
+
+
+# ----------------------------------------------------------------------------
+# loading and launching
+
+class Kernel:
+    """One kernel of a loaded library, called like cupy.RawKernel: kernel(grid, block, args)."""
+
+    def __init__(self, library, name):
+        self.name = name
+        try:
+            self._launch = getattr(library, f"llmc_emu_launch_{name}")
+            parameters = getattr(library, f"llmc_emu_parameters_{name}")
+        except AttributeError:
+            raise EmulatorError(f"no kernel named {name}") from None
+        self._launch.restype = ctypes.c_int
+        self._error = library.llmc_emu_error
+        self._error.restype = ctypes.c_char_p
+        sizes, pointers = (ctypes.c_int * MAX_PARAMETERS)(), (ctypes.c_int * MAX_PARAMETERS)()
+        n = parameters(sizes, pointers)
+        self.parameter_sizes = list(sizes[:n])
+        self.parameter_pointers = [bool(p) for p in pointers[:n]]
+
+    def argument_buffer(self, args):
+        """ctypes storage for each argument and the void* array pointing at them. Raises TypeError
+        when the count or a size does not match the kernel's C signature."""
+        if len(args) != len(self.parameter_sizes):
+            raise TypeError(f"kernel {self.name}: {len(args)} arguments, its signature has {len(self.parameter_sizes)}")
+        storage = []
+        for i, (arg, size, pointer) in enumerate(zip(args, self.parameter_sizes, self.parameter_pointers)):
+            if isinstance(arg, np.ndarray):
+                if not hasattr(arg.data, "ptr"):     # CuPy refuses host arrays too
+                    raise TypeError(f"kernel {self.name}: argument {i} is a host numpy array; "
+                                    "pass a device array (llmc.emulator.device)")
+                if not pointer:
+                    raise TypeError(f"kernel {self.name}: argument {i} is an array, the parameter is a "
+                                    f"{size}-byte scalar")
+                storage.append(ctypes.c_void_p(address_of(arg)))
+            elif isinstance(arg, np.generic):
+                if arg.itemsize != size:
+                    raise TypeError(f"kernel {self.name}: argument {i} is {arg.dtype} ({arg.itemsize} bytes), "
+                                    f"the parameter has {size} bytes")
+                storage.append(ctypes.create_string_buffer(arg.tobytes(), size))
+            else:
+                raise TypeError(f"kernel {self.name}: argument {i} is {type(arg).__name__}; pass an array or a "
+                                f"NumPy scalar (np.int32, np.float32, np.uint64) typed as the C signature")
+        pointers = (ctypes.c_void_p * max(1, len(storage)))(*[ctypes.addressof(s) for s in storage])
+        return storage, pointers
+
+    def launch(self, grid, block, storage, pointers):
+        """Run the grid (x, y, z) of blocks (x, y, z) on the arguments argument_buffer made.
+        Raises EmulatorError with the launcher's message when the launch breaks a CUDA rule."""
+        rc = self._launch((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), pointers)
+        if rc != 0:
+            raise EmulatorError(self._error().decode())
+
+    def __call__(self, grid, block, args):
+        storage, pointers = self.argument_buffer(args)
+        self.launch(dims(grid), dims(block), storage, pointers)
+
+
+def dims(d):
+    """An int or a tuple of up to 3 ints -> (x, y, z)."""
+    d = (d,) if isinstance(d, (int, np.integer)) else tuple(d)
+    if not 1 <= len(d) <= 3:
+        raise ValueError(f"grid and block have 1 to 3 dimensions, not {d}")
+    return tuple(int(v) for v in d) + (1,) * (3 - len(d))
+
+
+def address_of(arr):
+    """Host address of an emulated device array's first element."""
+    return arr.data.ptr
+
+
+class Library:
+    """A loaded kernel library of the .cu file `path`: .kernel(name) -> Kernel; .names: the
+    file's kernels in order. Compiled (or found in the cache) on construction."""
+
+    def __init__(self, path, defines, include_dirs=(KERNELS_DIR,), mode="fibers"):
+        self.path = library_path(path, defines, include_dirs, mode)
+        self.library = ctypes.CDLL(self.path)
+        with open(path) as f:
+            self.names = kernel_names(f.read())
+        if mode == "fibers":
+            offsets, sizes, anchor = shared_arrays(self.path)
+            n = len(offsets)
+            self.library.llmc_emu_set_shared(ctypes.c_int(n), (ctypes.c_long * max(1, n))(*offsets),
+                                             (ctypes.c_long * max(1, n))(*sizes), ctypes.c_long(anchor))
+        self._kernels = {}
+
+    def kernel(self, name):
+        if name not in self._kernels:
+            self._kernels[name] = Kernel(self.library, name)
+        return self._kernels[name]
+
+
+def kernel_library(file, precision, mode="fibers"):
+    """kernels/<file>.cu (or the .cu path `file`) loaded for `precision` ("bf16", "fp32")."""
+    return Library(source_path(file), [PRECISION_DEFINES[precision]], (KERNELS_DIR,), mode)
+
+
+# ----------------------------------------------------------------------------
+# sanitizer runs: a Python interpreter with the sanitizer linked in
+
+SANITIZER_LINK_FLAGS = {"tsan": ("-fsanitize=thread",), "asan": ("-fsanitize=address,undefined",)}
+
+
+def sanitizer_python(mode):
+    """Path of a python3 executable linked with the sanitizer of `mode` ("tsan", "asan"), built
+    once into the cache from shim/sanitizer_python.cpp with python3-config's flags. Raises
+    EmulatorError when it cannot be built."""
+    import sysconfig
+    source = os.path.join(SHIM_DIR, "sanitizer_python.cpp")
+    include = sysconfig.get_path("include")
+    libdir = sysconfig.get_config_var("LIBDIR")
+    version = sysconfig.get_config_var("LDVERSION") or sysconfig.get_python_version()
+    flags = [*SANITIZER_LINK_FLAGS[mode], "-g", f"-I{include}", source, f"-L{libdir}", f"-lpython{version}",
+             "-ldl", "-lm", f"-Wl,-rpath,{libdir}"]
+    with open(source, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(flags + [compiler_version()]).encode()).hexdigest()[:16]
+    out = os.path.join(CACHE_DIR, f"python-{mode}-{key}")
+    if not os.path.isfile(out):
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        result = subprocess.run([CXX, *flags, "-o", out + ".tmp"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise EmulatorError(f"cannot build a {mode} python (needs libpython and the sanitizer runtime):\n"
+                                f"{result.stderr[-3000:]}")
+        os.replace(out + ".tmp", out)
+    return out
+
+
+def sanitizer_environment(mode):
+    """Environment for a sanitizer run: the build mode for llmc.emulator.device, and the
+    sanitizer's options (stop at the first report, with exit code SANITIZER_EXIT_CODE)."""
+    env = dict(os.environ, LLMC_EMULATOR_MODE=mode, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["TSAN_OPTIONS"] = f"halt_on_error=1 exitcode={SANITIZER_EXIT_CODE} report_signal_unsafe=0"
+    env["ASAN_OPTIONS"] = f"detect_leaks=0 halt_on_error=1 exitcode={SANITIZER_EXIT_CODE}"
+    env["UBSAN_OPTIONS"] = f"halt_on_error=1 print_stacktrace=1 exitcode={SANITIZER_EXIT_CODE}"
+    return env
+
+
+SANITIZER_EXIT_CODE = 66

@@ -1,0 +1,170 @@
+"""llmc/emulator/cublas.py: the cuBLAS calls of llmc.cuda.gemm on the emulated device, with the
+same functions and arguments as cupy_backends.cuda.libs.cublas, on host addresses.
+
+The contract is cuBLAS's, exactly: matrices are column-major; op(A) is m x k, stored as A (m x k,
+leading dimension lda >= m) for CUBLAS_OP_N or as its transpose (k x m, lda >= k) for
+CUBLAS_OP_T; op(B) is k x n the same way (ldb); C is m x n (ldc >= m). C = alpha op(A) op(B) +
+beta C, with alpha and beta read from host memory (pointer mode host) when the call is made; C is
+not read when beta == 0 (it may hold NaN). The strided-batched call repeats this for `batch`
+matrices that start stride_a, stride_b, stride_c elements apart. A leading dimension below the
+stored matrix's rows, a negative size or an unknown enum raises CUBLASError
+(CUBLAS_STATUS_INVALID_VALUE, as cuBLAS returns it); a wrong but legal leading dimension reads
+the memory that cuBLAS would read, so the result is wrong in the same way.
+
+Numerics: inputs (fp32, or bf16 converted exactly) are multiplied in fp32 by NumPy's matmul (fp32
+accumulation, in the BLAS's order, not cuBLAS's); CUBLAS_COMPUTE_32F_FAST_TF32 first rounds fp32
+inputs to TF32 (10 mantissa bits, to nearest even); a bf16 C is rounded to nearest even.
+
+What it is not: cuBLAS's numerics (its summation order and tensor-core rounding differ), its
+speed, or its other calls.
+"""
+
+import ctypes
+
+import numpy as np
+
+from llmc.emulator.device import enqueue
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+
+# enums (cublas_api.h, library_types.h), the values llmc.cuda uses
+CUBLAS_OP_N = 0
+CUBLAS_OP_T = 1
+CUBLAS_OP_C = 2
+CUDA_R_32F = 0
+CUDA_R_16BF = 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_COMPUTE_32F_FAST_TF32 = 77
+CUBLAS_POINTER_MODE_HOST = 0
+CUBLAS_POINTER_MODE_DEVICE = 1
+CUBLAS_STATUS_INVALID_VALUE = 7
+CUBLAS_STATUS_NOT_SUPPORTED = 15
+
+DATA_TYPES = {CUDA_R_32F: np.dtype(np.float32), CUDA_R_16BF: np.dtype(np.uint16)}   # bf16 as its bits
+COMPUTE_TYPES = (CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32)
+TF32_DROPPED_BITS = 13                 # fp32 has 23 mantissa bits, TF32 10
+
+_POINTER_MODE = {}                     # handle -> pointer mode
+
+
+class CUBLASError(RuntimeError):
+    """A call cuBLAS would refuse; .status is the cublasStatus_t it would return."""
+
+    def __init__(self, status, message):
+        super().__init__(f"CUBLAS_STATUS {status}: {message}")
+        self.status = status
+
+
+def setPointerMode(handle, mode):
+    if mode not in (CUBLAS_POINTER_MODE_HOST, CUBLAS_POINTER_MODE_DEVICE):
+        raise CUBLASError(CUBLAS_STATUS_INVALID_VALUE, f"setPointerMode: unknown mode {mode}")
+    _POINTER_MODE[handle] = mode
+
+
+def getPointerMode(handle):
+    return _POINTER_MODE.get(handle, CUBLAS_POINTER_MODE_HOST)
+
+
+def _scalar(ptr):
+    """The fp32 scalar at host (or, the same here, device) address ptr."""
+    return ctypes.c_float.from_address(ptr).value
+
+
+def _matrix(ptr, dtype, rows, cols, ld, writeable=False):
+    """The column-major rows x cols matrix at address ptr with leading dimension ld, as a strided
+    NumPy view of exactly the memory cuBLAS reads: element (i, j) at ptr + (i + j*ld) * itemsize."""
+    if rows == 0 or cols == 0:
+        return np.zeros((rows, cols), dtype)
+    extent = (cols - 1) * ld + rows
+    buffer = (ctypes.c_char * (extent * dtype.itemsize)).from_address(ptr)
+    view = np.ndarray((rows, cols), dtype, buffer=buffer, strides=(dtype.itemsize, ld * dtype.itemsize))
+    view.flags.writeable = writeable
+    return view
+
+
+def _to_float32(x, dtype, tf32):
+    x = bfloat16_bits_to_float32(x) if dtype == np.uint16 else np.array(x, dtype=np.float32)
+    if tf32:                           # round to nearest even at bit 13, then clear the dropped bits
+        bits = x.view(np.uint32)
+        half = np.uint32(1 << (TF32_DROPPED_BITS - 1)) - np.uint32(1)
+        bits = (bits + half + ((bits >> TF32_DROPPED_BITS) & np.uint32(1))) & ~np.uint32((1 << TF32_DROPPED_BITS) - 1)
+        finite = np.isfinite(x)
+        x = np.where(finite, bits.view(np.float32), x)
+    return x
+
+
+def _check(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, compute, batch=1):
+    for label, op in (("transa", transa), ("transb", transb)):
+        if op not in (CUBLAS_OP_N, CUBLAS_OP_T):
+            raise CUBLASError(CUBLAS_STATUS_INVALID_VALUE, f"{name}: {label}={op} (N=0 and T=1 are emulated)")
+    if min(m, n, k, batch) < 0:
+        raise CUBLASError(CUBLAS_STATUS_INVALID_VALUE, f"{name}: negative size m={m} n={n} k={k} batch={batch}")
+    a_rows = m if transa == CUBLAS_OP_N else k
+    b_rows = k if transb == CUBLAS_OP_N else n
+    for label, ld, rows in (("lda", lda, a_rows), ("ldb", ldb, b_rows), ("ldc", ldc, m)):
+        if ld < max(1, rows):
+            raise CUBLASError(CUBLAS_STATUS_INVALID_VALUE, f"{name}: {label}={ld} < {max(1, rows)}, the rows of the "
+                                                           f"stored matrix")
+    for label, t in (("Atype", Atype), ("Btype", Btype), ("Ctype", Ctype)):
+        if t not in DATA_TYPES:
+            raise CUBLASError(CUBLAS_STATUS_NOT_SUPPORTED, f"{name}: {label}={t} (CUDA_R_32F and CUDA_R_16BF are emulated)")
+    if not Atype == Btype == Ctype:
+        raise CUBLASError(CUBLAS_STATUS_NOT_SUPPORTED, f"{name}: mixed data types {Atype}, {Btype}, {Ctype}")
+    if compute not in COMPUTE_TYPES:
+        raise CUBLASError(CUBLAS_STATUS_NOT_SUPPORTED, f"{name}: compute type {compute}")
+    if compute == CUBLAS_COMPUTE_32F_FAST_TF32 and Atype != CUDA_R_32F:
+        raise CUBLASError(CUBLAS_STATUS_NOT_SUPPORTED, f"{name}: TF32 compute with non-fp32 data")
+    return a_rows, b_rows
+
+
+def _gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, tf32):
+    """One column-major product on host addresses A, B, C; alpha, beta are floats."""
+    if m == 0 or n == 0:
+        return
+    c = _matrix(C, dtype, m, n, ldc, writeable=True)
+    if k == 0:
+        product = np.zeros((m, n), np.float32)
+    else:
+        a = _to_float32(_matrix(A, dtype, m if transa == CUBLAS_OP_N else k, k if transa == CUBLAS_OP_N else m, lda),
+                        dtype, tf32)
+        b = _to_float32(_matrix(B, dtype, k if transb == CUBLAS_OP_N else n, n if transb == CUBLAS_OP_N else k, ldb),
+                        dtype, tf32)
+        a = a if transa == CUBLAS_OP_N else a.T                # (m,k)
+        b = b if transb == CUBLAS_OP_N else b.T                # (k,n)
+        product = np.matmul(a, b)                              # (m,k) @ (k,n) -> (m,n), fp32
+    out = np.float32(alpha) * product
+    if beta != 0.0:                                            # beta == 0: C is not read
+        out = out + np.float32(beta) * _to_float32(c, dtype, False)
+    c[...] = float32_to_bfloat16_bits(out) if dtype == np.uint16 else out
+
+
+def _scalars(handle, name, alpha, beta):
+    if getPointerMode(handle) != CUBLAS_POINTER_MODE_HOST:
+        raise CUBLASError(CUBLAS_STATUS_NOT_SUPPORTED, f"{name}: device pointer mode is not emulated")
+    return _scalar(alpha), _scalar(beta)
+
+
+def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+           computeType, algo):
+    """C (m,n) = alpha op(A) (m,k) op(B) (k,n) + beta C, column-major, on host addresses."""
+    _check("gemmEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType)
+    a, b = _scalars(handle, "gemmEx", alpha, beta)             # read now, as cuBLAS does
+    tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32
+    enqueue(lambda: _gemm(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, DATA_TYPES[Ctype], tf32))
+
+
+def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB,
+                         beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
+    """gemmEx repeated for batchCount products; matrix i of A starts i*strideA elements after A
+    (likewise B, C)."""
+    _check("gemmStridedBatchedEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType,
+           batchCount)
+    a, b = _scalars(handle, "gemmStridedBatchedEx", alpha, beta)
+    dtype = DATA_TYPES[Ctype]
+    tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32
+
+    def run():
+        size = dtype.itemsize
+        for i in range(batchCount):
+            _gemm(transa, transb, m, n, k, a, A + i * strideA * size, lda, B + i * strideB * size, ldb, b,
+                  C + i * strideC * size, ldc, dtype, tf32)
+    enqueue(run)

@@ -1,0 +1,432 @@
+"""llmc/emulator/device.py: the emulated CUDA device's array module, the subset of CuPy that
+gpt2_cuda.py and llmc/ call, with device memory as host memory.
+
+What it is: llmc.cuda.cupy() returns this module when the device is "cpu". Arrays are NumPy
+arrays (a subclass, `ndarray`) with CuPy's device-side surface: .data.ptr (a host address),
+.get() / .set(); allocations start 256-byte aligned as CuPy's pool does, and empty() fills its
+memory with 0xff bytes (NaN in fp32 and bf16), so a kernel that reads memory it never wrote shows
+NaN instead of a lucky zero. RawModule compiles a kernel source with g++ through
+llmc.emulator.build and its functions launch with CuPy's (grid, block, args). There is one
+stream; work runs when it is issued, except while a stream is capturing: then kernel launches,
+cp.add and the emulated vendor-library calls are recorded (enqueue) and a Graph replays them.
+
+What it is not: CuPy. No asynchrony, no second device, no unified-memory semantics; only the
+calls listed below.
+
+    python -c "from llmc.emulator import device as cp; print(cp.zeros(3).data.ptr % 256)"   # 0
+"""
+
+import os
+import types
+import weakref
+
+import numpy as np
+
+from llmc.emulator import build
+
+ALLOCATION_ALIGNMENT = 256             # bytes, as CuPy's memory pool
+UNINITIALIZED_BYTE = 0xFF              # what empty() leaves: NaN in fp32 and bf16
+EMULATED_COMPUTE_CAPABILITY = (8, 0)   # bf16 kernels, as an A100 (no tensor cores: scalar tile ops)
+DEVICE_NAME = "emulated CUDA device (CPU)"
+# The sanitizer runs (dev/sanitize_kernels.py) set these: RawModule builds in that mode ("tsan",
+# "asan"), and allocations end exactly where the array does (16-byte aligned, as malloc gives),
+# so that a write past the end lands in AddressSanitizer's redzone instead of alignment slack
+BUILD_MODE = os.environ.get("LLMC_EMULATOR_MODE", "fibers")
+EXACT_ALLOCATIONS = BUILD_MODE == "asan"
+
+
+# ----------------------------------------------------------------------------
+# arrays
+
+class MemoryPointer:
+    """CuPy's arr.data: .ptr is the address of the array's first element (here a host address)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class ndarray(np.ndarray):
+    """A NumPy array standing for a CuPy array on the emulated device. Views stay ndarray."""
+
+    @property
+    def data(self):
+        return MemoryPointer(self.__array_interface__["data"][0])
+
+    def fill(self, value):
+        """An elementwise kernel in CuPy, so it is recorded while a stream captures."""
+        enqueue(lambda: np.ndarray.fill(self, value))
+
+    def __setitem__(self, index, value):
+        """Assignment into a device array is a CuPy kernel too: recorded while capturing."""
+        enqueue(lambda: np.ndarray.__setitem__(self, index, value))
+
+    def get(self, stream=None, out=None):
+        """A host (NumPy) copy, as cupy.ndarray.get()."""
+        host = np.array(self.view(np.ndarray), copy=True)
+        if out is not None:
+            out[...] = host
+            return out
+        return host
+
+    def set(self, arr, stream=None):
+        """Copy the host array `arr` in, as cupy.ndarray.set(): same shape and dtype, and `self`
+        C-contiguous. Raises TypeError / ValueError otherwise."""
+        if not isinstance(arr, np.ndarray) or isinstance(arr, ndarray):
+            raise TypeError(f"set: expected a host numpy.ndarray, got {type(arr).__name__}")
+        if self.shape != arr.shape:
+            raise ValueError(f"set: shape mismatch {arr.shape} -> {self.shape}")
+        if self.dtype != arr.dtype:
+            raise TypeError(f"set: dtype mismatch {arr.dtype} -> {self.dtype}")
+        if not self.flags.c_contiguous:
+            raise RuntimeError("set: cannot copy into a non-contiguous array")
+        np.copyto(self.view(np.ndarray), arr)
+
+
+class MemoryPool:
+    """get_default_memory_pool(): the bytes held by live arrays of this device."""
+
+    def __init__(self):
+        self.used = 0
+
+    def used_bytes(self):
+        return self.used
+
+    def total_bytes(self):
+        return self.used
+
+    def free_all_blocks(self):
+        pass
+
+    def _release(self, nbytes):
+        self.used -= nbytes
+
+
+_POOL = MemoryPool()
+
+
+def get_default_memory_pool():
+    return _POOL
+
+
+def get_default_pinned_memory_pool():
+    return _POOL
+
+
+def _allocate(shape, dtype, fill_byte):
+    """A device array of `shape`, `dtype` whose first byte is ALLOCATION_ALIGNMENT-aligned."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if EXACT_ALLOCATIONS:              # AddressSanitizer: the byte after the array is malloc's redzone
+        raw = np.empty(nbytes, dtype=np.uint8)
+        offset = 0
+    else:
+        raw = np.empty(nbytes + ALLOCATION_ALIGNMENT, dtype=np.uint8)
+        offset = (-raw.ctypes.data) % ALLOCATION_ALIGNMENT
+    buffer = raw[offset:offset + nbytes]
+    buffer.fill(fill_byte)
+    _POOL.used += nbytes
+    weakref.finalize(raw, _POOL._release, nbytes)
+    return buffer.view(dtype).reshape(shape).view(ndarray)
+
+
+def empty(shape, dtype=np.float32, order="C"):
+    """Uninitialized device memory: every byte 0xff (NaN in fp32 and bf16)."""
+    return _allocate(shape, dtype, UNINITIALIZED_BYTE)
+
+
+def zeros(shape, dtype=np.float32, order="C"):
+    return _allocate(shape, dtype, 0)
+
+
+def ones(shape, dtype=np.float32):
+    out = _allocate(shape, dtype, 0)
+    out.view(np.ndarray)[...] = 1
+    return out
+
+
+def full(shape, fill_value, dtype=np.float32):
+    out = _allocate(shape, dtype, 0)
+    out.view(np.ndarray)[...] = fill_value
+    return out
+
+
+def zeros_like(a, dtype=None):
+    return zeros(a.shape, dtype or a.dtype)
+
+
+def empty_like(a, dtype=None):
+    return empty(a.shape, dtype or a.dtype)
+
+
+def asarray(a, dtype=None):
+    """A device copy of a host array (or `a` itself if it is already a device array of `dtype`)."""
+    if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
+        return a
+    host = np.asarray(a, dtype=dtype)
+    out = _allocate(host.shape, host.dtype, 0)
+    np.copyto(out.view(np.ndarray), host)
+    return out
+
+
+array = asarray
+
+
+def asnumpy(a, stream=None):
+    """A host copy of a device array (a host array is returned as it is, as cupy.asnumpy)."""
+    return a.get() if isinstance(a, ndarray) else np.asarray(a)
+
+
+def arange(*args, dtype=None):
+    return asarray(np.arange(*args, dtype=dtype))
+
+
+def add(x1, x2, out=None):
+    """cupy.add: an elementwise kernel, so it is recorded while a stream captures."""
+    if out is None:
+        out = empty(np.broadcast_shapes(np.shape(x1), np.shape(x2)), np.result_type(x1, x2))
+    enqueue(lambda: np.add(x1, x2, out=out))
+    return out
+
+
+# ----------------------------------------------------------------------------
+# streams, capture and graphs
+
+class Stream:
+    """A CUDA stream. Work runs when issued; while capturing, enqueue() records it instead."""
+
+    null = None
+    _current = None
+
+    def __init__(self, null=False, non_blocking=False, ptr=0):
+        self.ptr = 0 if null else id(self)
+        self._captured = None
+
+    def use(self):
+        Stream._current = self
+        return self
+
+    def synchronize(self):
+        pass
+
+    def begin_capture(self, mode=None):
+        if self._captured is not None:
+            raise RuntimeError("begin_capture: this stream is already capturing")
+        if self.ptr == 0:
+            raise RuntimeError("begin_capture: the legacy (null) stream cannot capture")
+        self._captured = []
+
+    def is_capturing(self):
+        return self._captured is not None
+
+    def end_capture(self):
+        if self._captured is None:
+            raise RuntimeError("end_capture: this stream is not capturing")
+        graph, self._captured = Graph(self._captured), None
+        return graph
+
+    def __enter__(self):
+        self._previous = Stream._current
+        return self.use()
+
+    def __exit__(self, *exc):
+        Stream._current = self._previous
+
+
+Stream.null = Stream(null=True)
+Stream._current = Stream.null
+
+
+class Graph:
+    """A captured CUDA graph: the recorded work, replayed in order by launch()."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def launch(self, stream=None):
+        for fn in self.work:
+            fn()
+
+    def upload(self, stream=None):
+        pass
+
+
+def get_current_stream():
+    return Stream._current
+
+
+def enqueue(fn):
+    """Issue the device work `fn` (a function of no arguments) on the current stream: run it now,
+    or record it while the stream captures. Every emulated device operation goes through here."""
+    captured = Stream._current._captured
+    if captured is not None:
+        captured.append(fn)
+    else:
+        fn()
+
+
+class Event:
+    """cupy.cuda.Event: record() notes the host time; elapsed time between two, in ms."""
+
+    def __init__(self, *args, **kwargs):
+        self.time = None
+
+    def record(self, stream=None):
+        import time
+        self.time = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+def get_elapsed_time(start, end):
+    return (end.time - start.time) * 1e3
+
+
+# ----------------------------------------------------------------------------
+# the runtime: one device
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def _host_memory():
+    """(free, total) bytes of host memory: the emulated device's memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", info["MemFree"]), info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total
+
+
+def _device_properties(index):
+    _check_device(index)
+    major, minor = EMULATED_COMPUTE_CAPABILITY
+    return {"name": DEVICE_NAME.encode(), "major": major, "minor": minor, "totalGlobalMem": _host_memory()[1],
+            "multiProcessorCount": os.cpu_count() or 1, "warpSize": 32, "maxThreadsPerBlock": 1024,
+            "sharedMemPerBlock": 49152}
+
+
+def _check_device(index):
+    if index != 0:
+        raise CUDARuntimeError(f"cudaErrorInvalidDevice: the emulated device has one device, not {index}")
+
+
+runtime = types.SimpleNamespace(
+    getDeviceCount=lambda: 1,
+    getDeviceProperties=_device_properties,
+    memGetInfo=_host_memory,
+    deviceSynchronize=lambda: None,
+    getDevice=lambda: 0,
+    CUDARuntimeError=CUDARuntimeError,
+)
+
+
+class Device:
+    """cupy.cuda.Device(i): only device 0 exists."""
+
+    def __init__(self, index=0):
+        _check_device(index)
+        self.id = index
+
+    def use(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+    @property
+    def compute_capability(self):
+        return "".join(map(str, EMULATED_COMPUTE_CAPABILITY))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+_CUBLAS_HANDLE = 1
+
+
+def get_cublas_handle():
+    """The handle llmc.emulator.cublas takes (its calls run on the current stream)."""
+    return _CUBLAS_HANDLE
+
+
+def alloc_pinned_memory(nbytes):
+    """Page-locked host memory stands for ordinary host memory here: a bytearray."""
+    return bytearray(nbytes)
+
+
+class CompileException(Exception):
+    """g++ rejected a kernel source (cupy.cuda.compiler.CompileException)."""
+
+    def get_message(self):
+        return str(self)
+
+
+# ----------------------------------------------------------------------------
+# kernel modules
+
+class RawModule:
+    """cupy.RawModule(code=, options=): the source compiled by g++ against the shim (cached on
+    disk), its kernels fetched by get_function(name) and called as kernel(grid, block, args).
+    Options: -D and -I are used; the rest (e.g. --std=c++17) are NVRTC's and ignored."""
+
+    def __init__(self, code=None, options=(), path=None, name_expressions=None, **kwargs):
+        if code is None:
+            raise ValueError("the emulated device compiles kernel sources: pass code=")
+        self.code = code
+        self.options = tuple(options)
+        self.library = None
+
+    def compile(self, log_stream=None):
+        if self.library is not None:
+            return
+        defines = [o for o in self.options if o.startswith("-D")]
+        include_dirs = [o[2:] for o in self.options if o.startswith("-I")]
+        path = build.source_file(self.code)
+        try:
+            self.library = build.Library(path, defines, include_dirs, BUILD_MODE)
+        except build.EmulatorError as e:
+            raise CompileException(str(e)) from None
+
+    def get_function(self, name):
+        self.compile()
+        kernel = self.library.kernel(name)
+        return RawKernel(kernel)
+
+
+class RawKernel:
+    """A compiled kernel: called as cupy.RawKernel, (grid, block, args); recorded while a stream
+    captures, with its arguments as they are now (the captured graph replays the same pointers
+    and scalars, as CUDA's does)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.name = kernel.name
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        if shared_mem:
+            raise ValueError(f"kernel {self.name}: dynamic shared memory is not emulated")
+        grid, block = build.dims(grid), build.dims(block)
+        storage, pointers = self.kernel.argument_buffer(args)
+        enqueue(lambda: self.kernel.launch(grid, block, storage, pointers))
+
+
+cuda = types.SimpleNamespace(
+    Stream=Stream,
+    Event=Event,
+    Graph=Graph,
+    Device=Device,
+    get_current_stream=get_current_stream,
+    get_elapsed_time=get_elapsed_time,
+    runtime=runtime,
+    device=types.SimpleNamespace(get_cublas_handle=get_cublas_handle, Device=Device),
+    compiler=types.SimpleNamespace(CompileException=CompileException),
+    alloc_pinned_memory=alloc_pinned_memory,
+    MemoryPointer=MemoryPointer,
+)

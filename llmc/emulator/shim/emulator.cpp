@@ -1,0 +1,682 @@
+/*
+llmc/emulator/shim/emulator.cpp: the emulated device's launcher, compiled into every kernel
+library after the kernel file (llmc/emulator/build.py generates the unit that includes both).
+
+A launch runs a grid of blocks. Blocks are handed out to workers (the calling thread plus
+persistent OS threads, one per core) in blockIdx order. A worker runs one block at a time: each
+CUDA thread of the block is a fiber with its own stack, started in threadIdx order and run until
+it finishes or waits (at __syncthreads or a warp-synchronous call); a wait that completes its
+group wakes the others. If every unfinished thread waits and no group can complete, the block is
+deadlocked (a barrier some threads skip, a mask naming a lane that left): the launch stops and
+says which threads wait where.
+
+With LLMC_EMU_OS_THREADS (the sanitizer builds), each CUDA thread of a block is an OS thread,
+the same waits are a condition variable, and blocks run one after another.
+
+Errors (a broken warp rule, a deadlock) stop the launch; llmc_emu_launch returns 1 and
+llmc_emu_error() holds the message. In OS-thread mode they print it and abort.
+*/
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <stdarg.h>
+#include <string>
+#include <sched.h>
+#include <sys/mman.h>
+#include <thread>
+#include <vector>
+#ifndef LLMC_EMU_OS_THREADS
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+#endif
+
+// the shim's bookkeeping, which ThreadSanitizer must not see (OS-thread mode, below)
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#define NO_TSAN __attribute__((no_sanitize("thread")))
+static void happens_before(void* sync) { __tsan_release(sync); }
+static void happens_after(void* sync) { __tsan_acquire(sync); }
+#else
+#define NO_TSAN
+[[maybe_unused]] static void happens_before(void*) {}
+[[maybe_unused]] static void happens_after(void*) {}
+#endif
+
+thread_local uint3 threadIdx;
+thread_local uint3 blockIdx;
+dim3 blockDim;
+dim3 gridDim;
+
+namespace llmc_emu {
+
+constexpr int WARP = 32;
+constexpr int MAX_THREADS_PER_BLOCK = 1024;
+constexpr unsigned MAX_GRID_YZ = 65535;
+
+// ----------------------------------------------------------------------------
+// the state of one block in flight
+
+enum Wait { RUNNING, AT_BARRIER, AT_WARP_CALL, FINISHED };
+
+struct CudaThread {
+    uint3 idx;
+    int linear;                     // x + y*bx + z*bx*by: lane = linear % 32, warp = linear / 32
+    Wait wait;
+    WarpOp op;                      // the warp call it waits in, and what it brought
+    unsigned mask;
+    unsigned long long value, result;
+    int source;
+    const char* what;
+    void* sp;                       // fiber mode: saved stack pointer
+    int stack;                      // fiber mode: index of its stack, -1 before it starts
+#if !defined(LLMC_EMU_OS_THREADS) && !defined(__x86_64__)
+    ucontext_t context;
+#endif
+};
+
+struct Block {
+    int n, live, at_barrier, waiting;
+    unsigned warp_arrived[MAX_THREADS_PER_BLOCK / WARP];
+    std::vector<CudaThread> threads;
+};
+
+struct Launch {
+    const char* name;
+    void (*body)(void*);
+    void* args;
+    long num_blocks;
+    std::atomic<long> next_block;
+};
+
+static Launch* launch_now;
+static std::atomic<bool> failed;
+static std::mutex error_mutex;
+static std::string error_message;
+
+static void record_error(const uint3& block, const CudaThread* t, const char* format, va_list ap) {
+    char text[768];
+    vsnprintf(text, sizeof(text), format, ap);
+    char where[256];
+    if (t) {
+        snprintf(where, sizeof(where), "kernel %s, block (%u,%u,%u), thread (%u,%u,%u): ", launch_now->name,
+                 block.x, block.y, block.z, t->idx.x, t->idx.y, t->idx.z);
+    } else {
+        snprintf(where, sizeof(where), "kernel %s, block (%u,%u,%u): ", launch_now->name, block.x, block.y, block.z);
+    }
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (!failed.exchange(true)) {
+        error_message = std::string(where) + text;
+    }
+}
+
+static void record_error(const uint3& block, const CudaThread* t, const char* format, ...) {
+    va_list ap;
+    va_start(ap, format);
+    record_error(block, t, format, ap);
+    va_end(ap);
+}
+
+static const char* op_name(const CudaThread& t) { return t.wait == AT_BARRIER ? "__syncthreads" : t.what; }
+
+// which threads wait where, for the deadlock message
+NO_TSAN static std::string describe_waits(const Block& b) {
+    std::string s;
+    int shown = 0;
+    for (const CudaThread& t : b.threads) {
+        if (t.wait == AT_BARRIER || t.wait == AT_WARP_CALL) {
+            if (shown++ == 8) {
+                s += "; ...";
+                break;
+            }
+            char line[160];
+            snprintf(line, sizeof(line), "%sthread %d in %s", shown > 1 ? "; " : "", t.linear, op_name(t));
+            s += line;
+            if (t.wait == AT_WARP_CALL) {
+                snprintf(line, sizeof(line), " (mask 0x%08x)", t.mask);
+                s += line;
+            }
+        }
+    }
+    int finished = b.n - b.live;
+    if (finished) {
+        s += "; " + std::to_string(finished) + " thread(s) finished";
+    }
+    return s;
+}
+
+// ----------------------------------------------------------------------------
+// the rules of the synchronizing calls, shared by both modes. `wake` makes a waiting thread
+// runnable; each returns false (with the error recorded) when a rule is broken.
+
+NO_TSAN static unsigned lanes_of_warp(const Block& b, int warp) {
+    int lanes = b.n - warp * WARP < WARP ? b.n - warp * WARP : WARP;
+    return lanes == WARP ? 0xffffffffu : (1u << lanes) - 1u;
+}
+
+// lane t arrives at a warp call; completes its group if it is the last of the mask to arrive
+template <class Wake>
+NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, bool* completed, Wake wake) {
+    const int warp = t.linear / WARP, lane = t.linear % WARP;
+    const uint3 block = blockIdx;
+    if (!(t.mask >> lane & 1u)) {
+        record_error(block, &t, "%s: the calling lane %d is not in its mask 0x%08x", t.what, lane, t.mask);
+        return false;
+    }
+    const unsigned existing = lanes_of_warp(b, warp);
+    if (t.mask & ~existing) {
+        record_error(block, &t, "%s: mask 0x%08x names lanes that do not exist (this warp has lanes 0x%08x)",
+                     t.what, t.mask, existing);
+        return false;
+    }
+    t.wait = AT_WARP_CALL;
+    b.warp_arrived[warp] |= 1u << lane;
+    *completed = (b.warp_arrived[warp] & t.mask) == t.mask;
+    if (!*completed) {
+        return true;
+    }
+    // every lane of the mask is waiting in a warp call: it must be the same call with the same mask
+    CudaThread* lanes = &b.threads[warp * WARP];
+    unsigned ballot = 0;
+    for (int l = 0; l < WARP; l++) {
+        if (!(t.mask >> l & 1u)) continue;
+        if (lanes[l].mask != t.mask || lanes[l].op != t.op) {
+            record_error(block, &t, "%s with mask 0x%08x: lane %d of the mask is waiting in %s with mask 0x%08x",
+                         t.what, t.mask, l, lanes[l].what, lanes[l].mask);
+            return false;
+        }
+        if (t.op == WARP_SHFL && !(t.mask >> lanes[l].source & 1u)) {
+            record_error(block, &lanes[l], "%s with mask 0x%08x: lane %d reads lane %d, which is not in the mask",
+                         t.what, t.mask, l, lanes[l].source);
+            return false;
+        }
+        ballot |= (unsigned)(lanes[l].value != 0) << l;
+    }
+    for (int l = 0; l < WARP; l++) {
+        if (!(t.mask >> l & 1u)) continue;
+        lanes[l].result = t.op == WARP_SHFL ? lanes[lanes[l].source].value : ballot;
+    }
+    b.warp_arrived[warp] &= ~t.mask;
+    for (int l = 0; l < WARP; l++) {
+        if (t.mask >> l & 1u) {
+            lanes[l].wait = RUNNING;
+            if (&lanes[l] != &t) wake(lanes[l]);
+        }
+    }
+    return true;
+}
+
+// all threads that have not finished wait at __syncthreads: release them (exited threads count
+// as arrived, as on sm_70+)
+template <class Wake>
+NO_TSAN static void barrier_release_if_complete(Block& b, CudaThread* self, Wake wake) {
+    if (b.at_barrier == 0 || b.at_barrier != b.live) return;
+    b.at_barrier = 0;
+    for (CudaThread& u : b.threads) {
+        if (u.wait == AT_BARRIER) {
+            u.wait = RUNNING;
+            if (&u != self) wake(u);
+        }
+    }
+}
+
+NO_TSAN static void init_block(Block& b, const dim3& block) {
+    b.n = (int)(block.x * block.y * block.z);
+    b.live = b.n;
+    b.at_barrier = 0;
+    b.waiting = 0;
+    memset(b.warp_arrived, 0, sizeof(b.warp_arrived));
+    b.threads.resize(b.n);
+    for (int i = 0; i < b.n; i++) {
+        CudaThread& t = b.threads[i];
+        t.idx = {(unsigned)i % block.x, ((unsigned)i / block.x) % block.y, (unsigned)i / (block.x * block.y)};
+        t.linear = i;
+        t.wait = RUNNING;
+        t.mask = 0;
+        t.op = WARP_SYNC;
+        t.value = t.result = 0;
+        t.source = 0;
+        t.what = "";
+        t.stack = -1;
+    }
+}
+
+static uint3 block_index(long i) {
+    return {(unsigned)(i % gridDim.x), (unsigned)(i / gridDim.x % gridDim.y), (unsigned)(i / ((long)gridDim.x * gridDim.y))};
+}
+
+#ifndef LLMC_EMU_OS_THREADS
+// ----------------------------------------------------------------------------
+// fiber mode
+
+constexpr size_t STACK_BYTES = 256 * 1024;       // per CUDA thread; the lowest page is a guard
+constexpr size_t GUARD_BYTES = 4096;
+
+// __shared__ arrays: thread_local, at these offsets from the start of this library's TLS block
+// (llmc/emulator/build.py reads them from the symbol table: readelf's TLS symbols)
+thread_local char llmc_emu_tls_anchor;
+static std::vector<std::pair<long, long>> shared_arrays;   // (offset, bytes)
+static long anchor_offset;
+
+struct Worker {
+    Block block;
+    void* scheduler_sp;
+#if !defined(__x86_64__)
+    ucontext_t scheduler_context;
+#endif
+    std::vector<char*> stacks;                   // all stacks this worker owns
+    std::vector<int> free_stacks;
+    std::vector<int> queue;                      // runnable threads, first in first out
+    size_t head;
+    CudaThread* current;
+};
+static thread_local Worker* this_worker;
+
+#if defined(__x86_64__)
+// switch(save, next): push the callee-saved registers and the SSE/x87 control words, store the
+// stack pointer in *save, load `next`, pop the same from it and return into that context
+extern "C" void llmc_emu_switch(void** save, void* next);
+asm(R"(
+    .text
+    .p2align 4
+    .type llmc_emu_switch, @function
+    .hidden llmc_emu_switch
+llmc_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size llmc_emu_switch, .-llmc_emu_switch
+)");
+#endif
+
+static void to_scheduler(Worker& w, CudaThread& t) {
+#if defined(__x86_64__)
+    llmc_emu_switch(&t.sp, w.scheduler_sp);
+#else
+    swapcontext(&t.context, &w.scheduler_context);
+#endif
+}
+
+[[noreturn]] static void fiber_main() {
+    Worker& w = *this_worker;
+    launch_now->body(launch_now->args);
+    CudaThread& t = *w.current;
+    t.wait = FINISHED;
+    w.block.live--;
+    barrier_release_if_complete(w.block, &t, [&](CudaThread& u) { w.queue.push_back(u.linear); });
+    to_scheduler(w, t);
+    __builtin_unreachable();
+}
+
+static void start_fiber(Worker& w, CudaThread& t) {
+    if (w.free_stacks.empty()) {
+        char* stack = (char*)mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (stack == MAP_FAILED) {
+            fputs("llmc emulator: out of memory for fiber stacks\n", stderr);
+            abort();
+        }
+        mprotect(stack, GUARD_BYTES, PROT_NONE);
+        w.stacks.push_back(stack);
+        w.free_stacks.push_back((int)w.stacks.size() - 1);
+    }
+    t.stack = w.free_stacks.back();
+    w.free_stacks.pop_back();
+    char* top = w.stacks[t.stack] + STACK_BYTES;
+#if defined(__x86_64__)
+    // the frame llmc_emu_switch pops: control words, r15..rbp, then `ret` enters fiber_main with
+    // the stack aligned as after a call (a zero return address above it ends backtraces)
+    unsigned long long* sp = (unsigned long long*)(top - 72);
+    sp[0] = 0x037f00001f80ull;                   // mxcsr 0x1f80, x87 control word 0x037f
+    for (int i = 1; i <= 6; i++) sp[i] = 0;
+    sp[7] = (unsigned long long)&fiber_main;
+    sp[8] = 0;
+    t.sp = sp;
+#else
+    getcontext(&t.context);
+    t.context.uc_stack.ss_sp = w.stacks[t.stack] + GUARD_BYTES;
+    t.context.uc_stack.ss_size = STACK_BYTES - GUARD_BYTES;
+    t.context.uc_link = nullptr;
+    makecontext(&t.context, (void (*)())fiber_main, 0);
+#endif
+}
+
+static void fill_shared_with_nan() {
+    char* base = &llmc_emu_tls_anchor - anchor_offset;
+    for (auto& [offset, bytes] : shared_arrays) memset(base + offset, 0xff, bytes);
+}
+
+static void run_block(Worker& w, long index) {
+    Block& b = w.block;
+    blockIdx = block_index(index);
+    init_block(b, blockDim);
+    fill_shared_with_nan();
+    w.queue.clear();
+    for (int i = 0; i < b.n; i++) w.queue.push_back(i);
+    w.head = 0;
+    while (w.head < w.queue.size()) {
+        CudaThread& t = b.threads[w.queue[w.head++]];
+        w.current = &t;
+        threadIdx = t.idx;
+        if (t.stack < 0) start_fiber(w, t);
+#if defined(__x86_64__)
+        llmc_emu_switch(&w.scheduler_sp, t.sp);
+#else
+        swapcontext(&w.scheduler_context, &t.context);
+#endif
+        if (failed.load(std::memory_order_relaxed)) break;
+        if (t.wait == FINISHED) w.free_stacks.push_back(t.stack);
+        if (w.head > 4096 && w.head == w.queue.size()) {
+            w.queue.clear();
+            w.head = 0;
+        }
+    }
+    if (!failed.load() && b.live > 0) {
+        record_error(blockIdx, nullptr, "deadlock: every unfinished thread waits and no wait can complete: %s",
+                     describe_waits(b).c_str());
+    }
+    if (failed.load()) {                         // abandon the block's fibers: their stacks are free again
+        w.free_stacks.clear();
+        for (int i = 0; i < (int)w.stacks.size(); i++) w.free_stacks.push_back(i);
+    }
+}
+
+static void wait_here(Worker& w, CudaThread& t) {
+    to_scheduler(w, t);
+    threadIdx = t.idx;                           // the scheduler set it already; gdb reads it here
+}
+
+[[noreturn]] void fail(const char* format, ...) {
+    Worker* w = this_worker;
+    va_list ap;
+    va_start(ap, format);
+    record_error(blockIdx, w ? w->current : nullptr, format, ap);
+    va_end(ap);
+    if (!w) {
+        fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
+        abort();
+    }
+    to_scheduler(*w, *w->current);
+    __builtin_unreachable();
+}
+
+unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
+    Worker& w = *this_worker;
+    CudaThread& t = *w.current;
+    t.op = op;
+    t.mask = mask;
+    t.value = value;
+    t.source = source;
+    t.what = what;
+    bool completed = false;
+    if (!warp_arrive(w.block, t, &completed, [&](CudaThread& u) { w.queue.push_back(u.linear); })) {
+        to_scheduler(w, t);                      // failed: never resumed
+    }
+    if (!completed) wait_here(w, t);
+    return t.result;
+}
+
+void sync_threads() {
+    Worker& w = *this_worker;
+    CudaThread& t = *w.current;
+    t.wait = AT_BARRIER;
+    w.block.at_barrier++;
+    barrier_release_if_complete(w.block, &t, [&](CudaThread& u) { w.queue.push_back(u.linear); });
+    if (t.wait == AT_BARRIER) wait_here(w, t);
+}
+
+// ----------------------------------------------------------------------------
+// the workers: the calling thread and num_workers - 1 persistent OS threads
+
+// never destroyed: at exit the pool's threads still wait on them (glibc's destructor of a
+// condition variable with waiters would block the exit)
+static std::mutex& pool_mutex = *new std::mutex;
+static std::condition_variable& pool_wake = *new std::condition_variable;
+static std::condition_variable& pool_done = *new std::condition_variable;
+static std::vector<std::thread>& pool = *new std::vector<std::thread>;
+static long pool_generation;
+static int pool_busy, pool_wanted;
+
+static void work(Worker& w) {
+    this_worker = &w;
+    for (long i; !failed.load(std::memory_order_relaxed) && (i = launch_now->next_block++) < launch_now->num_blocks;) {
+        run_block(w, i);
+    }
+}
+
+static void pool_thread(int id) {
+    Worker w;
+    long seen = 0;
+    for (;;) {
+        {
+            std::unique_lock<std::mutex> lock(pool_mutex);
+            pool_wake.wait(lock, [&] { return pool_generation != seen; });
+            seen = pool_generation;
+            if (id >= pool_wanted) continue;
+        }
+        work(w);
+        std::lock_guard<std::mutex> lock(pool_mutex);
+        if (--pool_busy == 0) pool_done.notify_all();
+    }
+}
+
+static int num_workers() {
+    const char* env = getenv("LLMC_EMULATOR_WORKERS");
+    int n = env ? atoi(env) : (int)std::thread::hardware_concurrency();
+    return n < 1 ? 1 : n;
+}
+
+static void run_grid(long num_blocks) {
+    static Worker caller;
+    const int helpers = (int)std::min<long>(num_workers(), num_blocks) - 1;
+    if (helpers > 0) {
+        std::lock_guard<std::mutex> lock(pool_mutex);
+        while ((int)pool.size() < helpers) {
+            pool.emplace_back(pool_thread, (int)pool.size());
+            pool.back().detach();
+        }
+        pool_wanted = helpers;
+        pool_busy = helpers;
+        pool_generation++;
+        pool_wake.notify_all();
+    }
+    work(caller);
+    this_worker = nullptr;
+    if (helpers > 0) {
+        std::unique_lock<std::mutex> lock(pool_mutex);
+        pool_done.wait(lock, [] { return pool_busy == 0; });
+    }
+}
+
+#else
+// ----------------------------------------------------------------------------
+// OS-thread mode (sanitizer builds): a block's CUDA threads are OS threads, blocks one at a time
+//
+// The shim's own bookkeeping must not order the kernel's memory accesses, or ThreadSanitizer
+// would miss a missing barrier: a mutex around every shuffle would make all threads of the block
+// happen-after each other. So the bookkeeping runs under a spin lock of relaxed atomics in code
+// that ThreadSanitizer does not instrument (NO_TSAN), threads wait by spinning, and only what CUDA
+// orders is told to ThreadSanitizer: __syncthreads orders the whole block, __syncwarp the lanes of
+// its mask (release before the wait, acquire after it). A shuffle orders nothing.
+
+
+extern "C" char __start_llmc_emu_shared[] __attribute__((weak));
+extern "C" char __stop_llmc_emu_shared[] __attribute__((weak));
+
+static Block os_block;
+static int spin;                                 // the bookkeeping's lock: relaxed atomics only
+static char block_sync, warp_sync[MAX_THREADS_PER_BLOCK / WARP];   // ThreadSanitizer's sync objects
+static thread_local CudaThread* this_thread;
+
+NO_TSAN static void lock() {
+    while (__atomic_exchange_n(&spin, 1, __ATOMIC_RELAXED)) sched_yield();
+}
+NO_TSAN static void unlock() { __atomic_store_n(&spin, 0, __ATOMIC_RELAXED); }
+
+[[noreturn]] void fail(const char* format, ...) {
+    va_list ap;
+    va_start(ap, format);
+    record_error(blockIdx, this_thread, format, ap);
+    va_end(ap);
+    fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
+    abort();
+}
+
+static void no_wake(CudaThread&) {}              // the waiting thread sees its state change
+
+// with the lock held, after a thread starts waiting or finishes
+NO_TSAN static void check_deadlock(Block& b) {
+    int waiting = 0;
+    for (CudaThread& u : b.threads) waiting += u.wait == AT_BARRIER || u.wait == AT_WARP_CALL;
+    if (b.live > 0 && waiting == b.live) {
+        fail("deadlock: every unfinished thread waits and no wait can complete: %s", describe_waits(b).c_str());
+    }
+}
+
+NO_TSAN static void wait_while(CudaThread& t, Wait state) {
+    while (__atomic_load_n(&t.wait, __ATOMIC_RELAXED) == state) sched_yield();
+}
+
+NO_TSAN unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
+    CudaThread& t = *this_thread;
+    if (op == WARP_SYNC) happens_before(&warp_sync[t.linear / WARP]);
+    lock();
+    t.op = op;
+    t.mask = mask;
+    t.value = value;
+    t.source = source;
+    t.what = what;
+    bool completed = false;
+    if (!warp_arrive(os_block, t, &completed, no_wake)) {
+        fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
+        abort();
+    }
+    if (!completed) check_deadlock(os_block);
+    unlock();
+    wait_while(t, AT_WARP_CALL);
+    if (op == WARP_SYNC) happens_after(&warp_sync[t.linear / WARP]);
+    return t.result;
+}
+
+NO_TSAN void sync_threads() {
+    CudaThread& t = *this_thread;
+    happens_before(&block_sync);
+    lock();
+    t.wait = AT_BARRIER;
+    os_block.at_barrier++;
+    barrier_release_if_complete(os_block, &t, no_wake);
+    if (t.wait == AT_BARRIER) check_deadlock(os_block);
+    unlock();
+    wait_while(t, AT_BARRIER);
+    happens_after(&block_sync);
+}
+
+NO_TSAN static void finish(CudaThread& t) {
+    happens_before(&block_sync);                 // exited threads count as arrived at later barriers
+    lock();
+    t.wait = FINISHED;
+    os_block.live--;
+    barrier_release_if_complete(os_block, &t, no_wake);
+    check_deadlock(os_block);
+    unlock();
+}
+
+static void run_grid(long num_blocks) {
+    for (long i = 0; i < num_blocks; i++) {
+        const uint3 block = block_index(i);
+        if (__start_llmc_emu_shared != __stop_llmc_emu_shared) {
+            memset(__start_llmc_emu_shared, 0xff, __stop_llmc_emu_shared - __start_llmc_emu_shared);
+        }
+        init_block(os_block, blockDim);
+        std::vector<std::thread> threads;
+        for (int k = 0; k < os_block.n; k++) {
+            threads.emplace_back([k, block] {
+                CudaThread& t = os_block.threads[k];
+                this_thread = &t;
+                threadIdx = t.idx;
+                blockIdx = block;
+                launch_now->body(launch_now->args);
+                finish(t);
+            });
+        }
+        for (std::thread& thread : threads) thread.join();
+    }
+}
+#endif
+
+// ----------------------------------------------------------------------------
+// the launch
+
+static std::mutex launch_mutex;                  // one launch at a time (the emulated stream)
+
+int launch(const char* name, const unsigned* grid, const unsigned* block, void (*body)(void*), void* args) {
+    std::lock_guard<std::mutex> lock(launch_mutex);
+    Launch l;
+    l.name = name;
+    l.body = body;
+    l.args = args;
+    l.next_block = 0;
+    launch_now = &l;
+    failed = false;
+    error_message.clear();
+    const long threads = (long)block[0] * block[1] * block[2];
+    if (threads < 1 || threads > MAX_THREADS_PER_BLOCK) {
+        error_message = std::string("kernel ") + name + ": a block of " + std::to_string(threads) +
+                        " threads (CUDA allows 1 to 1024)";
+        return 1;
+    }
+    if (grid[0] < 1 || grid[1] < 1 || grid[2] < 1 || grid[1] > MAX_GRID_YZ || grid[2] > MAX_GRID_YZ) {
+        error_message = std::string("kernel ") + name + ": grid (" + std::to_string(grid[0]) + "," +
+                        std::to_string(grid[1]) + "," + std::to_string(grid[2]) + ") is not a CUDA grid";
+        return 1;
+    }
+    blockDim = dim3(block[0], block[1], block[2]);
+    gridDim = dim3(grid[0], grid[1], grid[2]);
+    l.num_blocks = (long)grid[0] * grid[1] * grid[2];
+    run_grid(l.num_blocks);
+    return failed.load() ? 1 : 0;
+}
+
+// the parameter sizes and pointer flags of a kernel, so that Python can check its arguments
+template <class... P> int parameters(void (*)(P...), int* sizes, int* pointers) {
+    int i = 0;
+    ((sizes[i] = (int)sizeof(P), pointers[i] = std::is_pointer_v<P>, i++), ...);
+    return (int)sizeof...(P);
+}
+
+// call the kernel with args[i] pointing at its i-th argument, as cuLaunchKernel takes them
+template <class... P, size_t... I> void invoke(void (*kernel)(P...), void** args, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_reference_t<P>*>(args[I])...);
+}
+template <class... P> void invoke(void (*kernel)(P...), void** args) {
+    invoke(kernel, args, std::index_sequence_for<P...>{});
+}
+
+}  // namespace llmc_emu
+
+extern "C" const char* llmc_emu_error() { return llmc_emu::error_message.c_str(); }
+
+extern "C" void llmc_emu_set_shared(int n, const long* offsets, const long* bytes, long anchor_offset) {
+#ifndef LLMC_EMU_OS_THREADS
+    llmc_emu::shared_arrays.clear();
+    for (int i = 0; i < n; i++) llmc_emu::shared_arrays.push_back({offsets[i], bytes[i]});
+    llmc_emu::anchor_offset = anchor_offset;
+#endif
+}

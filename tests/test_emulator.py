@@ -1,0 +1,395 @@
+"""The emulated CUDA device's own rules (llmc/emulator/): its shim, launcher, arrays and cuBLAS.
+
+What it checks, each on a small kernel written here (compiled once by g++, cached in
+.emulator-cache/): __syncthreads orders shared memory between threads; shared memory starts as
+NaN; warp shuffles (xor, up, down, idx, widths, partial masks) and ballots give CUDA's values;
+a mask that omits the calling lane, names a lane that never arrives, or a shuffle that reads a lane
+outside its mask stops the launch with a message (a GPU would give garbage or hang); __nv_bfloat16
+rounds exactly as llmc.formats.float32_to_bfloat16_bits; atomics from many blocks on several cores
+add up exactly; launch arguments are checked against the C signature; a captured stream replays.
+cuBLAS: gemmEx and gemmStridedBatchedEx against NumPy for every op pair, in fp32 and bf16, with
+padded leading dimensions whose padding holds NaN (never read), beta = 0 never reading C, and a
+leading dimension too small refused or a wrong one giving a wrong product.
+
+Run: python -m pytest -q tests/test_emulator.py   (the first run compiles ~20 s, then a few seconds)
+"""
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from llmc.emulator import build, cublas
+from llmc.emulator import device as cp
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+
+FULL = 0xFFFFFFFF
+
+TEST_KERNELS = r"""
+extern "C" __global__ void rotate_through_shared(float* out, int n) {
+    __shared__ float values[1024];
+    const int t = threadIdx.x;
+    values[t] = (float)(t * 10);
+    __syncthreads();
+    out[blockIdx.x * blockDim.x + t] = values[(t + 1) % n];          // another thread's write
+}
+// reads its element before writing it: each block must see NaN, even after an earlier block wrote
+extern "C" __global__ void read_shared_unwritten(float* out) {
+    __shared__ float values[64];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = values[threadIdx.x];
+    values[threadIdx.x] = 1.0f;
+}
+// out[4*lane + j]: xor 5, up 3, down 7, idx 9, all with width `width`
+extern "C" __global__ void shuffles(float* out, int width) {
+    const int lane = threadIdx.x % 32;
+    const float v = (float)(100 + threadIdx.x);
+    float* o = out + 4 * threadIdx.x;
+    o[0] = __shfl_xor_sync(0xffffffffu, v, 5, width);
+    o[1] = __shfl_up_sync(0xffffffffu, v, 3, width);
+    o[2] = __shfl_down_sync(0xffffffffu, v, 7, width);
+    o[3] = __shfl_sync(0xffffffffu, v, 9, width);
+    (void)lane;
+}
+// lanes below `active` shuffle among themselves with `mask`, reading lane ^ `lane_mask`
+extern "C" __global__ void partial_shuffle(float* out, unsigned mask, int active, int lane_mask) {
+    const int lane = threadIdx.x % 32;
+    if (lane < active) {
+        out[threadIdx.x] = __shfl_xor_sync(mask, (float)lane, lane_mask);
+    }
+}
+extern "C" __global__ void ballot(unsigned* out) {
+    out[threadIdx.x] = __ballot_sync(0xffffffffu, threadIdx.x % 3 == 0);
+}
+extern "C" __global__ void round_to_bf16(unsigned short* out, const float* inp, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(inp[i]));
+    }
+}
+extern "C" __global__ void count_atomically(int* count, float* total) {
+    atomicAdd(count, 1);
+    atomicAdd(total, 0.5f);
+}
+extern "C" __global__ void add_one(float* x, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        x[i] += 1.0f;
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cp.RawModule(code=TEST_KERNELS, options=("-DENABLE_FP32",))
+    module.compile()
+    return module
+
+
+# ----------------------------------------------------------------------------
+# barriers and shared memory
+
+@pytest.mark.parametrize("blocks,n", [(1, 32), (3, 97), (2, 1024)])
+def test_syncthreads_orders_shared_memory(kernels, blocks, n):
+    out = cp.empty(blocks * n, np.float32)
+    kernels.get_function("rotate_through_shared")((blocks,), (n,), (out, np.int32(n)))
+    expected = np.tile((np.arange(1, n + 1) % n) * 10.0, blocks)
+    np.testing.assert_array_equal(out.get(), expected)
+
+
+def test_shared_memory_starts_as_nan(kernels):
+    out = cp.zeros(5 * 64, np.float32)
+    kernels.get_function("read_shared_unwritten")((5,), (64,), (out,))
+    assert np.isnan(out.get()).all()
+
+
+def test_empty_device_memory_is_nan():
+    assert np.isnan(cp.empty(7, np.float32).get()).all()
+    assert np.isnan(bfloat16_bits_to_float32(cp.empty(7, np.uint16).get())).all()
+    assert cp.zeros(5).data.ptr % cp.ALLOCATION_ALIGNMENT == 0
+
+
+# ----------------------------------------------------------------------------
+# warp shuffles and their masks
+
+def shuffle_reference(block, width):
+    """CUDA's shuffle results for value 100 + thread, per thread: xor 5, up 3, down 7, idx 9."""
+    out = np.zeros((block, 4), np.float32)
+    for t in range(block):
+        lane, base = t % 32, t - t % 32
+        seg = lane - lane % width
+        src_xor = lane ^ 5 if (lane ^ 5) // width == lane // width else lane
+        src_up = lane - 3 if lane % width >= 3 else lane
+        src_down = lane + 7 if lane % width + 7 < width else lane
+        src_idx = seg + 9 % width
+        out[t] = [100 + base + s for s in (src_xor, src_up, src_down, src_idx)]
+    return out
+
+
+@pytest.mark.parametrize("width", [32, 16, 8])
+def test_shuffles_match_cuda(kernels, width):
+    out = cp.empty(64 * 4, np.float32)
+    kernels.get_function("shuffles")((1,), (64,), (out, np.int32(width)))
+    np.testing.assert_array_equal(out.get().reshape(64, 4), shuffle_reference(64, width))
+
+
+def test_partial_mask_shuffles_among_its_lanes(kernels):
+    out = cp.zeros(32, np.float32)
+    kernels.get_function("partial_shuffle")((1,), (32,), (out, np.uint32(0xFFFF), np.int32(16), np.int32(1)))
+    np.testing.assert_array_equal(out.get()[:16], np.arange(16) ^ 1)
+
+
+@pytest.mark.parametrize("mask,active,lane_mask,message", [
+    (FULL, 16, 1, "deadlock"),                          # the mask names lanes 16-31, which never call
+    (0xFFFF, 16, 16, "not in the mask"),                # lanes read lanes 16-31, outside the mask
+    (0xFFFE, 16, 1, "not in its mask"),                 # lane 0 calls with a mask that omits it
+])
+def test_wrong_shuffle_masks_stop_the_launch(kernels, mask, active, lane_mask, message):
+    out = cp.zeros(32, np.float32)
+    with pytest.raises(build.EmulatorError, match=message) as e:
+        kernels.get_function("partial_shuffle")((1,), (32,), (out, np.uint32(mask), np.int32(active),
+                                                              np.int32(lane_mask)))
+    assert "partial_shuffle" in str(e.value) and "block (0,0,0)" in str(e.value)
+
+
+def test_mask_naming_missing_lanes_of_a_partial_warp(kernels):
+    out = cp.zeros(48, np.float32)                      # warp 1 has lanes 0-15 only
+    with pytest.raises(build.EmulatorError, match="do not exist"):
+        kernels.get_function("shuffles")((1,), (48,), (out, np.int32(32)))
+
+
+def test_ballot(kernels):
+    out = cp.zeros(64, np.uint32)
+    kernels.get_function("ballot")((1,), (64,), (out,))
+    bits = [sum(1 << lane for lane in range(32) if (32 * w + lane) % 3 == 0) for w in range(2)]
+    np.testing.assert_array_equal(out.get(), np.repeat(bits, 32))
+
+
+# ----------------------------------------------------------------------------
+# bf16, atomics, arguments, capture
+
+def test_bf16_rounds_to_nearest_even_as_llmc_formats(kernels):
+    rng = np.random.default_rng(0)
+    ties = (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32)   # exactly halfway
+    special = np.array([0.0, -0.0, 1.0, -1.5, np.inf, -np.inf, 3.4e38, 1e-40, -1e-45, 65504.0], np.float32)
+    x = np.concatenate([rng.standard_normal(5000).astype(np.float32) * 10, ties, special])
+    out = cp.empty(x.size, np.uint16)
+    kernels.get_function("round_to_bf16")((x.size // 256 + 1,), (256,), (out, cp.asarray(x), np.int32(x.size)))
+    np.testing.assert_array_equal(out.get(), float32_to_bfloat16_bits(x))
+    nan = cp.empty(1, np.uint16)
+    kernels.get_function("round_to_bf16")((1,), (32,), (nan, cp.asarray(np.array([np.nan], np.float32)), np.int32(1)))
+    assert np.isnan(bfloat16_bits_to_float32(nan.get())).all()
+
+
+def test_atomics_from_many_blocks_add_up(kernels):
+    count, total = cp.zeros(1, np.int32), cp.zeros(1, np.float32)
+    kernels.get_function("count_atomically")((37,), (96,), (count, total))
+    assert count.get()[0] == 37 * 96 and total.get()[0] == 37 * 96 * 0.5
+
+
+def test_arguments_are_checked_against_the_signature(kernels):
+    x = cp.zeros(4, np.float32)
+    add_one = kernels.get_function("add_one")
+    with pytest.raises(TypeError, match="4 bytes"):
+        add_one((1,), (32,), (x, np.int64(4)))           # int n, passed as 8 bytes
+    with pytest.raises(TypeError, match="host numpy array"):
+        add_one((1,), (32,), (np.zeros(4, np.float32), np.int32(4)))
+    with pytest.raises(TypeError, match="1 arguments, its signature has 2"):
+        add_one((1,), (32,), (x,))
+    with pytest.raises(build.EmulatorError, match="1025 threads"):
+        add_one((1,), (1025,), (x, np.int32(4)))
+
+
+def test_captured_stream_replays_its_launches(kernels):
+    x = cp.zeros(5, np.float32)
+    stream = cp.cuda.Stream().use()
+    try:
+        stream.begin_capture()
+        kernels.get_function("add_one")((1,), (32,), (x, np.int32(5)))
+        cp.add(x, x, out=x)
+        graph = stream.end_capture()
+        np.testing.assert_array_equal(x.get(), 0)       # recorded, not run
+        graph.launch(stream)
+        graph.launch(stream)
+        np.testing.assert_array_equal(x.get(), 6)       # (0 + 1) * 2 = 2, then (2 + 1) * 2
+    finally:
+        cp.Stream.null.use()
+
+
+# ----------------------------------------------------------------------------
+# cuBLAS: the column-major contract
+
+def colmajor(rng, rows, cols, ld, dtype):
+    """A column-major rows x cols matrix with leading dimension ld, stored in a flat device array
+    whose padding rows hold NaN: returns (device array, its values as float64)."""
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    if dtype == np.uint16:
+        values = bfloat16_bits_to_float32(float32_to_bfloat16_bits(values))
+    flat = np.full(ld * cols, np.nan, np.float32)
+    for j in range(cols):
+        flat[j * ld:j * ld + rows] = values[:, j]
+    stored = float32_to_bfloat16_bits(flat) if dtype == np.uint16 else flat
+    return cp.asarray(stored), values.astype(np.float64)
+
+
+def run_gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, dtype, beta=0.0):
+    alpha, b = np.ones(1, np.float32), np.full(1, beta, np.float32)
+    t = cublas.CUDA_R_16BF if dtype == np.uint16 else cublas.CUDA_R_32F
+    cublas.setPointerMode(1, cublas.CUBLAS_POINTER_MODE_HOST)
+    cublas.gemmEx(1, transa, transb, m, n, k, alpha.ctypes.data, A.data.ptr, t, lda, B.data.ptr, t, ldb,
+                  b.ctypes.data, C.data.ptr, t, ldc, cublas.CUBLAS_COMPUTE_32F, -1)
+
+
+def read_colmajor(C, rows, cols, ld, dtype):
+    flat = C.get()
+    flat = bfloat16_bits_to_float32(flat) if dtype == np.uint16 else flat
+    return np.stack([flat[j * ld:j * ld + rows] for j in range(cols)], axis=1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("transa,transb", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_gemm_matches_numpy_for_every_op(transa, transb, dtype):
+    rng = np.random.default_rng(transa * 2 + transb)
+    m, n, k = 5, 7, 3
+    a_shape = (m, k) if transa == 0 else (k, m)
+    b_shape = (k, n) if transb == 0 else (n, k)
+    A, a = colmajor(rng, *a_shape, a_shape[0] + 2, dtype)
+    B, b = colmajor(rng, *b_shape, b_shape[0] + 1, dtype)
+    C, c = colmajor(rng, m, n, m + 3, dtype)
+    run_gemm(transa, transb, m, n, k, A, a_shape[0] + 2, B, b_shape[0] + 1, C, m + 3, dtype, beta=1.0)
+    expected = (a if transa == 0 else a.T) @ (b if transb == 0 else b.T) + c
+    tol = 1e-2 if dtype == np.uint16 else 1e-5
+    np.testing.assert_allclose(read_colmajor(C, m, n, m + 3, dtype), expected, rtol=tol, atol=tol)
+    # the padding rows of C are left as they were (NaN)
+    assert np.isnan(C.get()[m:m + 3].astype(np.float32)).all() if dtype == np.float32 else True
+
+
+def test_gemm_beta_zero_never_reads_c():
+    rng = np.random.default_rng(1)
+    A, a = colmajor(rng, 4, 3, 4, np.float32)
+    B, b = colmajor(rng, 3, 2, 3, np.float32)
+    C = cp.empty(8, np.float32)                          # NaN
+    run_gemm(0, 0, 4, 2, 3, A, 4, B, 3, C, 4, np.float32)
+    np.testing.assert_allclose(read_colmajor(C, 4, 2, 4, np.float32), a @ b, rtol=1e-5)
+
+
+def test_gemm_refuses_a_leading_dimension_below_the_rows():
+    A, B, C = cp.zeros(20, np.float32), cp.zeros(20, np.float32), cp.zeros(20, np.float32)
+    with pytest.raises(cublas.CUBLASError, match="lda=3 < 4"):
+        run_gemm(0, 0, 4, 2, 3, A, 3, B, 3, C, 4, np.float32)
+    with pytest.raises(cublas.CUBLASError, match="lda=2 < 3"):
+        run_gemm(1, 0, 4, 2, 3, A, 2, B, 3, C, 4, np.float32)   # op T: A is stored k x m
+    with pytest.raises(cublas.CUBLASError, match="ldc=3 < 4"):
+        run_gemm(0, 0, 4, 2, 3, A, 4, B, 3, C, 3, np.float32)
+
+
+def test_gemm_with_a_wrong_but_legal_leading_dimension_is_wrong():
+    rng = np.random.default_rng(2)
+    A, a = colmajor(rng, 4, 3, 4, np.float32)
+    B, b = colmajor(rng, 3, 2, 3, np.float32)
+    C = cp.zeros(10, np.float32)
+    run_gemm(0, 0, 4, 2, 3, A, 4, B, 3, C, 5, np.float32)         # ldc 5: columns land 5 apart
+    assert not np.allclose(C.get()[:8].reshape(2, 4).T, a @ b)
+    np.testing.assert_allclose(read_colmajor(C, 4, 2, 5, np.float32), a @ b, rtol=1e-5)
+
+
+def test_strided_batched_gemm():
+    rng = np.random.default_rng(3)
+    batch, m, n, k = 3, 4, 5, 6
+    a = rng.standard_normal((batch, k, m)).astype(np.float32)     # each A stored k x m (op T)
+    b = rng.standard_normal((batch, k, n)).astype(np.float32)     # each B stored k x n (op N)
+    A, B, C = cp.asarray(a.transpose(0, 2, 1).copy()), cp.asarray(b.transpose(0, 2, 1).copy()), cp.empty(batch * m * n)
+    alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+    cublas.gemmStridedBatchedEx(1, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, alpha.ctypes.data,
+                                A.data.ptr, cublas.CUDA_R_32F, k, k * m, B.data.ptr, cublas.CUDA_R_32F, k, k * n,
+                                beta.ctypes.data, C.data.ptr, cublas.CUDA_R_32F, m, m * n, batch,
+                                cublas.CUBLAS_COMPUTE_32F, -1)
+    # column-major (m,n) C_i = A_i^T B_i where A_i (k,m), B_i (k,n) column-major are a[i], b[i]
+    got = C.get().reshape(batch, n, m).transpose(0, 2, 1)
+    np.testing.assert_allclose(got, np.einsum("bkm,bkn->bmn", a, b), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# planted bugs on scratch copies of the kernels, each caught (the sanitizer runs are slow: each
+# compiles a kernel file with its sanitizer, and runs it in a python linked with that sanitizer)
+
+SCRATCH_DRIVER = r"""
+import sys
+import numpy as np
+from llmc.emulator import build, device as cp
+path, mode, kernel, n, block = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+library = build.Library(path, ["-DENABLE_FP32"], (), mode)
+if kernel == "fill_float":
+    out = cp.empty(n, np.float32)
+    library.kernel(kernel)((n // block + 1,), (block,), (out, np.float32(2.5), np.uint64(n)))
+    print("sum", float(out.get().sum()))
+else:                                       # global_norm_finalize over n partials of 1.0
+    out, partial = cp.empty(1, np.float32), cp.asarray(np.ones(n, np.float32))
+    library.kernel(kernel)((1,), (block,), (out, partial, np.int32(n)))
+    print("norm", float(out.get()[0]))
+"""
+
+
+def scratch_copy(tmp_path, file, replace=None, header_replace=None):
+    """kernels/<file>.cu and common.cuh copied to tmp_path, with one (old, new) text replacement
+    in each (asserted to apply); returns the .cu path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name, edit in ((f"{file}.cu", replace), ("common.cuh", header_replace)):
+        with open(os.path.join(root, "kernels", name)) as f:
+            text = f.read()
+        if edit:
+            assert edit[0] in text
+            text = text.replace(edit[0], edit[1], 1)
+        (tmp_path / name).write_text(text)
+    return str(tmp_path / f"{file}.cu")
+
+
+def run_sanitized(mode, path, kernel, n, block):
+    python = build.sanitizer_python(mode)
+    result = subprocess.run([python, "-c", SCRATCH_DRIVER, path, mode, kernel, str(n), str(block)],
+                            env=build.sanitizer_environment(mode), capture_output=True, text=True, timeout=600)
+    return result.returncode, result.stdout + result.stderr
+
+
+OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = value;",
+                 "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = value;")
+MISSING_BARRIER = ("        warp_sums[warp] = value;\n    }\n    __syncthreads();", "        warp_sums[warp] = value;\n    }")
+WRONG_MASK = ("value += __shfl_xor_sync(FULL_WARP_MASK, value, offset);",
+              "value += __shfl_xor_sync(0x0000ffffu, value, offset);")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True])
+def test_out_of_bounds_write_is_caught_by_addresssanitizer(tmp_path, planted):
+    path = scratch_copy(tmp_path, "cast", OUT_OF_BOUNDS if planted else None)
+    rc, out = run_sanitized("asan", path, "fill_float", 1001, 256)
+    if planted:
+        assert rc == build.SANITIZER_EXIT_CODE and "heap-buffer-overflow" in out, out[-3000:]
+    else:
+        assert rc == 0 and "sum 2502.5" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True])
+def test_missing_syncthreads_is_caught_by_threadsanitizer(tmp_path, planted):
+    path = scratch_copy(tmp_path, "global_norm", header_replace=MISSING_BARRIER if planted else None)
+    rc, out = run_sanitized("tsan", path, "global_norm_finalize", 300, 128)
+    if planted:
+        assert rc == build.SANITIZER_EXIT_CODE and "ThreadSanitizer: data race" in out, out[-3000:]
+    else:
+        assert rc == 0 and f"norm {np.sqrt(np.float32(300))}" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_wrong_shuffle_mask_is_caught_by_the_emulator(tmp_path, planted):
+    path = scratch_copy(tmp_path, "global_norm", header_replace=WRONG_MASK if planted else None)
+    library = build.Library(path, ["-DENABLE_FP32"], ())
+    out, partial = cp.empty(1, np.float32), cp.asarray(np.ones(300, np.float32))
+    launch = lambda: library.kernel("global_norm_finalize")((1,), (128,), (out, partial, np.int32(300)))  # noqa: E731
+    if planted:
+        with pytest.raises(build.EmulatorError, match="reads lane 16, which is not in the mask"):
+            launch()
+    else:
+        launch()
+        assert out.get()[0] == np.sqrt(np.float32(300))
