@@ -186,7 +186,7 @@ def test_cuda_graph_replay_equals_eager():
 
 
 # ----------------------------------------------------------------------------
-# the sampling forward (KV cache: the cast kernels, residual_forward) and fill_float
+# the sampling forward (KV cache: the cast kernels, residual_forward)
 
 def run_sampling(precision="fp32"):
     model, cfg = tiny_model(precision, 80), CONFIGS[80]
@@ -201,18 +201,6 @@ def run_sampling(precision="fp32"):
 
 def test_cached_sampling_forward_matches_gpt2_cpu():
     assert run_sampling()
-
-
-def run_fill_float():
-    cp = cuda.cupy()
-    out = cp.empty(1001, np.float32)
-    cuda.launch("cast", "fp32", "fill_float", cuda.elementwise_grid(out.size), cuda.BLOCK_SIZE,
-                (out, np.float32(2.5), np.uint64(out.size)))
-    return out.get()
-
-
-def test_fill_float_fills_every_element():
-    np.testing.assert_array_equal(run_fill_float(), 2.5)
 
 
 # ----------------------------------------------------------------------------
@@ -234,7 +222,6 @@ def test_every_kernel_in_kernels_is_executed():
         run_flash("fp32", HS, 1, 3, 1)
     run_training()
     assert run_sampling()
-    run_fill_float()
     missing = all_kernels() - EXECUTED
     assert not missing, f"kernels that no test executes: {sorted(missing)}"
     assert len(all_kernels()) >= 38

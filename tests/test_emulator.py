@@ -320,9 +320,9 @@ import numpy as np
 from llmc.emulator import build, device as cp
 path, mode, kernel, n, block = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 library = build.Library(path, ["-DENABLE_FP32"], (), mode)
-if kernel == "fill_float":
-    out = cp.empty(n, np.float32)
-    library.kernel(kernel)((n // block + 1,), (block,), (out, np.float32(2.5), np.uint64(n)))
+if kernel == "cast_floatX_to_float":        # out = inp, n floats of 2.5
+    out, inp = cp.empty(n, np.float32), cp.asarray(np.full(n, 2.5, np.float32))
+    library.kernel(kernel)((n // block + 1,), (block,), (out, inp, np.uint64(n)))
     print("sum", float(out.get().sum()))
 else:                                       # global_norm_finalize over n partials of 1.0
     out, partial = cp.empty(1, np.float32), cp.asarray(np.ones(n, np.float32))
@@ -352,8 +352,8 @@ def run_sanitized(mode, path, kernel, n, block):
     return result.returncode, result.stdout + result.stderr
 
 
-OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = value;",
-                 "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = value;")
+OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = (float)inp[i];",
+                 "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = (float)inp[i];")
 MISSING_BARRIER = ("        warp_sums[warp] = value;\n    }\n    __syncthreads();", "        warp_sums[warp] = value;\n    }")
 WRONG_MASK = ("value += __shfl_xor_sync(FULL_WARP_MASK, value, offset);",
               "value += __shfl_xor_sync(0x0000ffffu, value, offset);")
@@ -363,7 +363,7 @@ WRONG_MASK = ("value += __shfl_xor_sync(FULL_WARP_MASK, value, offset);",
 @pytest.mark.parametrize("planted", [False, True])
 def test_out_of_bounds_write_is_caught_by_addresssanitizer(tmp_path, planted):
     path = scratch_copy(tmp_path, "cast", OUT_OF_BOUNDS if planted else None)
-    rc, out = run_sanitized("asan", path, "fill_float", 1001, 256)
+    rc, out = run_sanitized("asan", path, "cast_floatX_to_float", 1001, 256)
     if planted:
         assert rc == build.SANITIZER_EXIT_CODE and "heap-buffer-overflow" in out, out[-3000:]
     else:

@@ -209,6 +209,13 @@ class Stream:
     def synchronize(self):
         pass
 
+    def record(self, event=None):
+        """cupy.cuda.Stream.record: an Event marking the work issued so far on this stream (done
+        already: work runs when issued). Returns the event."""
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
     def begin_capture(self, mode=None):
         if self._captured is not None:
             raise RuntimeError("begin_capture: this stream is already capturing")
@@ -309,30 +316,38 @@ def _device_properties(index):
             "sharedMemPerBlock": 49152}
 
 
+# as many emulated GPUs as one node of llm.c's recipes has, so that a data-parallel run of up to 8
+# processes gives each process a device of its own (they all share the host's memory and cores)
+EMULATED_DEVICE_COUNT = 8
+
+
 def _check_device(index):
-    if index != 0:
-        raise CUDARuntimeError(f"cudaErrorInvalidDevice: the emulated device has one device, not {index}")
+    if not 0 <= index < EMULATED_DEVICE_COUNT:
+        raise CUDARuntimeError(f"cudaErrorInvalidDevice: the emulated node has devices 0..{EMULATED_DEVICE_COUNT - 1}, "
+                               f"not {index}")
 
 
 runtime = types.SimpleNamespace(
-    getDeviceCount=lambda: 1,
+    getDeviceCount=lambda: EMULATED_DEVICE_COUNT,
     getDeviceProperties=_device_properties,
     memGetInfo=_host_memory,
     deviceSynchronize=lambda: None,
-    getDevice=lambda: 0,
+    getDevice=lambda: Device.current,
     CUDARuntimeError=CUDARuntimeError,
 )
 
 
 class Device:
-    """cupy.cuda.Device(i): only device 0 exists."""
+    """cupy.cuda.Device(i), i < EMULATED_DEVICE_COUNT; every device is the same host memory."""
+
+    current = 0                        # the device of this process (cudaGetDevice)
 
     def __init__(self, index=0):
         _check_device(index)
         self.id = index
 
     def use(self):
-        pass
+        Device.current = self.id
 
     def synchronize(self):
         pass
