@@ -20,7 +20,7 @@ from llmc.utils import InputError, atomic_write
 
 STATE_MAGIC = 20240527
 STATE_VERSION = 1
-# int32 header slots of the state file (shared/docs/file-formats.md)
+# int32 header slots of the state file (doc/file_formats.md)
 STATE_SLOT_NUM_PROCESSES = 2
 STATE_SLOT_RANK = 3
 STATE_SLOT_MASTER_WEIGHTS = 4          # 1 if fp32 master weights follow v
