@@ -8,16 +8,15 @@ preallocated arrays, outputs first, like llm.c: `layernorm_forward(out, mean, rs
 bias, B, T, C)`. The CuPy plumbing, file formats, loaders, checkpoints and command line are in
 llmc/ (shared with gpt2_cpu.py).
 
-NOT YET RUN ON A GPU: written and tested on machines without one (tests/test_cuda.py runs all of
-it with NumPy stand-ins for CuPy, the kernels and cuBLAS; CI compiles every kernel with NVRTC).
-On a GPU, first run `make test-gpu` (dev/run_gpu_tests.py; logs in dev/results/).
+On a GPU, `make test-gpu` (dev/run_gpu_tests.py) checks every kernel and the whole model against
+gpt2_cpu.py; README's Status section says what has run where.
 
 What it deliberately is not: a framework. No autograd, no ZeRO beyond stage 1 (-z 1: AdamW's state
 sharded over the ranks). All training memory is allocated before the first step (only the
 sampler's KV cache comes from CuPy's pool when it samples); a step's only device-to-host
 synchronizations read the norm and the loss.
 
-The fast paths, each a flag and off by default until it has run on a GPU: --attention flash (our
+The fast paths, each a flag and off by default: --attention flash (our
 kernels/flash_attention.cu) or cudnn (llmc/cudnn_attention.py) instead of the materialized (T,T)
 matrix; --cublaslt 1 (llmc/cublaslt.py: bias, GELU and bias gradient fused into the matmuls);
 --cuda-graph 1 (each micro-batch's forward + backward replayed as one CUDA graph).
@@ -62,7 +61,7 @@ from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, FLOATX_DTYPES, MATM
                        elementwise_grid, require, vector_size, warp_row_grid)
 from llmc.dataloader import DataLoader
 from llmc.evalloader import NUM_COMPLETIONS, PAD_TOKEN
-from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from llmc.mfu import mfu
 from llmc.utils import InputError
 
@@ -83,7 +82,6 @@ CLASSIFIER_BLOCK_SIZE = 1024           # one block per row of Vp logits (llm.c's
 GLOBAL_NORM_GRID = 1024                # partial sums of the gradient norm: fixed, likewise
 GLOBAL_NORM_BLOCK_SIZE = 512
 BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores
-BF16_NAN_BITS = BF16_QUIET_NAN         # tests poison outputs with it
 UPDATE_SEED = 13371337                 # llm.c's initial rng_state, the seeds of stochastic rounding
 
 

@@ -22,7 +22,7 @@ import gpt2_cuda
 import llmc.cuda
 from gpt2_cpu import GPT2Config
 from llmc.check import TOLERANCES, check_tensor
-from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 
 # ----------------------------------------------------------------------------
@@ -44,7 +44,7 @@ def poisoned(shape, precision):
     """A floatX device array full of NaN: any element a kernel fails to write stays NaN."""
     cp = llmc.cuda.cupy()
     if precision == "bf16":
-        return cp.full(shape, gpt2_cuda.BF16_NAN_BITS, dtype=np.uint16)
+        return cp.full(shape, BF16_QUIET_NAN, dtype=np.uint16)
     return cp.full(shape, np.nan, dtype=np.float32)
 
 

@@ -45,7 +45,7 @@ import llmc.cuda
 import llmc.mfu
 from gpt2_cpu import GPT2Config
 from llmc.check import TOLERANCES, check_tensor
-from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from cuda_kernel_checks import (as_input, check_adamw_norm_cast, check_attention, check_classifier, check_encoder,
                                 check_gelu, check_layernorm, check_matmul_and_bias, poisoned, to_device, to_host)
 
@@ -1482,7 +1482,7 @@ def test_flash_attention_tiles_and_support():
 
 
 def _host_poisoned(shape, precision):
-    return np.full(shape, gpt2_cuda.BF16_NAN_BITS if precision == "bf16" else np.nan, llmc.cuda.FLOATX_DTYPES[precision])
+    return np.full(shape, BF16_QUIET_NAN if precision == "bf16" else np.nan, llmc.cuda.FLOATX_DTYPES[precision])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
