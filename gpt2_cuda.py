@@ -56,7 +56,7 @@ from llmc.check import check_against
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, build_parser as build_cli_parser, run_main, sample_from_prompt
 from llmc.comm import Comm
-from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, FLOATX_DTYPES, MATMUL_OPTIONS, MAX_THREADS_PER_BLOCK,
+from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK,
                        PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE, KernelCompileError, ceil_div, check_launch,
                        elementwise_grid, require, vector_size, warp_row_grid)
 from llmc.dataloader import DataLoader
@@ -88,30 +88,21 @@ UPDATE_SEED = 13371337                 # llm.c's initial rng_state, the seeds of
 # ----------------------------------------------------------------------------
 # activation table: every device buffer, allocated once (parameters: gpt2_cpu.parameter_shapes)
 
-def activation_shapes(config, B, T, recompute=True, attention="naive"):
+def activation_shapes(config, B, T, recompute=True, attention=None):
     """Every device buffer a forward + backward pass uses, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Each buffer is allocated once, as large as its
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
     gpt2_cpu.activation_shapes; the differences are llm.c's: attproj, fcproj and probs are never
     kept (fused kernels consume them); with recompute, fch_gelu is kept for one layer; the logits
     live in `output`; scratch_* are reused by every layer of the backward. The attention path
-    (ATTENTION_PATHS) decides the attention buffers:
+    (an attention_path object, default naive) decides the attention buffers (its `buffers`):
       naive:         qkvr (q, k, v split into heads) and att (L,B,NH,T,T) are kept; `output` is
                      also the scratch of qkv, preatt, the per-head outputs and datt (B,NH,T,T);
       flash, cudnn:  qkv (L,B,T,3C) itself and lse (L,B,NH,T), the log-sum-exp of each query's
                      scores, are kept: no (T,T) buffer exists, and no per-head copies."""
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
-    HS = C // NH
-    naive = attention == "naive"
-    if naive:
-        attention_kept = [("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X")]
-        output_floats = B * T * max(3 * C, NH * T, Vp)   # qkv | preatt | per-head y | logits | datt
-        attention_scratch = [("dqkvr", (3, B, NH, T, HS), "X"),   # attention backward: dq, dk, dv per head
-                             ("dy", (B, NH, T, HS), "X")]         # attention backward: dout per head
-    else:
-        attention_kept = [("qkv", (L, B, T, 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
-        output_floats = B * T * Vp                       # logits | dlogits
-        attention_scratch = [("att_D", (B, NH, T), "f32")]        # flash backward: rowsum(dout * out)
+    attention = attention or NaiveAttention()
+    attention_kept, output_floats, attention_scratch = attention.buffers(B, T, C, L, NH, Vp)
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
@@ -282,19 +273,16 @@ def layernorm_backward_grid(N):
     return min(LAYERNORM_BACKWARD_GRID, N)
 
 
-def matmul_forward(out, inp, weight, bias, B, T, C, OC):
+def matmul_forward(out, inp, weight, bias, B, T, C, OC, tf32=False):
     """out (B,T,OC) = inp (B,T,C) @ weight^T + bias, weight (OC,C) (nn.Linear layout), bias (OC,)
     or None. Column-major (llmc/cuda.py explains the trick), out^T (OC,N) = weight (OC,C) @ inp^T
     (C,N): weight's memory is the column-major (C,OC) matrix weight^T, so op(A) = T; inp's memory
     is already inp^T, op(B) = N. The GEMM writes the product (beta = 0), then add_bias adds the
-    bias in place (kernels/bias.cu); with --cublaslt the bias is the GEMM's epilogue instead."""
-    if MATMUL_OPTIONS["cublaslt"]:                                      # the bias in the epilogue
-        from llmc import cublaslt
-        return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC)
+    bias in place (kernels/bias.cu). tf32: fp32 inputs rounded to TF32 (the model's Cublas backend)."""
     N = B * T
     floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
     check_launch("matmul_forward", floatX + ([("bias", bias, OC)] if bias is not None else []))
-    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC)
+    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC, tf32=tf32)
     if bias is not None:
         add_bias(out, bias, N, OC)
 
@@ -307,51 +295,19 @@ def add_bias(out, bias, N, OC):
     cuda.launch("bias", precision, "add_bias", elementwise_grid(groups), BLOCK_SIZE, (out, bias, np.int32(N), np.int32(OC)))
 
 
-def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC):
+def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC, tf32=False):
     """Backward of out = inp @ weight^T + bias (shapes as matmul_forward). Writes dinp (B,T,C);
     accumulates dweight (OC,C) and dbias (OC,) (dbias may be None). scratch: fp32 for bias_backward.
         dinp     = dout @ weight     column-major: dinp^T (C,N) = weight^T (C,OC) @ dout^T (OC,N), both as stored
         dweight += dout^T @ inp      column-major: dweight^T (C,OC) = inp^T (C,N) @ dout (N,OC), op(B) = T
-        dbias   += sum over rows of dout   (kernels/bias.cu, or cuBLASLt's BGRADB epilogue)"""
-    if MATMUL_OPTIONS["cublaslt"]:
-        from llmc import cublaslt
-        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC) and dbias is not None:
-            bias_backward(dbias, dout, scratch, N=B * T, OC=OC)         # no BGRADB for this layout
-        return
+        dbias   += sum over rows of dout   (kernels/bias.cu)"""
     N = B * T
     check_launch("matmul_backward", [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC),
                                      ("inp", inp, N * C), ("weight", weight, OC * C)])
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C)
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, accumulate=True)
+    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C, tf32=tf32)
+    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, accumulate=True, tf32=tf32)
     if dbias is not None:
         bias_backward(dbias, dout, scratch, N, OC)
-
-
-def matmul_gelu_forward(out, pre_gelu, inp, weight, bias, B, T, C, OC):
-    """The MLP's first layer: pre_gelu (B,T,OC) = inp @ weight^T + bias (kept for the backward)
-    and out = gelu(pre_gelu). With --cublaslt one cuBLASLt call (the GELU_AUX_BIAS epilogue applies
-    the bias and the same tanh GELU to the fp32 accumulator, and stores both); else the bias-free
-    GEMM, then gelu_forward adding the bias into pre_gelu and taking GELU in one pass."""
-    if MATMUL_OPTIONS["cublaslt"]:
-        from llmc import cublaslt
-        return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu)
-    matmul_forward(pre_gelu, inp, weight, None, B, T, C, OC)
-    gelu_forward(out, pre_gelu, B * T * OC, bias, OC)              # adds the bias into pre_gelu too
-
-
-def matmul_dgelu_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, scratch, B, T, C, OC):
-    """Backward of the MLP's second layer, whose input inp = gelu(pre_gelu) (B,T,C): dinp is the
-    gradient of pre_gelu, (dout @ weight) * gelu'(pre_gelu); dweight, dbias accumulate as in
-    matmul_backward. With --cublaslt the gelu' is the DGELU epilogue of the dinp product; else
-    matmul_backward then gelu_backward_inplace."""
-    if MATMUL_OPTIONS["cublaslt"]:
-        from llmc import cublaslt
-        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC,
-                                           pre_gelu=pre_gelu) and dbias is not None:
-            bias_backward(dbias, dout, scratch, B * T, OC)
-        return
-    matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC)
-    gelu_backward_inplace(dinp, pre_gelu, B * T * C)
 
 
 def bias_backward(dbias, dout, scratch, N, OC):
@@ -378,39 +334,39 @@ def scratch_floats(config):
     return max(LAYERNORM_BACKWARD_GRID * 2 * C, BIAS_BACKWARD_CHUNKS * 4 * C)
 
 
-def attention_scores(preatt, q, k, BNH, T, HS):
+def attention_scores(preatt, q, k, BNH, T, HS, tf32=False):
     """Library call: preatt (BNH,T,T) = q @ k^T for each of the BNH heads, q, k (BNH,T,HS).
     Column-major: preatt^T (T,T) = k (T,HS) @ q^T (HS,T); k's memory is k^T (HS,T) so op(A) = T."""
     cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, HS, k, HS, q, HS, preatt, T,
-              batch=BNH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T)
+              batch=BNH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T, tf32=tf32)
 
 
-def attention_values(out, att, v, BNH, T, HS):
+def attention_values(out, att, v, BNH, T, HS, tf32=False):
     """Library call: out (BNH,T,HS) = att (BNH,T,T) @ v (BNH,T,HS).
     Column-major: out^T (HS,T) = v^T (HS,T) @ att^T (T,T), both as stored."""
     cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, HS, T, T, v, HS, att, T, out, HS,
-              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS)
+              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS, tf32=tf32)
 
 
-def attention_values_backward(datt, dv, dout, att, v, BNH, T, HS):
+def attention_values_backward(datt, dv, dout, att, v, BNH, T, HS, tf32=False):
     """Library calls, the backward of out = att @ v (shapes as attention_values); both written:
         datt = dout @ v^T     column-major: datt^T (T,T) = v (T,HS) @ dout^T (HS,T), op(A) = T
         dv   = att^T @ dout   column-major: dv^T (HS,T) = dout^T (HS,T) @ att (T,T), op(B) = T"""
     cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, HS, v, HS, dout, HS, datt, T,
-              batch=BNH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T)
+              batch=BNH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T, tf32=tf32)
     cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, HS, T, T, dout, HS, att, T, dv, HS,
-              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS)
+              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS, tf32=tf32)
 
 
-def attention_scores_backward(dq, dk, dpreatt, q, k, BNH, T, HS):
+def attention_scores_backward(dq, dk, dpreatt, q, k, BNH, T, HS, tf32=False):
     """Library calls, the backward of preatt = q @ k^T (the 1/sqrt(HS) scale is already inside
     dpreatt, see softmax_backward); both written:
         dq = dpreatt @ k      column-major: dq^T (HS,T) = k^T (HS,T) @ dpreatt^T (T,T), both as stored
         dk = dpreatt^T @ q    column-major: dk^T (HS,T) = q^T (HS,T) @ dpreatt (T,T), op(B) = T"""
     cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, HS, T, T, k, HS, dpreatt, T, dq, HS,
-              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS)
+              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS, tf32=tf32)
     cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, HS, T, T, q, HS, dpreatt, T, dk, HS,
-              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS)
+              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS, tf32=tf32)
 
 
 def att_unaligned(att, T):
@@ -420,12 +376,13 @@ def att_unaligned(att, T):
     return () if T % vector_size(cuda.precision_of(att)) == 0 else ("att",)
 
 
-def attention_forward(out, qkvr, att, scratch, B, T, C, NH):
+def attention_forward(out, qkvr, att, scratch, B, T, C, NH, tf32=False):
     """Causal multi-head self-attention (Vaswani et al. 2017), llm.c's attention_forward:
     scratch (>= B*T*max(3C, NH*T) floatX) holds on entry the qkv projection (B,T,3C) in its first
     B*T*3C elements, and is then reused for preatt and the per-head outputs (clobbered).
     Writes qkvr (3,B,NH,T,HS) = q, k, v per head and att (B,NH,T,T) (both kept for the backward),
-    and out (B,T,C) = the heads of softmax(q k^T / sqrt(HS), causal) @ v side by side."""
+    and out (B,T,C) = the heads of softmax(q k^T / sqrt(HS), causal) @ v side by side. tf32: the
+    two cuBLAS products' input rounding (the model's matmul backend)."""
     require(C % NH == 0, f"attention_forward: C={C} is not a multiple of NH={NH}")
     HS, BNH = C // NH, B * NH
     precision = check_launch("attention_forward", [("out", out, B * T * C), ("qkvr", qkvr, 3 * B * T * C),
@@ -437,16 +394,16 @@ def attention_forward(out, qkvr, att, scratch, B, T, C, NH):
     cuda.launch("attention", precision, "permute_qkv", elementwise_grid(B * T * C // vector_size(precision)), BLOCK_SIZE,
                 (q, k, v, qkv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
     preatt = prefix(scratch, (BNH, T, T))                              # qkv is dead now
-    attention_scores(preatt, q, k, BNH, T, HS)                         # (B,NH,T,HS) @ (B,NH,HS,T) -> (B,NH,T,T)
+    attention_scores(preatt, q, k, BNH, T, HS, tf32)                     # (B,NH,T,HS) @ (B,NH,HS,T) -> (B,NH,T,T)
     cuda.launch("attention", precision, "softmax_forward", warp_row_grid(BNH * T), WARP_ROW_BLOCK_SIZE,
                 (att, preatt, np.float32(1.0 / math.sqrt(HS)), np.int32(BNH), np.int32(T)))
     y = prefix(scratch, (BNH, T, HS))                                  # preatt is dead now
-    attention_values(y, att, v, BNH, T, HS)                            # (B,NH,T,T) @ (B,NH,T,HS) -> (B,NH,T,HS)
+    attention_values(y, att, v, BNH, T, HS, tf32)                       # (B,NH,T,T) @ (B,NH,T,HS) -> (B,NH,T,HS)
     cuda.launch("attention", precision, "unpermute", elementwise_grid(B * T * C // vector_size(precision)), BLOCK_SIZE,
                 (out, y, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
 
 
-def attention_backward(dinp, dqkvr, datt_scratch, dy, dout, qkvr, att, B, T, C, NH):
+def attention_backward(dinp, dqkvr, datt_scratch, dy, dout, qkvr, att, B, T, C, NH, tf32=False):
     """Backward of attention_forward: writes dinp (B,T,3C), the gradient of the qkv projection,
     from dout (B,T,C) and the forward's qkvr (3,B,NH,T,HS) and att (B,NH,T,T). Scratch: dqkvr
     (3,B,NH,T,HS), datt_scratch (>= B*NH*T*T), dy (B,NH,T,HS). Undoing the forward in reverse:
@@ -454,7 +411,8 @@ def attention_backward(dinp, dqkvr, datt_scratch, dy, dout, qkvr, att, B, T, C, 
         y = att @ v            =>  datt = dy @ v^T,  dv = att^T @ dy
         att = softmax(s preatt) => dpreatt = s att (datt - sum_j datt att)   (in place on datt)
         preatt = q @ k^T       =>  dq = dpreatt @ k,  dk = dpreatt^T @ q
-        q, k, v = permute(qkv) =>  dinp = permute_backward(dq, dk, dv)"""
+        q, k, v = permute(qkv) =>  dinp = permute_backward(dq, dk, dv)
+    tf32 as in attention_forward."""
     require(C % NH == 0, f"attention_backward: C={C} is not a multiple of NH={NH}")
     HS, BNH = C // NH, B * NH
     precision = check_launch("attention_backward",
@@ -468,10 +426,10 @@ def attention_backward(dinp, dqkvr, datt_scratch, dy, dout, qkvr, att, B, T, C, 
     datt = prefix(datt_scratch, (BNH, T, T))
     cuda.launch("attention", precision, "unpermute_backward", elementwise_grid(B * T * C // vec), BLOCK_SIZE,
                 (dy, dout, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
-    attention_values_backward(datt, dv, dy, att, v, BNH, T, HS)
+    attention_values_backward(datt, dv, dy, att, v, BNH, T, HS, tf32)
     cuda.launch("attention", precision, "softmax_backward", warp_row_grid(BNH * T), WARP_ROW_BLOCK_SIZE,
                 (datt, datt, att, np.float32(1.0 / math.sqrt(HS)), np.int32(BNH), np.int32(T)))
-    attention_scores_backward(dq, dk, datt, q, k, BNH, T, HS)           # datt now holds dpreatt
+    attention_scores_backward(dq, dk, datt, q, k, BNH, T, HS, tf32)     # datt now holds dpreatt
     cuda.launch("attention", precision, "permute_qkv_backward", elementwise_grid(B * T * C // vec), BLOCK_SIZE,
                 (dinp, dq, dk, dv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
 
@@ -548,25 +506,96 @@ def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH):
     cuda.launch("flash_attention", precision, dq_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
 
 
-def fused_attention_forward(path, out, lse, qkv, B, T, C, NH):
-    """Attention without the (T,T) matrix, on `path` "flash" (ours) or "cudnn": out (B,T,C) from
-    qkv (B,T,3C) read in place, and lse (B,NH,T) fp32, each query row's log-sum-exp of its scaled
-    scores (cuDNN's softmax "stats"), which the backward needs to recompute the probabilities."""
-    if path == "flash":
-        flash_attention_forward(out, lse, qkv, B, T, C, NH)
-    else:
-        from llmc import cudnn_attention
-        cudnn_attention.attention_forward_cudnn(out, lse, qkv, B, T, NH, C // NH)
+# The attention paths (--attention): one object per path, chosen once (attention_path) and kept on
+# the model. Each says which buffers it keeps for the backward (activation_shapes), where the qkv
+# projection goes, and runs its forward and backward; --check compares its kept buffers with
+# gpt2_cpu's (check_names, references).
+
+class NaiveAttention:
+    """The (B,NH,T,T) matrix (kernels/attention.cu + cuBLAS): qkvr (q, k, v split into heads) and
+    att are kept per layer; the qkv projection, preatt, the per-head outputs and datt live in the
+    `output` buffer, shared with the logits (one (B,T)'s worth of the largest of them)."""
+    name = "naive"
+    kernel_files = ()
+    check_names = ("qkvr", "att")
+
+    def buffers(self, B, T, C, L, NH, Vp):
+        """(kept per layer, floats of `output`, backward scratch) for activation_shapes."""
+        HS = C // NH
+        kept = [("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X")]
+        scratch = [("dqkvr", (3, B, NH, T, HS), "X"),            # attention backward: dq, dk, dv per head
+                   ("dy", (B, NH, T, HS), "X")]                  # attention backward: dout per head
+        return kept, B * T * max(3 * C, NH * T, Vp), scratch     # output: qkv | preatt | per-head y | logits | datt
+
+    def prepare(self, sizes, NH, HS):
+        """Work before the first step for these (B,T) sizes: none."""
+
+    def qkv(self, A, l, B, T, C):
+        """Where layer l's qkv projection (B,T,3C) is written."""
+        return prefix(A["output"], (B, T, 3 * C))
+
+    def forward(self, A, l, B, T, C, NH, tf32):
+        """atty[l] (B,T,C) from the qkv projection in `output`."""
+        attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["output"], B, T, C, NH, tf32)
+
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
+        """dqkv (B,T,3C) written from datty (B,T,C)."""
+        attention_backward(dqkv, A["dqkvr"], A["output"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH, tf32)
+
+    def references(self, cpu_acts, L, B, T, C, NH):
+        """gpt2_cpu's counterparts of check_names that gpt2_cpu does not keep under the same name."""
+        return {"qkvr": cpu_acts["qkv"].reshape(L, B, T, 3, NH, C // NH).transpose(0, 3, 1, 4, 2, 5)}  # (L,3,B,NH,T,HS)
 
 
-def fused_attention_backward(path, dqkv, D, dout, out, qkv, lse, B, T, C, NH):
-    """Backward of fused_attention_forward: writes dqkv (B,T,3C) in the layout of qkv from dout
-    (B,T,C) and the forward's out, qkv and lse. D (B,NH,T) fp32 is the flash path's scratch."""
-    if path == "flash":
-        flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH)
-    else:
+class FlashAttention(NaiveAttention):
+    """Our flash attention (kernels/flash_attention.cu): no (T,T) matrix; qkv (L,B,T,3C) itself and
+    lse (L,B,NH,T), the log-sum-exp of each query's scores, are kept; `output` holds the logits."""
+    name = "flash"
+    kernel_files = ("flash_attention",)
+    check_names = ("qkv", "lse")
+
+    def buffers(self, B, T, C, L, NH, Vp):
+        kept = [("qkv", (L, B, T, 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
+        return kept, B * T * Vp, [("att_D", (B, NH, T), "f32")]   # flash backward: rowsum(dout * out)
+
+    def qkv(self, A, l, B, T, C):
+        return A["qkv"][l]
+
+    def forward(self, A, l, B, T, C, NH, tf32):
+        flash_attention_forward(A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH)
+
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
+        flash_attention_backward(dqkv, A["att_D"], datty, A["atty"][l], A["qkv"][l], A["lse"][l], B, T, C, NH)
+
+    def references(self, cpu_acts, L, B, T, C, NH):
+        return {"lse": np.stack([attention_lse(cpu_acts["qkv"][l], NH) for l in range(L)])}       # (L,B,NH,T)
+
+
+class CudnnAttention(FlashAttention):
+    """cuDNN's fused attention (llmc/cudnn_attention.py): flash's buffers and lse (cuDNN's softmax
+    "stats"); its graphs and workspace are built before the first step (prepare)."""
+    name = "cudnn"
+    kernel_files = ()
+
+    def prepare(self, sizes, NH, HS):
         from llmc import cudnn_attention
-        cudnn_attention.attention_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, C // NH)
+        cudnn_attention.prepare(sizes, NH, HS)
+
+    def forward(self, A, l, B, T, C, NH, tf32):
+        from llmc import cudnn_attention
+        cudnn_attention.attention_forward_cudnn(A["atty"][l], A["lse"][l], A["qkv"][l], B, T, NH, C // NH)
+
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
+        from llmc import cudnn_attention
+        cudnn_attention.attention_backward_cudnn(dqkv, datty, A["qkv"][l], A["atty"][l], A["lse"][l], B, T, NH, C // NH)
+
+
+def attention_path(name):
+    """The attention path object of --attention `name` (ATTENTION_PATHS). Raises InputError."""
+    paths = {"naive": NaiveAttention, "flash": FlashAttention, "cudnn": CudnnAttention}
+    if name not in paths:
+        raise InputError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {name}")
+    return paths[name]()
 
 
 def gelu_forward(out, inp, n, inp_bias=None, OC=0):
@@ -609,6 +638,55 @@ def fused_classifier(logits, losses, targets, dloss, B, T, V, Vp, write_dlogits)
     cuda.launch("classifier", precision, "fused_classifier", max(1, N), CLASSIFIER_BLOCK_SIZE,
                 (logits, losses, targets, np.float32(dloss), np.int32(N), np.int32(V), np.int32(Vp),
                  np.int32(1 if write_dlogits else 0)))
+
+
+# The matmul backends (--cublaslt, -f): one object chosen once (setup_model) and kept on the model
+# (model.matmul); every linear layer of the model goes through it, and its tf32 reaches every cuBLAS
+# call the model makes (the attention's products too).
+
+class Cublas:
+    """The linear layers as cuBLAS GEMMs (matmul_forward, matmul_backward) with the bias and the
+    GELU in our kernels. tf32: fp32 inputs rounded to TF32 (-f 1; bf16 ignores it)."""
+    name = "cuBLAS"
+
+    def __init__(self, tf32=False):
+        self.tf32 = bool(tf32)
+
+    def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None):
+        """out (B,T,OC) = inp (B,T,C) @ weight^T + bias (bias (OC,) or None). With pre_gelu (B,T,OC),
+        the MLP's first layer: pre_gelu = inp @ weight^T + bias (kept for the backward) and out =
+        gelu(pre_gelu); here the bias-free GEMM, then gelu_forward adds the bias into pre_gelu and
+        takes GELU in one pass."""
+        if pre_gelu is None:
+            matmul_forward(out, inp, weight, bias, B, T, C, OC, self.tf32)
+            return
+        matmul_forward(pre_gelu, inp, weight, None, B, T, C, OC, self.tf32)
+        gelu_forward(out, pre_gelu, B * T * OC, bias, OC)
+
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC, pre_gelu=None):
+        """Backward of forward: writes dinp (B,T,C), accumulates dweight (OC,C) and dbias (OC,) (or
+        None); scratch fp32 for bias_backward. With pre_gelu (B,T,C), inp was gelu(pre_gelu) and dinp
+        is the gradient of pre_gelu: (dout @ weight) * gelu'(pre_gelu)."""
+        matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC, self.tf32)
+        if pre_gelu is not None:
+            gelu_backward_inplace(dinp, pre_gelu, B * T * C)
+
+
+class CublasLt(Cublas):
+    """The linear layers through cuBLASLt (llmc/cublaslt.py): the bias, the GELU (GELU_AUX_BIAS,
+    storing pre_gelu), its derivative (DGELU) and the bias gradient (BGRADB) fused into the GEMMs.
+    Where cuBLASLt has no BGRADB algorithm for a shape, bias_backward sums dbias instead."""
+    name = "cuBLASLt"
+
+    def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None):
+        from llmc import cublaslt
+        cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu, tf32=self.tf32)
+
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC, pre_gelu=None):
+        from llmc import cublaslt
+        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=pre_gelu,
+                                           tf32=self.tf32) and dbias is not None:
+            bias_backward(dbias, dout, scratch, B * T, OC)
 
 
 # ----------------------------------------------------------------------------
@@ -703,12 +781,10 @@ class GPT2:
     by gpt2_allocate, once). precision is "bf16" or "fp32"."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=True, attention="naive",
-                 zero_stage=0, process_rank=0, num_processes=1):
+                 zero_stage=0, process_rank=0, num_processes=1, matmul=None):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
-        if attention not in ATTENTION_PATHS:
-            raise InputError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {attention}")
         vec = vector_size(precision)
         if config.channels % config.num_heads or (config.channels // config.num_heads) % vec:
             raise InputError(f"the CUDA kernels need the head size C/NH = {config.channels}/{config.num_heads} "
@@ -716,7 +792,8 @@ class GPT2:
         self.config = config
         self.precision = precision
         self.recompute = bool(recompute)
-        self.attention = attention                   # ATTENTION_PATHS: which attention layer runs
+        self.attention = attention_path(attention)   # the attention layer's path (NaiveAttention ...)
+        self.matmul = matmul or Cublas()             # the linear layers' backend (Cublas, CublasLt)
         self.floatX = FLOATX_DTYPES[precision]
         self.param_shapes = parameter_shapes(config)
         self.num_parameters = num_elements(self.param_shapes)
@@ -771,10 +848,8 @@ def gpt2_allocate(model, *sizes):
     batch_bytes, segment_bytes = staging_bytes(max(B * T for B, T in sizes))
     model.staging["batch"].reserve(batch_bytes)
     model.staging["segments"].reserve(segment_bytes)
-    if model.attention == "cudnn":                                    # its graphs and one workspace, before any capture
-        from llmc import cudnn_attention
-        cfg = model.config
-        cudnn_attention.prepare(sizes, cfg.num_heads, cfg.channels // cfg.num_heads)
+    cfg = model.config
+    model.attention.prepare(sizes, cfg.num_heads, cfg.channels // cfg.num_heads)   # before any graph capture
     return sum(buf.nbytes for buf in model.buffers.values())
 
 
@@ -860,7 +935,7 @@ def gpt2_forward_kernels(model, B, T, with_loss):
     Returns the logits view (B,T,Vp)."""
     cfg = model.config
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
-    P, A = model.P, gpt2_activations(model, B, T)
+    P, A, mm, tf32 = model.P, gpt2_activations(model, B, T), model.matmul, model.matmul.tf32
     encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"], B, T, C)        # (B,T,C)
     layernorm_forward(A["ln1"][0], A["ln1_mean"][0], A["ln1_rstd"][0], A["encoded"], P["ln1w"][0], P["ln1b"][0], B, T, C)
     for l in range(L):
@@ -868,22 +943,18 @@ def gpt2_forward_kernels(model, B, T, with_loss):
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]               # (B,T,C)
         fch_gelu = A["fch_gelu"][0 if model.recompute else l]
         # forward pass 1: attention block (ln1[l] was written by the previous fused residual)
-        if model.attention == "naive":                                             # (T,T) att kept
-            qkv = prefix(A["output"], (B, T, 3 * C))
-            matmul_forward(qkv, A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)  # (B,T,3C)
-            attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["output"], B, T, C, NH)
-        else:                                                                      # qkv and lse kept
-            matmul_forward(A["qkv"][l], A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)
-            fused_attention_forward(model.attention, A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH)
+        qkv = model.attention.qkv(A, l, B, T, C)                                   # (B,T,3C)
+        mm.forward(qkv, A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)
+        model.attention.forward(A, l, B, T, C, NH, tf32)                           # atty[l] (B,T,C)
         attproj = A["scratch_btc"]                                                 # without its bias:
-        matmul_forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)      # the next kernel adds it
+        mm.forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)         # the next kernel adds it
         # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
         fused_residual_forward(A["residual2"][l], A["ln2"][l], A["ln2_mean"][l], A["ln2_rstd"][l],
                                residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
         # forward pass 2: MLP block
-        matmul_gelu_forward(fch_gelu, A["fch"][l], A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C)  # (B,T,4C)
+        mm.forward(fch_gelu, A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
         fcproj = A["scratch_btc"]
-        matmul_forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)        # (B,T,C), bias added next
+        mm.forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)           # (B,T,C), bias added next
         # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
         if l + 1 < L:
             norm = (A["ln1"][l + 1], A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
@@ -893,7 +964,7 @@ def gpt2_forward_kernels(model, B, T, with_loss):
                                norm[3], norm[4], B * T, C)
     # forward pass 3: classifier tied to wte (lnf was written by the last fused residual), loss
     logits = prefix(A["output"], (B, T, Vp))
-    matmul_forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)                  # (B,T,C) @ (C,Vp) -> (B,T,Vp)
+    mm.forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)                      # (B,T,C) @ (C,Vp) -> (B,T,Vp)
     if with_loss:
         fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
     return logits
@@ -958,7 +1029,7 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     B, T = model.BT
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
-    scratch = model.scratch
+    scratch, mm = model.scratch, model.matmul
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
     # The fused classifier writes the losses and, over the logits in place, dlogits in one pass
     # (the training step's forward skips it; llm.c runs it at the end of the forward instead).
@@ -967,7 +1038,7 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     fused_classifier(logits, A["losses"], A["targets"], dloss, B, T, V, Vp, write_dlogits=True)
     dlogits = logits
     dlnf = A["scratch_btc"]
-    matmul_backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], scratch, B, T, C, Vp)
+    mm.backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], scratch, B, T, C, Vp)
     dresidual = A["dresidual"]                                                      # gradient of the residual stream
     dresidual.fill(0)                                                               # layernorm_backward accumulates
     layernorm_backward(dresidual, G["lnfw"], G["lnfb"], scratch, dlnf, A["residual3"][L - 1], P["lnfw"],
@@ -981,23 +1052,19 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
         # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
         dfch = A["scratch_bt4c"]
-        matmul_dgelu_backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], A["fch"][l], scratch,
-                              B, T, 4 * C, C)                                     # dfch, through gelu
+        mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], scratch, B, T, 4 * C, C,
+                    pre_gelu=A["fch"][l])                                           # dfch, through gelu
         dln2 = A["scratch_btc"]
-        matmul_backward(dln2, g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"], scratch, B, T, C, 4 * C)
+        mm.backward(dln2, g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"], scratch, B, T, C, 4 * C)
         layernorm_backward(dresidual, g["ln2w"], g["ln2b"], scratch, dln2, A["residual2"][l], p["ln2w"],
                            A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
         datty = A["scratch_btc"]
-        matmul_backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], scratch, B, T, C, C)
+        mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], scratch, B, T, C, C)
         dqkv = prefix(A["scratch_bt4c"], (B, T, 3 * C))
-        if model.attention == "naive":
-            attention_backward(dqkv, A["dqkvr"], A["output"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH)
-        else:
-            fused_attention_backward(model.attention, dqkv, A["att_D"], datty, A["atty"][l], A["qkv"][l],
-                                     A["lse"][l], B, T, C, NH)
+        model.attention.backward(dqkv, datty, A, l, B, T, C, NH, mm.tf32)
         dln1 = A["scratch_btc"]                                                     # datty was consumed above
-        matmul_backward(dln1, g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"], scratch, B, T, C, 3 * C)
+        mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"], scratch, B, T, C, 3 * C)
         layernorm_backward(dresidual, g["ln1w"], g["ln1b"], scratch, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
     # backward of the encoder: encoded = wte[inputs] + wpe
@@ -1329,22 +1396,22 @@ def gpt2_forward_cached(model, inputs, cache):
         p = layer_params(P, l)
         # forward pass 1: attention block
         layernorm_forward(ln, mean, rstd, residual, p["ln1w"], p["ln1b"], B, T, C)
-        matmul_forward(qkv, ln, p["qkvw"], p["qkvb"], B, T, C, 3 * C)              # (B,T,3C)
+        model.matmul.forward(qkv, ln, p["qkvw"], p["qkvb"], B, T, C, 3 * C)              # (B,T,3C)
         attention_forward_cached(atty, qkv, cache.k[l], cache.v[l], pos, B, T, C, NH)
-        matmul_forward(proj, atty, p["attprojw"], p["attprojb"], B, T, C, C)        # attproj
+        model.matmul.forward(proj, atty, p["attprojw"], p["attprojb"], B, T, C, C)        # attproj
         residual_forward(residual2, residual, proj, B * T * C)
         # forward pass 2: MLP block
         layernorm_forward(ln, mean, rstd, residual2, p["ln2w"], p["ln2b"], B, T, C)
-        matmul_forward(fch, ln, p["fcw"], p["fcb"], B, T, C, 4 * C)                 # (B,T,4C)
+        model.matmul.forward(fch, ln, p["fcw"], p["fcb"], B, T, C, 4 * C)                 # (B,T,4C)
         gelu_forward(fch_gelu, fch, B * T * 4 * C)
-        matmul_forward(proj, fch_gelu, p["fcprojw"], p["fcprojb"], B, T, 4 * C, C)  # fcproj (B,T,C)
+        model.matmul.forward(proj, fch_gelu, p["fcprojw"], p["fcprojb"], B, T, 4 * C, C)  # fcproj (B,T,C)
         residual_forward(residual, residual2, proj, B * T * C)                      # residual3: the next layer's input
     # forward pass 3: final LayerNorm and the classifier tied to wte, for the last position only
     last, lnf = cp.zeros((B, 1, C), X), cp.zeros((B, 1, C), X)
     last[...] = residual[:, T - 1:]                                                 # (B,1,C), contiguous
     layernorm_forward(lnf, prefix(mean, (B, 1)), prefix(rstd, (B, 1)), last, P["lnfw"], P["lnfb"], B, 1, C)
     logits = cp.zeros((B, 1, Vp), X)
-    matmul_forward(logits, lnf, P["wte"], None, B, 1, C, Vp)                        # (B,1,C) @ (C,Vp) -> (B,1,Vp)
+    model.matmul.forward(logits, lnf, P["wte"], None, B, 1, C, Vp)                       # (B,1,C) @ (C,Vp) -> (B,1,Vp)
     cache.length = pos + T
     return as_float32(logits.reshape(B, Vp).get())                                   # (B,Vp) to the host
 
@@ -1364,7 +1431,7 @@ def sampling_forward(model):
 def tolerance_group(model):
     """The row of llmc.check.TOLERANCES for --check: 'cuda_fp32' for full fp32 matmuls, else
     'cuda_bf16' (bf16 storage, or TF32 matmuls)."""
-    return "cuda_fp32" if model.precision == "fp32" and not MATMUL_OPTIONS["tf32"] else "cuda_bf16"
+    return "cuda_fp32" if model.precision == "fp32" and not model.matmul.tf32 else "cuda_bf16"
 
 
 def attention_lse(qkv, NH):
@@ -1404,19 +1471,14 @@ def check_against_cpu(model, inputs, targets, cpu_dtype=np.float32, verbose=True
 
     CA = cpu.acts
     # the attention buffers of the path (activation_shapes), and their gpt2_cpu counterparts
-    if model.attention == "naive":
-        attention_names = ("qkvr", "att")
-        refs = {"qkvr": CA["qkv"].reshape(L, B, T, 3, NH, C // NH).transpose(0, 3, 1, 4, 2, 5)}  # (L,3,B,NH,T,HS)
-    else:
-        attention_names = ("qkv", "lse")
-        refs = {"lse": np.stack([attention_lse(CA["qkv"][l], NH) for l in range(L)])}            # (L,B,NH,T)
-    names = ("encoded", "ln1", "ln1_mean", "ln1_rstd") + attention_names + (
+    refs = model.attention.references(CA, L, B, T, C, NH)
+    names = ("encoded", "ln1", "ln1_mean", "ln1_rstd") + model.attention.check_names + (
         "atty", "residual2", "ln2", "ln2_mean", "ln2_rstd", "fch", "fch_gelu", "residual3", "lnf", "lnf_mean", "lnf_rstd")
     fetch = {name: as_float32(A[name].get()) for name in names + ("losses",)}
     logits = as_float32(prefix(A["output"], (B, T, cfg.padded_vocab_size)).get())
     if verbose:
         print(f"forward: {B}x{T} tokens, {model.precision} vs gpt2_cpu {np.dtype(cpu_dtype).name}, "
-              f"{model.attention} attention, tolerances '{group}'")
+              f"{model.attention.name} attention, tolerances '{group}'")
     for name in names:
         if name == "fch_gelu" and model.recompute:
             continue                       # kept for one layer only: the next check (residual3) covers it
@@ -1553,34 +1615,37 @@ def resolve_attention(requested, precision, HS):
 def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     """The model on the GPU from `spec` (default -e: a checkpoint or a descriptor), in the
     precision and attention path of the flags (a fallback is reported through `say`), with -z's
-    optimizer shard of this rank of comm (default: one process). Sets the process-wide TF32 choice."""
+    optimizer shard of this rank of comm (default: one process), its matmul backend from -f and
+    --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
     precision = args.precision
     if precision == "auto":
         precision = "bf16" if compute_capability >= BF16_MIN_COMPUTE_CAPABILITY else "fp32"
     if precision == "bf16" and compute_capability < BF16_MIN_COMPUTE_CAPABILITY:
         raise InputError(f"--precision bf16 needs compute capability >= 8.0 (this GPU: {compute_capability / 10:.1f})")
-    MATMUL_OPTIONS["tf32"] = bool(args.tf32) and compute_capability >= BF16_MIN_COMPUTE_CAPABILITY
-    MATMUL_OPTIONS["cublaslt"] = False
+    tf32 = bool(args.tf32) and compute_capability >= BF16_MIN_COMPUTE_CAPABILITY
+    matmul = Cublas(tf32)
     if args.cublaslt:
         from llmc import cublaslt
         reason = cublaslt.unavailable_reason()
         if reason:
             say(f"gpt2_cuda.py: cuBLASLt unavailable ({reason}): using cuBLAS")
-        MATMUL_OPTIONS["cublaslt"] = reason is None
+        else:
+            matmul = CublasLt(tf32)
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
     cfg = host.config
     attention, fallback = resolve_attention(args.attention, precision, cfg.channels // cfg.num_heads)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    model = GPT2(cfg, precision, bool(args.master_weights), bool(args.recompute), attention, args.zero_stage, rank, size)
+    model = GPT2(cfg, precision, bool(args.master_weights), bool(args.recompute), attention, args.zero_stage, rank, size,
+                 matmul)
     upload_parameters(model, host.params)
     return model
 
 
 def kernel_files(model):
     """The kernels/*.cu files the model launches (compiled before the first step)."""
-    return KERNEL_FILES + (("flash_attention",) if model.attention == "flash" else ())
+    return KERNEL_FILES + model.attention.kernel_files
 
 
 def run_check(args, model):
@@ -1662,9 +1727,8 @@ def train(args):
         return model
     run.say(f"device: {device_name} (cuda:{device}, compute capability {capability / 10:.1f}) | {model.precision}"
             f"{' + fp32 master weights' if model.master is not None else ''}"
-            f"{' | TF32 matmuls' if model.precision == 'fp32' and MATMUL_OPTIONS['tf32'] else ''}"
-            f" | recompute {int(model.recompute)} | {model.attention} attention"
-            f"{' | cuBLASLt epilogues' if MATMUL_OPTIONS['cublaslt'] else ''}"
+            f"{' | TF32 matmuls' if model.precision == 'fp32' and model.matmul.tf32 else ''}"
+            f" | recompute {int(model.recompute)} | {model.attention.name} attention | {model.matmul.name} matmuls"
             f"{' | CUDA graph' if args.cuda_graph else ''}")
     run.banner(cfg, model.num_parameters)
     run.say(f"memory: activations {activation_bytes / 2**30:.2f} GiB, total in use "
@@ -1713,7 +1777,7 @@ def train(args):
         cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update
         dt = time.perf_counter() - t0
         util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,
-                   device_name, model.precision, MATMUL_OPTIONS["tf32"])
+                   device_name, model.precision, model.matmul.tf32)
         run.log_step(step, loss, norm, lr, dt, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
         if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
             run.say(gpu_status_line(device))

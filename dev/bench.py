@@ -179,7 +179,7 @@ def kernel_breakdown(model, x, y, step):
     originals = [(llmc.cuda, "launch", launch), (llmc.cuda, "gemm", gemm)]
     llmc.cuda.launch = timed(lambda file, precision, name, *rest: f"{file}.cu:{name}", launch)
     llmc.cuda.gemm = timed(lambda transa, transb, m, n, k, *rest: f"cuBLAS gemm {m}x{n}x{k}", gemm)
-    if model.attention == "cudnn":
+    if model.attention.name == "cudnn":
         from llmc import cudnn_attention
         for fn_name in ("attention_forward_cudnn", "attention_backward_cudnn"):
             fn = getattr(cudnn_attention, fn_name)

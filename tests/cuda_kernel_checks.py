@@ -194,7 +194,7 @@ def check_gelu(rng, precision, n, OC=None):
 
 def check_matmul_and_bias(rng, precision, B, T, C, OC):
     """matmul_forward (GEMM + add_bias) and matmul_backward (dinp written; dweight and bias_backward's
-    dbias accumulated). The caller chooses TF32 (MATMUL_OPTIONS)."""
+    dbias accumulated). Without TF32 (the launchers' default)."""
     inp, w, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal(OC)
     x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(bias, precision)
     out = poisoned((B, T, OC), precision)

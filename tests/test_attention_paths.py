@@ -38,7 +38,7 @@ def test_fused_paths_hold_no_TxT_buffer(attention):
     cfg = model_config("d12")
     B, T = 2, 1021
     for path, count in (("naive", 1), (attention, 0)):
-        table = gpt2_cuda.activation_shapes(cfg, B, T, True, path)
+        table = gpt2_cuda.activation_shapes(cfg, B, T, True, gpt2_cuda.attention_path(path))
         assert sum(math.prod(shape) % (T * T) == 0 for _, shape, _ in table) == count, path
 
 
@@ -49,7 +49,8 @@ def test_fused_paths_save_exactly_the_dropped_buffers_at_124M():
     size = {"X": X, "f32": F, "i32": 4}
 
     def nbytes(attention):
-        return sum(math.prod(shape) * size[kind] for _, shape, kind in gpt2_cuda.activation_shapes(cfg, B, T, True, attention))
+        return sum(math.prod(shape) * size[kind] for _, shape, kind in gpt2_cuda.activation_shapes(cfg, B, T, True,
+                                                                                      gpt2_cuda.attention_path(attention)))
 
     naive, flash = nbytes("naive"), nbytes("flash")
     HS = C // NH

@@ -24,9 +24,9 @@ from test_cuda import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixtu
 def _recording(calls, fn, direction):
     """fn (llmc.cublaslt's matmul_forward_lt or matmul_backward_lt), each call recorded as
     (direction, OC, whether a GELU pre-activation was passed)."""
-    def wrapper(*args, pre_gelu=None):
+    def wrapper(*args, pre_gelu=None, tf32=False):
         calls.append((direction, args[-1], pre_gelu is not None))
-        return fn(*args, pre_gelu=pre_gelu)
+        return fn(*args, pre_gelu=pre_gelu, tf32=tf32)
     return wrapper
 
 
@@ -60,10 +60,9 @@ def _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad):
 def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, bgrad):
     calls = []
     cublaslt = _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad)
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "cublaslt", True)
     # the separate GELU kernels must not run: their work is in the epilogues
     monkeypatch.setattr(gpt2_cuda, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False)
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=gpt2_cuda.CublasLt())
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     rng = np.random.default_rng(2)
     x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
@@ -84,10 +83,9 @@ def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     fake = types.SimpleNamespace(unavailable_reason=lambda: "nvmath-python is not installed")
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
     monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "cublaslt", True)
-    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace())
+    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=a[-1]))
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     lines = []
-    gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1"]), 90, say=lines.append)
+    model = gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1"]), 90, say=lines.append)
     assert lines == ["gpt2_cuda.py: cuBLASLt unavailable (nvmath-python is not installed): using cuBLAS"]
-    assert gpt2_cuda.MATMUL_OPTIONS["cublaslt"] is False
+    assert type(model.matmul) is gpt2_cuda.Cublas

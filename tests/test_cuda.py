@@ -332,9 +332,10 @@ def _colmajor_index(rows, cols, ld):
 
 
 def emulated_gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False, batch=1,
-                  stride_a=0, stride_b=0, stride_c=0):
+                  stride_a=0, stride_b=0, stride_c=0, tf32=False):
     """cublasGemmEx / cublasGemmStridedBatchedEx on NumPy floatX buffers (float32 or bf16 bits),
-    taking every argument literally: C = op(A) @ op(B) (+ C), column-major, fp32 arithmetic."""
+    taking every argument literally: C = op(A) @ op(B) (+ C), column-major, fp32 arithmetic
+    (tf32 chooses cuBLAS's compute type; the emulation computes in fp32 either way)."""
     precision = llmc.cuda.precision_of(C)
     for arr in (A, B, C):
         assert llmc.cuda.precision_of(arr) == precision and arr.flags.c_contiguous
@@ -842,7 +843,6 @@ def emulated_gpu(monkeypatch):
     monkeypatch.setattr(llmc.cuda, "select_device", lambda comm: (0, "Emulated GPU", 90))
     monkeypatch.setattr(llmc.cuda, "cuda_unavailable_reason", lambda: None)
     monkeypatch.setattr(llmc.cuda, "load_modules", lambda files, precision: None)
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     return fake
 
 
@@ -1306,7 +1306,6 @@ def test_gelu_kernels(gpu_rng, precision, n, OC):
 @PRECISION_PARAMS
 @pytest.mark.parametrize("B,T,C,OC", [(2, 3, 16, 24), (3, 37, 96, 288), (4, 64, 768, 3072), (1, 5, 64, 50304)])
 def test_matmul_and_bias_kernels(gpu_rng, precision, monkeypatch, B, T, C, OC):
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     check_matmul_and_bias(gpu_rng, precision, B, T, C, OC)
 
 
@@ -1314,7 +1313,6 @@ def test_matmul_and_bias_kernels(gpu_rng, precision, monkeypatch, B, T, C, OC):
 @PRECISION_PARAMS
 @pytest.mark.parametrize("B,T,NH,HS", [(1, 1, 1, 8), (2, 37, 3, 16), (4, 64, 12, 64), (1, 128, 2, 8)])
 def test_attention_kernels(gpu_rng, precision, monkeypatch, B, T, NH, HS):
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     check_attention(gpu_rng, precision, B, T, NH, HS)
 
 
@@ -1352,7 +1350,6 @@ def test_adamw_norm_and_cast_kernels(gpu_rng, precision, n):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_model_124M_matches_gpt2_cpu(precision, monkeypatch):
     # the 124M shape at B=4, T=64: every activation, the logits, the loss and every gradient
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     cfg = gpt2_cpu.config_from_descriptor("d12")
     model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
@@ -1364,7 +1361,6 @@ def test_model_124M_matches_gpt2_cpu(precision, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 2e-2)])
 def test_ten_training_steps_match_gpt2_cpu(precision, rtol, monkeypatch):
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     cfg = gpt2_cpu.config_from_descriptor("d4")
     model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
@@ -1393,7 +1389,6 @@ def test_ten_training_steps_match_gpt2_cpu(precision, rtol, monkeypatch):
 def test_sampling_and_eval_forwards_match_gpt2_cpu(monkeypatch):
     # the CuPy side of the two forwards handed to gpt2_cpu: HostLogits' row copies, the padded
     # HellaSwag batch; fp32 without TF32, so that a tiny model samples the very same tokens
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     cpu = _gen_model()
     model = gpt2_cuda.GPT2(GEN_CONFIG, "fp32", recompute=True)
     gpt2_cuda.upload_parameters(model, cpu.params)

@@ -386,7 +386,6 @@ def emulated_gpu(monkeypatch):
     monkeypatch.setattr(llmc.cuda, "cupy", fake_cupy)
     monkeypatch.setattr(llmc.cuda, "launch", test_cuda.emulated_launch)
     monkeypatch.setattr(llmc.cuda, "gemm", test_cuda.emulated_gemm)
-    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", False)
 
 
 EMULATED = [("matmul", p.name, 4) for p in matmul.PROGRESSIONS[::3]] + \

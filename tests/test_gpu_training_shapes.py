@@ -53,12 +53,6 @@ def rng():
     return np.random.default_rng(1024)
 
 
-@pytest.fixture
-def no_tf32(monkeypatch):
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "cublaslt", False)
-
-
 # ----------------------------------------------------------------------------
 # every kernel at (B,T) = (2,1024), C = 768, NH = 12; and with few blocks (grid-stride passes)
 
@@ -77,12 +71,12 @@ def run_every_kernel_check(rng, precision):
 
 
 @PRECISIONS
-def test_every_kernel_at_the_124M_training_shape(rng, no_tf32, precision):
+def test_every_kernel_at_the_124M_training_shape(rng, precision):
     run_every_kernel_check(rng, precision)
 
 
 @PRECISIONS
-def test_grid_stride_loops_running_several_passes(rng, no_tf32, monkeypatch, precision):
+def test_grid_stride_loops_running_several_passes(rng, monkeypatch, precision):
     launched = few_blocks(monkeypatch, FEW_BLOCKS)
     run_every_kernel_check(rng, precision)
     passes = {name: asked[0] / grid[0] for name, grid, asked in launched if grid != asked}
@@ -94,7 +88,7 @@ def test_grid_stride_loops_running_several_passes(rng, no_tf32, monkeypatch, pre
 
 
 @PRECISIONS
-def test_layernorm_backward_and_bias_gradient_at_4096_rows(rng, no_tf32, precision):
+def test_layernorm_backward_and_bias_gradient_at_4096_rows(rng, precision):
     rows_B = LARGE_ROWS // T                            # (4, 1024)
     assert gpt2_cuda.layernorm_backward_grid(LARGE_ROWS) * 8 == LARGE_ROWS       # 8 rows per scratch slot
     assert gpt2_cuda.bias_backward_chunks(LARGE_ROWS) * 16 == LARGE_ROWS         # 16 rows per bias chunk
@@ -106,7 +100,7 @@ def test_layernorm_backward_and_bias_gradient_at_4096_rows(rng, no_tf32, precisi
 # ----------------------------------------------------------------------------
 # the classifier past 2^31 elements
 
-def test_logits_gemm_and_classifier_past_int32_offsets(rng, no_tf32):
+def test_logits_gemm_and_classifier_past_int32_offsets(rng):
     precision, B_big = "bf16", 42
     N = B_big * T                                       # 43008 rows
     assert N * Vp > INT32_LIMIT
@@ -188,7 +182,7 @@ def test_the_same_step_twice_is_bitwise_equal(rng, attention):
         np.testing.assert_array_equal(getattr(second, name).get(), value, err_msg=name)
 
 
-def test_one_124M_step_bf16_against_fp32(rng, no_tf32):
+def test_one_124M_step_bf16_against_fp32(rng):
     x, y = batch(rng, 8, 1024)
     fp32, loss32, norm32 = one_step("fp32", "naive", x, y)
     grads32 = gpt2_cpu.tensor_views(gpt2_cuda.as_float32(fp32.grads.get()), fp32.param_shapes)

@@ -551,7 +551,6 @@ def test_zero_stage_2_is_refused_with_one_line(emulated_gpu, tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 2e-2)])
 def test_gpu_zero1_one_rank_equals_zero0_and_tracks_gpt2_cpu(precision, rtol, monkeypatch):
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     cfg = gpt2_cpu.config_from_descriptor("d4")
     rng = np.random.default_rng(9)
     x, y = (rng.integers(0, 5000, (4, 64)).astype(np.int32) for _ in range(2))
