@@ -20,6 +20,7 @@ import numpy as np
 import gpt2_cpu
 import gpt2_cuda
 import llmc.cuda
+from llmc import cuda_check
 from gpt2_cpu import GPT2Config
 from llmc.check import TOLERANCES, check_tensor
 from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits
@@ -238,7 +239,7 @@ def check_attention(rng, precision, B, T, NH, HS):
 
 def check_flash_attention(rng, precision, B, T, NH, HS):
     """kernels/flash_attention.cu forward (out, lse) and backward (dqkv) against gpt2_cpu's
-    attention and gpt2_cuda.attention_lse, in float64."""
+    attention and llmc.cuda_check.attention_lse, in float64."""
     C = NH * HS
     qkv, dout = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((B, T, C))
     qkv_d, dout_d = to_device(qkv, precision), to_device(dout, precision)
@@ -249,7 +250,7 @@ def check_flash_attention(rng, precision, B, T, NH, HS):
     x, dx = as_input(qkv, precision), as_input(dout, precision)
     ref_out, ref_att = gpt2_cpu.attention_forward(x, NH)
     assert_kernel("attention", precision, out, ref_out, "flash out")
-    assert_kernel("attention", "fp32", lse.get(), gpt2_cuda.attention_lse(x, NH), "flash lse")   # fp32 arithmetic
+    assert_kernel("attention", "fp32", lse.get(), cuda_check.attention_lse(x, NH), "flash lse")   # fp32 arithmetic
     assert_kernel("attention", precision, dqkv, gpt2_cpu.attention_backward(dx, x, ref_att, NH), "flash dqkv")
 
 

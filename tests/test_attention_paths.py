@@ -23,6 +23,7 @@ import pytest
 import gpt2_cpu
 import gpt2_cuda
 import llmc
+from llmc import cuda_check
 from gpt2_cpu import GPT2Config, model_config
 from test_cuda import TINY, _from_f32, _to_f32, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
 
@@ -154,7 +155,7 @@ def test_emulated_model_on_cudnn_path_matches_gpt2_cpu(emulated_gpu, monkeypatch
     rng = np.random.default_rng(11)
     x = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
-    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
     assert calls == ["prepare"] + ["forward"] * TINY.num_layers + ["backward"] * TINY.num_layers   # prepare: at allocation
     A = gpt2_cuda.gpt2_activations(model, B, T)
     assert "att" not in A and "qkvr" not in A and A["lse"].shape == (TINY.num_layers, B, TINY.num_heads, T)
@@ -164,7 +165,7 @@ def test_attention_lse_is_the_log_sum_exp():
     rng = np.random.default_rng(0)
     B, T, NH, HS = 2, 5, 3, 4
     qkv = rng.standard_normal((B, T, 3 * NH * HS))
-    lse = gpt2_cuda.attention_lse(qkv, NH)
+    lse = cuda_check.attention_lse(qkv, NH)
     q, k, _ = _heads(qkv, NH)
     for b, h, t in [(0, 0, 0), (1, 2, 4), (0, 1, 3)]:
         scores = [q[b, h, t] @ k[b, h, j] / math.sqrt(HS) for j in range(t + 1)]   # keys 0..t only

@@ -18,6 +18,7 @@ import gpt2_cpu
 import gpt2_cuda
 import llmc
 import llmc.cuda
+from llmc import cuda_check
 from test_cuda import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
 
 
@@ -67,7 +68,7 @@ def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch
     rng = np.random.default_rng(2)
     x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
-    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
     C, L = TINY.channels, TINY.num_layers
     # per layer: qkv, attproj, fc (with GELU), fcproj; then the classifier (no bias)
     assert calls[:4] == [("forward", 3 * C, False), ("forward", C, False), ("forward", 4 * C, True),

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 import gpt2_cpu
-from llmc import checkpoint, cli, dataloader, evalloader, formats, tokenizer
+from llmc import checkpoint, cli, cuda_check, dataloader, evalloader, formats, tokenizer
 import gpt2_cuda
 import llmc.cuda
 import llmc.mfu
@@ -863,9 +863,9 @@ def test_emulated_model_matches_gpt2_cpu(emulated_gpu, precision, recompute, B, 
     y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     x[0, :4] = 5                                                # repeated tokens: dwte accumulation
     x[:, T - 12:] = 9                                           # 12 B positions: over 32 (B=3) the token is chunked
-    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
     # twice in a row: gradients are zeroed, activations overwritten, nothing leaks between passes
-    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
 
 
 def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
@@ -1355,7 +1355,7 @@ def test_model_124M_matches_gpt2_cpu(precision, monkeypatch):
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
     rng = np.random.default_rng(5)
     x, y = (rng.integers(0, cfg.vocab_size, (4, 64)).astype(np.int32) for _ in range(2))
-    assert gpt2_cuda.check_against_cpu(model, x, y)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y)
 
 
 @pytest.mark.gpu
@@ -1523,7 +1523,7 @@ def test_emulated_model_on_flash_path_matches_gpt2_cpu(emulated_gpu, precision, 
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     rng = np.random.default_rng(11)
     x, y = (rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32) for _ in range(2))
-    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
 
 
 FLASH_GPU_SHAPES = [(2, 64, 4, 64), (1, 70, 3, 64), (2, 1024, 2, 64), (1, 70, 2, 16), (2, 70, 2, 32),

@@ -56,7 +56,7 @@ from matmul import LIBRARY_BLOCK_SIZES, without_unavailable  # noqa: E402  (dev/
 
 import gpt2_cpu  # noqa: E402  (common put the repository root on sys.path)
 import gpt2_cuda  # noqa: E402  (imports CuPy only when a launcher runs)
-from llmc import cuda  # noqa: E402
+from llmc import cuda, cuda_check  # noqa: E402
 from llmc.cuda import ceil_div  # noqa: E402
 
 OP = "attention"
@@ -139,7 +139,7 @@ def make_backward_case(rng, precision, B, T, NH, HS):
     case.input("att", att, "X")                                                 # v2
     case.input("qkvr", qkv.reshape(B, T, 3, NH, HS).transpose(2, 0, 3, 1, 4))   # v2: (3,B,NH,T,HS)
     case.input("out", out)                                                      # v3, v4, v5
-    case.input("lse", gpt2_cuda.attention_lse(qkv, NH), "f32")                  # v3, v4
+    case.input("lse", cuda_check.attention_lse(qkv, NH), "f32")                  # v3, v4
     # scratch
     case.scratch("dqkv_acc", (B, T, 3 * C), "f32")                              # v1
     case.scratch("dqkvr", (3, B, NH, T, HS), "X")                               # v2
