@@ -6,8 +6,6 @@ TENSOR OK / NOT OK line each. The GPU trainer is passed in (`trainer`, the gpt2_
 this module imports neither trainer when it loads.
 """
 
-import math
-
 import numpy as np
 
 from llmc.check import check_against
@@ -24,11 +22,9 @@ def attention_lse(qkv, NH):
     """The log-sum-exp over keys j <= t of the scaled scores s q_t . k_j, s = 1/sqrt(HS), per
     (b, head, t): (B,NH,T) from qkv (B,T,3C) (any float dtype; computed in its precision). What the
     flash and cuDNN paths keep for the backward (Dao et al. 2022, Alg. 1's m + log l)."""
-    B, T, C3 = qkv.shape
-    HS = C3 // 3 // NH
-    q, k, _ = (qkv[..., i * C3 // 3:(i + 1) * C3 // 3].reshape(B, T, NH, HS).transpose(0, 2, 1, 3) for i in range(3))
-    scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(HS)                   # (B,NH,T,T)
-    scores[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+    import gpt2_cpu                                    # the reference (llmc never imports it at load)
+    q, k, _ = gpt2_cpu.split_heads(qkv, NH)                                  # each (B,NH,T,HS)
+    scores = gpt2_cpu.causal_scores(q, k)                                     # (B,NH,T,T), masked
     top = scores.max(axis=-1, keepdims=True)
     return (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
 

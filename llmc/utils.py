@@ -1,9 +1,11 @@
 """
 llmc/utils.py: the error every command-line tool reports in one line, and writing files so that a
-crash never leaves one that looks complete (llm.c's llmc/utils.h: fopenCheck and friends).
+crash never leaves one that looks complete (llm.c's llmc/utils.h: fopenCheck and friends), and
+prefix, the view of a buffer's first elements that every (B,T) of a preallocated buffer uses.
 """
 
 import glob
+import math
 import os
 import re
 
@@ -36,3 +38,8 @@ def stale_temporaries(directory):
     pattern = re.compile(re.escape(TMP_SUFFIX) + r"\d+$")
     return sorted(p for p in glob.glob(os.path.join(glob.escape(directory), "*" + TMP_SUFFIX + "*"))
                   if pattern.search(p) and os.path.isfile(p))
+
+
+def prefix(buf, shape):
+    """View of the first prod(shape) elements of a contiguous buffer, reshaped (no copy)."""
+    return buf.reshape(-1)[:math.prod(shape)].reshape(shape)

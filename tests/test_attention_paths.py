@@ -22,6 +22,7 @@ import pytest
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.attention
 import llmc
 from llmc import cuda_check
 from gpt2_cpu import GPT2Config, model_config
@@ -39,7 +40,7 @@ def test_fused_paths_hold_no_TxT_buffer(attention):
     cfg = model_config("d12")
     B, T = 2, 1021
     for path, count in (("naive", 1), (attention, 0)):
-        table = gpt2_cuda.activation_shapes(cfg, B, T, True, gpt2_cuda.attention_path(path))
+        table = gpt2_cuda.activation_shapes(cfg, B, T, True, llmc.attention.attention_path(path))
         assert sum(math.prod(shape) % (T * T) == 0 for _, shape, _ in table) == count, path
 
 
@@ -51,7 +52,7 @@ def test_fused_paths_save_exactly_the_dropped_buffers_at_124M():
 
     def nbytes(attention):
         return sum(math.prod(shape) * size[kind] for _, shape, kind in gpt2_cuda.activation_shapes(cfg, B, T, True,
-                                                                                      gpt2_cuda.attention_path(attention)))
+                                                                                      llmc.attention.attention_path(attention)))
 
     naive, flash = nbytes("naive"), nbytes("flash")
     HS = C // NH
@@ -75,21 +76,21 @@ def _fake_cudnn_module(reason):
 def test_resolve_attention_fallbacks(monkeypatch):
     monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module(None), raising=False)
     monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
-    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 64) == ("cudnn", None)
-    assert gpt2_cuda.resolve_attention("naive", "bf16", 64) == ("naive", None)
-    monkeypatch.setattr(gpt2_cuda, "flash_attention_supported", lambda HS: HS == 64)
-    assert gpt2_cuda.resolve_attention("flash", "fp32", 64) == ("flash", None)
-    path, line = gpt2_cuda.resolve_attention("flash", "bf16", 48)
+    assert llmc.attention.resolve_attention("cudnn", "bf16", 64) == ("cudnn", None)
+    assert llmc.attention.resolve_attention("naive", "bf16", 64) == ("naive", None)
+    monkeypatch.setattr(llmc.attention, "flash_attention_supported", lambda HS: HS == 64)
+    assert llmc.attention.resolve_attention("flash", "fp32", 64) == ("flash", None)
+    path, line = llmc.attention.resolve_attention("flash", "bf16", 48)
     assert path == "naive" and line == "flash attention has no kernel for head size 48: using naive attention"
     monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module("no module named cudnn"))
     monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
-    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 64) == (
+    assert llmc.attention.resolve_attention("cudnn", "bf16", 64) == (
         "flash", "cuDNN attention unavailable (no module named cudnn): using flash attention")
-    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 48)[0] == "naive"
+    assert llmc.attention.resolve_attention("cudnn", "bf16", 48)[0] == "naive"
 
 
 def test_attention_flag():
-    assert gpt2_cuda.parse_args([]).attention == gpt2_cuda.DEFAULT_ATTENTION == "naive"   # until it ran on a GPU
+    assert gpt2_cuda.parse_args([]).attention == llmc.attention.DEFAULT_ATTENTION == "naive"   # until it ran on a GPU
     assert gpt2_cuda.parse_args(["--attention", "flash"]).attention == "flash"
     with pytest.raises(SystemExit):
         gpt2_cuda.parse_args(["--attention", "fast"])

@@ -16,6 +16,7 @@ import pytest
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.matmul
 import llmc
 import llmc.cuda
 from llmc import cuda_check
@@ -62,8 +63,8 @@ def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch
     calls = []
     cublaslt = _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad)
     # the separate GELU kernels must not run: their work is in the epilogues
-    monkeypatch.setattr(gpt2_cuda, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=gpt2_cuda.CublasLt())
+    monkeypatch.setattr(llmc.matmul, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=llmc.matmul.CublasLt())
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     rng = np.random.default_rng(2)
     x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
@@ -89,4 +90,4 @@ def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     lines = []
     model = gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1"]), 90, say=lines.append)
     assert lines == ["gpt2_cuda.py: cuBLASLt unavailable (nvmath-python is not installed): using cuBLAS"]
-    assert type(model.matmul) is gpt2_cuda.Cublas
+    assert type(model.matmul) is llmc.matmul.Cublas

@@ -39,10 +39,13 @@ import numpy as np
 import pytest
 
 import gpt2_cpu
-from llmc import checkpoint, cli, cuda_check, dataloader, evalloader, formats, tokenizer
+from llmc import checkpoint, cli, cuda_check, dataloader, evalloader, formats, gpu_cli, tokenizer
 import gpt2_cuda
+import llmc.matmul
+import llmc.attention
 import llmc.cuda
 import llmc.mfu
+import llmc.pinned
 from gpt2_cpu import GPT2Config
 from llmc.check import TOLERANCES, check_tensor
 from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits
@@ -136,7 +139,7 @@ def test_pinned_staging_holds_the_largest_uploads(N):
     # the CUDA graph's padded uploads are the largest a micro-batch of N positions makes: they fit
     # the buffers gpt2_allocate reserves, so no pinned allocation happens inside training
     def placed(ints):
-        return -(-4 * ints // gpt2_cuda.PinnedStaging.ALIGNMENT) * gpt2_cuda.PinnedStaging.ALIGNMENT
+        return -(-4 * ints // llmc.pinned.PinnedStaging.ALIGNMENT) * llmc.pinned.PinnedStaging.ALIGNMENT
     R = gpt2_cuda.wte_reduce_max(N)
     batch, segments = gpt2_cuda.staging_bytes(N)
     assert batch >= 2 * placed(N)
@@ -151,7 +154,7 @@ def test_grids():
     assert gpt2_cuda.layernorm_backward_grid(10 ** 6) == gpt2_cuda.LAYERNORM_BACKWARD_GRID
     assert llmc.cuda.vector_size("bf16") == 8 and llmc.cuda.vector_size("fp32") == 4
     C = 768
-    need = max(gpt2_cuda.layernorm_backward_grid(10 ** 6) * 2 * C, gpt2_cuda.bias_backward_chunks(10 ** 6) * 4 * C)
+    need = max(gpt2_cuda.layernorm_backward_grid(10 ** 6) * 2 * C, llmc.matmul.bias_backward_chunks(10 ** 6) * 4 * C)
     assert gpt2_cuda.scratch_floats(GPT2Config(channels=C)) >= need
 
 
@@ -190,8 +193,8 @@ def test_help_is_one_block_with_cpu_and_gpu_flags():
     assert cpu_flags | gpu_flags <= listed
     # the GPU flags come last, in one group of the same help text
     body = out.split("\n\n", 1)[1]                                     # after the usage block
-    assert body.count(gpt2_cuda.GPU_FLAGS_TITLE) == 1
-    before, after = body.split(gpt2_cuda.GPU_FLAGS_TITLE)
+    assert body.count(gpu_cli.GPU_FLAGS_TITLE) == 1
+    before, after = body.split(gpu_cli.GPU_FLAGS_TITLE)
     assert "--hellaswag-file" in before and "--hellaswag-file" not in after
     assert "--master-weights" in after and "--master-weights" not in before
     assert "(default: auto)" in after
@@ -290,12 +293,15 @@ def test_import_does_not_import_cupy():
 
 
 def _launched_kernels():
-    """(file, kernel name) of every cuda.launch call in gpt2_cuda.py's source."""
-    with open(os.path.join(ROOT, "gpt2_cuda.py")) as f:
-        src = f.read()
+    """(file, kernel name) of every cuda.launch call in gpt2_cuda.py's source and the llmc modules
+    holding its launchers (attention.py, matmul.py, cublaslt.py)."""
+    src = ""
+    for path in ("gpt2_cuda.py", *(os.path.join("llmc", f"{name}.py") for name in ("attention", "matmul", "cublaslt"))):
+        with open(os.path.join(ROOT, path)) as f:
+            src += f.read()
     launched = set(re.findall(r'cuda\.launch\("(\w+)", precision, "(\w+)"', src))
-    # the flash attention kernels are picked by head size from gpt2_cuda.FLASH_ATTENTION_KERNELS
-    return launched | {("flash_attention", name) for names in gpt2_cuda.FLASH_ATTENTION_KERNELS.values() for name in names}
+    # the flash attention kernels are picked by head size from llmc.attention.FLASH_ATTENTION_KERNELS
+    return launched | {("flash_attention", name) for names in llmc.attention.FLASH_ATTENTION_KERNELS.values() for name in names}
 
 
 def _c_parameters(file, kernel):
@@ -383,7 +389,7 @@ def test_matmul_forward_adds_the_bias_after_a_beta_0_gemm(emulated_cublas, monke
     rng = np.random.default_rng(OC)
     inp, weight, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)), rng.standard_normal(OC)
     out = _from_f32(np.full((B, T, OC), np.nan, np.float32), precision)
-    gpt2_cuda.matmul_forward(out, *(_from_f32(a.astype(np.float32), precision) for a in (inp, weight, bias)),
+    llmc.matmul.matmul_forward(out, *(_from_f32(a.astype(np.float32), precision) for a in (inp, weight, bias)),
                              B, T, C, OC)
     assert gemms == [False] and [name for name, _ in launches] == ["add_bias"]
     vec = llmc.cuda.vector_size(precision) if OC % llmc.cuda.vector_size(precision) == 0 else 1
@@ -400,15 +406,15 @@ def test_matmul_gemm_arguments(emulated_cublas, B, T, C, OC):
     weight = rng.standard_normal((OC, C)).astype(np.float32)
     bias = rng.standard_normal(OC).astype(np.float32)
     out = np.full((B, T, OC), np.nan, np.float32)
-    gpt2_cuda.matmul_forward(out, inp, weight, bias, B, T, C, OC)
+    llmc.matmul.matmul_forward(out, inp, weight, bias, B, T, C, OC)
     np.testing.assert_allclose(out, inp @ weight.T + bias, rtol=1e-5, atol=1e-5)
-    gpt2_cuda.matmul_forward(out, inp, weight, None, B, T, C, OC)
+    llmc.matmul.matmul_forward(out, inp, weight, None, B, T, C, OC)
     np.testing.assert_allclose(out, inp @ weight.T, rtol=1e-5, atol=1e-5)
     dout = rng.standard_normal((B, T, OC)).astype(np.float32)
     dinp = np.full((B, T, C), np.nan, np.float32)
     dweight0 = rng.standard_normal((OC, C)).astype(np.float32)
     dweight = dweight0.copy()
-    gpt2_cuda.matmul_backward(dinp, dweight, None, dout, inp, weight, None, B, T, C, OC)
+    llmc.matmul.matmul_backward(dinp, dweight, None, dout, inp, weight, None, B, T, C, OC)
     np.testing.assert_allclose(dinp, dout @ weight, rtol=1e-5, atol=1e-5)                  # written
     np.testing.assert_allclose(dweight, dweight0 + dout.reshape(-1, OC).T @ inp.reshape(-1, C),
                                rtol=1e-5, atol=1e-5)                                        # accumulated
@@ -421,17 +427,17 @@ def test_attention_gemm_arguments(emulated_cublas, BNH, T, HS):
     att, dpreatt = (rng.standard_normal((BNH, T, T)).astype(np.float32) for _ in range(2))
     tr = lambda x: x.transpose(0, 2, 1)                                                 # noqa: E731
     preatt = np.full((BNH, T, T), np.nan, np.float32)
-    gpt2_cuda.attention_scores(preatt, q, k, BNH, T, HS)
+    llmc.attention.attention_scores(preatt, q, k, BNH, T, HS)
     np.testing.assert_allclose(preatt, q @ tr(k), rtol=1e-5, atol=1e-5)
     y = np.full((BNH, T, HS), np.nan, np.float32)
-    gpt2_cuda.attention_values(y, att, v, BNH, T, HS)
+    llmc.attention.attention_values(y, att, v, BNH, T, HS)
     np.testing.assert_allclose(y, att @ v, rtol=1e-5, atol=1e-5)
     datt, dv = np.full((BNH, T, T), np.nan, np.float32), np.full((BNH, T, HS), np.nan, np.float32)
-    gpt2_cuda.attention_values_backward(datt, dv, dy, att, v, BNH, T, HS)
+    llmc.attention.attention_values_backward(datt, dv, dy, att, v, BNH, T, HS)
     np.testing.assert_allclose(datt, dy @ tr(v), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dv, tr(att) @ dy, rtol=1e-5, atol=1e-5)
     dq, dk = np.full((BNH, T, HS), np.nan, np.float32), np.full((BNH, T, HS), np.nan, np.float32)
-    gpt2_cuda.attention_scores_backward(dq, dk, dpreatt, q, k, BNH, T, HS)
+    llmc.attention.attention_scores_backward(dq, dk, dpreatt, q, k, BNH, T, HS)
     np.testing.assert_allclose(dq, dpreatt @ k, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dk, tr(dpreatt) @ q, rtol=1e-5, atol=1e-5)
 
@@ -796,7 +802,7 @@ def _flash_entry(emulation, HS):
 
 
 EMULATED_KERNELS = {name[2:]: fn for name, fn in list(globals().items()) if name.startswith("k_")}
-EMULATED_KERNELS.update({name: _flash_entry(emulation, HS) for HS, names in gpt2_cuda.FLASH_ATTENTION_KERNELS.items()
+EMULATED_KERNELS.update({name: _flash_entry(emulation, HS) for HS, names in llmc.attention.FLASH_ATTENTION_KERNELS.items()
                          for name, emulation in zip(names, (_flash_forward, _flash_backward_dkdv, _flash_backward_dq))})
 
 
@@ -1465,15 +1471,15 @@ def _check_flash(precision, out, lse, dqkv, ref, label):
 
 def test_flash_attention_tiles_and_support():
     # FlashTiles<HS> by hand: R = min(64, 8 KiB / (HS * bytes)), S = min(32, R)
-    assert gpt2_cuda.flash_attention_tiles("bf16", 64) == (64, 32)
-    assert gpt2_cuda.flash_attention_tiles("bf16", 128) == (32, 32)
-    assert gpt2_cuda.flash_attention_tiles("fp32", 64) == (32, 32)
-    assert gpt2_cuda.flash_attention_tiles("fp32", 128) == (16, 16)
-    assert gpt2_cuda.flash_attention_launch("bf16", 64, 4, 1024, 12) == ((48, 16), 128)
-    assert gpt2_cuda.flash_attention_launch("fp32", 128, 1, 70, 2) == ((2, 5), 32)
-    assert [HS for HS in range(1, 257) if gpt2_cuda.flash_attention_supported(HS)] == [16, 32, 64, 128]
+    assert llmc.attention.flash_attention_tiles("bf16", 64) == (64, 32)
+    assert llmc.attention.flash_attention_tiles("bf16", 128) == (32, 32)
+    assert llmc.attention.flash_attention_tiles("fp32", 64) == (32, 32)
+    assert llmc.attention.flash_attention_tiles("fp32", 128) == (16, 16)
+    assert llmc.attention.flash_attention_launch("bf16", 64, 4, 1024, 12) == ((48, 16), 128)
+    assert llmc.attention.flash_attention_launch("fp32", 128, 1, 70, 2) == ((2, 5), 32)
+    assert [HS for HS in range(1, 257) if llmc.attention.flash_attention_supported(HS)] == [16, 32, 64, 128]
     with pytest.raises(ValueError, match="no kernel for head size 48"):
-        gpt2_cuda.flash_attention_launch("bf16", 48, 1, 64, 2)
+        llmc.attention.flash_attention_launch("bf16", 48, 1, 64, 2)
 
 
 def _host_poisoned(shape, precision):
@@ -1492,9 +1498,9 @@ def test_emulated_flash_attention_matches_gpt2_cpu(emulated_gpu, precision, B, T
     ref = _flash_reference(as_input(qkv, precision), as_input(dout, precision), NH)
     qkv_x, dout_x = _from_f32(qkv.astype(np.float32), precision), _from_f32(dout.astype(np.float32), precision)
     out, lse = _host_poisoned((B, T, C), precision), np.full((B, NH, T), np.nan, np.float32)
-    gpt2_cuda.flash_attention_forward(out, lse, qkv_x, B, T, C, NH)
+    llmc.attention.flash_attention_forward(out, lse, qkv_x, B, T, C, NH)
     dqkv, D = _host_poisoned((B, T, 3 * C), precision), np.full((B, NH, T), np.nan, np.float32)
-    gpt2_cuda.flash_attention_backward(dqkv, D, dout_x, out, qkv_x, lse, B, T, C, NH)
+    llmc.attention.flash_attention_backward(dqkv, D, dout_x, out, qkv_x, lse, B, T, C, NH)
     assert _check_flash(precision, _to_f32(out), lse, _to_f32(dqkv), ref, f"B={B} T={T} NH={NH} HS={HS}")
     # D = rowsum(dout * out) of the stored (floatX) out
     ref_D = (_to_f32(dout_x).astype(np.float64) * _to_f32(out)).reshape(B, T, NH, HS).sum(axis=-1).transpose(0, 2, 1)
@@ -1508,7 +1514,7 @@ def test_emulated_flash_attention_block_structure_is_the_kernels():
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, 3 * NH * HS)).astype(np.float32) * 3
     out, lse = np.zeros((B, T, NH * HS), np.float32), np.zeros((B, NH, T), np.float32)
-    grid, block = gpt2_cuda.flash_attention_launch("fp32", HS, B, T, NH)
+    grid, block = llmc.attention.flash_attention_launch("fp32", HS, B, T, NH)
     _flash_forward(grid, block, out, lse, qkv, B, T, NH, HS)
     ref_out, ref_lse, _ = _flash_reference(qkv.astype(np.float64), np.zeros((B, T, NH * HS)), NH)
     assert check_tensor(out, ref_out, "out", 1e-5, 1e-5) and check_tensor(lse, ref_lse, "lse", 1e-5, 1e-5)
@@ -1536,9 +1542,9 @@ def _flash_on_gpu(qkv, dout, B, T, NH, precision):
     C = NH * qkv.shape[-1] // 3 // NH
     qkv_d, dout_d = to_device(qkv, precision), to_device(dout, precision)
     out, lse = poisoned((B, T, C), precision), cp.full((B, NH, T), np.nan, np.float32)
-    gpt2_cuda.flash_attention_forward(out, lse, qkv_d, B, T, C, NH)
+    llmc.attention.flash_attention_forward(out, lse, qkv_d, B, T, C, NH)
     dqkv, D = poisoned((B, T, 3 * C), precision), cp.full((B, NH, T), np.nan, np.float32)
-    gpt2_cuda.flash_attention_backward(dqkv, D, dout_d, out, qkv_d, lse, B, T, C, NH)
+    llmc.attention.flash_attention_backward(dqkv, D, dout_d, out, qkv_d, lse, B, T, C, NH)
     return to_host(out), lse.get(), to_host(dqkv), dqkv
 
 

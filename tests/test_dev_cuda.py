@@ -123,7 +123,8 @@ def test_versions_name_existing_kernels(op):
 
 
 def test_last_versions_are_the_kernels_gpt2_cuda_launches():
-    source = open(os.path.join(ROOT, "gpt2_cuda.py"), encoding="utf-8").read()
+    source = "".join(open(os.path.join(ROOT, path), encoding="utf-8").read()     # the launchers' files
+                     for path in ("gpt2_cuda.py", "llmc/attention.py", "llmc/matmul.py", "llmc/cublaslt.py"))
     for op in PART_A:
         for progression in SCRIPTS[op].PROGRESSIONS:
             for kernel in progression.versions[-1].kernels:

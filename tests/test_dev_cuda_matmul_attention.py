@@ -31,6 +31,8 @@ import pytest
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.attention
+import llmc.matmul
 import llmc
 import llmc.cuda
 from llmc.check import check_tensor
@@ -402,7 +404,7 @@ def test_production_version_validates_on_the_emulation(emulated_gpu, capsys, op,
 
 def test_a_version_without_the_bias_fails_validation(emulated_gpu, capsys):
     def no_bias(d, block_size):
-        gpt2_cuda.matmul_forward(d.out, d.inp, d.weight, None, d.B, d.T, d.C, d.OC)
+        llmc.matmul.matmul_forward(d.out, d.inp, d.weight, None, d.B, d.T, d.C, d.OC)
     progression = matmul.PROGRESSIONS[0]
     broken = common.Progression(progression.name, progression.make_case,
                                 [common.Version(4, "no bias", (matmul.CUBLAS_GEMM,), no_bias, (0,))],
@@ -432,7 +434,7 @@ def test_cublaslt_missing_is_a_reason(monkeypatch):
 def test_flash_and_cudnn_reasons(monkeypatch):
     if attention.flash_unavailable_reason("bf16", dict(HS=64)) is None:     # flash is in this checkout
         assert "head size 24" in attention.flash_unavailable_reason("bf16", dict(HS=24))
-        monkeypatch.delattr(gpt2_cuda, "flash_attention_forward")
+        monkeypatch.delattr(llmc.attention, "flash_attention_forward")
     assert "not in this checkout" in attention.flash_unavailable_reason("bf16", dict(HS=64))
     assert "bf16" in attention.cudnn_unavailable_reason("fp32", dict(HS=64))
 

@@ -9,7 +9,7 @@ host C++ with -DENABLE_FP32 against a small shim (HOST_SHIM below, force-include
   bytes before every block (shared memory starts as garbage on a GPU: a kernel that reads a shared
   element it never wrote gets NaN here, and the comparison fails);
 - every output starts as NaN, so an element that no thread writes fails too.
-The kernel names, grids, blocks and scalars are the ones gpt2_cuda.flash_attention_forward /
+The kernel names, grids, blocks and scalars are the ones llmc.attention.flash_attention_forward /
 _backward pass to llmc.cuda.launch (recorded by a stand-in for it), so the launchers are checked
 with the kernels. common.cuh is the real one: <cuda_bf16.h> is replaced by a stub
 (HOST_CUDA_BF16) declaring __nv_bfloat16 and the two conversions that common.cuh's bf16-only
@@ -42,6 +42,7 @@ import pytest
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.attention
 import llmc.cuda
 from llmc.check import TOLERANCES, check_tensor
 
@@ -255,7 +256,7 @@ def build_host_program(workdir, kernel_source=FLASH_ATTENTION_CU, flags=("-O2",)
     assert build.returncode == 0, build.stderr
     arrays = shared_arrays(workdir / "host")
     # forward 6 tiles, dk/dv 8, dq 6, per head size: nm found them all
-    assert len(arrays) == (6 + 8 + 6) * len(gpt2_cuda.FLASH_HEAD_SIZES), arrays
+    assert len(arrays) == (6 + 8 + 6) * len(llmc.attention.FLASH_HEAD_SIZES), arrays
     (workdir / "shared_arrays.txt").write_text("".join(f"{address} {size}\n" for address, size, _ in arrays))
     return workdir
 
@@ -298,8 +299,8 @@ def recorded_launches(B, T, NH, HS):
     f32 = lambda *shape: np.zeros(shape, np.float32)                      # noqa: E731
     saved, llmc.cuda.launch = llmc.cuda.launch, record
     try:
-        gpt2_cuda.flash_attention_forward(f32(B, T, C), f32(B, NH, T), f32(B, T, 3 * C), B, T, C, NH)
-        gpt2_cuda.flash_attention_backward(f32(B, T, 3 * C), f32(B, NH, T), f32(B, T, C), f32(B, T, C),
+        llmc.attention.flash_attention_forward(f32(B, T, C), f32(B, NH, T), f32(B, T, 3 * C), B, T, C, NH)
+        llmc.attention.flash_attention_backward(f32(B, T, 3 * C), f32(B, NH, T), f32(B, T, C), f32(B, T, C),
                                            f32(B, T, 3 * C), f32(B, NH, T), B, T, C, NH)
     finally:
         llmc.cuda.launch = saved

@@ -63,7 +63,7 @@ def test_attention_forward_cached_matches_attention_forward():
     for start, stop in [(0, 3), (3, 5)] + [(t, t + 1) for t in range(5, T)]:
         out.append(g.attention_forward_cached(qkv[:, start:stop], k_cache[0], v_cache[0], start, NH))
     assert check_against(np.concatenate(out, axis=1), ref, "attention, cached", "reference_fp64", "logits")
-    q, k, v = g._split_heads(qkv, NH)
+    q, k, v = g.split_heads(qkv, NH)
     np.testing.assert_array_equal(k_cache[0][:, :, :T], k)                   # the cache holds every key
     np.testing.assert_array_equal(v_cache[0][:, :, :T], v)
 

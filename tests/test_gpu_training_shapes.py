@@ -26,6 +26,7 @@ import pytest
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.matmul
 import llmc.comm
 import llmc.cuda
 from cuda_kernel_checks import (as_input, assert_kernel, check_adamw_norm_cast, check_attention, check_classifier,
@@ -91,7 +92,7 @@ def test_grid_stride_loops_running_several_passes(rng, monkeypatch, precision):
 def test_layernorm_backward_and_bias_gradient_at_4096_rows(rng, precision):
     rows_B = LARGE_ROWS // T                            # (4, 1024)
     assert gpt2_cuda.layernorm_backward_grid(LARGE_ROWS) * 8 == LARGE_ROWS       # 8 rows per scratch slot
-    assert gpt2_cuda.bias_backward_chunks(LARGE_ROWS) * 16 == LARGE_ROWS         # 16 rows per bias chunk
+    assert llmc.matmul.bias_backward_chunks(LARGE_ROWS) * 16 == LARGE_ROWS         # 16 rows per bias chunk
     check_layernorm(rng, precision, rows_B, T, C)
     check_matmul_and_bias(rng, precision, rows_B, T, C, 4 * C)
     check_matmul_and_bias(rng, precision, rows_B, T, 4 * C, C)
@@ -110,7 +111,7 @@ def test_logits_gemm_and_classifier_past_int32_offsets(rng):
     targets = rng.integers(0, V, (B_big, T)).astype(np.int32)
     lnf_d, wte_d = to_device(lnf, precision), to_device(wte, precision)
     logits = poisoned((B_big, T, Vp), precision)                             # 4.3 GB
-    gpt2_cuda.matmul_forward(logits, lnf_d, wte_d, None, B_big, T, C, Vp)
+    llmc.matmul.matmul_forward(logits, lnf_d, wte_d, None, B_big, T, C, Vp)
     # rows on both sides of element 2^31 (row r0 holds it), and the first and last rows
     r0 = INT32_LIMIT // Vp
     rows = np.array([0, 1, r0 - 1, r0, r0 + 1, N - 1])
@@ -135,7 +136,7 @@ def test_logits_gemm_and_classifier_past_int32_offsets(rng):
     dlnf = poisoned((B_big, T, C), precision)
     dwte = to_device(np.zeros((Vp, C), np.float32), precision)
     scratch = poisoned_f32(gpt2_cuda.scratch_floats(CONFIG_124M))
-    gpt2_cuda.matmul_backward(dlnf, dwte, None, logits, lnf_d, wte_d, scratch, B_big, T, C, Vp)
+    llmc.matmul.matmul_backward(dlnf, dwte, None, logits, lnf_d, wte_d, scratch, B_big, T, C, Vp)
     ref_dlnf = dlogits_rows.astype(np.float64) @ w
     atol, rtol = TOLERANCES[f"kernel_{precision}"]["matmul"]
     assert check_tensor(to_host(dlnf.reshape(N, C)[rows]), ref_dlnf, "dlnf rows around element 2^31",
