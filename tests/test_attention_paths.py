@@ -26,7 +26,7 @@ import llmc.attention
 import llmc
 from llmc import cuda_check
 from gpt2_cpu import GPT2Config, model_config
-from test_cuda import TINY, _from_f32, _to_f32, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+from emulated_gpu import TINY, _from_f32, _to_f32, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
 
 
 # ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import llmc.matmul
 import llmc
 import llmc.cuda
 from llmc import cuda_check
-from test_cuda import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+from emulated_gpu import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
 
 
 def _recording(calls, fn, direction):

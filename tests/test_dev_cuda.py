@@ -35,6 +35,7 @@ DEV_CUDA = os.path.join(ROOT, "dev", "cuda")
 sys.path.insert(0, DEV_CUDA)
 
 import common  # noqa: E402  (dev/cuda/common.py)
+from nvrtc_marks import needs_nvrtc  # noqa: E402
 
 
 def _load(name):
@@ -62,16 +63,6 @@ PART_A = tuple(REFERENCES)
 PRECISIONS = ("bf16", "fp32")
 
 
-def _nvrtc_reason():
-    try:
-        nc.load_nvrtc()
-        nc.cuda_include_dir()
-    except nc.NvrtcUnavailable as error:
-        return str(error)
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=f"NVRTC cannot be loaded: {_nvrtc_reason()}")
 
 
 @functools.lru_cache(maxsize=None)

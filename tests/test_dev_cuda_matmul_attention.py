@@ -12,7 +12,7 @@ No GPU needed:
   pointers, float pointers, np.int32), found by recording the launches and parsing the .cu file;
 - the FLOP counts and napkin bytes against numbers worked out by hand;
 - the production and library versions validate against gpt2_cpu.py through the harness's own
-  validate(), on tests/test_cuda.py's NumPy emulations of CuPy, our kernels and cuBLAS; and a
+  validate(), on tests/emulated_gpu.py's NumPy emulations of CuPy, our kernels and cuBLAS; and a
   version that drops the bias fails that same validation;
 - optional versions (cuBLASLt, flash, cuDNN, PyTorch) are skipped with a reason, not crashed on;
 - without a GPU each script says so in one line and exits 2.
@@ -29,12 +29,13 @@ import sys
 import numpy as np
 import pytest
 
+import emulated_gpu as emulation
 import gpt2_cpu
 import gpt2_cuda
-import llmc.attention
-import llmc.matmul
 import llmc
+import llmc.attention
 import llmc.cuda
+import llmc.matmul
 from llmc.check import check_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +56,7 @@ DEV_KERNELS = {
 }
 
 
-from test_dev_cuda import needs_nvrtc  # noqa: E402  (skips where NVRTC cannot be loaded)
+from nvrtc_marks import needs_nvrtc  # noqa: E402  (skips where NVRTC cannot be loaded)
 
 
 def cu_path(op):
@@ -130,11 +131,10 @@ def c_parameter_types(op, name):
 
 
 def fake_cupy():
-    """Enough of CuPy for the harness (allocate, reset, validate) on NumPy: tests/test_cuda.py's
+    """Enough of CuPy for the harness (allocate, reset, validate) on NumPy: tests/emulated_gpu.py's
     stand-in plus asarray."""
-    import test_cuda
-    fake = test_cuda._fake_cupy()
-    fake.asarray = lambda host: np.array(host).view(test_cuda.FakeDeviceArray)
+    fake = emulation._fake_cupy()
+    fake.asarray = lambda host: np.array(host).view(emulation.FakeDeviceArray)
     return fake
 
 
@@ -383,11 +383,10 @@ def test_case_napkin_by_hand():
 
 @pytest.fixture
 def emulated_gpu(monkeypatch):
-    """tests/test_cuda.py's emulations of our kernels and cuBLAS, and fake_cupy for the harness."""
-    import test_cuda
+    """tests/emulated_gpu.py's emulations of our kernels and cuBLAS, and fake_cupy for the harness."""
     monkeypatch.setattr(llmc.cuda, "cupy", fake_cupy)
-    monkeypatch.setattr(llmc.cuda, "launch", test_cuda.emulated_launch)
-    monkeypatch.setattr(llmc.cuda, "gemm", test_cuda.emulated_gemm)
+    monkeypatch.setattr(llmc.cuda, "launch", emulation.emulated_launch)
+    monkeypatch.setattr(llmc.cuda, "gemm", emulation.emulated_gemm)
 
 
 EMULATED = [("matmul", p.name, 4) for p in matmul.PROGRESSIONS[::3]] + \

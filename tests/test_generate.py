@@ -19,7 +19,7 @@ import gpt2_cpu as g
 import gpt2_cuda
 from llmc.check import check_against
 from llmc.utils import InputError
-from test_cuda import emulated_gpu  # noqa: F401  (a fixture: CuPy, kernels, cuBLAS as NumPy stand-ins)
+from emulated_gpu import emulated_gpu  # noqa: F401  (a fixture: CuPy, kernels, cuBLAS as NumPy stand-ins)
 
 # small models; SLIDE's maxT = 8 makes the context slide within a dozen tokens. HS = 16 fits the
 # CUDA kernels' 16-byte vectors in bf16 too (8 values).

@@ -37,8 +37,8 @@ import llmc.comm
 import llmc.cuda
 from llmc import checkpoint, cli, zero
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
-from test_cuda import (EMULATED_KERNELS, TINY, _train_losses, _write_shards, adamw_emulated_step,  # noqa: F401
-                       emulated_gpu)
+from emulated_gpu import (EMULATED_KERNELS, TINY, _train_losses, _write_shards, adamw_emulated_step,  # noqa: F401
+                          emulated_gpu)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_SHAPES = gpt2_cpu.parameter_shapes(TINY)
