@@ -68,7 +68,7 @@ KERNEL_FILES = ("encoder", "layernorm", "attention", "gelu", "bias", "classifier
 # easiest to read); flash is ours (kernels/flash_attention.cu); cudnn is NVIDIA's fused attention
 # (llmc/cudnn_attention.py). The default stays naive until the other two have run on a GPU.
 LAYERNORM_BACKWARD_BLOCK_SIZE = 512
-LAYERNORM_BACKWARD_GRID = 512          # scratch slots of layernorm_backward: fixed, so results reproduce
+LAYERNORM_BACKWARD_GRID = 512          # partial-sum slots of layernorm_backward: fixed, so results reproduce
 WTE_CHUNK_ROWS = 32                    # most positions one block of the dwte scatter-add sums
 CLASSIFIER_BLOCK_SIZE = 1024           # one block per row of Vp logits (llm.c's fused_classifier)
 GLOBAL_NORM_GRID = 1024                # partial sums of the gradient norm: fixed, likewise
@@ -85,15 +85,17 @@ def activation_shapes(config, B, T, recompute=True, attention=None):
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
     gpt2_cpu.activation_shapes; the differences are llm.c's: attproj, fcproj and probs are never
     kept (fused kernels consume them); with recompute, fch_gelu is kept for one layer; the logits
-    live in `output`; scratch_* are reused by every layer of the backward. The attention path
+    live in `logits` (dlogits after the classifier); scratch_btc and scratch_bt4c hold one layer's
+    transient values, reused by every layer (the activation table names each use). The attention path
     (an attention_path object, default naive) decides the attention buffers (its `buffers`):
       naive:         qkvr (q, k, v split into heads) and att (L,B,NH,T,T) are kept; `output` is
-                     also the scratch of qkv, preatt, the per-head outputs and datt (B,NH,T,T);
+                     it borrows `logits` as the workspace of qkv, preatt, the per-head outputs and
+                     datt (B,NH,T,T), which it sizes (the one alias between different roles);
       flash, cudnn:  qkv (L,B,T,3C) itself and lse (L,B,NH,T), the log-sum-exp of each query's
                      scores, are kept: no (T,T) buffer exists, and no per-head copies."""
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
     attention = attention or NaiveAttention()
-    attention_kept, output_floats, attention_scratch = attention.buffers(B, T, C, L, NH, Vp)
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, Vp)
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
@@ -105,11 +107,11 @@ def activation_shapes(config, B, T, recompute=True, attention=None):
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
-        ("output", (output_floats,), "X"),
+        ("logits", (logits_floats,), "X"),     # (B,T,Vp), dlogits in place; naive attention's workspace
         ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj (bias-free); in the backward dlnf, dln2, datty, dln1
         ("scratch_bt4c", (B, T, 4 * C), "X"),  # in the backward dfch, then dqkv (B,T,3C)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
-        *attention_scratch,
+        *attention_backward_buffers,
         # the dwte scatter-add's plan (WteSegments), sized for the most chunks and tokens B*T can have
         ("positions", (B * T,), "i32"), ("chunk_start", (B * T + 1,), "i32"), ("chunk_token", (B * T,), "i32"),
         ("chunk_slot", (B * T,), "i32"), ("reduce_start", (wte_reduce_max(B * T) + 1,), "i32"),
@@ -186,7 +188,7 @@ def encoder_backward(dwte, dwpe, partial, dout, positions, chunk_start, chunk_to
                      reduce_token, num_chunks, num_reduce, B, T, C):
     """Accumulate dwte (Vp,C) and dwpe (maxT,C) from dout (B,T,C). The other arrays are on the
     device: WteSegments' int32 arrays (chunk_start with num_chunks+1 entries, reduce_start with
-    num_reduce+1) and partial, fp32 scratch of at least wte_partial_rows(B*T) rows of C.
+    num_reduce+1) and partial, fp32 partial sums of at least wte_partial_rows(B*T) rows of C.
         out[b,t] = wte[inp[b,t]] + wpe[t]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v,
                                                dwpe[t] += sum_b dout[b,t]"""
     N = B * T
@@ -235,11 +237,11 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, inp2_bias, 
                  np.int32(N), np.int32(C)))
 
 
-def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd, B, T, C):
+def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, rstd, B, T, C):
     """Accumulate dinp (B,T,C) (the residual stream's gradient), dweight, dbias (C,), from dout:
         dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),  dnorm = dout * weight
     (derivation: gpt2_cpu.layernorm_backward, doc/layernorm.md). Two kernels: per-block partial
-    sums of dbias/dweight into scratch (G, 2, C) fp32, then their in-order sum."""
+    sums of dbias/dweight into partial (G, 2, C) fp32, then their in-order sum."""
     N = B * T
     G = layernorm_backward_grid(N)
     precision = check_launch("layernorm_backward",
@@ -247,11 +249,11 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
                               ("inp", inp, N * C), ("weight", weight, C)],
                              float32=[("mean", mean, N), ("rstd", rstd, N)], vector_dim=("C", C),
                              unaligned=("dweight", "dbias"))
-    require(scratch.dtype == np.float32 and scratch.size >= G * 2 * C, f"layernorm scratch needs {G * 2 * C} floats")
+    require(partial.dtype == np.float32 and partial.size >= G * 2 * C, f"layernorm partial sums need {G * 2 * C} floats")
     cuda.launch("layernorm", precision, "layernorm_backward", G, LAYERNORM_BACKWARD_BLOCK_SIZE,
-                (dinp, scratch, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
+                (dinp, partial, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
     cuda.launch("layernorm", precision, "layernorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
-                (dweight, dbias, scratch, np.int32(G), np.int32(C)))
+                (dweight, dbias, partial, np.int32(G), np.int32(C)))
 
 
 def layernorm_backward_grid(N):
@@ -259,8 +261,8 @@ def layernorm_backward_grid(N):
     return min(LAYERNORM_BACKWARD_GRID, N)
 
 
-def scratch_floats(config):
-    """fp32 scratch the backward's partial sums need: LayerNorm (G, 2, C) or bias (chunks, OC<=4C)."""
+def partial_floats(config):
+    """fp32 floats the backward's partial sums need: LayerNorm (G, 2, C) or bias (chunks, OC<=4C)."""
     C = config.channels
     return max(LAYERNORM_BACKWARD_GRID * 2 * C, BIAS_BACKWARD_CHUNKS * 4 * C)
 
@@ -359,7 +361,7 @@ class GPT2:
         self.master = cp.zeros(S, dtype=np.float32) if master_weights and precision == "bf16" else None
         self.m = cp.zeros(S, dtype=np.float32)                       # AdamW moments, fp32 always
         self.v = cp.zeros(S, dtype=np.float32)
-        self.scratch = cp.zeros(scratch_floats(config), dtype=np.float32)
+        self.partial = cp.zeros(partial_floats(config), dtype=np.float32)   # the backward's per-block partial sums
         self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
         self.norm = cp.zeros(1, dtype=np.float32)
         self.update_rng = SamplerRNG(UPDATE_SEED)    # seeds of stochastic rounding, one per tensor per step
@@ -443,7 +445,7 @@ def as_float32(host):
 
 def gpt2_forward(model, inputs, targets=None):
     """Forward pass. inputs (B,T) int token ids (host numpy); targets (B,T) or None. Returns the
-    logits (B,T,Vp) floatX on the device (a view into the `output` scratch: valid until the next
+    logits (B,T,Vp) floatX on the device (a view into the `logits` buffer: valid until the next
     forward or backward, which overwrites it with dlogits). With targets, the per-position losses
     (B,T) fp32 are computed too (model.buffers' `losses`; gpt2_mean_loss reads their mean).
     Raises InputError if T > maxT or a token id is out of range."""
@@ -505,7 +507,7 @@ def gpt2_forward_kernels(model, B, T, with_loss, attention=None, pos=0):
         fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
                                norm[3], norm[4], B * T, C)
     # forward pass 3: classifier tied to wte (lnf was written by the last fused residual), loss
-    logits = prefix(A["output"], (B, T, Vp))
+    logits = prefix(A["logits"], (B, T, Vp))
     mm.forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)                      # (B,T,C) @ (C,Vp) -> (B,T,Vp)
     if with_loss:
         fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
@@ -571,19 +573,19 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     B, T = model.BT
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
-    scratch, mm = model.scratch, model.matmul
+    partial, mm = model.partial, model.matmul
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
     # The fused classifier writes the losses and, over the logits in place, dlogits in one pass
     # (the training step's forward skips it; llm.c runs it at the end of the forward instead).
     dloss = loss_scale / (B * T)                                                    # d(mean loss)/d(losses)
-    logits = prefix(A["output"], (B, T, Vp))
+    logits = prefix(A["logits"], (B, T, Vp))
     fused_classifier(logits, A["losses"], A["targets"], dloss, B, T, V, Vp, write_dlogits=True)
     dlogits = logits
     dlnf = A["scratch_btc"]
-    mm.backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], scratch, B, T, C, Vp)
+    mm.backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], partial, B, T, C, Vp)
     dresidual = A["dresidual"]                                                      # gradient of the residual stream
     dresidual.fill(0)                                                               # layernorm_backward accumulates
-    layernorm_backward(dresidual, G["lnfw"], G["lnfb"], scratch, dlnf, A["residual3"][L - 1], P["lnfw"],
+    layernorm_backward(dresidual, G["lnfw"], G["lnfb"], partial, dlnf, A["residual3"][L - 1], P["lnfw"],
                        A["lnf_mean"], A["lnf_rstd"], B, T, C)
     for l in reversed(range(L)):
         p, g = layer_params(P, l), layer_params(G, l)
@@ -594,20 +596,20 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
         # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
         dfch = A["scratch_bt4c"]
-        mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], scratch, B, T, 4 * C, C,
+        mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
                     pre_gelu=A["fch"][l])                                           # dfch, through gelu
         dln2 = A["scratch_btc"]
-        mm.backward(dln2, g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"], scratch, B, T, C, 4 * C)
-        layernorm_backward(dresidual, g["ln2w"], g["ln2b"], scratch, dln2, A["residual2"][l], p["ln2w"],
+        mm.backward(dln2, g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"], partial, B, T, C, 4 * C)
+        layernorm_backward(dresidual, g["ln2w"], g["ln2b"], partial, dln2, A["residual2"][l], p["ln2w"],
                            A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
         datty = A["scratch_btc"]
-        mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], scratch, B, T, C, C)
+        mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
         dqkv = prefix(A["scratch_bt4c"], (B, T, 3 * C))
         model.attention.backward(dqkv, datty, A, l, B, T, C, NH, mm.tf32)
         dln1 = A["scratch_btc"]                                                     # datty was consumed above
-        mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"], scratch, B, T, C, 3 * C)
-        layernorm_backward(dresidual, g["ln1w"], g["ln1b"], scratch, dln1, residual, p["ln1w"],
+        mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"], partial, B, T, C, 3 * C)
+        layernorm_backward(dresidual, g["ln1w"], g["ln1b"], partial, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
     # backward of the encoder: encoded = wte[inputs] + wpe
     K, M = num_chunks, num_reduce
@@ -765,7 +767,7 @@ class HostLogits:
     """The (B,T,Vp) logits of the last forward pass, left on the device; indexing copies just the
     part asked for to the host, as float32. gpt2_cpu.generate reads one row of Vp per token, so
     each token moves Vp values instead of window*Vp (100 MB in bf16 at window 1024). Valid
-    until the next forward pass (the logits live in a scratch buffer). np.asarray copies all."""
+    until the next forward pass (the logits live in a reused buffer). np.asarray copies all."""
 
     def __init__(self, logits):
         self.logits = logits                                    # (B,T,Vp) floatX, on the device

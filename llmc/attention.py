@@ -68,9 +68,9 @@ def att_unaligned(att, T):
     return () if T % vector_size(cuda.precision_of(att)) == 0 else ("att",)
 
 
-def attention_forward(out, qkvr, att, scratch, B, T, C, NH, tf32=False):
+def attention_forward(out, qkvr, att, workspace, B, T, C, NH, tf32=False):
     """Causal multi-head self-attention (Vaswani et al. 2017), llm.c's attention_forward:
-    scratch (>= B*T*max(3C, NH*T) floatX) holds on entry the qkv projection (B,T,3C) in its first
+    workspace (>= B*T*max(3C, NH*T) floatX) holds on entry the qkv projection (B,T,3C) in its first
     B*T*3C elements, and is then reused for preatt and the per-head outputs (clobbered).
     Writes qkvr (3,B,NH,T,HS) = q, k, v per head and att (B,NH,T,T) (both kept for the backward),
     and out (B,T,C) = the heads of softmax(q k^T / sqrt(HS), causal) @ v side by side. tf32: the
@@ -80,25 +80,25 @@ def attention_forward(out, qkvr, att, scratch, B, T, C, NH, tf32=False):
     precision = check_launch("attention_forward", [("out", out, B * T * C), ("qkvr", qkvr, 3 * B * T * C),
                                                    ("att", att, BNH * T * T)],
                              vector_dim=("HS", HS), unaligned=att_unaligned(att, T))
-    require(scratch.size >= B * T * max(3 * C, NH * T), "attention scratch too small")
+    require(workspace.size >= B * T * max(3 * C, NH * T), "attention workspace too small")
     q, k, v = (qkvr.reshape(3, BNH * T * HS)[i] for i in range(3))     # each (B,NH,T,HS), contiguous
-    qkv = prefix(scratch, (B, T, 3 * C))
+    qkv = prefix(workspace, (B, T, 3 * C))
     cuda.launch("attention", precision, "permute_qkv", elementwise_grid(B * T * C // vector_size(precision)), BLOCK_SIZE,
                 (q, k, v, qkv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
-    preatt = prefix(scratch, (BNH, T, T))                              # qkv is dead now
+    preatt = prefix(workspace, (BNH, T, T))                              # qkv is dead now
     attention_scores(preatt, q, k, BNH, T, HS, tf32)                     # (B,NH,T,HS) @ (B,NH,HS,T) -> (B,NH,T,T)
     cuda.launch("attention", precision, "softmax_forward", warp_row_grid(BNH * T), WARP_ROW_BLOCK_SIZE,
                 (att, preatt, np.float32(1.0 / math.sqrt(HS)), np.int32(BNH), np.int32(T)))
-    y = prefix(scratch, (BNH, T, HS))                                  # preatt is dead now
+    y = prefix(workspace, (BNH, T, HS))                                  # preatt is dead now
     attention_values(y, att, v, BNH, T, HS, tf32)                       # (B,NH,T,T) @ (B,NH,T,HS) -> (B,NH,T,HS)
     cuda.launch("attention", precision, "unpermute", elementwise_grid(B * T * C // vector_size(precision)), BLOCK_SIZE,
                 (out, y, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
 
 
-def attention_backward(dinp, dqkvr, datt_scratch, dy, dout, qkvr, att, B, T, C, NH, tf32=False):
+def attention_backward(dinp, dqkvr, datt_workspace, dy, dout, qkvr, att, B, T, C, NH, tf32=False):
     """Backward of attention_forward: writes dinp (B,T,3C), the gradient of the qkv projection,
     from dout (B,T,C) and the forward's qkvr (3,B,NH,T,HS) and att (B,NH,T,T). Scratch: dqkvr
-    (3,B,NH,T,HS), datt_scratch (>= B*NH*T*T), dy (B,NH,T,HS). Undoing the forward in reverse:
+    (3,B,NH,T,HS), datt_workspace (>= B*NH*T*T), dy (B,NH,T,HS). Undoing the forward in reverse:
         out = unpermute(y)     =>  dy = unpermute_backward(dout)
         y = att @ v            =>  datt = dy @ v^T,  dv = att^T @ dy
         att = softmax(s preatt) => dpreatt = s att (datt - sum_j datt att)   (in place on datt)
@@ -112,10 +112,10 @@ def attention_backward(dinp, dqkvr, datt_scratch, dy, dout, qkvr, att, B, T, C, 
                               ("dout", dout, B * T * C), ("qkvr", qkvr, 3 * B * T * C), ("att", att, BNH * T * T)],
                              vector_dim=("HS", HS), unaligned=att_unaligned(att, T))
     vec = vector_size(precision)
-    require(datt_scratch.size >= BNH * T * T, "attention datt scratch too small")
+    require(datt_workspace.size >= BNH * T * T, "attention datt workspace too small")
     q, k, v = (qkvr.reshape(3, BNH * T * HS)[i] for i in range(3))
     dq, dk, dv = (dqkvr.reshape(3, BNH * T * HS)[i] for i in range(3))
-    datt = prefix(datt_scratch, (BNH, T, T))
+    datt = prefix(datt_workspace, (BNH, T, T))
     cuda.launch("attention", precision, "unpermute_backward", elementwise_grid(B * T * C // vec), BLOCK_SIZE,
                 (dy, dout, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
     attention_values_backward(datt, dv, dy, att, v, BNH, T, HS, tf32)
@@ -176,7 +176,7 @@ def flash_attention_forward(out, lse, qkv, B, T, C, NH):
 
 def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH):
     """Backward of flash_attention_forward: writes dqkv (B,T,3C) = (dq | dk | dv) in qkv's layout,
-    from dout (B,T,C) and the forward's out, qkv and lse; D (B,NH,T) fp32 is scratch. FlashAttention-2
+    from dout (B,T,C) and the forward's out, qkv and lse; D (B,NH,T) fp32 is its workspace. FlashAttention-2
     Alg. 2 (Dao 2023), recomputing p = exp(q.k / sqrt(HS) - lse) block by block, deterministic:
         D[t]  = dout_t . out_t                               (preprocess kernel)
         dS    = p (dout_t . v_j - D[t])
@@ -206,33 +206,33 @@ def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH):
 class NaiveAttention:
     """The (B,NH,T,T) matrix (kernels/attention.cu + cuBLAS): qkvr (q, k, v split into heads) and
     att are kept per layer; the qkv projection, preatt, the per-head outputs and datt live in the
-    `output` buffer, shared with the logits (one (B,T)'s worth of the largest of them)."""
+    `logits` buffer, borrowed as their workspace (sized for the largest of them and the logits)."""
     name = "naive"
     kernel_files = ()
     check_names = ("qkvr", "att")
 
     def buffers(self, B, T, C, L, NH, Vp):
-        """(kept per layer, floats of `output`, backward scratch) for activation_shapes."""
+        """(kept per layer, floats of `logits`, the backward's own buffers) for activation_shapes."""
         HS = C // NH
         kept = [("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X")]
-        scratch = [("dqkvr", (3, B, NH, T, HS), "X"),            # attention backward: dq, dk, dv per head
-                   ("dy", (B, NH, T, HS), "X")]                  # attention backward: dout per head
-        return kept, B * T * max(3 * C, NH * T, Vp), scratch     # output: qkv | preatt | per-head y | logits | datt
+        backward = [("dqkvr", (3, B, NH, T, HS), "X"),            # attention backward: dq, dk, dv per head
+                    ("dy", (B, NH, T, HS), "X")]                 # attention backward: dout per head
+        return kept, B * T * max(3 * C, NH * T, Vp), backward    # logits, and the workspace of qkv | preatt | y | datt
 
     def prepare(self, sizes, NH, HS):
         """Work before the first step for these (B,T) sizes: none."""
 
     def qkv(self, A, l, B, T, C):
         """Where layer l's qkv projection (B,T,3C) is written."""
-        return prefix(A["output"], (B, T, 3 * C))
+        return prefix(A["logits"], (B, T, 3 * C))
 
     def forward(self, A, l, B, T, C, NH, tf32):
         """atty[l] (B,T,C) from the qkv projection in `output`."""
-        attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["output"], B, T, C, NH, tf32)
+        attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["logits"], B, T, C, NH, tf32)
 
     def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
         """dqkv (B,T,3C) written from datty (B,T,C)."""
-        attention_backward(dqkv, A["dqkvr"], A["output"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH, tf32)
+        attention_backward(dqkv, A["dqkvr"], A["logits"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH, tf32)
 
     def references(self, cpu_acts, L, B, T, C, NH):
         """gpt2_cpu's counterparts of check_names that gpt2_cpu does not keep under the same name."""
@@ -241,7 +241,7 @@ class NaiveAttention:
 
 class FlashAttention(NaiveAttention):
     """Our flash attention (kernels/flash_attention.cu): no (T,T) matrix; qkv (L,B,T,3C) itself and
-    lse (L,B,NH,T), the log-sum-exp of each query's scores, are kept; `output` holds the logits."""
+    lse (L,B,NH,T), the log-sum-exp of each query's scores, are kept; `logits` holds only the logits."""
     name = "flash"
     kernel_files = ("flash_attention",)
     check_names = ("qkv", "lse")

@@ -327,7 +327,7 @@ def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias
 
 
 # ----------------------------------------------------------------------------
-# the linear layer (gpt2_cuda.matmul_forward / matmul_backward, fused)
+# the linear layer (llmc.matmul.matmul_forward / matmul_backward, fused)
 
 def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=False):
     """out (B,T,OC) = inp (B,T,C) @ weight^T + bias; weight (OC,C) (nn.Linear layout), bias (OC,)

@@ -59,7 +59,7 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
     names = ("encoded", "ln1", "ln1_mean", "ln1_rstd") + model.attention.check_names + (
         "atty", "residual2", "ln2", "ln2_mean", "ln2_rstd", "fch", "fch_gelu", "residual3", "lnf", "lnf_mean", "lnf_rstd")
     fetch = {name: trainer.as_float32(A[name].get()) for name in names + ("losses",)}
-    logits = trainer.as_float32(trainer.prefix(A["output"], (B, T, cfg.padded_vocab_size)).get())
+    logits = trainer.as_float32(trainer.prefix(A["logits"], (B, T, cfg.padded_vocab_size)).get())
     if verbose:
         print(f"forward: {B}x{T} tokens, {model.precision} vs gpt2_cpu {np.dtype(cpu_dtype).name}, "
               f"{model.attention.name} attention, tolerances '{group}'")

@@ -14,7 +14,7 @@ from llmc import cuda
 from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, ceil_div, check_launch, elementwise_grid, require,
                        vector_size)
 
-BIAS_BACKWARD_CHUNKS = 256             # row chunks (scratch slots) of bias_backward: fixed, so results reproduce
+BIAS_BACKWARD_CHUNKS = 256             # row chunks (partial-sum slots) of bias_backward: fixed, so results reproduce
 
 
 def matmul_forward(out, inp, weight, bias, B, T, C, OC, tf32=False):
@@ -39,9 +39,9 @@ def add_bias(out, bias, N, OC):
     cuda.launch("bias", precision, "add_bias", elementwise_grid(groups), BLOCK_SIZE, (out, bias, np.int32(N), np.int32(OC)))
 
 
-def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC, tf32=False):
+def matmul_backward(dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, tf32=False):
     """Backward of out = inp @ weight^T + bias (shapes as matmul_forward). Writes dinp (B,T,C);
-    accumulates dweight (OC,C) and dbias (OC,) (dbias may be None). scratch: fp32 for bias_backward.
+    accumulates dweight (OC,C) and dbias (OC,) (dbias may be None). partial: fp32 for bias_backward's partial sums.
         dinp     = dout @ weight     column-major: dinp^T (C,N) = weight^T (C,OC) @ dout^T (OC,N), both as stored
         dweight += dout^T @ inp      column-major: dweight^T (C,OC) = inp^T (C,N) @ dout (N,OC), op(B) = T
         dbias   += sum over rows of dout   (kernels/bias.cu)"""
@@ -51,24 +51,24 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, O
     cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C, tf32=tf32)
     cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, accumulate=True, tf32=tf32)
     if dbias is not None:
-        bias_backward(dbias, dout, scratch, N, OC)
+        bias_backward(dbias, dout, partial, N, OC)
 
 
-def bias_backward(dbias, dout, scratch, N, OC):
+def bias_backward(dbias, dout, partial, N, OC):
     """dbias (OC,) += column sums of dout (N,OC): kernels/bias.cu, per-chunk partial sums into
-    scratch (chunks, OC) fp32, then a second kernel adds the chunks in order (deterministic)."""
+    partial (chunks, OC) fp32, then a second kernel adds the chunks in order (deterministic)."""
     chunks = bias_backward_chunks(N)
     precision = check_launch("bias_backward", [("dbias", dbias, OC), ("dout", dout, N * OC)])
-    require(scratch.dtype == np.float32 and scratch.size >= chunks * OC, f"bias scratch needs {chunks * OC} floats")
+    require(partial.dtype == np.float32 and partial.size >= chunks * OC, f"bias partial sums need {chunks * OC} floats")
     columns = ceil_div(OC, BLOCK_SIZE)
     cuda.launch("bias", precision, "bias_backward", (columns, chunks), BLOCK_SIZE,
-                (scratch, dout, np.int32(N), np.int32(OC)))
+                (partial, dout, np.int32(N), np.int32(OC)))
     cuda.launch("bias", precision, "bias_reduce", columns, BLOCK_SIZE,
-                (dbias, scratch, np.int32(chunks), np.int32(OC)))
+                (dbias, partial, np.int32(chunks), np.int32(OC)))
 
 
 def bias_backward_chunks(N):
-    """Row chunks (scratch slots) of bias_backward: fixed per N."""
+    """Row chunks (partial-sum slots) of bias_backward: fixed per N."""
     return min(BIAS_BACKWARD_CHUNKS, N)
 
 
@@ -115,11 +115,11 @@ class Cublas:
         matmul_forward(pre_gelu, inp, weight, None, B, T, C, OC, self.tf32)
         gelu_forward(out, pre_gelu, B * T * OC, bias, OC)
 
-    def backward(self, dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC, pre_gelu=None):
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
         """Backward of forward: writes dinp (B,T,C), accumulates dweight (OC,C) and dbias (OC,) (or
-        None); scratch fp32 for bias_backward. With pre_gelu (B,T,C), inp was gelu(pre_gelu) and dinp
+        None); partial fp32 for bias_backward's partial sums. With pre_gelu (B,T,C), inp was gelu(pre_gelu) and dinp
         is the gradient of pre_gelu: (dout @ weight) * gelu'(pre_gelu)."""
-        matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC, self.tf32)
+        matmul_backward(dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, self.tf32)
         if pre_gelu is not None:
             gelu_backward_inplace(dinp, pre_gelu, B * T * C)
 
@@ -134,8 +134,8 @@ class CublasLt(Cublas):
         from llmc import cublaslt
         cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu, tf32=self.tf32)
 
-    def backward(self, dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC, pre_gelu=None):
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
         from llmc import cublaslt
         if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=pre_gelu,
                                            tf32=self.tf32) and dbias is not None:
-            bias_backward(dbias, dout, scratch, B * T, OC)
+            bias_backward(dbias, dout, partial, B * T, OC)

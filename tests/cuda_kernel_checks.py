@@ -173,7 +173,7 @@ def check_layernorm(rng, precision, B, T, C):
     dout = rng.standard_normal((B, T, C))
     dinp0, dw0, db0 = rng.standard_normal((B, T, C)), rng.standard_normal(C), rng.standard_normal(C)
     dinp, dw, db = to_device(dinp0, precision), to_device(dw0, precision), to_device(db0, precision)
-    scratch = poisoned_f32(gpt2_cuda.scratch_floats(GPT2Config(channels=C)))
+    scratch = poisoned_f32(gpt2_cuda.partial_floats(GPT2Config(channels=C)))
     gpt2_cuda.layernorm_backward(dinp, dw, db, scratch, to_device(dout, precision), to_device(inp, precision),
                                  to_device(w, precision), mean, rstd, B, T, C)
     ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
@@ -215,7 +215,7 @@ def check_matmul_and_bias(rng, precision, B, T, C, OC):
     dout = rng.standard_normal((B, T, OC))
     dw0, db0 = rng.standard_normal((OC, C)), rng.standard_normal(OC)
     dinp, dw, db = poisoned((B, T, C), precision), to_device(dw0, precision), to_device(db0, precision)
-    scratch = poisoned_f32(gpt2_cuda.scratch_floats(GPT2Config(channels=max(C, OC))))
+    scratch = poisoned_f32(gpt2_cuda.partial_floats(GPT2Config(channels=max(C, OC))))
     llmc.matmul.matmul_backward(dinp, dw, db, to_device(dout, precision), to_device(inp, precision), to_device(w, precision),
                               scratch, B, T, C, OC)
     ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)

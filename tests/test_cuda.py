@@ -157,7 +157,7 @@ def test_grids():
     assert llmc.cuda.vector_size("bf16") == 8 and llmc.cuda.vector_size("fp32") == 4
     C = 768
     need = max(gpt2_cuda.layernorm_backward_grid(10 ** 6) * 2 * C, llmc.matmul.bias_backward_chunks(10 ** 6) * 4 * C)
-    assert gpt2_cuda.scratch_floats(GPT2Config(channels=C)) >= need
+    assert gpt2_cuda.partial_floats(GPT2Config(channels=C)) >= need
 
 
 def test_parse_args_has_cpu_and_gpu_flags():
@@ -215,8 +215,8 @@ def test_activation_table_prefix_property():
     for B, T in [(1, 1), (1, 128), (4, 127), (3, 65)]:
         for name, shape, _ in gpt2_cuda.activation_shapes(cfg, B, T):
             assert math.prod(shape) <= big[name], (name, B, T)
-    # the scratch `output` holds the qkv projection, preatt and the logits
-    (size,) = dict((n, s) for n, s, _ in gpt2_cuda.activation_shapes(cfg, 2, 1024))["output"]
+    # `logits` holds the logits and, on the naive path, the qkv projection and preatt (its workspace)
+    (size,) = dict((n, s) for n, s, _ in gpt2_cuda.activation_shapes(cfg, 2, 1024))["logits"]
     assert size >= max(2 * 1024 * 3 * 64, 2 * 4 * 1024 * 1024, 2 * 1024 * cfg.padded_vocab_size)
 
 

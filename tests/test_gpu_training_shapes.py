@@ -135,7 +135,7 @@ def test_logits_gemm_and_classifier_past_int32_offsets(rng):
     # the classifier's backward GEMM: dlnf = dlogits @ wte, row by row (its rows past 2^31 too)
     dlnf = poisoned((B_big, T, C), precision)
     dwte = to_device(np.zeros((Vp, C), np.float32), precision)
-    scratch = poisoned_f32(gpt2_cuda.scratch_floats(CONFIG_124M))
+    scratch = poisoned_f32(gpt2_cuda.partial_floats(CONFIG_124M))
     llmc.matmul.matmul_backward(dlnf, dwte, None, logits, lnf_d, wte_d, scratch, B_big, T, C, Vp)
     ref_dlnf = dlogits_rows.astype(np.float64) @ w
     atol, rtol = TOLERANCES[f"kernel_{precision}"]["matmul"]
