@@ -64,9 +64,6 @@ from llmc.zero import optimizer_shard, rounding_seed, shard_slices
 # constants: launch configuration, precision
 
 KERNEL_FILES = ("encoder", "layernorm", "attention", "gelu", "bias", "classifier", "adamw", "global_norm", "cast")
-# the attention layer: naive materializes the (B,NH,T,T) matrix (cuBLAS + softmax kernels, the
-# easiest to read); flash is ours (kernels/flash_attention.cu); cudnn is NVIDIA's fused attention
-# (llmc/cudnn_attention.py). The default stays naive until the other two have run on a GPU.
 LAYERNORM_BACKWARD_BLOCK_SIZE = 512
 LAYERNORM_BACKWARD_GRID = 512          # partial-sum slots of layernorm_backward: fixed, so results reproduce
 WTE_CHUNK_ROWS = 32                    # most positions one block of the dwte scatter-add sums

@@ -23,7 +23,7 @@ from llmc.cuda_check import attention_lse
 from llmc.utils import InputError, prefix
 
 ATTENTION_PATHS = ("naive", "flash", "cudnn")
-DEFAULT_ATTENTION = "naive"
+DEFAULT_ATTENTION = "naive"            # the easiest to read (README's Status says why it is the default)
 
 
 def attention_scores(preatt, q, k, BNH, T, HS, tf32=False):
