@@ -117,7 +117,8 @@ def activation_shapes(config, B, T, recompute=True, attention=None):
 
 
 # ----------------------------------------------------------------------------
-# layers: launchers, forward/backward pairs, in gpt2_cpu.py's order
+# layers: launchers, forward/backward pairs, in gpt2_cpu.py's order (the linear layers and GELU are
+# llmc/matmul.py's, attention llmc/attention.py's, as llm.c keeps them in llmc/matmul.cuh, attention.cuh)
 
 def encoder_forward(out, inp, wte, wpe, B, T, C):
     """out (B,T,C) = wte[inp] + wpe[:T]. inp (B,T) int32 on the device; wte (Vp,C); wpe (maxT,C).
