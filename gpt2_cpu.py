@@ -238,7 +238,7 @@ def matmul_backward(dweight, dbias, dout, inp, weight):
     return (dout2 @ weight).reshape(B, T, C)                  # (B*T,OC) @ (OC,C) -> (B*T,C)
 
 
-def _split_heads(qkv, NH):
+def split_heads(qkv, NH):
     """(B,T,3C) -> q, k, v each (B,NH,T,HS): views, no copies."""
     B, T, C3 = qkv.shape
     HS = C3 // 3 // NH
@@ -246,22 +246,36 @@ def _split_heads(qkv, NH):
     return (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
 
 
+def causal_scores(q, keys, pos=0):
+    """The scaled scores q k^T / sqrt(HS) of T queries q (B,NH,T,HS) at positions pos..pos+T-1
+    against the keys (B,NH,n,HS) of positions 0..n-1 -> (B,NH,T,n), a key after its query set to
+    -inf (the causal mask), so its probability is exactly 0 (and so is its gradient)."""
+    T, n, HS = q.shape[2], keys.shape[2], q.shape[3]
+    scores = (q @ keys.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))   # (B,NH,T,HS) @ (B,NH,HS,n)
+    future = np.arange(n)[None, :] > pos + np.arange(T)[:, None]        # (T,n): key after the query
+    scores[..., future] = -np.inf
+    return scores
+
+
+def causal_softmax(q, keys, pos=0):
+    """The attention probabilities softmax_j(causal_scores) (B,NH,T,n), the row maximum subtracted
+    first (a query's own key is never masked, so the maximum is finite)."""
+    att = causal_scores(q, keys, pos)
+    att -= att.max(axis=-1, keepdims=True)
+    att = np.exp(att)
+    att /= att.sum(axis=-1, keepdims=True)
+    return att
+
+
 def attention_forward(qkv, NH):
     """Causal multi-head self-attention on the fused QKV projection (Vaswani et al. 2017, eq. 1).
     qkv (B,T,3C) holding [q | k | v] -> out (B,T,C), att (B,NH,T,T)
-    att = softmax(q k^T / sqrt(HS) + causal mask), out = att v with the heads concatenated.
-    The mask is applied by setting future positions to -inf before the softmax, so their
-    probability is exactly 0 (and so is their gradient)."""
+    att = softmax(q k^T / sqrt(HS) + causal mask) (causal_softmax), out = att v with the heads
+    concatenated."""
     B, T, C3 = qkv.shape
     C = C3 // 3
-    HS = C // NH
-    q, k, v = _split_heads(qkv, NH)                           # each (B,NH,T,HS)
-    preatt = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))  # (B,NH,T,HS) @ (B,NH,HS,T) -> (B,NH,T,T)
-    future = np.triu(np.ones((T, T), dtype=bool), k=1)        # (T,T) True above the diagonal
-    preatt[..., future] = -np.inf
-    preatt -= preatt.max(axis=-1, keepdims=True)              # the diagonal is never masked: max is finite
-    att = np.exp(preatt)
-    att /= att.sum(axis=-1, keepdims=True)
+    q, k, v = split_heads(qkv, NH)                           # each (B,NH,T,HS)
+    att = causal_softmax(q, k)                                # (B,NH,T,T)
     out = att @ v                                             # (B,NH,T,T) @ (B,NH,T,HS) -> (B,NH,T,HS)
     return out.transpose(0, 2, 1, 3).reshape(B, T, C), att
 
@@ -277,7 +291,7 @@ def attention_backward(dout, qkv, att, NH):
     C = C3 // 3
     HS = C // NH
     scale = 1.0 / math.sqrt(HS)
-    q, k, v = _split_heads(qkv, NH)                           # each (B,NH,T,HS)
+    q, k, v = split_heads(qkv, NH)                           # each (B,NH,T,HS)
     dout_h = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B,NH,T,HS)
     datt = dout_h @ v.transpose(0, 1, 3, 2)                   # (B,NH,T,HS) @ (B,NH,HS,T) -> (B,NH,T,T)
     dv = att.transpose(0, 1, 3, 2) @ dout_h                   # (B,NH,T,T) @ (B,NH,T,HS) -> (B,NH,T,HS)
@@ -402,6 +416,41 @@ def layer_params(P, l):
     return {name: P[name][l] for name in PARAMETER_NAMES[2:14]}
 
 
+def check_inputs(config, inputs, targets=None, pos=0):
+    """The one check of a forward pass's inputs (both trainers, training and sampling): the
+    positions pos..pos+T-1 of inputs (B,T) must lie below max_seq_len, and every token id (and
+    target id, if targets is given) in [0, V). Raises InputError saying which does not."""
+    T, V = inputs.shape[1], config.vocab_size
+    if pos + T > config.max_seq_len:
+        raise InputError(f"sequence length T={T} at positions {pos}..{pos + T - 1} exceeds the model's "
+                         f"max_seq_len {config.max_seq_len}")
+    for name, ids in (("token", inputs), ("target", targets)):
+        if ids is not None and (ids.min() < 0 or ids.max() >= V):
+            raise InputError(f"{name} id out of range [0, {V}): {ids.min()}..{ids.max()}")
+
+
+def block_forward(residual, p, attend):
+    """One transformer block (GPT-2's pre-LayerNorm block, Radford et al. 2019) on the residual
+    stream residual (B,T,C) with layer l's parameters p (layer_params). attend(qkv (B,T,3C)) ->
+    (atty (B,T,C), att or None) is the attention: attention_forward's for training, the KV-cached
+    one for sampling. Returns the block's activations, name -> array, in forward order (the names
+    of activation_shapes); "residual3" is the next block's input."""
+    a = {}
+    # forward pass 1: attention block
+    a["ln1"], a["ln1_mean"], a["ln1_rstd"] = layernorm_forward(residual, p["ln1w"], p["ln1b"])
+    a["qkv"] = matmul_forward(a["ln1"], p["qkvw"], p["qkvb"])                 # (B,T,3C)
+    a["atty"], a["att"] = attend(a["qkv"])                                    # (B,T,C), (B,NH,T,T)
+    a["attproj"] = matmul_forward(a["atty"], p["attprojw"], p["attprojb"])
+    a["residual2"] = residual_forward(residual, a["attproj"])
+    # forward pass 2: MLP block
+    a["ln2"], a["ln2_mean"], a["ln2_rstd"] = layernorm_forward(a["residual2"], p["ln2w"], p["ln2b"])
+    a["fch"] = matmul_forward(a["ln2"], p["fcw"], p["fcb"])                   # (B,T,4C)
+    a["fch_gelu"] = gelu_forward(a["fch"])
+    a["fcproj"] = matmul_forward(a["fch_gelu"], p["fcprojw"], p["fcprojb"])   # (B,T,C)
+    a["residual3"] = residual_forward(a["residual2"], a["fcproj"])
+    return a
+
+
 def gpt2_forward(model, inputs, targets=None):
     """Forward pass. inputs (B,T) int token ids; targets (B,T) or None.
     Returns logits (B,T,Vp). With targets it also computes probs and the per-position losses,
@@ -410,31 +459,15 @@ def gpt2_forward(model, inputs, targets=None):
     cfg = model.config
     B, T = inputs.shape
     L, NH, V = cfg.num_layers, cfg.num_heads, cfg.vocab_size
-    if T > cfg.max_seq_len:
-        raise InputError(f"sequence length T={T} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    if inputs.min() < 0 or inputs.max() >= V:
-        raise InputError(f"token id out of range [0, {V}): {inputs.min()}..{inputs.max()}")
-    if targets is not None and (targets.min() < 0 or targets.max() >= V):   # a padded row's id would train it
-        raise InputError(f"target id out of range [0, {V}): {targets.min()}..{targets.max()}")
+    check_inputs(cfg, inputs, targets)
     P, A = model.P, model.activations(B, T)
     model.inputs, model.targets = inputs, targets
 
     A["encoded"][...] = encoder_forward(inputs, P["wte"], P["wpe"])           # (B,T,C)
     for l in range(L):
-        p = layer_params(P, l)
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]          # (B,T,C)
-        # forward pass 1: attention block
-        A["ln1"][l], A["ln1_mean"][l], A["ln1_rstd"][l] = layernorm_forward(residual, p["ln1w"], p["ln1b"])
-        A["qkv"][l] = matmul_forward(A["ln1"][l], p["qkvw"], p["qkvb"])      # (B,T,3C)
-        A["atty"][l], A["att"][l] = attention_forward(A["qkv"][l], NH)       # (B,T,C), (B,NH,T,T)
-        A["attproj"][l] = matmul_forward(A["atty"][l], p["attprojw"], p["attprojb"])
-        A["residual2"][l] = residual_forward(residual, A["attproj"][l])
-        # forward pass 2: MLP block
-        A["ln2"][l], A["ln2_mean"][l], A["ln2_rstd"][l] = layernorm_forward(A["residual2"][l], p["ln2w"], p["ln2b"])
-        A["fch"][l] = matmul_forward(A["ln2"][l], p["fcw"], p["fcb"])        # (B,T,4C)
-        A["fch_gelu"][l] = gelu_forward(A["fch"][l])
-        A["fcproj"][l] = matmul_forward(A["fch_gelu"][l], p["fcprojw"], p["fcprojb"])  # (B,T,C)
-        A["residual3"][l] = residual_forward(A["residual2"][l], A["fcproj"][l])
+        for name, value in block_forward(residual, layer_params(P, l), lambda qkv: attention_forward(qkv, NH)).items():
+            A[name][l] = value                                                # kept for the backward
     # forward pass 3: final LayerNorm, classifier tied to wte, softmax, cross-entropy
     A["lnf"][...], A["lnf_mean"][...], A["lnf_rstd"][...] = layernorm_forward(A["residual3"][L - 1], P["lnfw"], P["lnfb"])
     A["logits"][...] = matmul_forward(A["lnf"], P["wte"], None)             # (B,T,C) @ (C,Vp) -> (B,T,Vp)
@@ -650,17 +683,11 @@ def attention_forward_cached(qkv, k_cache, v_cache, pos, NH):
     whole context at once) masks as attention_forward does."""
     B, T, C3 = qkv.shape
     C = C3 // 3
-    HS = C // NH
-    q, k, v = _split_heads(qkv, NH)                           # each (B,NH,T,HS)
+    q, k, v = split_heads(qkv, NH)                           # each (B,NH,T,HS)
     k_cache[:, :, pos:pos + T] = k
     v_cache[:, :, pos:pos + T] = v
     keys, values = k_cache[:, :, :pos + T], v_cache[:, :, :pos + T]  # (B,NH,pos+T,HS): every position so far
-    preatt = (q @ keys.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))  # (B,NH,T,HS) @ (B,NH,HS,pos+T) -> (B,NH,T,pos+T)
-    future = np.arange(pos + T)[None, :] > pos + np.arange(T)[:, None]  # (T,pos+T): key after the query
-    preatt[..., future] = -np.inf
-    preatt -= preatt.max(axis=-1, keepdims=True)              # a query's own key is never masked: max is finite
-    att = np.exp(preatt)
-    att /= att.sum(axis=-1, keepdims=True)
+    att = causal_softmax(q, keys, pos)                        # (B,NH,T,pos+T)
     out = att @ values                                        # (B,NH,T,pos+T) @ (B,NH,pos+T,HS) -> (B,NH,T,HS)
     return out.transpose(0, 2, 1, 3).reshape(B, T, C)
 
@@ -668,34 +695,21 @@ def attention_forward_cached(qkv, k_cache, v_cache, pos, NH):
 def gpt2_forward_cached(model, inputs, cache):
     """gpt2_forward for the T tokens inputs (B,T) at positions cache.length..cache.length+T-1,
     the earlier positions' keys and values read from `cache` (a KVCache), the new ones appended
-    to it. Returns the logits (B,Vp) of the last position only. The layers are gpt2_forward's,
-    but attention is attention_forward_cached and no activation is kept (no backward follows).
+    to it. Returns the logits (B,Vp) of the last position only. The blocks are gpt2_forward's
+    (block_forward), but attention is attention_forward_cached and no activation is kept.
     Raises InputError if the positions pass maxT or a token id is out of range."""
     cfg = model.config
     B, T = inputs.shape
-    L, NH, V = cfg.num_layers, cfg.num_heads, cfg.vocab_size
+    L, NH = cfg.num_layers, cfg.num_heads
     pos = cache.length
-    if pos + T > cfg.max_seq_len:
-        raise InputError(f"positions {pos}..{pos + T - 1} pass the model's max_seq_len {cfg.max_seq_len}")
-    if inputs.min() < 0 or inputs.max() >= V:
-        raise InputError(f"token id out of range [0, {V}): {inputs.min()}..{inputs.max()}")
+    check_inputs(cfg, inputs, pos=pos)
     P = model.P
 
     residual = encoder_forward(inputs, P["wte"], P["wpe"][pos:])              # (B,T,C), positions pos..pos+T-1
     for l in range(L):
-        p = layer_params(P, l)
-        # forward pass 1: attention block
-        ln1, _, _ = layernorm_forward(residual, p["ln1w"], p["ln1b"])
-        qkv = matmul_forward(ln1, p["qkvw"], p["qkvb"])                       # (B,T,3C)
-        atty = attention_forward_cached(qkv, cache.k[l], cache.v[l], pos, NH)  # (B,T,C)
-        attproj = matmul_forward(atty, p["attprojw"], p["attprojb"])
-        residual2 = residual_forward(residual, attproj)
-        # forward pass 2: MLP block
-        ln2, _, _ = layernorm_forward(residual2, p["ln2w"], p["ln2b"])
-        fch = matmul_forward(ln2, p["fcw"], p["fcb"])                         # (B,T,4C)
-        fch_gelu = gelu_forward(fch)
-        fcproj = matmul_forward(fch_gelu, p["fcprojw"], p["fcprojb"])         # (B,T,C)
-        residual = residual_forward(residual2, fcproj)                        # residual3: the next layer's input
+        def attend(qkv):                                                      # layer l's keys and values cached
+            return attention_forward_cached(qkv, cache.k[l], cache.v[l], pos, NH), None
+        residual = block_forward(residual, layer_params(P, l), attend)["residual3"]   # the next layer's input
     # forward pass 3: final LayerNorm and the classifier tied to wte, for the last position only
     lnf, _, _ = layernorm_forward(residual[:, T - 1:], P["lnfw"], P["lnfb"])  # (B,1,C)
     logits = matmul_forward(lnf, P["wte"], None)                              # (B,1,C) @ (C,Vp) -> (B,1,Vp)

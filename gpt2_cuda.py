@@ -1,38 +1,29 @@
 """
 gpt2_cuda.py: GPT-2 training on NVIDIA GPUs in Python: CuPy for memory and launches, our own CUDA
 kernels (kernels/*.cu) for everything but the matmuls, cuBLAS for those. The twin of llm.c's
-train_gpt2.cu, as gpt2_cpu.py is of train_gpt2.c: the same sections in the same order, the same
-function names and argument order, so the two files read side by side. A layer here is a thin
+train_gpt2.cu, as gpt2_cpu.py is of train_gpt2.c, and read in the same order: constants, the
+activation table, the launchers, the model, the update, the step, train(). A layer is a thin
 *launcher*: it checks its arguments, computes the grid and launches a kernel that writes into
 preallocated arrays, outputs first, like llm.c: `layernorm_forward(out, mean, rstd, inp, weight,
-bias, B, T, C)`. The CuPy plumbing, file formats, loaders, checkpoints and command line are in
-llmc/ (shared with gpt2_cpu.py).
+bias, B, T, C)`. The rest is in llmc/: the attention paths (attention.py), the matmul libraries
+(cublaslt.py, cudnn_attention.py), ZeRO-1's shards (zero.py), the GPU flags (gpu_cli.py), --check
+(cuda_check.py), and what gpt2_cpu.py shares (files, loaders, checkpoints, the loop around a step).
 
-NOT YET RUN ON A GPU: written and tested on machines without one (tests/test_cuda.py runs all of
-it with NumPy stand-ins for CuPy, the kernels and cuBLAS; CI compiles every kernel with NVRTC).
-On a GPU, first run `make test-gpu` (dev/run_gpu_tests.py; logs in dev/results/).
-
-What it deliberately is not: a framework. No autograd, no ZeRO beyond stage 1 (-z 1: AdamW's state
-sharded over the ranks). All training memory is allocated before the first step (only the
-sampler's KV cache comes from CuPy's pool when it samples); a step's only device-to-host
-synchronizations read the norm and the loss.
-
-The fast paths, each a flag and off by default until it has run on a GPU: --attention flash (our
-kernels/flash_attention.cu) or cudnn (llmc/cudnn_attention.py) instead of the materialized (T,T)
-matrix; --cublaslt 1 (llmc/cublaslt.py: bias, GELU and bias gradient fused into the matmuls);
---cuda-graph 1 (each micro-batch's forward + backward replayed as one CUDA graph).
-
-Precision (--precision): bf16 (the default from compute capability 8.0) stores parameters,
-gradients and activations as bfloat16 with fp32 arithmetic inside every kernel, fp32 AdamW moments
-and (-w 1) fp32 master weights; fp32 stores everything as float32 (-f 1: TF32 matmuls).
+No autograd, no ZeRO beyond stage 1. All training memory is allocated before the first step (the
+sampler's KV cache excepted); a step's only device-to-host synchronizations read the norm and the
+loss. The attention path (--attention naive | flash | cudnn) and the matmul backend (cuBLAS, or
+--cublaslt 1; -f 1: TF32) are objects chosen once by setup_model and kept on the model;
+--cuda-graph 1 replays each micro-batch as one CUDA graph. Precision: bf16 (the default from
+compute capability 8.0) stores parameters, gradients and activations as bfloat16 with fp32
+arithmetic inside every kernel, fp32 AdamW moments and (-w 1) fp32 master weights; fp32 stores
+everything as float32.
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python gpt2_cuda.py                          # d4 on Shakespeare, gpt2_cpu.py's defaults
     python gpt2_cuda.py -e d12 -b 16 -t 1024 -x 200
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0
-The step line is gpt2_cpu.py's plus `| MFU <x>%`; --check compares every activation and gradient
-of one batch with gpt2_cpu.py (TENSOR OK / NOT OK, exit 1 on failure); every gpt2_cpu.py flag works
-here (--help lists them and the GPU flags); `mpirun -np 8 python gpt2_cuda.py` trains on 8 GPUs.
+`make test-gpu` checks every kernel and the model against gpt2_cpu.py; every gpt2_cpu.py flag works
+here; `mpirun -np 8 python gpt2_cuda.py` trains on 8 GPUs.
 
 Dimensions as in gpt2_cpu.py (B T C V Vp L NH HS OC maxT), plus N = B*T, the rows of a matmul.
 Gradient convention (llm.c's): a launcher *writes* (=) its input's gradient into the `dinp` it is
@@ -49,71 +40,59 @@ import numpy as np
 
 import gpt2_cpu
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LR_SCHEDULES, KVCache, SamplerRNG,
-                      SamplingForward, build_model, generate, kv_cache_shape, layer_params, learning_rate_at,
+                      SamplingForward, build_model, check_inputs, generate, kv_cache_shape, layer_params, learning_rate_at,
                       model_config, num_elements, parameter_shapes, tensor_views)
-from llmc import cuda
-from llmc import multinode
-from llmc.check import check_against
+from llmc import cuda, gpu_cli, multinode
+from llmc.attention import NaiveAttention, attention_path, resolve_attention
 from llmc.checkpoint import load_checkpoint, save_checkpoint
-from llmc.cli import TrainingRun, build_parser as build_cli_parser, run_main, sample_from_prompt
+from llmc.cli import TrainingRun, run_main, sample_from_prompt
 from llmc.comm import Comm
-from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, FLOATX_DTYPES, MATMUL_OPTIONS, MAX_THREADS_PER_BLOCK,
+from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK,
                        PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE, KernelCompileError, ceil_div, check_launch,
                        elementwise_grid, require, vector_size, warp_row_grid)
-from llmc.dataloader import DataLoader
+from llmc.cuda_check import run_check
 from llmc.evalloader import NUM_COMPLETIONS, PAD_TOKEN
-from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.gpu_cli import choose_precision, device_line, gpu_status_line
+from llmc.matmul import BIAS_BACKWARD_CHUNKS, Cublas, CublasLt, gelu_forward
 from llmc.mfu import mfu
-from llmc.utils import InputError
+from llmc.pinned import PinnedStaging
+from llmc.utils import InputError, prefix
+from llmc.zero import optimizer_shard, rounding_seed, shard_slices
 
 # ----------------------------------------------------------------------------
 # constants: launch configuration, precision
 
 KERNEL_FILES = ("encoder", "layernorm", "attention", "gelu", "bias", "classifier", "adamw", "global_norm", "cast")
-# the attention layer: naive materializes the (B,NH,T,T) matrix (cuBLAS + softmax kernels, the
-# easiest to read); flash is ours (kernels/flash_attention.cu); cudnn is NVIDIA's fused attention
-# (llmc/cudnn_attention.py). The default stays naive until the other two have run on a GPU.
-ATTENTION_PATHS = ("naive", "flash", "cudnn")
-DEFAULT_ATTENTION = "naive"
 LAYERNORM_BACKWARD_BLOCK_SIZE = 512
-LAYERNORM_BACKWARD_GRID = 512          # scratch slots of layernorm_backward: fixed, so results reproduce
-BIAS_BACKWARD_CHUNKS = 256             # row chunks (scratch slots) of bias_backward: fixed, likewise
+LAYERNORM_BACKWARD_GRID = 512          # partial-sum slots of layernorm_backward: fixed, so results reproduce
 WTE_CHUNK_ROWS = 32                    # most positions one block of the dwte scatter-add sums
 CLASSIFIER_BLOCK_SIZE = 1024           # one block per row of Vp logits (llm.c's fused_classifier)
 GLOBAL_NORM_GRID = 1024                # partial sums of the gradient norm: fixed, likewise
 GLOBAL_NORM_BLOCK_SIZE = 512
-BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores
-BF16_NAN_BITS = BF16_QUIET_NAN         # tests poison outputs with it
 UPDATE_SEED = 13371337                 # llm.c's initial rng_state, the seeds of stochastic rounding
 
 
 # ----------------------------------------------------------------------------
 # activation table: every device buffer, allocated once (parameters: gpt2_cpu.parameter_shapes)
 
-def activation_shapes(config, B, T, recompute=True, attention="naive"):
+def activation_shapes(config, B, T, recompute=True, attention=None):
     """Every device buffer a forward + backward pass uses, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Each buffer is allocated once, as large as its
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
     gpt2_cpu.activation_shapes; the differences are llm.c's: attproj, fcproj and probs are never
     kept (fused kernels consume them); with recompute, fch_gelu is kept for one layer; the logits
-    live in `output`; scratch_* are reused by every layer of the backward. The attention path
-    (ATTENTION_PATHS) decides the attention buffers:
+    live in `logits` (dlogits after the classifier); scratch_btc and scratch_bt4c hold one layer's
+    transient values, reused by every layer (the activation table names each use). The attention path
+    (an attention_path object, default naive) decides the attention buffers (its `buffers`):
       naive:         qkvr (q, k, v split into heads) and att (L,B,NH,T,T) are kept; `output` is
-                     also the scratch of qkv, preatt, the per-head outputs and datt (B,NH,T,T);
+                     it borrows `logits` as the workspace of qkv, preatt, the per-head outputs and
+                     datt (B,NH,T,T), which it sizes (the one alias between different roles);
       flash, cudnn:  qkv (L,B,T,3C) itself and lse (L,B,NH,T), the log-sum-exp of each query's
                      scores, are kept: no (T,T) buffer exists, and no per-head copies."""
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
-    HS = C // NH
-    naive = attention == "naive"
-    if naive:
-        attention_kept = [("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X")]
-        output_floats = B * T * max(3 * C, NH * T, Vp)   # qkv | preatt | per-head y | logits | datt
-        attention_scratch = [("dqkvr", (3, B, NH, T, HS), "X"),   # attention backward: dq, dk, dv per head
-                             ("dy", (B, NH, T, HS), "X")]         # attention backward: dout per head
-    else:
-        attention_kept = [("qkv", (L, B, T, 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
-        output_floats = B * T * Vp                       # logits | dlogits
-        attention_scratch = [("att_D", (B, NH, T), "f32")]        # flash backward: rowsum(dout * out)
+    attention = attention or NaiveAttention()
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, Vp)
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
@@ -125,11 +104,11 @@ def activation_shapes(config, B, T, recompute=True, attention="naive"):
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
-        ("output", (output_floats,), "X"),
+        ("logits", (logits_floats,), "X"),     # (B,T,Vp), dlogits in place; naive attention's workspace
         ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj (bias-free); in the backward dlnf, dln2, datty, dln1
         ("scratch_bt4c", (B, T, 4 * C), "X"),  # in the backward dfch, then dqkv (B,T,3C)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
-        *attention_scratch,
+        *attention_backward_buffers,
         # the dwte scatter-add's plan (WteSegments), sized for the most chunks and tokens B*T can have
         ("positions", (B * T,), "i32"), ("chunk_start", (B * T + 1,), "i32"), ("chunk_token", (B * T,), "i32"),
         ("chunk_slot", (B * T,), "i32"), ("reduce_start", (wte_reduce_max(B * T) + 1,), "i32"),
@@ -137,13 +116,9 @@ def activation_shapes(config, B, T, recompute=True, attention="naive"):
     ]
 
 
-def prefix(buf, shape):
-    """View of the first prod(shape) elements of a contiguous buffer, reshaped (no copy)."""
-    return buf.reshape(-1)[:math.prod(shape)].reshape(shape)
-
-
 # ----------------------------------------------------------------------------
-# layers: launchers, forward/backward pairs, in gpt2_cpu.py's order
+# layers: launchers, forward/backward pairs, in gpt2_cpu.py's order (the linear layers and GELU are
+# llmc/matmul.py's, attention llmc/attention.py's, as llm.c keeps them in llmc/matmul.cuh, attention.cuh)
 
 def encoder_forward(out, inp, wte, wpe, B, T, C):
     """out (B,T,C) = wte[inp] + wpe[:T]. inp (B,T) int32 on the device; wte (Vp,C); wpe (maxT,C).
@@ -211,7 +186,7 @@ def encoder_backward(dwte, dwpe, partial, dout, positions, chunk_start, chunk_to
                      reduce_token, num_chunks, num_reduce, B, T, C):
     """Accumulate dwte (Vp,C) and dwpe (maxT,C) from dout (B,T,C). The other arrays are on the
     device: WteSegments' int32 arrays (chunk_start with num_chunks+1 entries, reduce_start with
-    num_reduce+1) and partial, fp32 scratch of at least wte_partial_rows(B*T) rows of C.
+    num_reduce+1) and partial, fp32 partial sums of at least wte_partial_rows(B*T) rows of C.
         out[b,t] = wte[inp[b,t]] + wpe[t]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v,
                                                dwpe[t] += sum_b dout[b,t]"""
     N = B * T
@@ -260,11 +235,11 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, inp2_bias, 
                  np.int32(N), np.int32(C)))
 
 
-def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, rstd, B, T, C):
+def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, rstd, B, T, C):
     """Accumulate dinp (B,T,C) (the residual stream's gradient), dweight, dbias (C,), from dout:
         dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),  dnorm = dout * weight
     (derivation: gpt2_cpu.layernorm_backward, doc/layernorm.md). Two kernels: per-block partial
-    sums of dbias/dweight into scratch (G, 2, C) fp32, then their in-order sum."""
+    sums of dbias/dweight into partial (G, 2, C) fp32, then their in-order sum."""
     N = B * T
     G = layernorm_backward_grid(N)
     precision = check_launch("layernorm_backward",
@@ -272,11 +247,11 @@ def layernorm_backward(dinp, dweight, dbias, scratch, dout, inp, weight, mean, r
                               ("inp", inp, N * C), ("weight", weight, C)],
                              float32=[("mean", mean, N), ("rstd", rstd, N)], vector_dim=("C", C),
                              unaligned=("dweight", "dbias"))
-    require(scratch.dtype == np.float32 and scratch.size >= G * 2 * C, f"layernorm scratch needs {G * 2 * C} floats")
+    require(partial.dtype == np.float32 and partial.size >= G * 2 * C, f"layernorm partial sums need {G * 2 * C} floats")
     cuda.launch("layernorm", precision, "layernorm_backward", G, LAYERNORM_BACKWARD_BLOCK_SIZE,
-                (dinp, scratch, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
+                (dinp, partial, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
     cuda.launch("layernorm", precision, "layernorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
-                (dweight, dbias, scratch, np.int32(G), np.int32(C)))
+                (dweight, dbias, partial, np.int32(G), np.int32(C)))
 
 
 def layernorm_backward_grid(N):
@@ -284,318 +259,10 @@ def layernorm_backward_grid(N):
     return min(LAYERNORM_BACKWARD_GRID, N)
 
 
-def matmul_forward(out, inp, weight, bias, B, T, C, OC):
-    """out (B,T,OC) = inp (B,T,C) @ weight^T + bias, weight (OC,C) (nn.Linear layout), bias (OC,)
-    or None. Column-major (llmc/cuda.py explains the trick), out^T (OC,N) = weight (OC,C) @ inp^T
-    (C,N): weight's memory is the column-major (C,OC) matrix weight^T, so op(A) = T; inp's memory
-    is already inp^T, op(B) = N. The GEMM writes the product (beta = 0), then add_bias adds the
-    bias in place (kernels/bias.cu); with --cublaslt the bias is the GEMM's epilogue instead."""
-    if MATMUL_OPTIONS["cublaslt"]:                                      # the bias in the epilogue
-        from llmc import cublaslt
-        return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC)
-    N = B * T
-    floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
-    check_launch("matmul_forward", floatX + ([("bias", bias, OC)] if bias is not None else []))
-    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC)
-    if bias is not None:
-        add_bias(out, bias, N, OC)
-
-
-def add_bias(out, bias, N, OC):
-    """out (N,OC) += bias (OC,) over every row, in place (kernels/bias.cu)."""
-    vectorized = OC % vector_size(cuda.precision_of(out)) == 0
-    precision = check_launch("add_bias", [("out", out, N * OC), ("bias", bias, OC)], aligned=vectorized)
-    groups = N * OC // (vector_size(precision) if vectorized else 1)
-    cuda.launch("bias", precision, "add_bias", elementwise_grid(groups), BLOCK_SIZE, (out, bias, np.int32(N), np.int32(OC)))
-
-
-def matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC):
-    """Backward of out = inp @ weight^T + bias (shapes as matmul_forward). Writes dinp (B,T,C);
-    accumulates dweight (OC,C) and dbias (OC,) (dbias may be None). scratch: fp32 for bias_backward.
-        dinp     = dout @ weight     column-major: dinp^T (C,N) = weight^T (C,OC) @ dout^T (OC,N), both as stored
-        dweight += dout^T @ inp      column-major: dweight^T (C,OC) = inp^T (C,N) @ dout (N,OC), op(B) = T
-        dbias   += sum over rows of dout   (kernels/bias.cu, or cuBLASLt's BGRADB epilogue)"""
-    if MATMUL_OPTIONS["cublaslt"]:
-        from llmc import cublaslt
-        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC) and dbias is not None:
-            bias_backward(dbias, dout, scratch, N=B * T, OC=OC)         # no BGRADB for this layout
-        return
-    N = B * T
-    check_launch("matmul_backward", [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC),
-                                     ("inp", inp, N * C), ("weight", weight, OC * C)])
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C)
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, accumulate=True)
-    if dbias is not None:
-        bias_backward(dbias, dout, scratch, N, OC)
-
-
-def matmul_gelu_forward(out, pre_gelu, inp, weight, bias, B, T, C, OC):
-    """The MLP's first layer: pre_gelu (B,T,OC) = inp @ weight^T + bias (kept for the backward)
-    and out = gelu(pre_gelu). With --cublaslt one cuBLASLt call (the GELU_AUX_BIAS epilogue applies
-    the bias and the same tanh GELU to the fp32 accumulator, and stores both); else the bias-free
-    GEMM, then gelu_forward adding the bias into pre_gelu and taking GELU in one pass."""
-    if MATMUL_OPTIONS["cublaslt"]:
-        from llmc import cublaslt
-        return cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu)
-    matmul_forward(pre_gelu, inp, weight, None, B, T, C, OC)
-    gelu_forward(out, pre_gelu, B * T * OC, bias, OC)              # adds the bias into pre_gelu too
-
-
-def matmul_dgelu_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, scratch, B, T, C, OC):
-    """Backward of the MLP's second layer, whose input inp = gelu(pre_gelu) (B,T,C): dinp is the
-    gradient of pre_gelu, (dout @ weight) * gelu'(pre_gelu); dweight, dbias accumulate as in
-    matmul_backward. With --cublaslt the gelu' is the DGELU epilogue of the dinp product; else
-    matmul_backward then gelu_backward_inplace."""
-    if MATMUL_OPTIONS["cublaslt"]:
-        from llmc import cublaslt
-        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC,
-                                           pre_gelu=pre_gelu) and dbias is not None:
-            bias_backward(dbias, dout, scratch, B * T, OC)
-        return
-    matmul_backward(dinp, dweight, dbias, dout, inp, weight, scratch, B, T, C, OC)
-    gelu_backward_inplace(dinp, pre_gelu, B * T * C)
-
-
-def bias_backward(dbias, dout, scratch, N, OC):
-    """dbias (OC,) += column sums of dout (N,OC): kernels/bias.cu, per-chunk partial sums into
-    scratch (chunks, OC) fp32, then a second kernel adds the chunks in order (deterministic)."""
-    chunks = bias_backward_chunks(N)
-    precision = check_launch("bias_backward", [("dbias", dbias, OC), ("dout", dout, N * OC)])
-    require(scratch.dtype == np.float32 and scratch.size >= chunks * OC, f"bias scratch needs {chunks * OC} floats")
-    columns = ceil_div(OC, BLOCK_SIZE)
-    cuda.launch("bias", precision, "bias_backward", (columns, chunks), BLOCK_SIZE,
-                (scratch, dout, np.int32(N), np.int32(OC)))
-    cuda.launch("bias", precision, "bias_reduce", columns, BLOCK_SIZE,
-                (dbias, scratch, np.int32(chunks), np.int32(OC)))
-
-
-def bias_backward_chunks(N):
-    """Row chunks (scratch slots) of bias_backward: fixed per N."""
-    return min(BIAS_BACKWARD_CHUNKS, N)
-
-
-def scratch_floats(config):
-    """fp32 scratch the backward's partial sums need: LayerNorm (G, 2, C) or bias (chunks, OC<=4C)."""
+def partial_floats(config):
+    """fp32 floats the backward's partial sums need: LayerNorm (G, 2, C) or bias (chunks, OC<=4C)."""
     C = config.channels
     return max(LAYERNORM_BACKWARD_GRID * 2 * C, BIAS_BACKWARD_CHUNKS * 4 * C)
-
-
-def attention_scores(preatt, q, k, BNH, T, HS):
-    """Library call: preatt (BNH,T,T) = q @ k^T for each of the BNH heads, q, k (BNH,T,HS).
-    Column-major: preatt^T (T,T) = k (T,HS) @ q^T (HS,T); k's memory is k^T (HS,T) so op(A) = T."""
-    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, HS, k, HS, q, HS, preatt, T,
-              batch=BNH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T)
-
-
-def attention_values(out, att, v, BNH, T, HS):
-    """Library call: out (BNH,T,HS) = att (BNH,T,T) @ v (BNH,T,HS).
-    Column-major: out^T (HS,T) = v^T (HS,T) @ att^T (T,T), both as stored."""
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, HS, T, T, v, HS, att, T, out, HS,
-              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS)
-
-
-def attention_values_backward(datt, dv, dout, att, v, BNH, T, HS):
-    """Library calls, the backward of out = att @ v (shapes as attention_values); both written:
-        datt = dout @ v^T     column-major: datt^T (T,T) = v (T,HS) @ dout^T (HS,T), op(A) = T
-        dv   = att^T @ dout   column-major: dv^T (HS,T) = dout^T (HS,T) @ att (T,T), op(B) = T"""
-    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, HS, v, HS, dout, HS, datt, T,
-              batch=BNH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T)
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, HS, T, T, dout, HS, att, T, dv, HS,
-              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS)
-
-
-def attention_scores_backward(dq, dk, dpreatt, q, k, BNH, T, HS):
-    """Library calls, the backward of preatt = q @ k^T (the 1/sqrt(HS) scale is already inside
-    dpreatt, see softmax_backward); both written:
-        dq = dpreatt @ k      column-major: dq^T (HS,T) = k^T (HS,T) @ dpreatt^T (T,T), both as stored
-        dk = dpreatt^T @ q    column-major: dk^T (HS,T) = q^T (HS,T) @ dpreatt (T,T), op(B) = T"""
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, HS, T, T, k, HS, dpreatt, T, dq, HS,
-              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS)
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, HS, T, T, q, HS, dpreatt, T, dk, HS,
-              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS)
-
-
-def att_unaligned(att, T):
-    """The softmax reads rows of att with 16-byte loads only when T is a multiple of the vector
-    size (then every row, and every layer's att, starts aligned); otherwise element by element,
-    and att need not be aligned: check_launch's `unaligned` for att."""
-    return () if T % vector_size(cuda.precision_of(att)) == 0 else ("att",)
-
-
-def attention_forward(out, qkvr, att, scratch, B, T, C, NH):
-    """Causal multi-head self-attention (Vaswani et al. 2017), llm.c's attention_forward:
-    scratch (>= B*T*max(3C, NH*T) floatX) holds on entry the qkv projection (B,T,3C) in its first
-    B*T*3C elements, and is then reused for preatt and the per-head outputs (clobbered).
-    Writes qkvr (3,B,NH,T,HS) = q, k, v per head and att (B,NH,T,T) (both kept for the backward),
-    and out (B,T,C) = the heads of softmax(q k^T / sqrt(HS), causal) @ v side by side."""
-    require(C % NH == 0, f"attention_forward: C={C} is not a multiple of NH={NH}")
-    HS, BNH = C // NH, B * NH
-    precision = check_launch("attention_forward", [("out", out, B * T * C), ("qkvr", qkvr, 3 * B * T * C),
-                                                   ("att", att, BNH * T * T)],
-                             vector_dim=("HS", HS), unaligned=att_unaligned(att, T))
-    require(scratch.size >= B * T * max(3 * C, NH * T), "attention scratch too small")
-    q, k, v = (qkvr.reshape(3, BNH * T * HS)[i] for i in range(3))     # each (B,NH,T,HS), contiguous
-    qkv = prefix(scratch, (B, T, 3 * C))
-    cuda.launch("attention", precision, "permute_qkv", elementwise_grid(B * T * C // vector_size(precision)), BLOCK_SIZE,
-                (q, k, v, qkv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
-    preatt = prefix(scratch, (BNH, T, T))                              # qkv is dead now
-    attention_scores(preatt, q, k, BNH, T, HS)                         # (B,NH,T,HS) @ (B,NH,HS,T) -> (B,NH,T,T)
-    cuda.launch("attention", precision, "softmax_forward", warp_row_grid(BNH * T), WARP_ROW_BLOCK_SIZE,
-                (att, preatt, np.float32(1.0 / math.sqrt(HS)), np.int32(BNH), np.int32(T)))
-    y = prefix(scratch, (BNH, T, HS))                                  # preatt is dead now
-    attention_values(y, att, v, BNH, T, HS)                            # (B,NH,T,T) @ (B,NH,T,HS) -> (B,NH,T,HS)
-    cuda.launch("attention", precision, "unpermute", elementwise_grid(B * T * C // vector_size(precision)), BLOCK_SIZE,
-                (out, y, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
-
-
-def attention_backward(dinp, dqkvr, datt_scratch, dy, dout, qkvr, att, B, T, C, NH):
-    """Backward of attention_forward: writes dinp (B,T,3C), the gradient of the qkv projection,
-    from dout (B,T,C) and the forward's qkvr (3,B,NH,T,HS) and att (B,NH,T,T). Scratch: dqkvr
-    (3,B,NH,T,HS), datt_scratch (>= B*NH*T*T), dy (B,NH,T,HS). Undoing the forward in reverse:
-        out = unpermute(y)     =>  dy = unpermute_backward(dout)
-        y = att @ v            =>  datt = dy @ v^T,  dv = att^T @ dy
-        att = softmax(s preatt) => dpreatt = s att (datt - sum_j datt att)   (in place on datt)
-        preatt = q @ k^T       =>  dq = dpreatt @ k,  dk = dpreatt^T @ q
-        q, k, v = permute(qkv) =>  dinp = permute_backward(dq, dk, dv)"""
-    require(C % NH == 0, f"attention_backward: C={C} is not a multiple of NH={NH}")
-    HS, BNH = C // NH, B * NH
-    precision = check_launch("attention_backward",
-                             [("dinp", dinp, 3 * B * T * C), ("dqkvr", dqkvr, 3 * B * T * C), ("dy", dy, B * T * C),
-                              ("dout", dout, B * T * C), ("qkvr", qkvr, 3 * B * T * C), ("att", att, BNH * T * T)],
-                             vector_dim=("HS", HS), unaligned=att_unaligned(att, T))
-    vec = vector_size(precision)
-    require(datt_scratch.size >= BNH * T * T, "attention datt scratch too small")
-    q, k, v = (qkvr.reshape(3, BNH * T * HS)[i] for i in range(3))
-    dq, dk, dv = (dqkvr.reshape(3, BNH * T * HS)[i] for i in range(3))
-    datt = prefix(datt_scratch, (BNH, T, T))
-    cuda.launch("attention", precision, "unpermute_backward", elementwise_grid(B * T * C // vec), BLOCK_SIZE,
-                (dy, dout, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
-    attention_values_backward(datt, dv, dy, att, v, BNH, T, HS)
-    cuda.launch("attention", precision, "softmax_backward", warp_row_grid(BNH * T), WARP_ROW_BLOCK_SIZE,
-                (datt, datt, att, np.float32(1.0 / math.sqrt(HS)), np.int32(BNH), np.int32(T)))
-    attention_scores_backward(dq, dk, datt, q, k, BNH, T, HS)           # datt now holds dpreatt
-    cuda.launch("attention", precision, "permute_qkv_backward", elementwise_grid(B * T * C // vec), BLOCK_SIZE,
-                (dinp, dq, dk, dv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
-
-
-# flash attention (kernels/flash_attention.cu): the same attention without the (B,NH,T,T) matrix.
-# The tile sizes are compile-time constants of the kernels; these restate its rule for the grid.
-FLASH_HEAD_SIZES = (16, 32, 64, 128)   # head sizes with entry points: GPT-2's 64, the tiny test models' 16
-FLASH_ROWS_PER_WARP = 16               # one 16x16 tensor-core tile of rows per warp
-FLASH_MAX_OWNED_ROWS = 64              # rows a block owns: at most 4 warps
-FLASH_MAX_STREAMED_ROWS = 32           # rows streamed through shared memory per step
-FLASH_OWNED_TILE_BYTES = 8192          # one tile of owned rows is at most 8 KiB: a kernel's tiles fit in 48 KiB
-FLASH_ATTENTION_KERNELS = {            # head size -> (forward, dk/dv, dq) entry points
-    HS: (f"flash_attention_forward_hs{HS}", f"flash_attention_backward_dkdv_hs{HS}", f"flash_attention_backward_dq_hs{HS}")
-    for HS in FLASH_HEAD_SIZES}
-
-
-def flash_attention_supported(HS):
-    """True when kernels/flash_attention.cu has entry points for head size HS."""
-    return HS in FLASH_HEAD_SIZES
-
-
-def flash_attention_tiles(precision, HS):
-    """(owned, streamed) rows of kernels/flash_attention.cu's FlashTiles<HS>: a block owns `owned`
-    rows (16 per warp) and streams blocks of `streamed` rows of the other side, e.g. bf16 HS=64:
-    (64, 32); fp32 HS=128: (16, 16)."""
-    owned = min(FLASH_MAX_OWNED_ROWS, FLASH_OWNED_TILE_BYTES // (HS * FLOATX_DTYPES[precision].itemsize))
-    return owned, min(FLASH_MAX_STREAMED_ROWS, owned)
-
-
-def flash_attention_launch(precision, HS, B, T, NH):
-    """(grid, block) of the forward, dk/dv and dq kernels: one block per (b*NH + h, block of owned
-    rows), 32 threads per 16 owned rows. Raises ValueError for an unsupported head size."""
-    require(flash_attention_supported(HS), f"flash attention: no kernel for head size {HS} (have {FLASH_HEAD_SIZES})")
-    owned, _ = flash_attention_tiles(precision, HS)
-    return (B * NH, ceil_div(T, owned)), owned // FLASH_ROWS_PER_WARP * WARP_SIZE
-
-
-def flash_attention_forward(out, lse, qkv, B, T, C, NH):
-    """Causal multi-head attention, fused: out (B,T,C) and lse (B,NH,T) fp32 from qkv (B,T,3C).
-        out[b,t,head h] = sum_{j<=t} softmax_j(q_t . k_j / sqrt(HS)) v_j,   lse[b,h,t] = log sum_{j<=t} exp(q_t . k_j / sqrt(HS))
-    as gpt2_cpu.attention_forward, by Dao et al. 2022 Alg. 1 in FlashAttention-2's loop order (Dao
-    2023, Alg. 1): online softmax over key blocks, read straight from qkv's columns, nothing of size
-    T x T stored. lse is what flash_attention_backward needs in place of att."""
-    require(C % NH == 0 and T >= 1, f"flash_attention_forward: need C={C} a multiple of NH={NH} and T >= 1")
-    HS = C // NH
-    precision = check_launch("flash_attention_forward", [("out", out, B * T * C), ("qkv", qkv, 3 * B * T * C)],
-                             float32=[("lse", lse, B * NH * T)], vector_dim=("HS", HS))
-    grid, block = flash_attention_launch(precision, HS, B, T, NH)
-    cuda.launch("flash_attention", precision, FLASH_ATTENTION_KERNELS[HS][0], grid, block,
-                (out, lse, qkv, np.int32(B), np.int32(T), np.int32(NH)))
-
-
-def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH):
-    """Backward of flash_attention_forward: writes dqkv (B,T,3C) = (dq | dk | dv) in qkv's layout,
-    from dout (B,T,C) and the forward's out, qkv and lse; D (B,NH,T) fp32 is scratch. FlashAttention-2
-    Alg. 2 (Dao 2023), recomputing p = exp(q.k / sqrt(HS) - lse) block by block, deterministic:
-        D[t]  = dout_t . out_t                               (preprocess kernel)
-        dS    = p (dout_t . v_j - D[t])
-        dv_j  = sum_{t>=j} p dout_t,  dk_j = sum_{t>=j} dS q_t / sqrt(HS)   (one kernel, per key block)
-        dq_t  = sum_{j<=t} dS k_j / sqrt(HS)                                (one kernel, per query block)
-    Every element of dqkv is written (=) by exactly one thread: no atomics, bitwise reproducible."""
-    require(C % NH == 0 and T >= 1, f"flash_attention_backward: need C={C} a multiple of NH={NH} and T >= 1")
-    HS = C // NH
-    precision = check_launch("flash_attention_backward",
-                             [("dqkv", dqkv, 3 * B * T * C), ("dout", dout, B * T * C), ("out", out, B * T * C),
-                              ("qkv", qkv, 3 * B * T * C)],
-                             float32=[("D", D, B * NH * T), ("lse", lse, B * NH * T)], vector_dim=("HS", HS))
-    grid, block = flash_attention_launch(precision, HS, B, T, NH)
-    _, dkdv_kernel, dq_kernel = FLASH_ATTENTION_KERNELS[HS]
-    cuda.launch("flash_attention", precision, "flash_attention_backward_preprocess", elementwise_grid(B * T * NH),
-                BLOCK_SIZE, (D, dout, out, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
-    scalars = (np.int32(B), np.int32(T), np.int32(NH))
-    cuda.launch("flash_attention", precision, dkdv_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
-    cuda.launch("flash_attention", precision, dq_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
-
-
-def fused_attention_forward(path, out, lse, qkv, B, T, C, NH):
-    """Attention without the (T,T) matrix, on `path` "flash" (ours) or "cudnn": out (B,T,C) from
-    qkv (B,T,3C) read in place, and lse (B,NH,T) fp32, each query row's log-sum-exp of its scaled
-    scores (cuDNN's softmax "stats"), which the backward needs to recompute the probabilities."""
-    if path == "flash":
-        flash_attention_forward(out, lse, qkv, B, T, C, NH)
-    else:
-        from llmc import cudnn_attention
-        cudnn_attention.attention_forward_cudnn(out, lse, qkv, B, T, NH, C // NH)
-
-
-def fused_attention_backward(path, dqkv, D, dout, out, qkv, lse, B, T, C, NH):
-    """Backward of fused_attention_forward: writes dqkv (B,T,3C) in the layout of qkv from dout
-    (B,T,C) and the forward's out, qkv and lse. D (B,NH,T) fp32 is the flash path's scratch."""
-    if path == "flash":
-        flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH)
-    else:
-        from llmc import cudnn_attention
-        cudnn_attention.attention_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, C // NH)
-
-
-def gelu_forward(out, inp, n, inp_bias=None, OC=0):
-    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise over n values x of inp.
-    With inp_bias (OC,), inp is (n/OC, OC) matmul outputs without their bias: the kernel first adds
-    it into inp in place (inp is the pre-GELU activation the backward reads), then takes GELU."""
-    bias_arg = [("inp_bias", inp_bias, OC)] if inp_bias is not None else []
-    precision = check_launch("gelu_forward", [("out", out, n), ("inp", inp, n)] + bias_arg, aligned=True)
-    if inp_bias is not None:
-        require(OC % vector_size(precision) == 0 and n % OC == 0,
-                f"gelu_forward: OC={OC} must be a multiple of {vector_size(precision)} dividing n={n}")
-    cuda.launch("gelu", precision, "gelu_forward", elementwise_grid(ceil_div(n, vector_size(precision))), BLOCK_SIZE,
-                (out, inp, np.uint64(0) if inp_bias is None else inp_bias, np.uint64(n), np.int32(OC)))
-
-
-def gelu_backward_inplace(d_in_out, inp, n):
-    """d_in_out = d_in_out * gelu'(inp): the gradient of gelu's output in, of its input out."""
-    precision = check_launch("gelu_backward_inplace", [("d_in_out", d_in_out, n), ("inp", inp, n)], aligned=True)
-    cuda.launch("gelu", precision, "gelu_backward_inplace", elementwise_grid(ceil_div(n, vector_size(precision))),
-                BLOCK_SIZE, (d_in_out, inp, np.uint64(n)))
-
-
-def residual_forward(out, inp1, inp2, n):
-    """out = inp1 + inp2, n values (the model uses fused_residual_forward instead)."""
-    precision = check_launch("residual_forward", [("out", out, n), ("inp1", inp1, n), ("inp2", inp2, n)], aligned=True)
-    cuda.launch("layernorm", precision, "residual_forward", elementwise_grid(ceil_div(n, vector_size(precision))),
-                BLOCK_SIZE, (out, inp1, inp2, np.uint64(n)))
 
 
 def fused_classifier(logits, losses, targets, dloss, B, T, V, Vp, write_dlogits):
@@ -643,52 +310,6 @@ def cast_floatX_to_float(out, inp, n):
 # ----------------------------------------------------------------------------
 # the model: parameters, activations, forward, backward, zero_grad, grad norm
 
-class PinnedStaging:
-    """The host side of the per-micro-batch uploads (token ids, targets, the dwte chunks): two
-    page-locked (pinned) host buffers used in turn. The host writes an array into one, and the
-    copy to the device is queued asynchronously on the current stream (from pageable memory the
-    driver would first stage it synchronously). Before a buffer is written again, the host waits
-    for the event recorded after its previous copies: by then the GPU has long read it (the other
-    buffer served the upload in between)."""
-
-    ALIGNMENT = 64                         # bytes: each staged array starts aligned for any dtype
-
-    def __init__(self):
-        self.buffers = []                  # two uint8 NumPy views of pinned memory
-        self.events = [None, None]         # the event after each buffer's last copies
-        self.turn = 0
-
-    def reserve(self, nbytes):
-        """Make both buffers hold at least nbytes (allocated once per size; the old ones are
-        freed only after their copies are done)."""
-        if self.buffers and self.buffers[0].size >= nbytes:
-            return
-        for event in self.events:
-            if event is not None:
-                event.synchronize()
-        cp = cuda.cupy()
-        self.buffers = [np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes) for _ in range(2)]
-        self.events = [None, None]
-
-    def upload(self, copies):
-        """copies: (device array, host array) pairs of equal shape and dtype. Each host array is
-        copied into the next pinned buffer, and from there to its device array asynchronously."""
-        def aligned(n):
-            return ceil_div(n, self.ALIGNMENT) * self.ALIGNMENT
-        self.reserve(sum(aligned(src.nbytes) for _, src in copies))
-        i, self.turn = self.turn, 1 - self.turn
-        if self.events[i] is not None:
-            self.events[i].synchronize()   # the GPU has read this buffer's previous contents
-        stream = cuda.cupy().cuda.get_current_stream()
-        offset = 0
-        for dst, src in copies:
-            staged = self.buffers[i][offset:offset + src.nbytes].view(src.dtype).reshape(src.shape)
-            staged[...] = src
-            dst.set(staged, stream=stream)                # asynchronous: from pinned memory
-            offset += aligned(src.nbytes)
-        self.events[i] = stream.record()
-
-
 def staging_bytes(N):
     """Pinned bytes of the uploads of a micro-batch of N positions, per buffer: (batch, segments),
     each int32 array rounded up to PinnedStaging.ALIGNMENT as upload places them."""
@@ -705,12 +326,10 @@ class GPT2:
     by gpt2_allocate, once). precision is "bf16" or "fp32"."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=True, attention="naive",
-                 zero_stage=0, process_rank=0, num_processes=1):
+                 zero_stage=0, process_rank=0, num_processes=1, matmul=None):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
-        if attention not in ATTENTION_PATHS:
-            raise InputError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {attention}")
         vec = vector_size(precision)
         if config.channels % config.num_heads or (config.channels // config.num_heads) % vec:
             raise InputError(f"the CUDA kernels need the head size C/NH = {config.channels}/{config.num_heads} "
@@ -718,7 +337,8 @@ class GPT2:
         self.config = config
         self.precision = precision
         self.recompute = bool(recompute)
-        self.attention = attention                   # ATTENTION_PATHS: which attention layer runs
+        self.attention = attention_path(attention)   # the attention layer's path (NaiveAttention ...)
+        self.matmul = matmul or Cublas()             # the linear layers' backend (Cublas, CublasLt)
         self.floatX = FLOATX_DTYPES[precision]
         self.param_shapes = parameter_shapes(config)
         self.num_parameters = num_elements(self.param_shapes)
@@ -739,7 +359,7 @@ class GPT2:
         self.master = cp.zeros(S, dtype=np.float32) if master_weights and precision == "bf16" else None
         self.m = cp.zeros(S, dtype=np.float32)                       # AdamW moments, fp32 always
         self.v = cp.zeros(S, dtype=np.float32)
-        self.scratch = cp.zeros(scratch_floats(config), dtype=np.float32)
+        self.partial = cp.zeros(partial_floats(config), dtype=np.float32)   # the backward's per-block partial sums
         self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
         self.norm = cp.zeros(1, dtype=np.float32)
         self.update_rng = SamplerRNG(UPDATE_SEED)    # seeds of stochastic rounding, one per tensor per step
@@ -773,10 +393,8 @@ def gpt2_allocate(model, *sizes):
     batch_bytes, segment_bytes = staging_bytes(max(B * T for B, T in sizes))
     model.staging["batch"].reserve(batch_bytes)
     model.staging["segments"].reserve(segment_bytes)
-    if model.attention == "cudnn":                                    # its graphs and one workspace, before any capture
-        from llmc import cudnn_attention
-        cfg = model.config
-        cudnn_attention.prepare(sizes, cfg.num_heads, cfg.channels // cfg.num_heads)
+    cfg = model.config
+    model.attention.prepare(sizes, cfg.num_heads, cfg.channels // cfg.num_heads)   # before any graph capture
     return sum(buf.nbytes for buf in model.buffers.values())
 
 
@@ -825,7 +443,7 @@ def as_float32(host):
 
 def gpt2_forward(model, inputs, targets=None):
     """Forward pass. inputs (B,T) int token ids (host numpy); targets (B,T) or None. Returns the
-    logits (B,T,Vp) floatX on the device (a view into the `output` scratch: valid until the next
+    logits (B,T,Vp) floatX on the device (a view into the `logits` buffer: valid until the next
     forward or backward, which overwrites it with dlogits). With targets, the per-position losses
     (B,T) fp32 are computed too (model.buffers' `losses`; gpt2_mean_loss reads their mean).
     Raises InputError if T > maxT or a token id is out of range."""
@@ -833,18 +451,13 @@ def gpt2_forward(model, inputs, targets=None):
     return gpt2_forward_kernels(model, B, T, targets is not None)
 
 
-def upload_batch(model, inputs, targets):
-    """The host half of gpt2_forward: check the token ids, copy them (and the targets) into the
-    device buffers of their (B,T), and remember them for the backward. Returns (B,T)."""
-    cfg = model.config
+def upload_batch(model, inputs, targets, pos=0):
+    """The host half of gpt2_forward: check the token ids (at positions pos..pos+T-1,
+    gpt2_cpu.check_inputs), copy them (and the targets) into the device buffers of their (B,T),
+    and remember them for the backward. Returns (B,T)."""
     inputs = np.asarray(inputs)
     B, T = inputs.shape
-    V = cfg.vocab_size
-    if T > cfg.max_seq_len:
-        raise InputError(f"sequence length T={T} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    for name, ids in (("token", inputs), ("target", targets)):
-        if ids is not None and (ids.min() < 0 or ids.max() >= V):
-            raise InputError(f"{name} id out of range [0, {V}): {ids.min()}..{ids.max()}")
+    check_inputs(model.config, inputs, targets, pos)
     A = gpt2_activations(model, B, T)
     copies = [(A["inputs"], np.ascontiguousarray(inputs, dtype=np.int32))]
     if targets is not None:
@@ -855,37 +468,35 @@ def upload_batch(model, inputs, targets):
     return B, T
 
 
-def gpt2_forward_kernels(model, B, T, with_loss):
+def gpt2_forward_kernels(model, B, T, with_loss, attention=None, pos=0):
     """The device half of gpt2_forward: every launch of the forward pass, reading the token ids
     (and targets) already on the device. Launches only: no host work, no synchronization, the
     same arguments every call for a given (B,T), so a CUDA graph can capture it (gpt2_micro_batch).
-    Returns the logits view (B,T,Vp)."""
+    The sampler's cached forward runs the same blocks with its own attention (CachedAttention) on
+    positions pos..pos+T-1. Returns the logits view (B,T,Vp)."""
     cfg = model.config
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
-    P, A = model.P, gpt2_activations(model, B, T)
-    encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"], B, T, C)        # (B,T,C)
+    P, A, mm, tf32 = model.P, gpt2_activations(model, B, T), model.matmul, model.matmul.tf32
+    attention = attention or model.attention
+    encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"][pos:], B, T, C)  # (B,T,C), positions pos..
     layernorm_forward(A["ln1"][0], A["ln1_mean"][0], A["ln1_rstd"][0], A["encoded"], P["ln1w"][0], P["ln1b"][0], B, T, C)
     for l in range(L):
         p = layer_params(P, l)
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]               # (B,T,C)
         fch_gelu = A["fch_gelu"][0 if model.recompute else l]
         # forward pass 1: attention block (ln1[l] was written by the previous fused residual)
-        if model.attention == "naive":                                             # (T,T) att kept
-            qkv = prefix(A["output"], (B, T, 3 * C))
-            matmul_forward(qkv, A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)  # (B,T,3C)
-            attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["output"], B, T, C, NH)
-        else:                                                                      # qkv and lse kept
-            matmul_forward(A["qkv"][l], A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)
-            fused_attention_forward(model.attention, A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH)
+        qkv = attention.qkv(A, l, B, T, C)                                         # (B,T,3C)
+        mm.forward(qkv, A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)
+        attention.forward(A, l, B, T, C, NH, tf32)                                 # atty[l] (B,T,C)
         attproj = A["scratch_btc"]                                                 # without its bias:
-        matmul_forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)      # the next kernel adds it
+        mm.forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)         # the next kernel adds it
         # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
         fused_residual_forward(A["residual2"][l], A["ln2"][l], A["ln2_mean"][l], A["ln2_rstd"][l],
                                residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
         # forward pass 2: MLP block
-        matmul_gelu_forward(fch_gelu, A["fch"][l], A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C)  # (B,T,4C)
+        mm.forward(fch_gelu, A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
         fcproj = A["scratch_btc"]
-        matmul_forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)        # (B,T,C), bias added next
+        mm.forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)           # (B,T,C), bias added next
         # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
         if l + 1 < L:
             norm = (A["ln1"][l + 1], A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
@@ -894,8 +505,8 @@ def gpt2_forward_kernels(model, B, T, with_loss):
         fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
                                norm[3], norm[4], B * T, C)
     # forward pass 3: classifier tied to wte (lnf was written by the last fused residual), loss
-    logits = prefix(A["output"], (B, T, Vp))
-    matmul_forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)                  # (B,T,C) @ (C,Vp) -> (B,T,Vp)
+    logits = prefix(A["logits"], (B, T, Vp))
+    mm.forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)                      # (B,T,C) @ (C,Vp) -> (B,T,Vp)
     if with_loss:
         fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
     return logits
@@ -960,19 +571,19 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     B, T = model.BT
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
-    scratch = model.scratch
+    partial, mm = model.partial, model.matmul
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
     # The fused classifier writes the losses and, over the logits in place, dlogits in one pass
     # (the training step's forward skips it; llm.c runs it at the end of the forward instead).
     dloss = loss_scale / (B * T)                                                    # d(mean loss)/d(losses)
-    logits = prefix(A["output"], (B, T, Vp))
+    logits = prefix(A["logits"], (B, T, Vp))
     fused_classifier(logits, A["losses"], A["targets"], dloss, B, T, V, Vp, write_dlogits=True)
     dlogits = logits
     dlnf = A["scratch_btc"]
-    matmul_backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], scratch, B, T, C, Vp)
+    mm.backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], partial, B, T, C, Vp)
     dresidual = A["dresidual"]                                                      # gradient of the residual stream
     dresidual.fill(0)                                                               # layernorm_backward accumulates
-    layernorm_backward(dresidual, G["lnfw"], G["lnfb"], scratch, dlnf, A["residual3"][L - 1], P["lnfw"],
+    layernorm_backward(dresidual, G["lnfw"], G["lnfb"], partial, dlnf, A["residual3"][L - 1], P["lnfw"],
                        A["lnf_mean"], A["lnf_rstd"], B, T, C)
     for l in reversed(range(L)):
         p, g = layer_params(P, l), layer_params(G, l)
@@ -983,24 +594,20 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
         # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
         dfch = A["scratch_bt4c"]
-        matmul_dgelu_backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], A["fch"][l], scratch,
-                              B, T, 4 * C, C)                                     # dfch, through gelu
+        mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
+                    pre_gelu=A["fch"][l])                                           # dfch, through gelu
         dln2 = A["scratch_btc"]
-        matmul_backward(dln2, g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"], scratch, B, T, C, 4 * C)
-        layernorm_backward(dresidual, g["ln2w"], g["ln2b"], scratch, dln2, A["residual2"][l], p["ln2w"],
+        mm.backward(dln2, g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"], partial, B, T, C, 4 * C)
+        layernorm_backward(dresidual, g["ln2w"], g["ln2b"], partial, dln2, A["residual2"][l], p["ln2w"],
                            A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
         datty = A["scratch_btc"]
-        matmul_backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], scratch, B, T, C, C)
+        mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
         dqkv = prefix(A["scratch_bt4c"], (B, T, 3 * C))
-        if model.attention == "naive":
-            attention_backward(dqkv, A["dqkvr"], A["output"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH)
-        else:
-            fused_attention_backward(model.attention, dqkv, A["att_D"], datty, A["atty"][l], A["qkv"][l],
-                                     A["lse"][l], B, T, C, NH)
+        model.attention.backward(dqkv, datty, A, l, B, T, C, NH, mm.tf32)
         dln1 = A["scratch_btc"]                                                     # datty was consumed above
-        matmul_backward(dln1, g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"], scratch, B, T, C, 3 * C)
-        layernorm_backward(dresidual, g["ln1w"], g["ln1b"], scratch, dln1, residual, p["ln1w"],
+        mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"], partial, B, T, C, 3 * C)
+        layernorm_backward(dresidual, g["ln1w"], g["ln1b"], partial, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
     # backward of the encoder: encoded = wte[inputs] + wpe
     K, M = num_chunks, num_reduce
@@ -1087,100 +694,6 @@ def adamw_update(params, master_params, grads, m, v, n, learning_rate, beta1, be
                  np.uint32(seed)))
 
 
-# ZeRO-1 (-z 1; Rajbhandari et al. 2020, "ZeRO", stage 1 = optimizer state partitioning; llm.c's
-# llmc/zero.cuh): with N data-parallel ranks, rank r keeps AdamW's m, v and the fp32 master
-# weights only for its shard, elements [r*S, (r+1)*S) of the flat parameter vector, so each rank
-# holds 1/N of the 8 (12 with master weights) bytes per parameter. A step becomes: reduce-scatter
-# the gradients (each rank receives the mean of its shard only), AdamW on the shard, all-gather
-# the updated parameters into every rank's full buffer. Without ZeRO-1 the "shard" is rank 0 of 1:
-# the whole vector, so one code path serves both. Unlike llm.c, which splits every tensor into N
-# pieces (every tensor's size must divide by N; where the total does not, it runs stage 0), we cut the flat
-# vector once, padded to N*S: a cut may fall inside a tensor, and gpt2_update then updates the
-# intersection of the shard with each tensor.
-
-ZERO_STAGES = (0, 1)                   # llm.c's -z also names 2 and 3, but runs only 0 and 1
-ZERO_SHARD_ALIGN = 8                   # S is a multiple of 8 elements: every shard starts 16-byte aligned
-SQ5_BIT_NOISE1 = 0xD2A80A3F            # kernels/common.cuh's squirrel_noise5 multiplier (tests check it)
-UINT32_MASK = 0xFFFFFFFF
-
-
-class Shard(NamedTuple):
-    """One rank's part of the flat parameter vector (zero_shard): elements [offset, offset + size)
-    of the vector padded to `padded` = num_processes * size elements; the real parameters are the
-    first num_parameters, so the last shards may end in padding (never updated, never read)."""
-    rank: int
-    num_processes: int
-    num_parameters: int                # n, the real parameters
-    size: int                          # S, the elements of every shard (m, v, master weights hold S floats)
-
-    @property
-    def offset(self):
-        return self.rank * self.size
-
-    @property
-    def padded(self):
-        return self.num_processes * self.size
-
-
-class ShardPiece(NamedTuple):
-    """The intersection of a shard with one parameter tensor (shard_slices)."""
-    name: str                          # the tensor (gpt2_cpu.parameter_shapes)
-    flat: slice                        # its elements in the flat parameter / gradient vector
-    local: slice                       # the same elements in the shard's m, v, master weights
-    start: int                         # the index of its first element within the tensor
-
-
-def zero_shard(n, rank, num_processes):
-    """Rank `rank`'s shard of a flat vector of n elements split over num_processes ranks:
-    S = ceil(n / num_processes) rounded up to a multiple of ZERO_SHARD_ALIGN, so all shards are
-    the same size (NCCL's reduce-scatter and all-gather take one count for every rank) and start
-    aligned. The shards cover [0, num_processes * S) exactly once; the padding is < num_processes
-    * ZERO_SHARD_ALIGN elements. One process: S = n, no padding (one shard is everything).
-    Raises ValueError for a rank outside [0, num_processes)."""
-    if not 0 <= rank < num_processes:
-        raise ValueError(f"rank {rank} is not one of {num_processes} processes")
-    if num_processes == 1:
-        return Shard(0, 1, n, n)
-    S = ceil_div(ceil_div(n, num_processes), ZERO_SHARD_ALIGN) * ZERO_SHARD_ALIGN
-    return Shard(rank, num_processes, n, S)
-
-
-def optimizer_shard(n, zero_stage, rank, num_processes):
-    """The shard of the optimizer state this rank keeps for -z zero_stage: with 1, zero_shard;
-    with 0, everything (zero_shard's rank 0 of 1). Raises InputError for another stage."""
-    if zero_stage not in ZERO_STAGES:
-        raise InputError(f"-z {zero_stage}: ZeRO stage {zero_stage} is not supported (stages 0 and 1 are; "
-                         f"llm.c runs stage 2 and 3 as 0)")
-    return zero_shard(n, rank, num_processes) if zero_stage == 1 else zero_shard(n, 0, 1)
-
-
-def shard_slices(param_shapes, shard):
-    """The pieces (ShardPiece, in parameter order) in which `shard` cuts the tensors of
-    param_shapes: for each tensor [t0, t1) of the flat vector that meets the shard [o, o+S), its
-    intersection [max(t0, o), min(t1, o+S)): at the same indices in params and grads (`flat`), at
-    those minus o in m, v, master (`local`), and `start` = max(t0, o) - t0 into the tensor. A shard
-    is one contiguous range, so a tensor has at most one piece."""
-    pieces, t0 = [], 0
-    lo_shard, hi_shard = shard.offset, shard.offset + shard.size
-    for name, shape in param_shapes:
-        t1 = t0 + math.prod(shape)
-        lo, hi = max(t0, lo_shard), min(t1, hi_shard)
-        if lo < hi:
-            pieces.append(ShardPiece(name, slice(lo, hi), slice(lo - lo_shard, hi - lo_shard), lo - t0))
-        t0 = t1
-    return pieces
-
-
-def rounding_seed(seed, start):
-    """The seed that makes adamw_update's stochastic rounding of a piece of a tensor that begins
-    at element `start` draw the same bits as one launch over the whole tensor: the kernel hashes
-    squirrel_noise5(i, seed) with i counted from the launch's first element, and the hash begins
-    with i * SQ5_BIT_NOISE1 + seed (mod 2^32), so
-        squirrel_noise5(start + j, seed) == squirrel_noise5(j, seed + start * SQ5_BIT_NOISE1).
-    Then a sharded run rounds every element as the unsharded one does (same bits, bf16 too)."""
-    return (seed + start * SQ5_BIT_NOISE1) & UINT32_MASK
-
-
 def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None):
     """One AdamW step (the math of gpt2_cpu.gpt2_update; t is the 1-based step count), one kernel
     launch per parameter tensor so that weight decay applies to DECAYED_PARAMETERS only, over the
@@ -1243,16 +756,16 @@ def gpt2_global_grad_norm(model, comm):
 # Two forwards, as in gpt2_cpu: `full`, gpt2_forward on a fixed window of min(maxT, len(prompt) +
 # new tokens) tokens (train() allocates its (1, window) activations up front), and `cached`,
 # gpt2_forward_cached below, which runs only the new tokens against a KV cache (generate's
-# default). The cached forward is the sampler's, not the training hot path: it reuses the layer
-# launchers, but its attention is CuPy array operations (cuBLAS matmuls, CuPy's elementwise
-# kernels) in fp32 rather than a kernel of ours, and its few buffers come from CuPy's memory pool
-# per call (the KV cache, fp32 (L,1,NH,maxT,HS) keys and values, once per sample).
+# default). The cached forward runs the training forward's blocks in the same activation buffers,
+# but its attention is CuPy array operations (cuBLAS matmuls, CuPy's elementwise kernels) in fp32
+# rather than a kernel of ours, against the KV cache (fp32 (L,1,NH,maxT,HS) keys and values from
+# CuPy's memory pool, once per sample).
 
 class HostLogits:
     """The (B,T,Vp) logits of the last forward pass, left on the device; indexing copies just the
     part asked for to the host, as float32. gpt2_cpu.generate reads one row of Vp per token, so
     each token moves Vp values instead of window*Vp (100 MB in bf16 at window 1024). Valid
-    until the next forward pass (the logits live in a scratch buffer). np.asarray copies all."""
+    until the next forward pass (the logits live in a reused buffer). np.asarray copies all."""
 
     def __init__(self, logits):
         self.logits = logits                                    # (B,T,Vp) floatX, on the device
@@ -1265,12 +778,12 @@ class HostLogits:
         return as_float32(self.logits.get()).astype(dtype or np.float32, copy=False)
 
 
-def kv_cache_new(config, B):
-    """An empty gpt2_cpu.KVCache on the device: k, v (L,B,NH,maxT,HS) fp32 in either precision
-    (attention_forward_cached computes in fp32; bf16 k, v convert to fp32 exactly)."""
+def kv_cache_new(config, B, dtype=np.float32):
+    """An empty gpt2_cpu.KVCache on the device: k, v (L,B,NH,maxT,HS) of dtype, fp32 in either
+    precision (attention_forward_cached computes in fp32; bf16 k, v convert to fp32 exactly)."""
     cp = cuda.cupy()
     shape = kv_cache_shape(config, B)
-    return KVCache(cp.zeros(shape, np.float32), cp.zeros(shape, np.float32))
+    return KVCache(cp.zeros(shape, dtype), cp.zeros(shape, dtype))
 
 
 def attention_forward_cached(out, qkv, k_cache, v_cache, pos, B, T, C, NH):
@@ -1301,54 +814,33 @@ def attention_forward_cached(out, qkv, k_cache, v_cache, pos, B, T, C, NH):
     cast_float_to_floatX(out.reshape(-1), y.reshape(-1), B * T * C)
 
 
+class CachedAttention:
+    """The sampler's attention path for gpt2_forward_kernels: the T new positions pos..pos+T-1
+    against the keys and values of the earlier ones in `cache` (attention_forward_cached, which
+    appends theirs). The qkv projection goes to scratch_bt4c, which only a backward uses."""
+
+    def __init__(self, cache, pos):
+        self.cache, self.pos = cache, pos
+
+    def qkv(self, A, l, B, T, C):
+        return prefix(A["scratch_bt4c"], (B, T, 3 * C))
+
+    def forward(self, A, l, B, T, C, NH, tf32):
+        attention_forward_cached(A["atty"][l], self.qkv(A, l, B, T, C), self.cache.k[l], self.cache.v[l], self.pos,
+                                 B, T, C, NH)
+
+
 def gpt2_forward_cached(model, inputs, cache):
     """gpt2_cpu.gpt2_forward_cached on the device: the T tokens inputs (B,T) (host ints) at
     positions cache.length..cache.length+T-1 against the KV cache (kv_cache_new), which gets
-    their keys and values. Returns the logits (B,Vp) of the last position, float32 on the host.
-    The layers are gpt2_cpu's order with this file's launchers (residual_forward, then
-    layernorm_forward: the unfused pair, as gpt2_cpu writes them). Raises InputError if the
-    positions pass maxT or a token id is out of range."""
-    cp = cuda.cupy()
-    cfg = model.config
-    inputs = np.asarray(inputs)
-    B, T = inputs.shape
-    C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
+    their keys and values. The training forward's blocks (gpt2_forward_kernels) with
+    CachedAttention. Returns the logits (B,Vp) of the last position, float32 on the host.
+    Raises InputError if the positions pass maxT or a token id is out of range."""
     pos = cache.length
-    if pos + T > cfg.max_seq_len:
-        raise InputError(f"positions {pos}..{pos + T - 1} pass the model's max_seq_len {cfg.max_seq_len}")
-    if inputs.min() < 0 or inputs.max() >= V:
-        raise InputError(f"token id out of range [0, {V}): {inputs.min()}..{inputs.max()}")
-    P, X, f32 = model.P, model.floatX, np.float32
-    tokens = cp.zeros((B, T), np.int32)
-    tokens.set(np.ascontiguousarray(inputs, dtype=np.int32))
-    residual, residual2, ln = cp.zeros((B, T, C), X), cp.zeros((B, T, C), X), cp.zeros((B, T, C), X)
-    mean, rstd = cp.zeros((B, T), f32), cp.zeros((B, T), f32)                # written, never read
-    qkv, atty, proj = cp.zeros((B, T, 3 * C), X), cp.zeros((B, T, C), X), cp.zeros((B, T, C), X)
-    fch, fch_gelu = cp.zeros((B, T, 4 * C), X), cp.zeros((B, T, 4 * C), X)
-
-    encoder_forward(residual, tokens, P["wte"], P["wpe"][pos:], B, T, C)     # (B,T,C), positions pos..pos+T-1
-    for l in range(L):
-        p = layer_params(P, l)
-        # forward pass 1: attention block
-        layernorm_forward(ln, mean, rstd, residual, p["ln1w"], p["ln1b"], B, T, C)
-        matmul_forward(qkv, ln, p["qkvw"], p["qkvb"], B, T, C, 3 * C)              # (B,T,3C)
-        attention_forward_cached(atty, qkv, cache.k[l], cache.v[l], pos, B, T, C, NH)
-        matmul_forward(proj, atty, p["attprojw"], p["attprojb"], B, T, C, C)        # attproj
-        residual_forward(residual2, residual, proj, B * T * C)
-        # forward pass 2: MLP block
-        layernorm_forward(ln, mean, rstd, residual2, p["ln2w"], p["ln2b"], B, T, C)
-        matmul_forward(fch, ln, p["fcw"], p["fcb"], B, T, C, 4 * C)                 # (B,T,4C)
-        gelu_forward(fch_gelu, fch, B * T * 4 * C)
-        matmul_forward(proj, fch_gelu, p["fcprojw"], p["fcprojb"], B, T, 4 * C, C)  # fcproj (B,T,C)
-        residual_forward(residual, residual2, proj, B * T * C)                      # residual3: the next layer's input
-    # forward pass 3: final LayerNorm and the classifier tied to wte, for the last position only
-    last, lnf = cp.zeros((B, 1, C), X), cp.zeros((B, 1, C), X)
-    last[...] = residual[:, T - 1:]                                                 # (B,1,C), contiguous
-    layernorm_forward(lnf, prefix(mean, (B, 1)), prefix(rstd, (B, 1)), last, P["lnfw"], P["lnfb"], B, 1, C)
-    logits = cp.zeros((B, 1, Vp), X)
-    matmul_forward(logits, lnf, P["wte"], None, B, 1, C, Vp)                        # (B,1,C) @ (C,Vp) -> (B,1,Vp)
+    B, T = upload_batch(model, inputs, None, pos)
+    logits = gpt2_forward_kernels(model, B, T, False, CachedAttention(cache, pos), pos)
     cache.length = pos + T
-    return as_float32(logits.reshape(B, Vp).get())                                   # (B,Vp) to the host
+    return as_float32(logits[:, T - 1].get())                                       # (B,Vp) to the host
 
 
 def sampling_forward(model):
@@ -1358,84 +850,6 @@ def sampling_forward(model):
     return SamplingForward(full=lambda x: HostLogits(gpt2_forward(model, x)),
                            cached=lambda x, cache: gpt2_forward_cached(model, x, cache),
                            new_cache=lambda: kv_cache_new(model.config, 1))
-
-
-# ----------------------------------------------------------------------------
-# checking against gpt2_cpu.py (--check, tests/test_cuda.py); tolerances in llmc/check.py
-
-def tolerance_group(model):
-    """The row of llmc.check.TOLERANCES for --check: 'cuda_fp32' for full fp32 matmuls, else
-    'cuda_bf16' (bf16 storage, or TF32 matmuls)."""
-    return "cuda_fp32" if model.precision == "fp32" and not MATMUL_OPTIONS["tf32"] else "cuda_bf16"
-
-
-def attention_lse(qkv, NH):
-    """The log-sum-exp over keys j <= t of the scaled scores s q_t . k_j, s = 1/sqrt(HS), per
-    (b, head, t): (B,NH,T) from qkv (B,T,3C) (any float dtype; computed in its precision). What the
-    flash and cuDNN paths keep for the backward (Dao et al. 2022, Alg. 1's m + log l)."""
-    B, T, C3 = qkv.shape
-    HS = C3 // 3 // NH
-    q, k, _ = (qkv[..., i * C3 // 3:(i + 1) * C3 // 3].reshape(B, T, NH, HS).transpose(0, 2, 1, 3) for i in range(3))
-    scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(HS)                   # (B,NH,T,T)
-    scores[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
-    top = scores.max(axis=-1, keepdims=True)
-    return (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
-
-
-def check_against_cpu(model, inputs, targets, cpu_dtype=np.float32, verbose=True):
-    """Run one batch through gpt2_cpu (in cpu_dtype, with exactly the GPU's parameter values) and
-    through this model, and compare every activation (forward order), the loss, then every
-    parameter gradient (backward order) with llmc.check's TOLERANCES. Returns True if
-    all are within tolerance. Overwrites the model's gradients."""
-    cfg = model.config
-    B, T = inputs.shape
-    L, NH, C, V = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.vocab_size
-    group = tolerance_group(model)
-    cpu = gpt2_cpu.GPT2(cfg, cpu_dtype)
-    cpu.params[...] = download_parameters(model, master=False)
-    gpt2_cpu.gpt2_forward(cpu, inputs, targets)
-    gpt2_cpu.gpt2_zero_grad(cpu)
-    gpt2_cpu.gpt2_backward(cpu)
-    gpt2_zero_grad(model)
-    gpt2_forward(model, inputs, targets)
-    A = gpt2_activations(model, B, T)
-    results = []
-
-    def compare(label, gpu, ref, kind):
-        results.append(check_against(gpu, ref, label, group, kind, verbose=verbose))
-
-    CA = cpu.acts
-    # the attention buffers of the path (activation_shapes), and their gpt2_cpu counterparts
-    if model.attention == "naive":
-        attention_names = ("qkvr", "att")
-        refs = {"qkvr": CA["qkv"].reshape(L, B, T, 3, NH, C // NH).transpose(0, 3, 1, 4, 2, 5)}  # (L,3,B,NH,T,HS)
-    else:
-        attention_names = ("qkv", "lse")
-        refs = {"lse": np.stack([attention_lse(CA["qkv"][l], NH) for l in range(L)])}            # (L,B,NH,T)
-    names = ("encoded", "ln1", "ln1_mean", "ln1_rstd") + attention_names + (
-        "atty", "residual2", "ln2", "ln2_mean", "ln2_rstd", "fch", "fch_gelu", "residual3", "lnf", "lnf_mean", "lnf_rstd")
-    fetch = {name: as_float32(A[name].get()) for name in names + ("losses",)}
-    logits = as_float32(prefix(A["output"], (B, T, cfg.padded_vocab_size)).get())
-    if verbose:
-        print(f"forward: {B}x{T} tokens, {model.precision} vs gpt2_cpu {np.dtype(cpu_dtype).name}, "
-              f"{model.attention} attention, tolerances '{group}'")
-    for name in names:
-        if name == "fch_gelu" and model.recompute:
-            continue                       # kept for one layer only: the next check (residual3) covers it
-        kind = "statistic" if name.endswith(("_mean", "_rstd")) or name == "lse" else "activation"
-        compare(name, fetch[name], refs.get(name, CA.get(name)), kind)
-    compare("logits", logits[..., :V], CA["logits"][..., :V], "logits")
-    compare("losses", fetch["losses"], CA["losses"], "loss")
-    compare("mean loss", np.array([fetch["losses"].mean(dtype=np.float64)]), np.array([cpu.mean_loss]), "loss")
-    gpt2_backward(model)
-    grads = tensor_views(as_float32(model.grads.get()), model.param_shapes)
-    if verbose:
-        print("backward:")
-    backward_order = ("lnfw", "lnfb", "fcprojw", "fcprojb", "fcw", "fcb", "ln2w", "ln2b", "attprojw", "attprojb",
-                      "qkvw", "qkvb", "ln1w", "ln1b", "wpe", "wte")
-    for name in backward_order:
-        compare(f"d{name}", grads[name], cpu.G[name], "grad")
-    return all(results)
 
 
 # ----------------------------------------------------------------------------
@@ -1482,37 +896,9 @@ def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_proces
 # ----------------------------------------------------------------------------
 # training loop (llm.c's main): the training step written out; the rest from llmc/cli.py
 
-GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
-
-
-def build_parser(prog="gpt2_cuda.py"):
-    """gpt2_cpu.py's flags (the same letters, defaults and meaning, llmc.cli.build_parser) with the
-    GPU flags in their own group (llm.c's -f, -w, -r letters): one --help lists them all."""
-    p = build_cli_parser(prog, "Train GPT-2 on NVIDIA GPUs (CuPy, our CUDA kernels, cuBLAS); "
-                               "gpt2_cpu.py's flags plus GPU options.", LR_SCHEDULES)
-    a = p.add_argument_group(GPU_FLAGS_TITLE).add_argument
-    a("--precision", default="auto", choices=("auto",) + PRECISIONS,
-      help="storage precision; auto: bf16 on compute capability >= 8.0, else fp32")
-    a("-f", "--tf32", type=int, default=1, choices=(0, 1), help="1: TF32 tensor cores for fp32 matmuls")
-    a("-w", "--master-weights", type=int, default=1, choices=(0, 1), help="1: fp32 master weights in bf16")
-    a("-r", "--recompute", type=int, default=1, choices=(0, 1), help="1: recompute GELU in the backward (saves L-1 (B,T,4C) buffers)")
-    a("-z", "--zero-stage", type=int, default=0, help="ZeRO stage: 0 off; 1 shards AdamW's m, v and the master "
-                                                      "weights over the data-parallel ranks (2, 3: refused)")
-    a("--attention", default=DEFAULT_ATTENTION, choices=ATTENTION_PATHS,
-      help="naive: the (T,T) matrix (cuBLAS + softmax); flash: ours, kernels/flash_attention.cu; "
-           "cudnn: cuDNN's fused attention (bf16; falls back to flash, saying so, where unavailable)")
-    a("--cublaslt", type=int, default=0, choices=(0, 1),
-      help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused")
-    a("--cuda-graph", type=int, default=0, choices=(0, 1),
-      help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch")
-    a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
-    a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
-    a("--device", default="cuda", choices=cuda.DEVICES,
-      help="cpu: the emulated CUDA device (llmc/emulator/: our kernels compiled by g++ and run on the CPU, "
-           "slow; defaults --precision fp32 -f 0, so the losses are gpt2_cpu.py's)")
-    a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
-    multinode.add_flags(p)                     # -pm -pn -pr -pg -ps -pp -pj: one node or many
-    return p
+def build_parser():
+    """gpt2_cpu.py's flags plus the GPU options (llmc.gpu_cli.build_parser)."""
+    return gpu_cli.build_parser(LR_SCHEDULES)
 
 
 def parse_args(argv=None):
@@ -1523,81 +909,35 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def gpu_status_line(device):
-    """-lg: one line of this GPU's memory (the CUDA runtime) and, where NVML (nvidia-ml-py) is
-    installed, its utilization, temperature and power."""
-    cp = cuda.cupy()
-    free, total = cp.cuda.runtime.memGetInfo()
-    line = f"gpu {device}: memory {(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB in use"
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device)
-        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-        temperature = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
-        power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000
-        line += f" | utilization {util.gpu}% | {temperature} C | {power:.0f} W"
-    except Exception:                      # no NVML: memory only
-        line += " | utilization n/a (pip install nvidia-ml-py)"
-    return line
-
-
-def resolve_attention(requested, precision, HS):
-    """The attention path to run for --attention `requested`: (path, None), or (fallback, one line
-    saying why) where the requested path cannot run here: cudnn falls back to flash (or naive),
-    flash to naive for a head size it has no kernel for."""
-    if requested == "cudnn":
-        from llmc import cudnn_attention
-        reason = cudnn_attention.unavailable_reason(precision, HS)
-        if reason is None:
-            return "cudnn", None
-        path, _ = resolve_attention("flash", precision, HS)
-        return path, f"cuDNN attention unavailable ({reason}): using {path} attention"
-    if requested == "flash" and not flash_attention_supported(HS):
-        return "naive", f"flash attention has no kernel for head size {HS}: using naive attention"
-    return requested, None
-
-
 def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     """The model on the GPU from `spec` (default -e: a checkpoint or a descriptor), in the
     precision and attention path of the flags (a fallback is reported through `say`), with -z's
-    optimizer shard of this rank of comm (default: one process). Sets the process-wide TF32 choice."""
-    precision = args.precision
-    if precision == "auto":
-        precision = "bf16" if compute_capability >= BF16_MIN_COMPUTE_CAPABILITY else "fp32"
-    if precision == "bf16" and compute_capability < BF16_MIN_COMPUTE_CAPABILITY:
-        raise InputError(f"--precision bf16 needs compute capability >= 8.0 (this GPU: {compute_capability / 10:.1f})")
-    MATMUL_OPTIONS["tf32"] = bool(args.tf32) and compute_capability >= BF16_MIN_COMPUTE_CAPABILITY
-    MATMUL_OPTIONS["cublaslt"] = False
+    optimizer shard of this rank of comm (default: one process), its matmul backend from -f and
+    --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
+    precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
+    matmul = Cublas(tf32)
     if args.cublaslt:
         from llmc import cublaslt
         reason = cublaslt.unavailable_reason()
         if reason:
             say(f"gpt2_cuda.py: cuBLASLt unavailable ({reason}): using cuBLAS")
-        MATMUL_OPTIONS["cublaslt"] = reason is None
+        else:
+            matmul = CublasLt(tf32)
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
     cfg = host.config
     attention, fallback = resolve_attention(args.attention, precision, cfg.channels // cfg.num_heads)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    model = GPT2(cfg, precision, bool(args.master_weights), bool(args.recompute), attention, args.zero_stage, rank, size)
+    model = GPT2(cfg, precision, bool(args.master_weights), bool(args.recompute), attention, args.zero_stage, rank, size,
+                 matmul)
     upload_parameters(model, host.params)
     return model
 
 
 def kernel_files(model):
     """The kernels/*.cu files the model launches (compiled before the first step)."""
-    return KERNEL_FILES + (("flash_attention",) if model.attention == "flash" else ())
-
-
-def run_check(args, model):
-    """--check: one batch (the first of -i) through gpt2_cpu and the GPU; 0 if all tensors agree."""
-    loader = DataLoader(args.input_bin, args.batch_size, args.seq_len)
-    x, y = loader.next_batch()
-    ok = check_against_cpu(model, x, y, np.dtype(args.check_dtype).type)
-    print("check: all tensors OK" if ok else "check: SOME TENSORS NOT OK")
-    return 0 if ok else 1
+    return KERNEL_FILES + model.attention.kernel_files
 
 
 def eval_rows(B):
@@ -1668,12 +1008,7 @@ def train(args):
     if args.eval_only:
         run.evaluate_only(batch_loss, forward_losses)
         return model
-    run.say(f"device: {device_name} (cuda:{device}, compute capability {capability / 10:.1f}) | {model.precision}"
-            f"{' + fp32 master weights' if model.master is not None else ''}"
-            f"{' | TF32 matmuls' if model.precision == 'fp32' and MATMUL_OPTIONS['tf32'] else ''}"
-            f" | recompute {int(model.recompute)} | {model.attention} attention"
-            f"{' | cuBLASLt epilogues' if MATMUL_OPTIONS['cublaslt'] else ''}"
-            f"{' | CUDA graph' if args.cuda_graph else ''}")
+    run.say(device_line(device, device_name, capability, model, args.cuda_graph))
     run.banner(cfg, model.num_parameters)
     run.say(f"memory: activations {activation_bytes / 2**30:.2f} GiB, total in use "
             f"{cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
@@ -1721,7 +1056,7 @@ def train(args):
         cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update
         dt = time.perf_counter() - t0
         util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,
-                   device_name, model.precision, MATMUL_OPTIONS["tf32"])
+                   device_name, model.precision, model.matmul.tf32)
         run.log_step(step, loss, norm, lr, dt, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
         if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
             run.say(gpu_status_line(device))
@@ -1742,7 +1077,7 @@ def main(argv=None):
         return 2
     def check(args):
         _, _, capability = cuda.select_device(Comm())
-        return run_check(args, setup_model(args, capability))
+        return run_check(sys.modules[__name__], args, setup_model(args, capability))
     return run_main(check if args.check else train, args, (InputError, KernelCompileError))
 
 if __name__ == "__main__":

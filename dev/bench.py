@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "dev"))
 
 import gpt2_cpu   # noqa: E402
 import gpt2_cuda  # noqa: E402
+import llmc.attention  # noqa: E402
 import llmc.cuda  # noqa: E402
 import llmc.mfu  # noqa: E402
 from llmc import comm  # noqa: E402
@@ -92,7 +93,7 @@ def cupy_model(model_name, B, T, attention):
     stream = cupy.cuda.Stream()
     stream.use()
     cfg = gpt2_cpu.config_from_descriptor(model_name)
-    path, fallback = gpt2_cuda.resolve_attention(attention, "bf16", cfg.channels // cfg.num_heads)
+    path, fallback = llmc.attention.resolve_attention(attention, "bf16", cfg.channels // cfg.num_heads)
     if fallback:
         print(f"dev/bench.py: {fallback}", file=sys.stderr)
     model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True, attention=path)
@@ -179,7 +180,7 @@ def kernel_breakdown(model, x, y, step):
     originals = [(llmc.cuda, "launch", launch), (llmc.cuda, "gemm", gemm)]
     llmc.cuda.launch = timed(lambda file, precision, name, *rest: f"{file}.cu:{name}", launch)
     llmc.cuda.gemm = timed(lambda transa, transb, m, n, k, *rest: f"cuBLAS gemm {m}x{n}x{k}", gemm)
-    if model.attention == "cudnn":
+    if model.attention.name == "cudnn":
         from llmc import cudnn_attention
         for fn_name in ("attention_forward_cudnn", "attention_backward_cudnn"):
             fn = getattr(cudnn_attention, fn_name)
@@ -320,7 +321,7 @@ def parse_args(argv=None):
     p.add_argument("-b", "--batch-size", type=int, default=0, help="time this one B only (overrides --batch-sizes)")
     p.add_argument("--search", action="store_true", help="also find and time each trainer's largest power-of-two B")
     p.add_argument("--max-batch", type=int, default=512, help="largest B the search tries")
-    p.add_argument("--attention", default="naive", choices=gpt2_cuda.ATTENTION_PATHS, help="gpt2_cuda.py's attention")
+    p.add_argument("--attention", default="naive", choices=llmc.attention.ATTENTION_PATHS, help="gpt2_cuda.py's attention")
     p.add_argument("--cuda-graph", type=int, default=0, choices=(0, 1), help="gpt2_cuda.py: 1 replays a CUDA graph")
     p.add_argument("--breakdown-top", type=int, default=20, help="rows of the per-kernel breakdown")
     p.add_argument("--steps", type=int, default=20, help="timed steps")

@@ -7,7 +7,7 @@ from torch.autograd instead of a hand-written backward pass.
 What it deliberately is not: a second copy of gpt2_cpu.py. It does not import gpt2_cpu.py
 (an oracle that shares code with what it checks cannot catch that code's bugs); it has its own
 config, file readers and writers, token loader and learning-rate schedules, written from the
-format docs (shared/docs/file-formats.md). It is not a trainer with validation, sampling or
+format docs (doc/file_formats.md). It is not a trainer with validation, sampling or
 checkpoints for resume either: it trains a few steps and writes test vectors.
 
 Run it (--write-model and --write-debug-state save the starting model and llm.c-style test
@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------
-# constants: file magics and versions (shared/docs/file-formats.md)
+# constants: file magics and versions (doc/file_formats.md)
 
 HEADER_INTS = 256                  # every file starts with 256 int32 = 1024 bytes
 HEADER_BYTES = 4 * HEADER_INTS

@@ -2,7 +2,7 @@
 dev/vislog.py: plot training runs from their main.log files into one PNG.
 
 A trainer run with `-o DIR` appends one line per event to DIR/main.log
-(shared/docs/file-formats.md):
+(doc/file_formats.md):
     s:<step> trl:<train loss> lr:<learning rate> norm:<grad norm>
     s:<step> tel:<val loss>
     s:<step> eval:<hellaswag accuracy>

@@ -290,7 +290,7 @@ def emulation_experiment(rng):
     numbers |= {"tol_bf16": f"({atol_b:g}, {rtol_b:g})", "bf16_verdict": "TENSOR OK" if ok_b else "TENSOR NOT OK",
                 "bf16_out_diff": f"{np.abs(out_b - ref_b).max():.0e}",
                 "bf16_out_rel": f"{np.abs(out_b - ref_b).max() / np.abs(ref_b).max():.0e}"}
-    # --check: gpt2_cuda.check_against_cpu compares layer outputs as "activation", mean/rstd as "statistic"
+    # --check: llmc.cuda_check.check_against_cpu compares layer outputs as "activation", mean/rstd as "statistic"
     fp32_atol, fp32_rtol = TOLERANCES["cuda_fp32"]["activation"]
     bf16_atol, bf16_rtol = TOLERANCES["cuda_bf16"]["activation"]
     numbers |= {"tol_cuda_fp32": f"({fp32_atol:g}, {fp32_rtol:g})", "tol_cuda_bf16": f"({bf16_atol:g}, {bf16_rtol:g})"}

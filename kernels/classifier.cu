@@ -4,8 +4,7 @@ logits, so the (N, Vp) probabilities are never materialized.
 
 Progression: `python dev/cuda/classifier.py` shows the way here; this file is its version 3 of
 fused_classifier, each version validated against gpt2_cpu.py, then timed against the GPU's
-measured limits. The share of the limit these kernels reach is not measured yet: they have not run
-on a GPU.
+measured limits.
 
 Per row (N = B*T rows of Vp logits, of which the first V are real tokens):
     lse     = log sum_{i<V} exp(logit_i)                 (online max/sum, fp32)

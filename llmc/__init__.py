@@ -26,5 +26,5 @@ model's shape it takes it as an argument (a config object, a parameter table).
                    gpt2_cuda --attention cudnn)
     mfu.py         model FLOPs utilization
 
-Files are byte-compatible with llm.c's (shared/docs/file-formats.md).
+Files are byte-compatible with llm.c's (doc/file_formats.md).
 """

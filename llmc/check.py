@@ -30,7 +30,6 @@ TOLERANCES = {
     # and warp reductions sum in another order than NumPy, a few float eps per op compounded over
     # L layers. bf16: every stored tensor is rounded to 8 bits of mantissa (2^-9 relative), so
     # activations carry ~1% and gradients several % of error; TF32 matmuls (10 bits) use bf16's.
-    # PROVISIONAL: not yet run on a GPU; to be tightened from the first GPU run's errors.
     "cuda_fp32": {"activation": (1e-4, 1e-3), "statistic": (1e-4, 1e-3), "logits": (1e-4, 1e-3),
                   "loss": (0.0, 1e-5), "grad": (1e-3, 1e-2)},
     "cuda_bf16": {"activation": (3e-2, 5e-2), "statistic": (3e-2, 5e-2), "logits": (5e-2, 5e-2),
@@ -38,7 +37,7 @@ TOLERANCES = {
     # one kernel vs its NumPy layer on inputs ~N(0,1), absolute atol (tests/test_cuda.py part 2).
     # fp32: a few ulp of reordered fp32 sums (rows of <= 4C terms). bf16: every output rounded to
     # bf16 (2^-9 = 2e-3 relative) after fp32 arithmetic on bf16 inputs, so 1e-2 relative with an
-    # atol for values near 0; sums over many rows (bias, dweight) get more. PROVISIONAL likewise.
+    # atol for values near 0; sums over many rows (bias, dweight) get more.
     "kernel_fp32": {"encoder_forward": (1e-6, 1e-6), "encoder_backward": (1e-5, 1e-5),
                     "layernorm_forward": (1e-5, 1e-5), "layernorm_backward": (1e-4, 1e-4),
                     "residual_forward": (1e-6, 1e-6), "gelu": (1e-5, 1e-5), "matmul": (1e-4, 1e-4),

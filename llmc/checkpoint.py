@@ -23,7 +23,7 @@ from llmc.utils import InputError, atomic_write
 
 STATE_MAGIC = 20240527
 STATE_VERSION = 1
-# int32 header slots of the state file (shared/docs/file-formats.md)
+# int32 header slots of the state file (doc/file_formats.md)
 STATE_SLOT_NUM_PROCESSES = 2
 STATE_SLOT_RANK = 3
 STATE_SLOT_MASTER_WEIGHTS = 4          # 1 if fp32 master weights follow v
@@ -84,7 +84,7 @@ def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rn
                 rng_state_last_update=0, master_weights=None, outliers=None, zero_stage=0):
     """Write the training-state file atomically: the header, fp32 AdamW m and v (flat), optional
     fp32 master weights (with zero_stage 1 all three are this rank's shard, as in llm.c's -z 1
-    state files: gpt2_cuda.zero_shard), then, if the loader shuffles, its permutation state: as in llm.c, uint64
+    state files: llmc.zero.zero_shard), then, if the loader shuffles, its permutation state: as in llm.c, uint64
     shard count, int32 shard order, uint64 sample count, int32 sample order; then, where llm.c
     puts its Mersenne-Twister state, ours: the PCG64 state as 4 uint64 (state hi/lo, inc hi/lo).
     Last, if given, `outliers`: the loss and grad-norm outlier detectors' state, float64 (llm.c

@@ -61,9 +61,8 @@ from collections import namedtuple
 import numpy as np
 
 from llmc import cuda
-from llmc.cuda import (BLOCK_SIZE, CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_DATA_TYPES, CUBLAS_OP_N,
-                       CUBLAS_OP_T, CUDA_R_32F, MATMUL_OPTIONS, ceil_div, check_launch, elementwise_grid, require,
-                       vector_size)
+from llmc.cuda import (BLOCK_SIZE, CUBLAS_DATA_TYPES, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_32F, ceil_div, check_launch,
+                       elementwise_grid, require, vector_size)
 
 # ----------------------------------------------------------------------------
 # constants (values from cublasLt.h; tests/test_cublaslt.py checks them against nvmath's enums)
@@ -212,11 +211,6 @@ def _context():
     return _CONTEXT["handle"], _CONTEXT["workspace"]
 
 
-def compute_type(precision):
-    """fp32 accumulation; fp32 inputs rounded to TF32 when MATMUL_OPTIONS["tf32"] (as llmc.cuda.gemm)."""
-    return CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "fp32" and MATMUL_OPTIONS["tf32"] else CUBLAS_COMPUTE_32F
-
-
 def stored_shape(rows, cols, trans):
     """(rows, cols, ld) of a column-major operand as stored, when the product uses the (rows, cols)
     matrix op(X): X itself (ld = rows), or, with trans, its transpose (stored cols x rows, ld = cols).
@@ -224,9 +218,10 @@ def stored_shape(rows, cols, trans):
     return (cols, rows, cols) if trans == CUBLAS_OP_T else (rows, cols, rows)
 
 
-def _plan(precision, m, n, k, transa, transb, epilogue):
-    """The cached Plan of D (m,n) = op(A) (m,k) @ op(B) (k,n) with `epilogue`, built on first use."""
-    compute = compute_type(precision)
+def _plan(precision, m, n, k, transa, transb, epilogue, tf32):
+    """The cached Plan of D (m,n) = op(A) (m,k) @ op(B) (k,n) with `epilogue`, built on first use;
+    tf32: fp32 inputs rounded to TF32 (llmc.cuda.compute_type, as llmc.cuda.gemm)."""
+    compute = cuda.compute_type(precision, tf32)
     key = (precision, compute, m, n, k, transa, transb, epilogue.code)
     if key not in _PLANS:
         lt = bindings()
@@ -296,20 +291,21 @@ def clear_cache():
 # one product (llm.c's matmul_cublaslt)
 
 def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias=None, aux=None,
-                    accumulate=False):
+                    accumulate=False, tf32=False):
     """Library call: D (m,n) = epilogue(op(A) (m,k) @ op(B) (k,n) [+ D]), column-major, on the
     trainer's current CuPy stream. d, a, b, bias, aux: floatX arrays of one precision (CuPy, or
     host arrays on the emulated device), contiguous, 16-byte aligned (the callers check);
     `epilogue` from epilogue_for, with `bias` given iff epilogue.bias and `aux` ((m,n), ld m) iff
     epilogue.aux. alpha = 1, beta = 1 if accumulate else 0 (beta scales D only, never the bias
-    gradient). Raises CublasLtUnsupported when cuBLASLt has no algorithm, ValueError on misuse."""
+    gradient); tf32: fp32 inputs rounded to TF32. Raises CublasLtUnsupported when cuBLASLt has no
+    algorithm, ValueError on misuse."""
     require((bias is not None) == (epilogue.bias is not None), f"{epilogue.name}: bias must be given iff it uses one")
     require((aux is not None) == (epilogue.aux is not None), f"{epilogue.name}: aux must be given iff it uses one")
     require(aux is None or m % AUX_LD_MULTIPLE == 0,
             f"{epilogue.name}: the GELU aux has leading dimension m={m}, which cuBLASLt needs to be a multiple of 8")
     lt = bindings()
     precision = cuda.precision_of(d)
-    plan = _plan(precision, m, n, k, transa, transb, epilogue)
+    plan = _plan(precision, m, n, k, transa, transb, epilogue, tf32)
     setter = lt.matmul_desc_set_attribute
     if bias is not None:                   # the pointers change per call; the rest of the descriptor does not
         _set_attribute(setter, plan.desc, DESC_BIAS_POINTER, cuda.address(bias), DESC_ATTRIBUTE_DTYPES)
@@ -331,26 +327,27 @@ def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias
 
 
 # ----------------------------------------------------------------------------
-# the linear layer (gpt2_cuda.matmul_forward / matmul_backward, fused)
+# the linear layer (llmc.matmul.matmul_forward / matmul_backward, fused)
 
-def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None):
+def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=False):
     """out (B,T,OC) = inp (B,T,C) @ weight^T + bias; weight (OC,C) (nn.Linear layout), bias (OC,)
     or None. With pre_gelu (B,T,OC) given: pre_gelu = inp @ weight^T + bias and out = gelu(pre_gelu),
     in the same call (the MLP's fc layer). floatX arrays of one precision, contiguous, 16-byte aligned.
     Column-major: out^T (OC,N) = weight (OC,C) @ inp^T (C,N). weight's memory is the column-major
     (C,OC) matrix weight^T, so op(A) = T; inp's memory is already inp^T, op(B) = N. The bias has one
     value per row of out^T (per output channel), broadcast over its N columns (the tokens), which is
-    exactly the epilogue's broadcast; the aux (pre_gelu) is (OC,N) with ld OC, like out^T."""
+    exactly the epilogue's broadcast; the aux (pre_gelu) is (OC,N) with ld OC, like out^T. tf32: fp32
+    inputs rounded to TF32."""
     N = B * T
     floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
     floatX += [("bias", bias, OC)] if bias is not None else []
     floatX += [("pre_gelu", pre_gelu, N * OC)] if pre_gelu is not None else []
     check_launch("matmul_forward_lt", floatX, aligned=True)
     epilogue = epilogue_for(bias is not None, pre_gelu is not None, backward=False)
-    matmul_cublaslt(out, weight, inp, OC, N, C, CUBLAS_OP_T, CUBLAS_OP_N, epilogue, bias=bias, aux=pre_gelu)
+    matmul_cublaslt(out, weight, inp, OC, N, C, CUBLAS_OP_T, CUBLAS_OP_N, epilogue, bias=bias, aux=pre_gelu, tf32=tf32)
 
 
-def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None):
+def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None, tf32=False):
     """Backward of out = inp @ weight^T + bias (shapes as matmul_forward_lt). Writes dinp (B,T,C);
     accumulates dweight (OC,C); accumulates dbias (OC,) when it can (see the return value).
     With pre_gelu (B,T,C) given, inp was gelu(pre_gelu) (the fcproj layer) and dinp is the gradient
@@ -360,7 +357,8 @@ def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre
         dbias   += sum over rows of dout: BGRADB on the dweight product sums op(B) = dout (N,OC) over
                    k = N, one value per column of dweight^T (per output channel)
     Returns True when dbias was accumulated here, False when the caller must do it (dbias is None,
-    or cuBLASLt has no BGRADB algorithm for this shape; dweight is then still accumulated)."""
+    or cuBLASLt has no BGRADB algorithm for this shape; dweight is then still accumulated). tf32 as in
+    matmul_forward_lt."""
     N = B * T
     floatX = [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC), ("inp", inp, N * C),
               ("weight", weight, OC * C)]
@@ -368,18 +366,19 @@ def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre
     floatX += [("pre_gelu", pre_gelu, N * C)] if pre_gelu is not None else []
     precision = check_launch("matmul_backward_lt", floatX, aligned=True)
     epilogue = epilogue_for(False, pre_gelu is not None, backward=True)
-    matmul_cublaslt(dinp, weight, dout, C, N, OC, CUBLAS_OP_N, CUBLAS_OP_N, epilogue, aux=pre_gelu)
+    matmul_cublaslt(dinp, weight, dout, C, N, OC, CUBLAS_OP_N, CUBLAS_OP_N, epilogue, aux=pre_gelu, tf32=tf32)
     if dbias is not None:
         bgrad = _bgrad_scratch(precision, OC)
         try:
             matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T,
-                            epilogue_for(False, False, backward=True, bgrad=True), bias=bgrad, accumulate=True)
+                            epilogue_for(False, False, backward=True, bgrad=True), bias=bgrad, accumulate=True,
+                            tf32=tf32)
         except CublasLtUnsupported:
             pass                           # the plain product below; the caller sums dbias
         else:
             _accumulate(dbias, bgrad, OC, precision)
             return True
-    matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T, accumulate=True)
+    matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T, accumulate=True, tf32=tf32)
     return False
 
 

@@ -351,18 +351,20 @@ CUBLAS_COMPUTE_32F_FAST_TF32 = 77      # fp32 inputs rounded to TF32 for tensor 
 CUBLAS_GEMM_DEFAULT = -1               # let cuBLAS pick the algorithm
 CUBLAS_POINTER_MODE_HOST = 0           # alpha and beta are read from host memory
 CUBLAS_DATA_TYPES = {"bf16": CUDA_R_16BF, "fp32": CUDA_R_32F}
-# Process-wide choices, like llm.c's global cublas_compute, set by the trainer from its flags:
-# tf32 (-f) rounds fp32 matmul inputs to TF32; cublaslt (--cublaslt) sends the linear layers
-# through llmc/cublaslt.py, with the bias, GELU and bias gradient fused into the matmuls
-MATMUL_OPTIONS = {"tf32": False, "cublaslt": False}
+
+
+def compute_type(precision, tf32):
+    """cuBLAS's compute type: fp32 accumulation; with tf32 (-f 1), fp32 inputs rounded to TF32
+    for the tensor cores (bf16 inputs use them anyway)."""
+    return CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "fp32" and tf32 else CUBLAS_COMPUTE_32F
 
 
 def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,
-         batch=1, stride_a=0, stride_b=0, stride_c=0):
+         batch=1, stride_a=0, stride_b=0, stride_c=0, tf32=False):
     """Library call: C (m,n) = op(A) (m,k) @ op(B) (k,n) [+ C], column-major, one or `batch`
     strided products. A, B, C are floatX CuPy arrays whose first elements start the matrices; all
-    three have the same precision; fp32 accumulation (CUBLAS_COMPUTE_32F, or TF32 inputs when
-    MATMUL_OPTIONS["tf32"] is set in fp32 mode). alpha = 1, beta = 1 if accumulate else 0, both
+    three have the same precision; fp32 accumulation (compute_type: TF32 inputs when tf32 is
+    set in fp32 mode). alpha = 1, beta = 1 if accumulate else 0, both
     host floats (pointer mode host)."""
     cp = cupy()
     cublas = library("cublas")
@@ -371,7 +373,7 @@ def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,
         if precision_of(arr) != precision:
             raise TypeError(f"gemm: {name} is {arr.dtype} but C is {C.dtype}")
     data_type = CUBLAS_DATA_TYPES[precision]
-    compute = CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "fp32" and MATMUL_OPTIONS["tf32"] else CUBLAS_COMPUTE_32F
+    compute = compute_type(precision, tf32)
     alpha = np.ones(1, np.float32)
     beta = np.full(1, 1.0 if accumulate else 0.0, np.float32)
     handle = cp.cuda.device.get_cublas_handle()     # CuPy binds it to the current stream per call

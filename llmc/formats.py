@@ -1,5 +1,5 @@
 """
-llmc/formats.py: llm.c's binary files (shared/docs/file-formats.md), byte for byte.
+llmc/formats.py: llm.c's binary files (doc/file_formats.md), byte for byte.
 
 Every file opens with a header of 256 little-endian int32: slot 0 the magic number, slot 1 the
 version, the rest per format (named below, never bare indices). Then the payload:

@@ -1,11 +1,13 @@
 """
 llmc/utils.py: the error every command-line tool reports in one line, writing files so that a
-crash never leaves one that looks complete (llm.c's llmc/utils.h: fopenCheck and friends), and
-the two rules that keep a run to its own files in -o: a temporary is removed only when its name is
-the run's and its writer is gone, and one run at a time holds the directory's lock.
+crash never leaves one that looks complete (llm.c's llmc/utils.h: fopenCheck and friends), the
+two rules that keep a run to its own files in -o (a temporary is removed only when its name is
+the run's and its writer is gone; one run at a time holds the directory's lock), and prefix,
+the view of a buffer's first elements that every (B,T) of a preallocated buffer uses.
 """
 
 import fcntl
+import math
 import os
 import re
 
@@ -96,3 +98,8 @@ def release_directory_locks():
     do, holds none between them)."""
     while _held_locks:
         _held_locks.popitem()[1].close()
+
+
+def prefix(buf, shape):
+    """View of the first prod(shape) elements of a contiguous buffer, reshaped (no copy)."""
+    return buf.reshape(-1)[:math.prod(shape)].reshape(shape)

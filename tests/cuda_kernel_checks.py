@@ -19,10 +19,13 @@ import numpy as np
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.matmul
+import llmc.attention
 import llmc.cuda
+from llmc import cuda_check
 from gpt2_cpu import GPT2Config
 from llmc.check import TOLERANCES, check_tensor
-from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 
 # ----------------------------------------------------------------------------
@@ -44,7 +47,7 @@ def poisoned(shape, precision):
     """A floatX device array full of NaN: any element a kernel fails to write stays NaN."""
     cp = llmc.cuda.cupy()
     if precision == "bf16":
-        return cp.full(shape, gpt2_cuda.BF16_NAN_BITS, dtype=np.uint16)
+        return cp.full(shape, BF16_QUIET_NAN, dtype=np.uint16)
     return cp.full(shape, np.nan, dtype=np.float32)
 
 
@@ -126,6 +129,15 @@ def check_encoder(rng, precision, B, T, C, Vp, frequent=0.0):
     return seg
 
 
+def residual_forward(out, inp1, inp2, n):
+    """kernels/layernorm.cu's residual_forward, out = inp1 + inp2 over n values, launched as
+    llmc/cublaslt.py launches it (dbias += bgrad); the model uses fused_residual_forward."""
+    precision = llmc.cuda.check_launch("residual_forward", [("out", out, n), ("inp1", inp1, n), ("inp2", inp2, n)],
+                                       aligned=True)
+    grid = llmc.cuda.elementwise_grid(llmc.cuda.ceil_div(n, llmc.cuda.vector_size(precision)))
+    llmc.cuda.launch("layernorm", precision, "residual_forward", grid, llmc.cuda.BLOCK_SIZE, (out, inp1, inp2, np.uint64(n)))
+
+
 def check_layernorm(rng, precision, B, T, C):
     """layernorm_forward, fused_residual_forward, residual_forward, layernorm_backward (dinp,
     dweight, dbias accumulate)."""
@@ -153,7 +165,7 @@ def check_layernorm(rng, precision, B, T, C):
         assert_kernel("residual_forward", precision, residual, ref_res, label)
         assert_kernel("layernorm_forward", precision, normed, gpt2_cpu.layernorm_forward(ref_res, wx, bx)[0], f"{label}: normed")
     plain = poisoned((B, T, C), precision)
-    gpt2_cuda.residual_forward(plain, to_device(inp, precision), to_device(inp2, precision), N * C)
+    residual_forward(plain, to_device(inp, precision), to_device(inp2, precision), N * C)
     assert_kernel("residual_forward", precision, plain, x + as_input(inp2, precision), "residual")
     # backward: dinp, dweight, dbias all accumulate
     gpt2_cuda.layernorm_forward(out, mean, rstd, to_device(inp, precision), to_device(w, precision),
@@ -161,7 +173,7 @@ def check_layernorm(rng, precision, B, T, C):
     dout = rng.standard_normal((B, T, C))
     dinp0, dw0, db0 = rng.standard_normal((B, T, C)), rng.standard_normal(C), rng.standard_normal(C)
     dinp, dw, db = to_device(dinp0, precision), to_device(dw0, precision), to_device(db0, precision)
-    scratch = poisoned_f32(gpt2_cuda.scratch_floats(GPT2Config(channels=C)))
+    scratch = poisoned_f32(gpt2_cuda.partial_floats(GPT2Config(channels=C)))
     gpt2_cuda.layernorm_backward(dinp, dw, db, scratch, to_device(dout, precision), to_device(inp, precision),
                                  to_device(w, precision), mean, rstd, B, T, C)
     ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
@@ -177,34 +189,34 @@ def check_gelu(rng, precision, n, OC=None):
     also adds a bias of OC values into its input first, as the MLP's first layer does."""
     x = rng.standard_normal(n) * 3
     out = poisoned(n, precision)
-    gpt2_cuda.gelu_forward(out, to_device(x, precision), n)
+    llmc.matmul.gelu_forward(out, to_device(x, precision), n)
     assert_kernel("gelu", precision, out, gpt2_cpu.gelu_forward(as_input(x, precision)), "gelu")
     if OC is not None:
         bias = rng.standard_normal(OC)
         pre, out = to_device(x, precision), poisoned(n, precision)
-        gpt2_cuda.gelu_forward(out, pre, n, to_device(bias, precision), OC)
+        llmc.matmul.gelu_forward(out, pre, n, to_device(bias, precision), OC)
         ref_pre = as_input((as_input(x, precision).reshape(-1, OC) + as_input(bias, precision)).ravel(), precision)
         assert_kernel("gelu", precision, pre, ref_pre, "inp + bias, stored")
         assert_kernel("gelu", precision, out, gpt2_cpu.gelu_forward(ref_pre), "gelu(inp + bias)")
     d = rng.standard_normal(n)
     dd = to_device(d, precision)
-    gpt2_cuda.gelu_backward_inplace(dd, to_device(x, precision), n)
+    llmc.matmul.gelu_backward_inplace(dd, to_device(x, precision), n)
     assert_kernel("gelu", precision, dd, gpt2_cpu.gelu_backward(as_input(d, precision), as_input(x, precision)), "dgelu")
 
 
 def check_matmul_and_bias(rng, precision, B, T, C, OC):
     """matmul_forward (GEMM + add_bias) and matmul_backward (dinp written; dweight and bias_backward's
-    dbias accumulated). The caller chooses TF32 (MATMUL_OPTIONS)."""
+    dbias accumulated). Without TF32 (the launchers' default)."""
     inp, w, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal(OC)
     x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(bias, precision)
     out = poisoned((B, T, OC), precision)
-    gpt2_cuda.matmul_forward(out, to_device(inp, precision), to_device(w, precision), to_device(bias, precision), B, T, C, OC)
+    llmc.matmul.matmul_forward(out, to_device(inp, precision), to_device(w, precision), to_device(bias, precision), B, T, C, OC)
     assert_kernel("matmul", precision, out, gpt2_cpu.matmul_forward(x, wx, bx), "matmul out")
     dout = rng.standard_normal((B, T, OC))
     dw0, db0 = rng.standard_normal((OC, C)), rng.standard_normal(OC)
     dinp, dw, db = poisoned((B, T, C), precision), to_device(dw0, precision), to_device(db0, precision)
-    scratch = poisoned_f32(gpt2_cuda.scratch_floats(GPT2Config(channels=max(C, OC))))
-    gpt2_cuda.matmul_backward(dinp, dw, db, to_device(dout, precision), to_device(inp, precision), to_device(w, precision),
+    scratch = poisoned_f32(gpt2_cuda.partial_floats(GPT2Config(channels=max(C, OC))))
+    llmc.matmul.matmul_backward(dinp, dw, db, to_device(dout, precision), to_device(inp, precision), to_device(w, precision),
                               scratch, B, T, C, OC)
     ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
     ref_dinp = gpt2_cpu.matmul_backward(ref_dw, ref_db, as_input(dout, precision), x, wx)
@@ -221,7 +233,7 @@ def check_attention(rng, precision, B, T, NH, HS):
     out, qkvr, att = poisoned((B, T, C), precision), poisoned((3, B, NH, T, HS), precision), poisoned((B, NH, T, T), precision)
     scratch = poisoned(B * T * max(3 * C, NH * T), precision)
     scratch[:B * T * 3 * C] = to_device(qkv, precision).ravel()
-    gpt2_cuda.attention_forward(out, qkvr, att, scratch, B, T, C, NH)
+    llmc.attention.attention_forward(out, qkvr, att, scratch, B, T, C, NH)
     ref_out, ref_att = gpt2_cpu.attention_forward(as_input(qkv, precision), NH)
     ref_qkvr = as_input(qkv, precision).reshape(B, T, 3, NH, HS).transpose(2, 0, 3, 1, 4)
     assert_kernel("attention", precision, qkvr, ref_qkvr, "permute_qkv")
@@ -230,7 +242,7 @@ def check_attention(rng, precision, B, T, NH, HS):
     dout = rng.standard_normal((B, T, C))
     dinp = poisoned((B, T, 3 * C), precision)
     dqkvr, dy, datt = poisoned((3, B, NH, T, HS), precision), poisoned((B, NH, T, HS), precision), poisoned(B * NH * T * T, precision)
-    gpt2_cuda.attention_backward(dinp, dqkvr, datt, dy, to_device(dout, precision), qkvr, att, B, T, C, NH)
+    llmc.attention.attention_backward(dinp, dqkvr, datt, dy, to_device(dout, precision), qkvr, att, B, T, C, NH)
     ref_dinp = gpt2_cpu.attention_backward(as_input(dout, precision), as_input(qkv, precision), to_host(att).astype(np.float64), NH)
     assert_kernel("attention", precision, dinp, ref_dinp, "attention dqkv")
     assert bool(cp.isfinite(cp.asarray(to_host(dinp))).all())
@@ -238,18 +250,18 @@ def check_attention(rng, precision, B, T, NH, HS):
 
 def check_flash_attention(rng, precision, B, T, NH, HS):
     """kernels/flash_attention.cu forward (out, lse) and backward (dqkv) against gpt2_cpu's
-    attention and gpt2_cuda.attention_lse, in float64."""
+    attention and llmc.cuda_check.attention_lse, in float64."""
     C = NH * HS
     qkv, dout = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((B, T, C))
     qkv_d, dout_d = to_device(qkv, precision), to_device(dout, precision)
     out, lse = poisoned((B, T, C), precision), poisoned_f32((B, NH, T))
-    gpt2_cuda.flash_attention_forward(out, lse, qkv_d, B, T, C, NH)
+    llmc.attention.flash_attention_forward(out, lse, qkv_d, B, T, C, NH)
     dqkv, D = poisoned((B, T, 3 * C), precision), poisoned_f32((B, NH, T))
-    gpt2_cuda.flash_attention_backward(dqkv, D, dout_d, out, qkv_d, lse, B, T, C, NH)
+    llmc.attention.flash_attention_backward(dqkv, D, dout_d, out, qkv_d, lse, B, T, C, NH)
     x, dx = as_input(qkv, precision), as_input(dout, precision)
     ref_out, ref_att = gpt2_cpu.attention_forward(x, NH)
     assert_kernel("attention", precision, out, ref_out, "flash out")
-    assert_kernel("attention", "fp32", lse.get(), gpt2_cuda.attention_lse(x, NH), "flash lse")   # fp32 arithmetic
+    assert_kernel("attention", "fp32", lse.get(), cuda_check.attention_lse(x, NH), "flash lse")   # fp32 arithmetic
     assert_kernel("attention", precision, dqkv, gpt2_cpu.attention_backward(dx, x, ref_att, NH), "flash dqkv")
 
 

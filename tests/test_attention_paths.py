@@ -22,9 +22,11 @@ import pytest
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.attention
 import llmc
+from llmc import cuda_check
 from gpt2_cpu import GPT2Config, model_config
-from test_cuda import TINY, _from_f32, _to_f32, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+from emulated_gpu import TINY, _from_f32, _to_f32, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
 
 
 # ----------------------------------------------------------------------------
@@ -38,7 +40,7 @@ def test_fused_paths_hold_no_TxT_buffer(attention):
     cfg = model_config("d12")
     B, T = 2, 1021
     for path, count in (("naive", 1), (attention, 0)):
-        table = gpt2_cuda.activation_shapes(cfg, B, T, True, path)
+        table = gpt2_cuda.activation_shapes(cfg, B, T, True, llmc.attention.attention_path(path))
         assert sum(math.prod(shape) % (T * T) == 0 for _, shape, _ in table) == count, path
 
 
@@ -49,7 +51,8 @@ def test_fused_paths_save_exactly_the_dropped_buffers_at_124M():
     size = {"X": X, "f32": F, "i32": 4}
 
     def nbytes(attention):
-        return sum(math.prod(shape) * size[kind] for _, shape, kind in gpt2_cuda.activation_shapes(cfg, B, T, True, attention))
+        return sum(math.prod(shape) * size[kind] for _, shape, kind in gpt2_cuda.activation_shapes(cfg, B, T, True,
+                                                                                      llmc.attention.attention_path(attention)))
 
     naive, flash = nbytes("naive"), nbytes("flash")
     HS = C // NH
@@ -73,21 +76,21 @@ def _fake_cudnn_module(reason):
 def test_resolve_attention_fallbacks(monkeypatch):
     monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module(None), raising=False)
     monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
-    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 64) == ("cudnn", None)
-    assert gpt2_cuda.resolve_attention("naive", "bf16", 64) == ("naive", None)
-    monkeypatch.setattr(gpt2_cuda, "flash_attention_supported", lambda HS: HS == 64)
-    assert gpt2_cuda.resolve_attention("flash", "fp32", 64) == ("flash", None)
-    path, line = gpt2_cuda.resolve_attention("flash", "bf16", 48)
+    assert llmc.attention.resolve_attention("cudnn", "bf16", 64) == ("cudnn", None)
+    assert llmc.attention.resolve_attention("naive", "bf16", 64) == ("naive", None)
+    monkeypatch.setattr(llmc.attention, "flash_attention_supported", lambda HS: HS == 64)
+    assert llmc.attention.resolve_attention("flash", "fp32", 64) == ("flash", None)
+    path, line = llmc.attention.resolve_attention("flash", "bf16", 48)
     assert path == "naive" and line == "flash attention has no kernel for head size 48: using naive attention"
     monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module("no module named cudnn"))
     monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
-    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 64) == (
+    assert llmc.attention.resolve_attention("cudnn", "bf16", 64) == (
         "flash", "cuDNN attention unavailable (no module named cudnn): using flash attention")
-    assert gpt2_cuda.resolve_attention("cudnn", "bf16", 48)[0] == "naive"
+    assert llmc.attention.resolve_attention("cudnn", "bf16", 48)[0] == "naive"
 
 
 def test_attention_flag():
-    assert gpt2_cuda.parse_args([]).attention == gpt2_cuda.DEFAULT_ATTENTION == "naive"   # until it ran on a GPU
+    assert gpt2_cuda.parse_args([]).attention == llmc.attention.DEFAULT_ATTENTION == "naive"   # until it ran on a GPU
     assert gpt2_cuda.parse_args(["--attention", "flash"]).attention == "flash"
     with pytest.raises(SystemExit):
         gpt2_cuda.parse_args(["--attention", "fast"])
@@ -153,7 +156,7 @@ def test_emulated_model_on_cudnn_path_matches_gpt2_cpu(emulated_gpu, monkeypatch
     rng = np.random.default_rng(11)
     x = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
-    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
     assert calls == ["prepare"] + ["forward"] * TINY.num_layers + ["backward"] * TINY.num_layers   # prepare: at allocation
     A = gpt2_cuda.gpt2_activations(model, B, T)
     assert "att" not in A and "qkvr" not in A and A["lse"].shape == (TINY.num_layers, B, TINY.num_heads, T)
@@ -163,7 +166,7 @@ def test_attention_lse_is_the_log_sum_exp():
     rng = np.random.default_rng(0)
     B, T, NH, HS = 2, 5, 3, 4
     qkv = rng.standard_normal((B, T, 3 * NH * HS))
-    lse = gpt2_cuda.attention_lse(qkv, NH)
+    lse = cuda_check.attention_lse(qkv, NH)
     q, k, _ = _heads(qkv, NH)
     for b, h, t in [(0, 0, 0), (1, 2, 4), (0, 1, 3)]:
         scores = [q[b, h, t] @ k[b, h, j] / math.sqrt(HS) for j in range(t + 1)]   # keys 0..t only

@@ -304,7 +304,6 @@ def fake(monkeypatch):
     lt.launches = []
     monkeypatch.setattr(llmc.cuda, "cupy", lambda: cp)
     monkeypatch.setattr(llmc.cuda, "launch", _emulated_launch(lt.launches))
-    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", False)
     cublaslt.clear_cache()
     lt.cupy = cp
     yield lt
@@ -454,14 +453,14 @@ def test_no_algorithm_for_a_forward_raises(fake):
 def test_plans_are_built_once_per_shape_epilogue_and_precision(fake, monkeypatch):
     rng = np.random.default_rng(3)
 
-    def forward(B, T, C, OC, precision="fp32", gelu=False):
+    def forward(B, T, C, OC, precision="fp32", gelu=False, tf32=False):
         inp, w, b = (dev(fake, rng.standard_normal(s), precision) for s in ((B, T, C), (OC, C), (OC,)))
         out = poisoned(fake, (B, T, OC), precision)
         pre = poisoned(fake, (B, T, OC), precision) if gelu else None
-        matmul_forward_lt(out, inp, w, b, B, T, C, OC, pre_gelu=pre)
+        matmul_forward_lt(out, inp, w, b, B, T, C, OC, pre_gelu=pre, tf32=tf32)
         ref = gpt2_cpu.matmul_forward(as_input(_to_f64(inp), precision), _to_f64(w), _to_f64(b))
-        tf32 = precision == "fp32" and llmc.cuda.MATMUL_OPTIONS["tf32"]     # inputs rounded to 10 bits: bf16's bounds
-        assert_close(pre if gelu else out, ref, "bf16" if tf32 else precision, "cached plan, fresh pointers")
+        rounded = precision == "fp32" and tf32                # inputs rounded to 10 bits: bf16's bounds
+        assert_close(pre if gelu else out, ref, "bf16" if rounded else precision, "cached plan, fresh pointers")
 
     forward(2, 4, 16, 8)
     forward(2, 4, 16, 8)                                  # same plan; new bias and aux pointers
@@ -470,9 +469,8 @@ def test_plans_are_built_once_per_shape_epilogue_and_precision(fake, monkeypatch
     forward(2, 4, 16, 8, gelu=True)                       # another epilogue
     forward(1, 4, 16, 8)                                  # another shape (n = 4)
     forward(2, 4, 16, 8, precision="bf16")                # another precision
-    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", True)
-    forward(2, 4, 16, 8)                                  # fp32 with TF32: another compute type
-    forward(2, 4, 16, 8, precision="bf16")                # bf16 ignores the TF32 flag: the cached plan
+    forward(2, 4, 16, 8, tf32=True)                       # fp32 with TF32: another compute type
+    forward(2, 4, 16, 8, precision="bf16", tf32=True)     # bf16 ignores the TF32 flag: the cached plan
     assert fake.created["desc"] == 5 and fake.created["layout"] == 20 and len(fake.heuristic_calls) == 5
     assert fake.calls[5]["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F_FAST_TF32
     assert fake.calls[6]["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F
@@ -560,13 +558,12 @@ def gpu_lt(monkeypatch):
 @pytest.mark.parametrize("B,T,C,OC", [(2, 8, 64, 192), (4, 1024, 768, 3072)])    # small; GPT-2 124M's fc
 @pytest.mark.parametrize("gelu", [False, True])
 def test_gpu_matmul_forward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, T, C, OC, gelu):
-    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", tf32)
     rng = np.random.default_rng(B * T + OC)
     inp, w, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal(OC)
     x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(bias, precision)
     out, pre = gpu_poisoned((B, T, OC), precision), gpu_poisoned((B, T, OC), precision) if gelu else None
     args = (to_device(inp, precision), to_device(w, precision), to_device(bias, precision), B, T, C, OC)
-    matmul_forward_lt(out, *args, pre_gelu=pre)
+    matmul_forward_lt(out, *args, pre_gelu=pre, tf32=tf32)
     ref_pre = gpt2_cpu.matmul_forward(x, wx, bx)
     if not gelu:
         gpu_check(out, ref_pre, group, "matmul", "out = inp @ weight^T + bias (BIAS epilogue)")
@@ -580,7 +577,7 @@ def test_gpu_matmul_forward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, T
             erf_gap = np.abs(r - 0.5 * p * (1 + np.vectorize(math.erf)(p / math.sqrt(2)))).max()
             assert np.abs(out.get().reshape(-1)[sample] - r).max() < erf_gap / 10, "cuBLASLt's GELU is not the tanh form"
     first = out.get()
-    matmul_forward_lt(out, *args, pre_gelu=pre)          # the cached plan gives the same bits again
+    matmul_forward_lt(out, *args, pre_gelu=pre, tf32=tf32)   # the cached plan gives the same bits again
     np.testing.assert_array_equal(out.get(), first)
 
 
@@ -590,7 +587,6 @@ def test_gpu_matmul_forward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, T
                                            (4, 1024, 768, 3072, False),      # GPT-2 124M fc
                                            (4, 1024, 3072, 768, True)])      # GPT-2 124M fcproj, through gelu
 def test_gpu_matmul_backward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, T, C, OC, gelu):
-    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", tf32)
     rng = np.random.default_rng(B * T + OC + 1)
     pre = rng.standard_normal((B, T, C))
     inp = gelu_tanh(pre) if gelu else rng.standard_normal((B, T, C))
@@ -599,7 +595,7 @@ def test_gpu_matmul_backward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, 
     dinp, dw, db = gpu_poisoned((B, T, C), precision), to_device(dw0, precision), to_device(db0, precision)
     handled = matmul_backward_lt(dinp, dw, db, to_device(dout, precision), to_device(inp, precision),
                                  to_device(w, precision), B, T, C, OC,
-                                 pre_gelu=to_device(pre, precision) if gelu else None)
+                                 pre_gelu=to_device(pre, precision) if gelu else None, tf32=tf32)
     ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
     ref_dinp = gpt2_cpu.matmul_backward(ref_dw, ref_db, as_input(dout, precision), as_input(inp, precision),
                                         as_input(w, precision))

@@ -16,17 +16,19 @@ import pytest
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.matmul
 import llmc
 import llmc.cuda
-from test_cuda import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+from llmc import cuda_check
+from emulated_gpu import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
 
 
 def _recording(calls, fn, direction):
     """fn (llmc.cublaslt's matmul_forward_lt or matmul_backward_lt), each call recorded as
     (direction, OC, whether a GELU pre-activation was passed)."""
-    def wrapper(*args, pre_gelu=None):
+    def wrapper(*args, pre_gelu=None, tf32=False):
         calls.append((direction, args[-1], pre_gelu is not None))
-        return fn(*args, pre_gelu=pre_gelu)
+        return fn(*args, pre_gelu=pre_gelu, tf32=tf32)
     return wrapper
 
 
@@ -60,15 +62,14 @@ def _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad):
 def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, bgrad):
     calls = []
     cublaslt = _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad)
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "cublaslt", True)
     # the separate GELU kernels must not run: their work is in the epilogues
-    monkeypatch.setattr(gpt2_cuda, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False)
+    monkeypatch.setattr(llmc.matmul, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=llmc.matmul.CublasLt())
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     rng = np.random.default_rng(2)
     x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
-    assert gpt2_cuda.check_against_cpu(model, x, y, np.float64)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
     C, L = TINY.channels, TINY.num_layers
     # per layer: qkv, attproj, fc (with GELU), fcproj; then the classifier (no bias)
     assert calls[:4] == [("forward", 3 * C, False), ("forward", C, False), ("forward", 4 * C, True),
@@ -84,10 +85,9 @@ def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     fake = types.SimpleNamespace(unavailable_reason=lambda: "nvmath-python is not installed")
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
     monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "cublaslt", True)
-    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace())
+    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=a[-1]))
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     lines = []
-    gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1"]), 90, say=lines.append)
+    model = gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1"]), 90, say=lines.append)
     assert lines == ["gpt2_cuda.py: cuBLASLt unavailable (nvmath-python is not installed): using cuBLAS"]
-    assert gpt2_cuda.MATMUL_OPTIONS["cublaslt"] is False
+    assert type(model.matmul) is llmc.matmul.Cublas

@@ -26,8 +26,8 @@ import pytest
 import gpt2_cpu
 import gpt2_cuda
 import llmc.cuda
-from test_cuda import (TINY, FakeDeviceArray, _train_losses, _write_shards, emulated_gemm,  # noqa: F401
-                       emulated_gpu, emulated_launch)
+from emulated_gpu import (TINY, FakeDeviceArray, _train_losses, _write_shards, emulated_gemm,  # noqa: F401
+                          emulated_gpu, emulated_launch)
 
 
 class Capture:

@@ -4,7 +4,7 @@ tests/test_data.py: the dataset script dev/data/tinyshakespeare.py and the files
 Checks, each against an independent reference:
 - the GPT-2 BPE: known token ids of GPT-2 (published with the model), the sha256 of gpt2.tiktoken;
 - gpt2_tokenizer.bin: parsed here byte by byte (not with tokenizer.read_tokenizer) against
-  file-formats.md and tiktoken's decode_single_token_bytes; an encode -> decode round trip through
+  doc/file_formats.md and tiktoken's decode_single_token_bytes; an encode -> decode round trip through
   Tokenizer, non-ASCII text included;
 - the shards: header slots, file size 1024 + 2N, 32,768 val tokens, EOT first, ids < V, and
   llm.c's section scheme (every EOT-delimited chunk re-encodes to itself and ends in a blank line);
@@ -152,7 +152,7 @@ def test_tokenizer_file_layout(repo_data, enc):
     with open(repo_data["tokenizer"], "rb") as f:
         raw = f.read()
     header = np.frombuffer(raw[:formats.HEADER_BYTES], dtype="<i4")
-    assert header[0] == 20240328          # magic, file-formats.md
+    assert header[0] == 20240328          # magic, doc/file_formats.md
     assert header[1] == 2                 # version 2: has the EOT slot
     assert header[2] == V
     assert header[3] == 50256

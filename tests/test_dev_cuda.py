@@ -35,6 +35,7 @@ DEV_CUDA = os.path.join(ROOT, "dev", "cuda")
 sys.path.insert(0, DEV_CUDA)
 
 import common  # noqa: E402  (dev/cuda/common.py)
+from nvrtc_marks import needs_nvrtc  # noqa: E402
 
 
 def _load(name):
@@ -62,16 +63,6 @@ PART_A = tuple(REFERENCES)
 PRECISIONS = ("bf16", "fp32")
 
 
-def _nvrtc_reason():
-    try:
-        nc.load_nvrtc()
-        nc.cuda_include_dir()
-    except nc.NvrtcUnavailable as error:
-        return str(error)
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=f"NVRTC cannot be loaded: {_nvrtc_reason()}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +114,8 @@ def test_versions_name_existing_kernels(op):
 
 
 def test_last_versions_are_the_kernels_gpt2_cuda_launches():
-    source = open(os.path.join(ROOT, "gpt2_cuda.py"), encoding="utf-8").read()
+    source = "".join(open(os.path.join(ROOT, path), encoding="utf-8").read()     # the launchers' files
+                     for path in ("gpt2_cuda.py", "llmc/attention.py", "llmc/matmul.py", "llmc/cublaslt.py"))
     for op in PART_A:
         for progression in SCRIPTS[op].PROGRESSIONS:
             for kernel in progression.versions[-1].kernels:

@@ -12,7 +12,7 @@ No GPU needed:
   pointers, float pointers, np.int32), found by recording the launches and parsing the .cu file;
 - the FLOP counts and napkin bytes against numbers worked out by hand;
 - the production and library versions validate against gpt2_cpu.py through the harness's own
-  validate(), on tests/test_cuda.py's NumPy emulations of CuPy, our kernels and cuBLAS; and a
+  validate(), on tests/emulated_gpu.py's NumPy emulations of CuPy, our kernels and cuBLAS; and a
   version that drops the bias fails that same validation;
 - optional versions (cuBLASLt, flash, cuDNN, PyTorch) are skipped with a reason, not crashed on;
 - without a GPU each script says so in one line and exits 2.
@@ -29,10 +29,13 @@ import sys
 import numpy as np
 import pytest
 
+import emulated_gpu as emulation
 import gpt2_cpu
 import gpt2_cuda
 import llmc
+import llmc.attention
 import llmc.cuda
+import llmc.matmul
 from llmc.check import check_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +56,7 @@ DEV_KERNELS = {
 }
 
 
-from test_dev_cuda import needs_nvrtc  # noqa: E402  (skips where NVRTC cannot be loaded)
+from nvrtc_marks import needs_nvrtc  # noqa: E402  (skips where NVRTC cannot be loaded)
 
 
 def cu_path(op):
@@ -128,11 +131,10 @@ def c_parameter_types(op, name):
 
 
 def fake_cupy():
-    """Enough of CuPy for the harness (allocate, reset, validate) on NumPy: tests/test_cuda.py's
+    """Enough of CuPy for the harness (allocate, reset, validate) on NumPy: tests/emulated_gpu.py's
     stand-in plus asarray."""
-    import test_cuda
-    fake = test_cuda._fake_cupy()
-    fake.asarray = lambda host: np.array(host).view(test_cuda.FakeDeviceArray)
+    fake = emulation._fake_cupy()
+    fake.asarray = lambda host: np.array(host).view(emulation.FakeDeviceArray)
     return fake
 
 
@@ -381,12 +383,10 @@ def test_case_napkin_by_hand():
 
 @pytest.fixture
 def emulated_gpu(monkeypatch):
-    """tests/test_cuda.py's emulations of our kernels and cuBLAS, and fake_cupy for the harness."""
-    import test_cuda
+    """tests/emulated_gpu.py's emulations of our kernels and cuBLAS, and fake_cupy for the harness."""
     monkeypatch.setattr(llmc.cuda, "cupy", fake_cupy)
-    monkeypatch.setattr(llmc.cuda, "launch", test_cuda.emulated_launch)
-    monkeypatch.setattr(llmc.cuda, "gemm", test_cuda.emulated_gemm)
-    monkeypatch.setitem(llmc.cuda.MATMUL_OPTIONS, "tf32", False)
+    monkeypatch.setattr(llmc.cuda, "launch", emulation.emulated_launch)
+    monkeypatch.setattr(llmc.cuda, "gemm", emulation.emulated_gemm)
 
 
 EMULATED = [("matmul", p.name, 4) for p in matmul.PROGRESSIONS[::3]] + \
@@ -403,7 +403,7 @@ def test_production_version_validates_on_the_emulation(emulated_gpu, capsys, op,
 
 def test_a_version_without_the_bias_fails_validation(emulated_gpu, capsys):
     def no_bias(d, block_size):
-        gpt2_cuda.matmul_forward(d.out, d.inp, d.weight, None, d.B, d.T, d.C, d.OC)
+        llmc.matmul.matmul_forward(d.out, d.inp, d.weight, None, d.B, d.T, d.C, d.OC)
     progression = matmul.PROGRESSIONS[0]
     broken = common.Progression(progression.name, progression.make_case,
                                 [common.Version(4, "no bias", (matmul.CUBLAS_GEMM,), no_bias, (0,))],
@@ -433,7 +433,7 @@ def test_cublaslt_missing_is_a_reason(monkeypatch):
 def test_flash_and_cudnn_reasons(monkeypatch):
     if attention.flash_unavailable_reason("bf16", dict(HS=64)) is None:     # flash is in this checkout
         assert "head size 24" in attention.flash_unavailable_reason("bf16", dict(HS=24))
-        monkeypatch.delattr(gpt2_cuda, "flash_attention_forward")
+        monkeypatch.delattr(llmc.attention, "flash_attention_forward")
     assert "not in this checkout" in attention.flash_unavailable_reason("bf16", dict(HS=64))
     assert "bf16" in attention.cudnn_unavailable_reason("fp32", dict(HS=64))
 

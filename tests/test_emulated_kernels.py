@@ -30,7 +30,7 @@ import pytest
 import gpt2_cpu
 import gpt2_cuda
 from gpt2_cpu import GPT2Config
-from llmc import cuda
+from llmc import attention, cuda, cuda_check
 from llmc.check import check_tensor
 from llmc.emulator import build
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
@@ -80,7 +80,7 @@ def batch(cfg, B, T, seed=7):
 def run_model_check(precision, attention, recompute, Vp, B, T):
     model = tiny_model(precision, Vp, recompute, attention)
     x, y = batch(model.config, B, T)
-    return gpt2_cuda.check_against_cpu(model, x, y, np.float64, verbose=False)
+    return cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64, verbose=False)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -112,8 +112,8 @@ def run_flash(precision, HS, B, T, NH, seed=0):
     qkv, dout = cp.asarray(to_floatX(qkv_host, precision)), cp.asarray(to_floatX(dout_host, precision))
     out, lse = cp.empty((B, T, C), X), cp.empty((B, NH, T), np.float32)
     dqkv, D = cp.empty((B, T, 3 * C), X), cp.empty((B, NH, T), np.float32)
-    gpt2_cuda.flash_attention_forward(out, lse, qkv, B, T, C, NH)
-    gpt2_cuda.flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH)
+    attention.flash_attention_forward(out, lse, qkv, B, T, C, NH)
+    attention.flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH)
     ref_out, att = gpt2_cpu.attention_forward(qkv_host.astype(np.float64), NH)
     ref_dqkv = gpt2_cpu.attention_backward(dout_host.astype(np.float64), qkv_host.astype(np.float64), att, NH)
     return (from_floatX(out.get(), precision), ref_out), (from_floatX(dqkv.get(), precision), ref_dqkv)

@@ -1,5 +1,5 @@
 """kernels/flash_attention.cu run on the CPU (the emulated CUDA device, llmc/emulator/) through
-gpt2_cuda.flash_attention_forward / _backward, checked against gpt2_cpu.py in fp32 and bf16.
+attention.flash_attention_forward / _backward, checked against gpt2_cpu.py in fp32 and bf16.
 
 What it checks: out, lse, D and dqkv against float64 references at five shapes (tails of both
 tiles, a single query, one warp per block); that the dk/dv kernel writes only dk's and dv's
@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 import gpt2_cpu
-import gpt2_cuda
-from llmc import cuda
+from llmc import attention, cuda
 from llmc.check import TOLERANCES, check_tensor
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
@@ -76,9 +75,9 @@ def run_flash(precision, B, T, NH, HS, seed=0):
     d_qkv, d_dout = cp.asarray(qkv_stored), cp.asarray(dout_stored)
     out, lse = cp.empty((B, T, C), X), cp.empty((B, NH, T), np.float32)
     dqkv, D = cp.empty((B, T, 3 * C), X), cp.empty((B, NH, T), np.float32)       # NaN until written
-    gpt2_cuda.flash_attention_forward(out, lse, d_qkv, B, T, C, NH)
-    grid, block = gpt2_cuda.flash_attention_launch(precision, HS, B, T, NH)
-    _, dkdv_kernel, dq_kernel = gpt2_cuda.FLASH_ATTENTION_KERNELS[HS]
+    attention.flash_attention_forward(out, lse, d_qkv, B, T, C, NH)
+    grid, block = attention.flash_attention_launch(precision, HS, B, T, NH)
+    _, dkdv_kernel, dq_kernel = attention.FLASH_ATTENTION_KERNELS[HS]
     scalars = (np.int32(B), np.int32(T), np.int32(NH))
     cuda.launch("flash_attention", precision, "flash_attention_backward_preprocess", cuda.elementwise_grid(B * T * NH),
                 cuda.BLOCK_SIZE, (D, d_dout, out, *scalars, np.int32(HS)))
@@ -91,7 +90,7 @@ def run_flash(precision, B, T, NH, HS, seed=0):
 
 def test_backward_launch_order_is_the_launchers():
     # run_flash launches the backward's kernels itself: they must be the ones, with the same
-    # arguments, that gpt2_cuda.flash_attention_backward launches
+    # arguments, that attention.flash_attention_backward launches
     launched = []
     original = cuda.launch
     cuda.launch = lambda file, precision, name, grid, block, args: launched.append((name, grid, block, len(args)))
@@ -99,13 +98,13 @@ def test_backward_launch_order_is_the_launchers():
         cp = cuda.cupy()
         B, T, NH, HS = 1, 5, 1, 16
         X = np.float32
-        gpt2_cuda.flash_attention_backward(cp.empty((B, T, 3 * HS), X), cp.empty((B, NH, T), X), cp.empty((B, T, HS), X),
+        attention.flash_attention_backward(cp.empty((B, T, 3 * HS), X), cp.empty((B, NH, T), X), cp.empty((B, T, HS), X),
                                            cp.empty((B, T, HS), X), cp.empty((B, T, 3 * HS), X),
                                            cp.empty((B, NH, T), X), B, T, HS, NH)
     finally:
         cuda.launch = original
-    grid, block = gpt2_cuda.flash_attention_launch("fp32", HS, B, T, NH)
-    _, dkdv, dq = gpt2_cuda.FLASH_ATTENTION_KERNELS[HS]
+    grid, block = attention.flash_attention_launch("fp32", HS, B, T, NH)
+    _, dkdv, dq = attention.FLASH_ATTENTION_KERNELS[HS]
     assert launched == [("flash_attention_backward_preprocess", cuda.elementwise_grid(B * T * NH), cuda.BLOCK_SIZE, 7),
                         (dkdv, grid, block, 8), (dq, grid, block, 8)]
 

@@ -19,7 +19,7 @@ import gpt2_cpu as g
 import gpt2_cuda
 from llmc.check import check_against
 from llmc.utils import InputError
-from test_cuda import emulated_gpu  # noqa: F401  (a fixture: CuPy, kernels, cuBLAS as NumPy stand-ins)
+from emulated_gpu import emulated_gpu  # noqa: F401  (a fixture: CuPy, kernels, cuBLAS as NumPy stand-ins)
 
 # small models; SLIDE's maxT = 8 makes the context slide within a dozen tokens. HS = 16 fits the
 # CUDA kernels' 16-byte vectors in bf16 too (8 values).
@@ -63,7 +63,7 @@ def test_attention_forward_cached_matches_attention_forward():
     for start, stop in [(0, 3), (3, 5)] + [(t, t + 1) for t in range(5, T)]:
         out.append(g.attention_forward_cached(qkv[:, start:stop], k_cache[0], v_cache[0], start, NH))
     assert check_against(np.concatenate(out, axis=1), ref, "attention, cached", "reference_fp64", "logits")
-    q, k, v = g._split_heads(qkv, NH)
+    q, k, v = g.split_heads(qkv, NH)
     np.testing.assert_array_equal(k_cache[0][:, :, :T], k)                   # the cache holds every key
     np.testing.assert_array_equal(v_cache[0][:, :, :T], v)
 

@@ -26,6 +26,7 @@ import pytest
 
 import gpt2_cpu
 import gpt2_cuda
+import llmc.matmul
 import llmc.comm
 import llmc.cuda
 from cuda_kernel_checks import (as_input, assert_kernel, check_adamw_norm_cast, check_attention, check_classifier,
@@ -53,12 +54,6 @@ def rng():
     return np.random.default_rng(1024)
 
 
-@pytest.fixture
-def no_tf32(monkeypatch):
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "cublaslt", False)
-
-
 # ----------------------------------------------------------------------------
 # every kernel at (B,T) = (2,1024), C = 768, NH = 12; and with few blocks (grid-stride passes)
 
@@ -77,12 +72,12 @@ def run_every_kernel_check(rng, precision):
 
 
 @PRECISIONS
-def test_every_kernel_at_the_124M_training_shape(rng, no_tf32, precision):
+def test_every_kernel_at_the_124M_training_shape(rng, precision):
     run_every_kernel_check(rng, precision)
 
 
 @PRECISIONS
-def test_grid_stride_loops_running_several_passes(rng, no_tf32, monkeypatch, precision):
+def test_grid_stride_loops_running_several_passes(rng, monkeypatch, precision):
     launched = few_blocks(monkeypatch, FEW_BLOCKS)
     run_every_kernel_check(rng, precision)
     passes = {name: asked[0] / grid[0] for name, grid, asked in launched if grid != asked}
@@ -94,10 +89,10 @@ def test_grid_stride_loops_running_several_passes(rng, no_tf32, monkeypatch, pre
 
 
 @PRECISIONS
-def test_layernorm_backward_and_bias_gradient_at_4096_rows(rng, no_tf32, precision):
+def test_layernorm_backward_and_bias_gradient_at_4096_rows(rng, precision):
     rows_B = LARGE_ROWS // T                            # (4, 1024)
     assert gpt2_cuda.layernorm_backward_grid(LARGE_ROWS) * 8 == LARGE_ROWS       # 8 rows per scratch slot
-    assert gpt2_cuda.bias_backward_chunks(LARGE_ROWS) * 16 == LARGE_ROWS         # 16 rows per bias chunk
+    assert llmc.matmul.bias_backward_chunks(LARGE_ROWS) * 16 == LARGE_ROWS         # 16 rows per bias chunk
     check_layernorm(rng, precision, rows_B, T, C)
     check_matmul_and_bias(rng, precision, rows_B, T, C, 4 * C)
     check_matmul_and_bias(rng, precision, rows_B, T, 4 * C, C)
@@ -106,7 +101,7 @@ def test_layernorm_backward_and_bias_gradient_at_4096_rows(rng, no_tf32, precisi
 # ----------------------------------------------------------------------------
 # the classifier past 2^31 elements
 
-def test_logits_gemm_and_classifier_past_int32_offsets(rng, no_tf32):
+def test_logits_gemm_and_classifier_past_int32_offsets(rng):
     precision, B_big = "bf16", 42
     N = B_big * T                                       # 43008 rows
     assert N * Vp > INT32_LIMIT
@@ -116,7 +111,7 @@ def test_logits_gemm_and_classifier_past_int32_offsets(rng, no_tf32):
     targets = rng.integers(0, V, (B_big, T)).astype(np.int32)
     lnf_d, wte_d = to_device(lnf, precision), to_device(wte, precision)
     logits = poisoned((B_big, T, Vp), precision)                             # 4.3 GB
-    gpt2_cuda.matmul_forward(logits, lnf_d, wte_d, None, B_big, T, C, Vp)
+    llmc.matmul.matmul_forward(logits, lnf_d, wte_d, None, B_big, T, C, Vp)
     # rows on both sides of element 2^31 (row r0 holds it), and the first and last rows
     r0 = INT32_LIMIT // Vp
     rows = np.array([0, 1, r0 - 1, r0, r0 + 1, N - 1])
@@ -140,8 +135,8 @@ def test_logits_gemm_and_classifier_past_int32_offsets(rng, no_tf32):
     # the classifier's backward GEMM: dlnf = dlogits @ wte, row by row (its rows past 2^31 too)
     dlnf = poisoned((B_big, T, C), precision)
     dwte = to_device(np.zeros((Vp, C), np.float32), precision)
-    scratch = poisoned_f32(gpt2_cuda.scratch_floats(CONFIG_124M))
-    gpt2_cuda.matmul_backward(dlnf, dwte, None, logits, lnf_d, wte_d, scratch, B_big, T, C, Vp)
+    scratch = poisoned_f32(gpt2_cuda.partial_floats(CONFIG_124M))
+    llmc.matmul.matmul_backward(dlnf, dwte, None, logits, lnf_d, wte_d, scratch, B_big, T, C, Vp)
     ref_dlnf = dlogits_rows.astype(np.float64) @ w
     atol, rtol = TOLERANCES[f"kernel_{precision}"]["matmul"]
     assert check_tensor(to_host(dlnf.reshape(N, C)[rows]), ref_dlnf, "dlnf rows around element 2^31",
@@ -188,7 +183,7 @@ def test_the_same_step_twice_is_bitwise_equal(rng, attention):
         np.testing.assert_array_equal(getattr(second, name).get(), value, err_msg=name)
 
 
-def test_one_124M_step_bf16_against_fp32(rng, no_tf32):
+def test_one_124M_step_bf16_against_fp32(rng):
     x, y = batch(rng, 8, 1024)
     fp32, loss32, norm32 = one_step("fp32", "naive", x, y)
     grads32 = gpt2_cpu.tensor_views(gpt2_cuda.as_float32(fp32.grads.get()), fp32.param_shapes)

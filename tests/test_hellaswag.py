@@ -4,7 +4,7 @@ script's record -> example step (dev/data/hellaswag.py), and scoring.
 
 Checks, each against an independent reference:
 - the byte layout: an example's uint16 stream and the header written out by hand here from
-  shared/docs/file-formats.md (and llm.c's dev/data/hellaswag.py), compared to the file's bytes;
+  doc/file_formats.md (and llm.c's dev/data/hellaswag.py), compared to the file's bytes;
 - round trip write -> read; a bad magic, bad version, a truncated file, a bad start marker and
   inconsistent length fields are each rejected with InputError;
 - completion_rows: rows, targets and mask of a small example, written out by hand;
@@ -40,7 +40,7 @@ EXAMPLES = [
     {"index": 1, "label": 0, "context": [50256, 0, 65534], "completions": [[11, 12], [13], [14, 15, 16, 17], [18]]},
     {"index": 7, "label": 3, "context": list(range(100, 140)), "completions": [[1], [2], [3], [4]]},
 ]
-# EXAMPLES[0] as file-formats.md lays it out: start, nbytes, index, label, 4, then length + tokens
+# EXAMPLES[0] as file_formats.md lays it out: start, nbytes, index, label, 4, then length + tokens
 EXAMPLE0_STREAM = [65535, 40, 0, 2, 4, 3, 5, 6, 7, 1, 1, 2, 2, 3, 1, 4, 3, 8, 9, 10]
 EXAMPLE2_BYTES = 2 * (5 + 1 + 40 + 4 * 2)           # the longest: 40 context tokens, four 1-token endings
 

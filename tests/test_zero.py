@@ -35,10 +35,10 @@ import gpt2_cpu
 import gpt2_cuda
 import llmc.comm
 import llmc.cuda
-from llmc import checkpoint, cli
+from llmc import checkpoint, cli, zero
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
-from test_cuda import (EMULATED_KERNELS, TINY, _train_losses, _write_shards, adamw_emulated_step,  # noqa: F401
-                       emulated_gpu)
+from emulated_gpu import (EMULATED_KERNELS, TINY, _train_losses, _write_shards, adamw_emulated_step,  # noqa: F401
+                          emulated_gpu)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_SHAPES = gpt2_cpu.parameter_shapes(TINY)
@@ -51,7 +51,7 @@ TINY_N = gpt2_cpu.num_elements(TINY_SHAPES)
 @pytest.mark.parametrize("n", [1, 7, 8, 1000, 1001, TINY_N])
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 7, 8])
 def test_shards_cover_the_padded_vector_exactly_once(n, K):
-    shards = [gpt2_cuda.zero_shard(n, r, K) for r in range(K)]
+    shards = [zero.zero_shard(n, r, K) for r in range(K)]
     S = shards[0].size
     assert all(s.size == S and s.padded == K * S and s.num_parameters == n for s in shards)
     owner = np.zeros(K * S, int)
@@ -61,11 +61,11 @@ def test_shards_cover_the_padded_vector_exactly_once(n, K):
     if K == 1:
         assert S == n                                                     # one process: everything, no padding
     else:
-        assert S % gpt2_cuda.ZERO_SHARD_ALIGN == 0                        # every shard starts 16-byte aligned
-        assert K * S - n < K * gpt2_cuda.ZERO_SHARD_ALIGN                 # the padding is small
-        assert S <= math.ceil(n / K) + gpt2_cuda.ZERO_SHARD_ALIGN         # 1/K of the state, and a bit
+        assert S % zero.ZERO_SHARD_ALIGN == 0                        # every shard starts 16-byte aligned
+        assert K * S - n < K * zero.ZERO_SHARD_ALIGN                 # the padding is small
+        assert S <= math.ceil(n / K) + zero.ZERO_SHARD_ALIGN         # 1/K of the state, and a bit
     with pytest.raises(ValueError):
-        gpt2_cuda.zero_shard(n, K, K)
+        zero.zero_shard(n, K, K)
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 5, 16, 2000])
@@ -76,8 +76,8 @@ def test_shard_slices_cover_every_parameter_once(K):
     tensor_of = {name: (offsets[i], offsets[i + 1]) for i, (name, _) in enumerate(TINY_SHAPES)}
     seen = np.zeros(TINY_N, int)
     for r in range(K):
-        shard = gpt2_cuda.zero_shard(TINY_N, r, K)
-        pieces = gpt2_cuda.shard_slices(TINY_SHAPES, shard)
+        shard = zero.zero_shard(TINY_N, r, K)
+        pieces = zero.shard_slices(TINY_SHAPES, shard)
         assert [p.name for p in pieces] == [n for n, _ in TINY_SHAPES if n in {p.name for p in pieces}]  # in order
         for p in pieces:
             t0, t1 = tensor_of[p.name]
@@ -91,26 +91,26 @@ def test_shard_slices_cover_every_parameter_once(K):
 def test_shard_slices_by_hand():
     # shapes of 5, 6, 4 elements (n=15) over 2 ranks: S = 8 (ceil(15/2) = 8, aligned to 8)
     shapes = [("a", (5,)), ("b", (2, 3)), ("c", (4,))]
-    r0, r1 = (gpt2_cuda.zero_shard(15, r, 2) for r in range(2))
+    r0, r1 = (zero.zero_shard(15, r, 2) for r in range(2))
     assert (r0.size, r0.offset, r1.offset, r1.padded) == (8, 0, 8, 16)
-    P = gpt2_cuda.ShardPiece
-    assert gpt2_cuda.shard_slices(shapes, r0) == [P("a", slice(0, 5), slice(0, 5), 0), P("b", slice(5, 8), slice(5, 8), 0)]
-    assert gpt2_cuda.shard_slices(shapes, r1) == [P("b", slice(8, 11), slice(0, 3), 3), P("c", slice(11, 15), slice(3, 7), 0)]
+    P = zero.ShardPiece
+    assert zero.shard_slices(shapes, r0) == [P("a", slice(0, 5), slice(0, 5), 0), P("b", slice(5, 8), slice(5, 8), 0)]
+    assert zero.shard_slices(shapes, r1) == [P("b", slice(8, 11), slice(0, 3), 3), P("c", slice(11, 15), slice(3, 7), 0)]
 
 
 def test_optimizer_shard_and_model_buffers(emulated_gpu):
     # -z 0: the whole vector; -z 1: m, v, master of S = ceil(n/K) (aligned) floats, params and
     # grads padded to K*S with (n,) views; -z 2, 3 refused with one InputError
-    assert gpt2_cuda.optimizer_shard(TINY_N, 0, 0, 1) == gpt2_cuda.Shard(0, 1, TINY_N, TINY_N)
+    assert zero.optimizer_shard(TINY_N, 0, 0, 1) == zero.Shard(0, 1, TINY_N, TINY_N)
     for stage in (2, 3, -1):
         with pytest.raises(gpt2_cuda.InputError, match=f"-z {stage}: ZeRO stage {stage} is not supported"):
-            gpt2_cuda.optimizer_shard(TINY_N, stage, 0, 2)
+            zero.optimizer_shard(TINY_N, stage, 0, 2)
     for K in (1, 2, 3):
         for r in range(K):
             model = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True, zero_stage=1, process_rank=r, num_processes=K)
             S = model.shard.size
-            assert model.m.size == model.v.size == model.master.size == S == gpt2_cuda.zero_shard(TINY_N, r, K).size
-            assert S * K < TINY_N + K * gpt2_cuda.ZERO_SHARD_ALIGN                 # 1/K each
+            assert model.m.size == model.v.size == model.master.size == S == zero.zero_shard(TINY_N, r, K).size
+            assert S * K < TINY_N + K * zero.ZERO_SHARD_ALIGN                 # 1/K each
             assert model.params.size == model.grads.size == TINY_N
             assert model.params_memory.size == model.grads_memory.size == K * S
             assert np.shares_memory(model.params, model.params_memory)
@@ -178,7 +178,7 @@ def k_adamw_update_sr(grid, block, params, master_params, grads, m, v, n, learni
 
 
 def test_python_constant_matches_common_cuh():
-    assert gpt2_cuda.SQ5_BIT_NOISE1 == int(SQ5[0])
+    assert zero.SQ5_BIT_NOISE1 == int(SQ5[0])
 
 
 def test_rounding_seed_shifts_the_hash_by_start():
@@ -187,10 +187,10 @@ def test_rounding_seed_shifts_the_hash_by_start():
         seed, start = int(rng.integers(0, 2 ** 32)), int(rng.integers(0, 2 ** 31))
         j = rng.integers(0, 2 ** 31, 1000).astype(np.uint32)
         whole = squirrel_noise5(j + np.uint32(start), seed)                # element start+j of the tensor
-        shifted = squirrel_noise5(j, gpt2_cuda.rounding_seed(seed, start))  # element j of the piece
+        shifted = squirrel_noise5(j, zero.rounding_seed(seed, start))  # element j of the piece
         np.testing.assert_array_equal(whole, shifted)
         assert not np.array_equal(squirrel_noise5(j, seed), whole)          # unshifted: other bits
-    assert gpt2_cuda.rounding_seed(123, 0) == 123
+    assert zero.rounding_seed(123, 0) == 123
 
 
 def test_adamw_on_pieces_rounds_as_one_launch(emulated_gpu, monkeypatch):
@@ -212,7 +212,7 @@ def test_adamw_on_pieces_rounds_as_one_launch(emulated_gpu, monkeypatch):
 
     params1, master1 = float32_to_bfloat16_bits(p0), p0.copy()
     gpt2_cuda.adamw_update(params1, master1, g, np.zeros(n, np.float32), np.zeros(n, np.float32), n, *args, seed)
-    pieces, master3 = run([gpt2_cuda.rounding_seed(seed, a) for a in cuts[:-1]])
+    pieces, master3 = run([zero.rounding_seed(seed, a) for a in cuts[:-1]])
     np.testing.assert_array_equal(master3, master1)
     np.testing.assert_array_equal(pieces, params1)
     plain, _ = run([seed] * 3)
@@ -489,7 +489,7 @@ def test_zero1_one_process_is_zero0(emulated_ranks):
     batches = _batches(1)
     (a, na, _), = run_ranks(1, lambda r, comm: train_rank(r, comm, 0, "bf16", batches, grad_clip=0.5))
     (b, nb, _), = run_ranks(1, lambda r, comm: train_rank(r, comm, 1, "bf16", batches, grad_clip=0.5))
-    assert na == nb and b.shard == gpt2_cuda.Shard(0, 1, TINY_N, TINY_N)
+    assert na == nb and b.shard == zero.Shard(0, 1, TINY_N, TINY_N)
     for key, value in _state(a).items():
         np.testing.assert_array_equal(_state(b)[key], value)
 
@@ -559,7 +559,6 @@ def test_zero_stage_2_is_refused_with_one_line(emulated_gpu, tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 2e-2)])
 def test_gpu_zero1_one_rank_equals_zero0_and_tracks_gpt2_cpu(precision, rtol, monkeypatch):
-    monkeypatch.setitem(gpt2_cuda.MATMUL_OPTIONS, "tf32", False)
     cfg = gpt2_cpu.config_from_descriptor("d4")
     rng = np.random.default_rng(9)
     x, y = (rng.integers(0, 5000, (4, 64)).astype(np.int32) for _ in range(2))
@@ -617,7 +616,7 @@ def test_gpu_adamw_pieces_with_rounding_seed_round_as_one_launch():
     master1 = cp.asarray(p0)
     gpt2_cuda.adamw_update(params1, master1, cp.asarray(g0), cp.zeros(n, np.float32), cp.zeros(n, np.float32), n,
                            *args, seed)
-    pieces, master3 = run([gpt2_cuda.rounding_seed(seed, a) for a in cuts[:-1]])
+    pieces, master3 = run([zero.rounding_seed(seed, a) for a in cuts[:-1]])
     np.testing.assert_array_equal(pieces, params1.get())
     np.testing.assert_array_equal(master3, master1.get())
     plain, _ = run([seed] * 3)

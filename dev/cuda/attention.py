@@ -6,13 +6,13 @@ attention_forward, out (B,T,C) from qkv (B,T,3C) (gpt2_cpu.attention_forward, NH
   version 1 (dev/cuda/attention.cu attention_forward_v1) is the naive port: one thread per query
             row (b, h, t) runs gpt2_cpu's loops for its row (scores and their max, exp and sum,
             normalize, weighted sum of v) alone, from global memory, keeping att (B,NH,T,T) fp32.
-  version 2 (gpt2_cuda.attention_forward, the materialized production path): permute qkv into
+  version 2 (llmc.attention.attention_forward, the materialized production path): permute qkv into
             heads, preatt = q k^T with cuBLAS (batched, tensor cores), the softmax kernel, y = att v
             with cuBLAS, unpermute. The GEMMs are fast; the price is writing and reading the
             (B,NH,T,T) matrix, twice as preatt and att, which at T=1024 is most of the traffic.
             (The timing includes one copy of qkv into the path's scratch, where the trainer's
             qkv matmul writes it: 2 x B*T*3C floatX, a few % of the whole.)
-  version 3 (gpt2_cuda.flash_attention_forward, kernels/flash_attention.cu): ours, FlashAttention-2
+  version 3 (llmc.attention.flash_attention_forward, kernels/flash_attention.cu): ours, FlashAttention-2
             style: one block per (head, block of query rows) streams the keys and values through shared
             memory with an online softmax, so nothing of size T x T exists; it reads qkv in
             place and keeps the row's log-sum-exp (lse, B,NH,T fp32) for the backward.
@@ -23,8 +23,8 @@ attention_forward, out (B,T,C) from qkv (B,T,3C) (gpt2_cpu.attention_forward, NH
             its time includes writing the heads back into (B,T,C), a copy.
 attention_backward, dqkv (B,T,3C) from dout (B,T,C) (gpt2_cpu.attention_backward), versions as
 the forward: 1 naive (one thread per query row, fp32 atomicAdd for dk and dv, then a cast),
-2 gpt2_cuda.attention_backward (cuBLAS + softmax_backward + permutes, reads att), 3
-gpt2_cuda.flash_attention_backward (recomputes the probabilities from lse), 4 cuDNN's backward,
+2 llmc.attention.attention_backward (cuBLAS + softmax_backward + permutes, reads att), 3
+llmc.attention.flash_attention_backward (recomputes the probabilities from lse), 4 cuDNN's backward,
 5 PyTorch's (torch.autograd.grad through SDPA, the forward's graph built once and kept).
 Each version gets what its forward keeps, computed by gpt2_cpu from the same inputs: att (v1 in
 fp32, v2 in floatX), the per-head q, k, v (v2), out and lse (v3, v4).
@@ -56,7 +56,8 @@ from matmul import LIBRARY_BLOCK_SIZES, without_unavailable  # noqa: E402  (dev/
 
 import gpt2_cpu  # noqa: E402  (common put the repository root on sys.path)
 import gpt2_cuda  # noqa: E402  (imports CuPy only when a launcher runs)
-from llmc import cuda  # noqa: E402
+import llmc.attention  # noqa: E402
+from llmc import cuda, cuda_check  # noqa: E402
 from llmc.cuda import ceil_div  # noqa: E402
 
 OP = "attention"
@@ -66,8 +67,8 @@ BACKWARD_CAST_V1 = dev_kernel(OP, "attention_backward_cast_v1")
 SOFTMAX_FORWARD = production_kernel("attention", "softmax_forward")       # + cuBLAS, permutes
 SOFTMAX_BACKWARD = production_kernel("attention", "softmax_backward")
 # labels for the table (a version's first kernel names its row): launchers of several kernels
-MATERIALIZED_FORWARD = Kernel("gpt2_cuda.py", "attention_forward")
-MATERIALIZED_BACKWARD = Kernel("gpt2_cuda.py", "attention_backward")
+MATERIALIZED_FORWARD = Kernel("llmc/attention.py", "attention_forward")
+MATERIALIZED_BACKWARD = Kernel("llmc/attention.py", "attention_backward")
 FLASH_FILE = os.path.join(common.REPO_ROOT, "kernels", "flash_attention.cu")
 # the fused versions launch kernels chosen by head size (ours) or by the library: table labels
 FLASH_FORWARD = Kernel("kernels/flash_attention.cu", "flash_attention_forward")
@@ -139,7 +140,7 @@ def make_backward_case(rng, precision, B, T, NH, HS):
     case.input("att", att, "X")                                                 # v2
     case.input("qkvr", qkv.reshape(B, T, 3, NH, HS).transpose(2, 0, 3, 1, 4))   # v2: (3,B,NH,T,HS)
     case.input("out", out)                                                      # v3, v4, v5
-    case.input("lse", gpt2_cuda.attention_lse(qkv, NH), "f32")                  # v3, v4
+    case.input("lse", cuda_check.attention_lse(qkv, NH), "f32")                  # v3, v4
     # scratch
     case.scratch("dqkv_acc", (B, T, 3 * C), "f32")                              # v1
     case.scratch("dqkvr", (3, B, NH, T, HS), "X")                               # v2
@@ -161,11 +162,11 @@ def forward_v1(d, block_size):
 
 def forward_v2(d, block_size):
     d.work[:d.qkv.size] = d.qkv.reshape(-1)          # where the trainer's qkv matmul leaves it
-    gpt2_cuda.attention_forward(d.out, d.qkvr, d.att, d.work, d.B, d.T, d.C, d.NH)
+    llmc.attention.attention_forward(d.out, d.qkvr, d.att, d.work, d.B, d.T, d.C, d.NH)
 
 
 def forward_v3(d, block_size):
-    gpt2_cuda.flash_attention_forward(d.out, d.lse, d.qkv, d.B, d.T, d.C, d.NH)
+    llmc.attention.flash_attention_forward(d.out, d.lse, d.qkv, d.B, d.T, d.C, d.NH)
 
 
 def forward_v4(d, block_size):
@@ -196,11 +197,11 @@ def backward_v1(d, block_size):
 
 
 def backward_v2(d, block_size):
-    gpt2_cuda.attention_backward(d.dqkv, d.dqkvr, d.datt, d.dy, d.dout, d.qkvr, d.att, d.B, d.T, d.C, d.NH)
+    llmc.attention.attention_backward(d.dqkv, d.dqkvr, d.datt, d.dy, d.dout, d.qkvr, d.att, d.B, d.T, d.C, d.NH)
 
 
 def backward_v3(d, block_size):
-    gpt2_cuda.flash_attention_backward(d.dqkv, d.D, d.dout, d.out, d.qkv, d.lse, d.B, d.T, d.C, d.NH)
+    llmc.attention.flash_attention_backward(d.dqkv, d.D, d.dout, d.out, d.qkv, d.lse, d.B, d.T, d.C, d.NH)
 
 
 def backward_v4(d, block_size):
@@ -243,9 +244,9 @@ def torch_views(d):
 # versions that need code or libraries that may be missing: skipped, with the reason
 
 def flash_unavailable_reason(precision, sizes):
-    if not (os.path.isfile(FLASH_FILE) and hasattr(gpt2_cuda, "flash_attention_forward")):
-        return "kernels/flash_attention.cu or gpt2_cuda.flash_attention_forward is not in this checkout"
-    if hasattr(gpt2_cuda, "flash_attention_supported") and not gpt2_cuda.flash_attention_supported(sizes["HS"]):
+    if not (os.path.isfile(FLASH_FILE) and hasattr(llmc.attention, "flash_attention_forward")):
+        return "kernels/flash_attention.cu or llmc.attention.flash_attention_forward is not in this checkout"
+    if hasattr(llmc.attention, "flash_attention_supported") and not llmc.attention.flash_attention_supported(sizes["HS"]):
         return f"kernels/flash_attention.cu has no kernel for head size {sizes['HS']}"
     return None
 

@@ -78,7 +78,7 @@ def forward_v1(d, block_size):
 
 
 def forward_v2(d, block_size):
-    grid = elementwise_grid(ceil_div(d.n, vector_size(d.precision)), block_size)   # gpt2_cuda.gelu_forward
+    grid = elementwise_grid(ceil_div(d.n, vector_size(d.precision)), block_size)   # llmc.matmul.gelu_forward
     GELU_FORWARD.launch(d.precision, grid, block_size,           # NULL inp_bias: no matmul bias to fold
                         (d.out, d.inp, np.uint64(0), np.uint64(d.n), np.int32(0)))
 

@@ -14,7 +14,7 @@ at GPT-2 124M's three shapes (B*T = 8192 rows): qkv (C -> 3C), fc (C -> 4C), fcp
             of a 128 x 128 output block and, per step, turns 8 + 8 shared-memory values into 64
             FMAs (an outer product): 4 FMAs per shared-memory load instead of 0.5. The larger a
             thread's tile, the higher this arithmetic intensity, until registers run out.
-  version 4 (library call: cuBLAS, gpt2_cuda.matmul_forward itself, the production path): the
+  version 4 (library call: cuBLAS, llmc.matmul.matmul_forward itself, the production path): the
             GEMM writes out (beta = 0), then kernels/bias.cu add_bias adds the bias in place with
             16-byte accesses (an earlier form copied the bias into out and accumulated the GEMM
             onto it: a CuPy broadcast copy plus a GEMM that reads C); tensor cores in bf16, fp32
@@ -23,7 +23,7 @@ at GPT-2 124M's three shapes (B*T = 8192 rows): qkv (C -> 3C), fc (C -> 4C), fcp
             GEMM's epilogue: one launch, no bias copy. Skipped with its reason where
             llmc/cublaslt.py or nvmath-python is missing.
 matmul_backward (the same products transposed; library calls only):
-  version 4 (gpt2_cuda.matmul_backward): dinp = dout @ weight and dweight += dout^T @ inp with
+  version 4 (llmc.matmul.matmul_backward): dinp = dout @ weight and dweight += dout^T @ inp with
             cuBLAS, dbias += column sums of dout with kernels/bias.cu.
 
 Versions 1-3 compute in fp32 from floatX inputs and round each output once, as our kernels do.
@@ -54,6 +54,7 @@ from common import Kernel, Progression, Version, dev_kernel  # noqa: E402
 
 import gpt2_cpu  # noqa: E402  (common put the repository root on sys.path)
 import gpt2_cuda  # noqa: E402  (imports CuPy only when a launcher runs)
+import llmc.matmul  # noqa: E402
 from llmc import cuda  # noqa: E402
 from llmc.cuda import ceil_div, require  # noqa: E402
 
@@ -122,7 +123,7 @@ def make_backward_case(rng, precision, B, T, C, OC):
     dweight = case.input("dweight", rng.standard_normal((OC, C)) * math.sqrt(N))   # as large as what is added
     dbias = case.input("dbias", rng.standard_normal(OC) * math.sqrt(N))
     case.output("dinp", (N, C))
-    case.scratch("scratch", gpt2_cuda.bias_backward_chunks(N) * OC, "f32")      # bias_backward's slots
+    case.scratch("scratch", llmc.matmul.bias_backward_chunks(N) * OC, "f32")      # bias_backward's slots
     dinp = gpt2_cpu.matmul_backward(dweight, dbias, dout.reshape(B, T, OC), inp.reshape(B, T, C), weight)  # += in place
     case.check("dinp", dinp.reshape(N, C), "matmul")
     case.check("dweight", dweight, "matmul", scale=math.sqrt(N))
@@ -157,7 +158,7 @@ def forward_v3(d, block_size):
 
 
 def forward_v4(d, block_size):
-    gpt2_cuda.matmul_forward(d.out, d.inp, d.weight, d.bias, d.B, d.T, d.C, d.OC)
+    llmc.matmul.matmul_forward(d.out, d.inp, d.weight, d.bias, d.B, d.T, d.C, d.OC)
 
 
 def forward_v5(d, block_size):
@@ -166,7 +167,7 @@ def forward_v5(d, block_size):
 
 
 def backward_v4(d, block_size):
-    gpt2_cuda.matmul_backward(d.dinp, d.dweight, d.dbias, d.dout, d.inp, d.weight, d.scratch, d.B, d.T, d.C, d.OC)
+    llmc.matmul.matmul_backward(d.dinp, d.dweight, d.dbias, d.dout, d.inp, d.weight, d.scratch, d.B, d.T, d.C, d.OC)
 
 
 # ----------------------------------------------------------------------------
@@ -215,7 +216,7 @@ FORWARD_VERSIONS = [
             tuple(V2_TILES)),
     Version(3, "register tiles: 8x8 outputs per thread, 64 FMAs per 16 shared loads", (MATMUL_V3,), forward_v3,
             (V3_THREADS,)),
-    Version(4, "library call: cuBLAS (gpt2_cuda.matmul_forward, production): GEMM + add_bias", (CUBLAS_GEMM,),
+    Version(4, "library call: cuBLAS (llmc.matmul.matmul_forward, production): GEMM + add_bias", (CUBLAS_GEMM,),
             forward_v4, LIBRARY_BLOCK_SIZES),
     Version(5, "library call: cuBLASLt, bias in the epilogue (llmc.cublaslt)", (CUBLASLT_MATMUL,), forward_v5,
             LIBRARY_BLOCK_SIZES),
@@ -225,7 +226,7 @@ PROGRESSIONS = [
     for name, (C, OC) in SHAPES.items()
 ] + [
     Progression(f"matmul_backward_{name}", make_backward_case, [
-        Version(4, "library call: cuBLAS dinp, dweight + kernels/bias.cu (gpt2_cuda.matmul_backward, production)",
+        Version(4, "library call: cuBLAS dinp, dweight + kernels/bias.cu (llmc.matmul.matmul_backward, production)",
                 (CUBLAS_GEMM,), backward_v4, LIBRARY_BLOCK_SIZES),
     ], dict(ROWS_124M, C=C, OC=OC), TEST_SIZES)
     for name, (C, OC) in SHAPES.items()

@@ -7,7 +7,7 @@ the rowanz/hellaswag GitHub repository) holds "ctx", "endings" (4 strings) and "
 script downloads that file once (kept beside the output), encodes the context and each ending
 with the GPT-2 BPE (each ending as " " + ending, because in running text it follows a space,
 as llm.c and nanoGPT do), and writes the multiple-choice eval file of
-shared/docs/file-formats.md through gpt2_cpu.write_eval_file.
+doc/file_formats.md through gpt2_cpu.write_eval_file.
 
 What it is not: the scorer (gpt2_cpu.completion_batches / score_example) or the eval loop.
 

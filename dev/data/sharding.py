@@ -12,7 +12,7 @@ cuts the token stream into shards of exactly `shard_size` tokens (the last one s
 
 A document that does not fit in the current shard is split: its tail opens the next shard, as
 in llm.c's fineweb.py. Shards are written with gpt2_cpu.write_shard (format in
-shared/docs/file-formats.md).
+doc/file_formats.md).
 
 What it is not: a downloader. The two scripts fetch their dataset with Hugging Face `datasets`
 (load_hf_texts below, imported only when called) and hand the texts here; tests hand it small

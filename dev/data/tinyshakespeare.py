@@ -3,7 +3,7 @@ dev/data/tinyshakespeare.py: fetch and tokenize Tiny Shakespeare for GPT-2, as l
 
 Writes, under data/ (or --data-dir):
     tinyshakespeare/tiny_shakespeare_val.bin    the first 32,768 tokens  (token shards:
-    tinyshakespeare/tiny_shakespeare_train.bin  all the rest              shared/docs/file-formats.md)
+    tinyshakespeare/tiny_shakespeare_train.bin  all the rest              doc/file_formats.md)
     gpt2_tokenizer.bin                          token id -> bytes, for decoding samples
     gpt2.tiktoken                               the BPE ranks, only when the offline fallback fetched them
 

@@ -1,0 +1,306 @@
+"""
+llmc/attention.py: causal multi-head self-attention on the GPU (llm.c's llmc/attention.cuh and
+cudnn_att.cpp), the three paths --attention chooses between, and the object for each that the
+model keeps:
+    naive   the (B,NH,T,T) matrix: kernels/attention.cu's permutes and softmax around two batched
+            cuBLAS products (attention_forward, attention_backward)
+    flash   kernels/flash_attention.cu: tiled through shared memory, no (T,T) matrix, the
+            log-sum-exp of each query's scores kept for the backward (flash_attention_forward, ...)
+    cudnn   cuDNN's fused attention (llmc/cudnn_attention.py), flash's buffers
+The launchers follow gpt2_cuda.py's contract: check the arguments, compute the grid, launch into
+preallocated arrays, outputs first. tf32 (the model's matmul backend's) sets the cuBLAS products'
+input rounding in fp32.
+"""
+
+import math
+
+import numpy as np
+
+from llmc import cuda
+from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, FLOATX_DTYPES, WARP_ROW_BLOCK_SIZE, WARP_SIZE, ceil_div,
+                       check_launch, elementwise_grid, require, vector_size, warp_row_grid)
+from llmc.cuda_check import attention_lse
+from llmc.utils import InputError, prefix
+
+ATTENTION_PATHS = ("naive", "flash", "cudnn")
+DEFAULT_ATTENTION = "naive"            # the easiest to read (README's Status says why it is the default)
+
+
+def attention_scores(preatt, q, k, BNH, T, HS, tf32=False):
+    """Library call: preatt (BNH,T,T) = q @ k^T for each of the BNH heads, q, k (BNH,T,HS).
+    Column-major: preatt^T (T,T) = k (T,HS) @ q^T (HS,T); k's memory is k^T (HS,T) so op(A) = T."""
+    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, HS, k, HS, q, HS, preatt, T,
+              batch=BNH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T, tf32=tf32)
+
+
+def attention_values(out, att, v, BNH, T, HS, tf32=False):
+    """Library call: out (BNH,T,HS) = att (BNH,T,T) @ v (BNH,T,HS).
+    Column-major: out^T (HS,T) = v^T (HS,T) @ att^T (T,T), both as stored."""
+    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, HS, T, T, v, HS, att, T, out, HS,
+              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS, tf32=tf32)
+
+
+def attention_values_backward(datt, dv, dout, att, v, BNH, T, HS, tf32=False):
+    """Library calls, the backward of out = att @ v (shapes as attention_values); both written:
+        datt = dout @ v^T     column-major: datt^T (T,T) = v (T,HS) @ dout^T (HS,T), op(A) = T
+        dv   = att^T @ dout   column-major: dv^T (HS,T) = dout^T (HS,T) @ att (T,T), op(B) = T"""
+    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, HS, v, HS, dout, HS, datt, T,
+              batch=BNH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T, tf32=tf32)
+    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, HS, T, T, dout, HS, att, T, dv, HS,
+              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS, tf32=tf32)
+
+
+def attention_scores_backward(dq, dk, dpreatt, q, k, BNH, T, HS, tf32=False):
+    """Library calls, the backward of preatt = q @ k^T (the 1/sqrt(HS) scale is already inside
+    dpreatt, see softmax_backward); both written:
+        dq = dpreatt @ k      column-major: dq^T (HS,T) = k^T (HS,T) @ dpreatt^T (T,T), both as stored
+        dk = dpreatt^T @ q    column-major: dk^T (HS,T) = q^T (HS,T) @ dpreatt (T,T), op(B) = T"""
+    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, HS, T, T, k, HS, dpreatt, T, dq, HS,
+              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS, tf32=tf32)
+    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, HS, T, T, q, HS, dpreatt, T, dk, HS,
+              batch=BNH, stride_a=T * HS, stride_b=T * T, stride_c=T * HS, tf32=tf32)
+
+
+def att_unaligned(att, T):
+    """The softmax reads rows of att with 16-byte loads only when T is a multiple of the vector
+    size (then every row, and every layer's att, starts aligned); otherwise element by element,
+    and att need not be aligned: check_launch's `unaligned` for att."""
+    return () if T % vector_size(cuda.precision_of(att)) == 0 else ("att",)
+
+
+def attention_forward(out, qkvr, att, workspace, B, T, C, NH, tf32=False):
+    """Causal multi-head self-attention (Vaswani et al. 2017), llm.c's attention_forward:
+    workspace (>= B*T*max(3C, NH*T) floatX) holds on entry the qkv projection (B,T,3C) in its first
+    B*T*3C elements, and is then reused for preatt and the per-head outputs (clobbered).
+    Writes qkvr (3,B,NH,T,HS) = q, k, v per head and att (B,NH,T,T) (both kept for the backward),
+    and out (B,T,C) = the heads of softmax(q k^T / sqrt(HS), causal) @ v side by side. tf32: the
+    two cuBLAS products' input rounding (the model's matmul backend)."""
+    require(C % NH == 0, f"attention_forward: C={C} is not a multiple of NH={NH}")
+    HS, BNH = C // NH, B * NH
+    precision = check_launch("attention_forward", [("out", out, B * T * C), ("qkvr", qkvr, 3 * B * T * C),
+                                                   ("att", att, BNH * T * T)],
+                             vector_dim=("HS", HS), unaligned=att_unaligned(att, T))
+    require(workspace.size >= B * T * max(3 * C, NH * T), "attention workspace too small")
+    q, k, v = (qkvr.reshape(3, BNH * T * HS)[i] for i in range(3))     # each (B,NH,T,HS), contiguous
+    qkv = prefix(workspace, (B, T, 3 * C))
+    cuda.launch("attention", precision, "permute_qkv", elementwise_grid(B * T * C // vector_size(precision)), BLOCK_SIZE,
+                (q, k, v, qkv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
+    preatt = prefix(workspace, (BNH, T, T))                              # qkv is dead now
+    attention_scores(preatt, q, k, BNH, T, HS, tf32)                     # (B,NH,T,HS) @ (B,NH,HS,T) -> (B,NH,T,T)
+    cuda.launch("attention", precision, "softmax_forward", warp_row_grid(BNH * T), WARP_ROW_BLOCK_SIZE,
+                (att, preatt, np.float32(1.0 / math.sqrt(HS)), np.int32(BNH), np.int32(T)))
+    y = prefix(workspace, (BNH, T, HS))                                  # preatt is dead now
+    attention_values(y, att, v, BNH, T, HS, tf32)                       # (B,NH,T,T) @ (B,NH,T,HS) -> (B,NH,T,HS)
+    cuda.launch("attention", precision, "unpermute", elementwise_grid(B * T * C // vector_size(precision)), BLOCK_SIZE,
+                (out, y, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
+
+
+def attention_backward(dinp, dqkvr, datt_workspace, dy, dout, qkvr, att, B, T, C, NH, tf32=False):
+    """Backward of attention_forward: writes dinp (B,T,3C), the gradient of the qkv projection,
+    from dout (B,T,C) and the forward's qkvr (3,B,NH,T,HS) and att (B,NH,T,T). Scratch: dqkvr
+    (3,B,NH,T,HS), datt_workspace (>= B*NH*T*T), dy (B,NH,T,HS). Undoing the forward in reverse:
+        out = unpermute(y)     =>  dy = unpermute_backward(dout)
+        y = att @ v            =>  datt = dy @ v^T,  dv = att^T @ dy
+        att = softmax(s preatt) => dpreatt = s att (datt - sum_j datt att)   (in place on datt)
+        preatt = q @ k^T       =>  dq = dpreatt @ k,  dk = dpreatt^T @ q
+        q, k, v = permute(qkv) =>  dinp = permute_backward(dq, dk, dv)
+    tf32 as in attention_forward."""
+    require(C % NH == 0, f"attention_backward: C={C} is not a multiple of NH={NH}")
+    HS, BNH = C // NH, B * NH
+    precision = check_launch("attention_backward",
+                             [("dinp", dinp, 3 * B * T * C), ("dqkvr", dqkvr, 3 * B * T * C), ("dy", dy, B * T * C),
+                              ("dout", dout, B * T * C), ("qkvr", qkvr, 3 * B * T * C), ("att", att, BNH * T * T)],
+                             vector_dim=("HS", HS), unaligned=att_unaligned(att, T))
+    vec = vector_size(precision)
+    require(datt_workspace.size >= BNH * T * T, "attention datt workspace too small")
+    q, k, v = (qkvr.reshape(3, BNH * T * HS)[i] for i in range(3))
+    dq, dk, dv = (dqkvr.reshape(3, BNH * T * HS)[i] for i in range(3))
+    datt = prefix(datt_workspace, (BNH, T, T))
+    cuda.launch("attention", precision, "unpermute_backward", elementwise_grid(B * T * C // vec), BLOCK_SIZE,
+                (dy, dout, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
+    attention_values_backward(datt, dv, dy, att, v, BNH, T, HS, tf32)
+    cuda.launch("attention", precision, "softmax_backward", warp_row_grid(BNH * T), WARP_ROW_BLOCK_SIZE,
+                (datt, datt, att, np.float32(1.0 / math.sqrt(HS)), np.int32(BNH), np.int32(T)))
+    attention_scores_backward(dq, dk, datt, q, k, BNH, T, HS, tf32)     # datt now holds dpreatt
+    cuda.launch("attention", precision, "permute_qkv_backward", elementwise_grid(B * T * C // vec), BLOCK_SIZE,
+                (dinp, dq, dk, dv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
+
+
+# flash attention (kernels/flash_attention.cu): the same attention without the (B,NH,T,T) matrix.
+# The tile sizes are compile-time constants of the kernels; these restate its rule for the grid.
+FLASH_HEAD_SIZES = (16, 32, 64, 128)   # head sizes with entry points: GPT-2's 64, the tiny test models' 16
+FLASH_ROWS_PER_WARP = 16               # one 16x16 tensor-core tile of rows per warp
+FLASH_MAX_OWNED_ROWS = 64              # rows a block owns: at most 4 warps
+FLASH_MAX_STREAMED_ROWS = 32           # rows streamed through shared memory per step
+FLASH_OWNED_TILE_BYTES = 8192          # one tile of owned rows is at most 8 KiB: a kernel's tiles fit in 48 KiB
+FLASH_ATTENTION_KERNELS = {            # head size -> (forward, dk/dv, dq) entry points
+    HS: (f"flash_attention_forward_hs{HS}", f"flash_attention_backward_dkdv_hs{HS}", f"flash_attention_backward_dq_hs{HS}")
+    for HS in FLASH_HEAD_SIZES}
+
+
+def flash_attention_supported(HS):
+    """True when kernels/flash_attention.cu has entry points for head size HS."""
+    return HS in FLASH_HEAD_SIZES
+
+
+def flash_attention_tiles(precision, HS):
+    """(owned, streamed) rows of kernels/flash_attention.cu's FlashTiles<HS>: a block owns `owned`
+    rows (16 per warp) and streams blocks of `streamed` rows of the other side, e.g. bf16 HS=64:
+    (64, 32); fp32 HS=128: (16, 16)."""
+    owned = min(FLASH_MAX_OWNED_ROWS, FLASH_OWNED_TILE_BYTES // (HS * FLOATX_DTYPES[precision].itemsize))
+    return owned, min(FLASH_MAX_STREAMED_ROWS, owned)
+
+
+def flash_attention_launch(precision, HS, B, T, NH):
+    """(grid, block) of the forward, dk/dv and dq kernels: one block per (b*NH + h, block of owned
+    rows), 32 threads per 16 owned rows. Raises ValueError for an unsupported head size."""
+    require(flash_attention_supported(HS), f"flash attention: no kernel for head size {HS} (have {FLASH_HEAD_SIZES})")
+    owned, _ = flash_attention_tiles(precision, HS)
+    return (B * NH, ceil_div(T, owned)), owned // FLASH_ROWS_PER_WARP * WARP_SIZE
+
+
+def flash_attention_forward(out, lse, qkv, B, T, C, NH):
+    """Causal multi-head attention, fused: out (B,T,C) and lse (B,NH,T) fp32 from qkv (B,T,3C).
+        out[b,t,head h] = sum_{j<=t} softmax_j(q_t . k_j / sqrt(HS)) v_j,   lse[b,h,t] = log sum_{j<=t} exp(q_t . k_j / sqrt(HS))
+    as gpt2_cpu.attention_forward, by Dao et al. 2022 Alg. 1 in FlashAttention-2's loop order (Dao
+    2023, Alg. 1): online softmax over key blocks, read straight from qkv's columns, nothing of size
+    T x T stored. lse is what flash_attention_backward needs in place of att."""
+    require(C % NH == 0 and T >= 1, f"flash_attention_forward: need C={C} a multiple of NH={NH} and T >= 1")
+    HS = C // NH
+    precision = check_launch("flash_attention_forward", [("out", out, B * T * C), ("qkv", qkv, 3 * B * T * C)],
+                             float32=[("lse", lse, B * NH * T)], vector_dim=("HS", HS))
+    grid, block = flash_attention_launch(precision, HS, B, T, NH)
+    cuda.launch("flash_attention", precision, FLASH_ATTENTION_KERNELS[HS][0], grid, block,
+                (out, lse, qkv, np.int32(B), np.int32(T), np.int32(NH)))
+
+
+def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH):
+    """Backward of flash_attention_forward: writes dqkv (B,T,3C) = (dq | dk | dv) in qkv's layout,
+    from dout (B,T,C) and the forward's out, qkv and lse; D (B,NH,T) fp32 is its workspace. FlashAttention-2
+    Alg. 2 (Dao 2023), recomputing p = exp(q.k / sqrt(HS) - lse) block by block, deterministic:
+        D[t]  = dout_t . out_t                               (preprocess kernel)
+        dS    = p (dout_t . v_j - D[t])
+        dv_j  = sum_{t>=j} p dout_t,  dk_j = sum_{t>=j} dS q_t / sqrt(HS)   (one kernel, per key block)
+        dq_t  = sum_{j<=t} dS k_j / sqrt(HS)                                (one kernel, per query block)
+    Every element of dqkv is written (=) by exactly one thread: no atomics, bitwise reproducible."""
+    require(C % NH == 0 and T >= 1, f"flash_attention_backward: need C={C} a multiple of NH={NH} and T >= 1")
+    HS = C // NH
+    precision = check_launch("flash_attention_backward",
+                             [("dqkv", dqkv, 3 * B * T * C), ("dout", dout, B * T * C), ("out", out, B * T * C),
+                              ("qkv", qkv, 3 * B * T * C)],
+                             float32=[("D", D, B * NH * T), ("lse", lse, B * NH * T)], vector_dim=("HS", HS))
+    grid, block = flash_attention_launch(precision, HS, B, T, NH)
+    _, dkdv_kernel, dq_kernel = FLASH_ATTENTION_KERNELS[HS]
+    cuda.launch("flash_attention", precision, "flash_attention_backward_preprocess", elementwise_grid(B * T * NH),
+                BLOCK_SIZE, (D, dout, out, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
+    scalars = (np.int32(B), np.int32(T), np.int32(NH))
+    cuda.launch("flash_attention", precision, dkdv_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
+    cuda.launch("flash_attention", precision, dq_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
+
+
+# The attention paths (--attention): one object per path, chosen once (attention_path) and kept on
+# the model. Each says which buffers it keeps for the backward (activation_shapes), where the qkv
+# projection goes, and runs its forward and backward; --check compares its kept buffers with
+# gpt2_cpu's (check_names, references).
+
+class NaiveAttention:
+    """The (B,NH,T,T) matrix (kernels/attention.cu + cuBLAS): qkvr (q, k, v split into heads) and
+    att are kept per layer; the qkv projection, preatt, the per-head outputs and datt live in the
+    `logits` buffer, borrowed as their workspace (sized for the largest of them and the logits)."""
+    name = "naive"
+    kernel_files = ()
+    check_names = ("qkvr", "att")
+
+    def buffers(self, B, T, C, L, NH, Vp):
+        """(kept per layer, floats of `logits`, the backward's own buffers) for activation_shapes."""
+        HS = C // NH
+        kept = [("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X")]
+        backward = [("dqkvr", (3, B, NH, T, HS), "X"),            # attention backward: dq, dk, dv per head
+                    ("dy", (B, NH, T, HS), "X")]                 # attention backward: dout per head
+        return kept, B * T * max(3 * C, NH * T, Vp), backward    # logits, and the workspace of qkv | preatt | y | datt
+
+    def prepare(self, sizes, NH, HS):
+        """Work before the first step for these (B,T) sizes: none."""
+
+    def qkv(self, A, l, B, T, C):
+        """Where layer l's qkv projection (B,T,3C) is written."""
+        return prefix(A["logits"], (B, T, 3 * C))
+
+    def forward(self, A, l, B, T, C, NH, tf32):
+        """atty[l] (B,T,C) from the qkv projection in `output`."""
+        attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["logits"], B, T, C, NH, tf32)
+
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
+        """dqkv (B,T,3C) written from datty (B,T,C)."""
+        attention_backward(dqkv, A["dqkvr"], A["logits"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH, tf32)
+
+    def references(self, cpu_acts, L, B, T, C, NH):
+        """gpt2_cpu's counterparts of check_names that gpt2_cpu does not keep under the same name."""
+        return {"qkvr": cpu_acts["qkv"].reshape(L, B, T, 3, NH, C // NH).transpose(0, 3, 1, 4, 2, 5)}  # (L,3,B,NH,T,HS)
+
+
+class FlashAttention(NaiveAttention):
+    """Our flash attention (kernels/flash_attention.cu): no (T,T) matrix; qkv (L,B,T,3C) itself and
+    lse (L,B,NH,T), the log-sum-exp of each query's scores, are kept; `logits` holds only the logits."""
+    name = "flash"
+    kernel_files = ("flash_attention",)
+    check_names = ("qkv", "lse")
+
+    def buffers(self, B, T, C, L, NH, Vp):
+        kept = [("qkv", (L, B, T, 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
+        return kept, B * T * Vp, [("att_D", (B, NH, T), "f32")]   # flash backward: rowsum(dout * out)
+
+    def qkv(self, A, l, B, T, C):
+        return A["qkv"][l]
+
+    def forward(self, A, l, B, T, C, NH, tf32):
+        flash_attention_forward(A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH)
+
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
+        flash_attention_backward(dqkv, A["att_D"], datty, A["atty"][l], A["qkv"][l], A["lse"][l], B, T, C, NH)
+
+    def references(self, cpu_acts, L, B, T, C, NH):
+        return {"lse": np.stack([attention_lse(cpu_acts["qkv"][l], NH) for l in range(L)])}       # (L,B,NH,T)
+
+
+class CudnnAttention(FlashAttention):
+    """cuDNN's fused attention (llmc/cudnn_attention.py): flash's buffers and lse (cuDNN's softmax
+    "stats"); its graphs and workspace are built before the first step (prepare)."""
+    name = "cudnn"
+    kernel_files = ()
+
+    def prepare(self, sizes, NH, HS):
+        from llmc import cudnn_attention
+        cudnn_attention.prepare(sizes, NH, HS)
+
+    def forward(self, A, l, B, T, C, NH, tf32):
+        from llmc import cudnn_attention
+        cudnn_attention.attention_forward_cudnn(A["atty"][l], A["lse"][l], A["qkv"][l], B, T, NH, C // NH)
+
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
+        from llmc import cudnn_attention
+        cudnn_attention.attention_backward_cudnn(dqkv, datty, A["qkv"][l], A["atty"][l], A["lse"][l], B, T, NH, C // NH)
+
+
+def attention_path(name):
+    """The attention path object of --attention `name` (ATTENTION_PATHS). Raises InputError."""
+    paths = {"naive": NaiveAttention, "flash": FlashAttention, "cudnn": CudnnAttention}
+    if name not in paths:
+        raise InputError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {name}")
+    return paths[name]()
+
+
+def resolve_attention(requested, precision, HS):
+    """The attention path to run for --attention `requested`: (path, None), or (fallback, one line
+    saying why) where the requested path cannot run here: cudnn falls back to flash (or naive),
+    flash to naive for a head size it has no kernel for."""
+    if requested == "cudnn":
+        from llmc import cudnn_attention
+        reason = cudnn_attention.unavailable_reason(precision, HS)
+        if reason is None:
+            return "cudnn", None
+        path, _ = resolve_attention("flash", precision, HS)
+        return path, f"cuDNN attention unavailable ({reason}): using {path} attention"
+    if requested == "flash" and not flash_attention_supported(HS):
+        return "naive", f"flash attention has no kernel for head size {HS}: using naive attention"
+    return requested, None

@@ -1,0 +1,91 @@
+"""
+llmc/cuda_check.py: `gpt2_cuda.py --check`, llm.c's test_gpt2.cu for the GPU trainer: one batch
+through gpt2_cpu.py and through the GPU model, every activation (forward order), the logits, the
+loss and every parameter gradient (backward order) compared with llmc.check's TOLERANCES, one
+TENSOR OK / NOT OK line each. The GPU trainer is passed in (`trainer`, the gpt2_cuda module), so
+this module imports neither trainer when it loads.
+"""
+
+import numpy as np
+
+from llmc.check import check_against
+from llmc.dataloader import DataLoader
+
+
+def tolerance_group(model):
+    """The row of llmc.check.TOLERANCES for --check: 'cuda_fp32' for full fp32 matmuls, else
+    'cuda_bf16' (bf16 storage, or TF32 matmuls)."""
+    return "cuda_fp32" if model.precision == "fp32" and not model.matmul.tf32 else "cuda_bf16"
+
+
+def attention_lse(qkv, NH):
+    """The log-sum-exp over keys j <= t of the scaled scores s q_t . k_j, s = 1/sqrt(HS), per
+    (b, head, t): (B,NH,T) from qkv (B,T,3C) (any float dtype; computed in its precision). What the
+    flash and cuDNN paths keep for the backward (Dao et al. 2022, Alg. 1's m + log l)."""
+    import gpt2_cpu                                    # the reference (llmc never imports it at load)
+    q, k, _ = gpt2_cpu.split_heads(qkv, NH)                                  # each (B,NH,T,HS)
+    scores = gpt2_cpu.causal_scores(q, k)                                     # (B,NH,T,T), masked
+    top = scores.max(axis=-1, keepdims=True)
+    return (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, verbose=True):
+    """Run one batch through gpt2_cpu (in cpu_dtype, with exactly the GPU's parameter values) and
+    through `model` of `trainer` (the gpt2_cuda module: its forward, backward and buffers), and
+    compare every activation (forward order), the loss, then every parameter gradient (backward
+    order) with llmc.check's TOLERANCES. Returns True if all are within tolerance. Overwrites the
+    model's gradients."""
+    cfg = model.config
+    B, T = inputs.shape
+    L, NH, C, V = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.vocab_size
+    group = tolerance_group(model)
+    import gpt2_cpu                                    # the reference (llmc never imports it at load)
+    cpu = gpt2_cpu.GPT2(cfg, cpu_dtype)
+    cpu.params[...] = trainer.download_parameters(model, master=False)
+    gpt2_cpu.gpt2_forward(cpu, inputs, targets)
+    gpt2_cpu.gpt2_zero_grad(cpu)
+    gpt2_cpu.gpt2_backward(cpu)
+    trainer.gpt2_zero_grad(model)
+    trainer.gpt2_forward(model, inputs, targets)
+    A = trainer.gpt2_activations(model, B, T)
+    results = []
+
+    def compare(label, gpu, ref, kind):
+        results.append(check_against(gpu, ref, label, group, kind, verbose=verbose))
+
+    CA = cpu.acts
+    # the attention buffers of the path (activation_shapes), and their gpt2_cpu counterparts
+    refs = model.attention.references(CA, L, B, T, C, NH)
+    names = ("encoded", "ln1", "ln1_mean", "ln1_rstd") + model.attention.check_names + (
+        "atty", "residual2", "ln2", "ln2_mean", "ln2_rstd", "fch", "fch_gelu", "residual3", "lnf", "lnf_mean", "lnf_rstd")
+    fetch = {name: trainer.as_float32(A[name].get()) for name in names + ("losses",)}
+    logits = trainer.as_float32(trainer.prefix(A["logits"], (B, T, cfg.padded_vocab_size)).get())
+    if verbose:
+        print(f"forward: {B}x{T} tokens, {model.precision} vs gpt2_cpu {np.dtype(cpu_dtype).name}, "
+              f"{model.attention.name} attention, tolerances '{group}'")
+    for name in names:
+        if name == "fch_gelu" and model.recompute:
+            continue                       # kept for one layer only: the next check (residual3) covers it
+        kind = "statistic" if name.endswith(("_mean", "_rstd")) or name == "lse" else "activation"
+        compare(name, fetch[name], refs.get(name, CA.get(name)), kind)
+    compare("logits", logits[..., :V], CA["logits"][..., :V], "logits")
+    compare("losses", fetch["losses"], CA["losses"], "loss")
+    compare("mean loss", np.array([fetch["losses"].mean(dtype=np.float64)]), np.array([cpu.mean_loss]), "loss")
+    trainer.gpt2_backward(model)
+    grads = gpt2_cpu.tensor_views(trainer.as_float32(model.grads.get()), model.param_shapes)
+    if verbose:
+        print("backward:")
+    backward_order = ("lnfw", "lnfb", "fcprojw", "fcprojb", "fcw", "fcb", "ln2w", "ln2b", "attprojw", "attprojb",
+                      "qkvw", "qkvb", "ln1w", "ln1b", "wpe", "wte")
+    for name in backward_order:
+        compare(f"d{name}", grads[name], cpu.G[name], "grad")
+    return all(results)
+
+
+def run_check(trainer, args, model):
+    """--check: one batch (the first of -i) through gpt2_cpu and the GPU; 0 if all tensors agree."""
+    loader = DataLoader(args.input_bin, args.batch_size, args.seq_len)
+    x, y = loader.next_batch()
+    ok = check_against_cpu(trainer, model, x, y, np.dtype(args.check_dtype).type)
+    print("check: all tensors OK" if ok else "check: SOME TENSORS NOT OK")
+    return 0 if ok else 1

@@ -1,0 +1,86 @@
+"""
+llmc/gpu_cli.py: gpt2_cuda.py's command line: gpt2_cpu.py's flags (llmc/cli.py) plus the GPU
+options in a group of their own, the precision those options and the GPU allow, and the lines it
+prints about the device (the banner, -lg's status line).
+"""
+
+from llmc import cuda, multinode
+from llmc.attention import ATTENTION_PATHS, DEFAULT_ATTENTION
+from llmc.cli import build_parser as build_cli_parser
+from llmc.cuda import PRECISIONS
+from llmc.utils import InputError
+
+BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores (and TF32)
+
+GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
+
+
+def build_parser(lr_schedules, prog="gpt2_cuda.py"):
+    """gpt2_cpu.py's flags (the same letters, defaults and meaning, llmc.cli.build_parser, with the
+    trainer's lr_schedules) with the GPU flags in their own group (llm.c's -f, -w, -r letters): one
+    --help lists them all."""
+    p = build_cli_parser(prog, "Train GPT-2 on NVIDIA GPUs (CuPy, our CUDA kernels, cuBLAS); "
+                               "gpt2_cpu.py's flags plus GPU options.", lr_schedules)
+    a = p.add_argument_group(GPU_FLAGS_TITLE).add_argument
+    a("--precision", default="auto", choices=("auto",) + PRECISIONS,
+      help="storage precision; auto: bf16 on compute capability >= 8.0, else fp32")
+    a("-f", "--tf32", type=int, default=1, choices=(0, 1), help="1: TF32 tensor cores for fp32 matmuls")
+    a("-w", "--master-weights", type=int, default=1, choices=(0, 1), help="1: fp32 master weights in bf16")
+    a("-r", "--recompute", type=int, default=1, choices=(0, 1), help="1: recompute GELU in the backward (saves L-1 (B,T,4C) buffers)")
+    a("-z", "--zero-stage", type=int, default=0, help="ZeRO stage: 0 off; 1 shards AdamW's m, v and the master "
+                                                      "weights over the data-parallel ranks (2, 3: refused)")
+    a("--attention", default=DEFAULT_ATTENTION, choices=ATTENTION_PATHS,
+      help="naive: the (T,T) matrix (cuBLAS + softmax); flash: ours, kernels/flash_attention.cu; "
+           "cudnn: cuDNN's fused attention (bf16; falls back to flash, saying so, where unavailable)")
+    a("--cublaslt", type=int, default=0, choices=(0, 1),
+      help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused")
+    a("--cuda-graph", type=int, default=0, choices=(0, 1),
+      help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch")
+    a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
+    a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
+    a("--device", default="cuda", choices=cuda.DEVICES,
+      help="cpu: the emulated CUDA device (llmc/emulator/: our kernels compiled by g++ and run on the CPU, "
+           "slow; defaults --precision fp32 -f 0, so the losses are gpt2_cpu.py's)")
+    a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
+    multinode.add_flags(p)                     # -pm -pn -pr -pg -ps -pp -pj: one node or many
+    return p
+
+
+def choose_precision(requested, tf32, compute_capability):
+    """(precision, tf32) for --precision `requested` ("auto", "bf16", "fp32") and -f `tf32` on a GPU
+    of compute_capability (e.g. 80): auto is bf16 from 8.0 on, else fp32; TF32 needs 8.0 as well.
+    Raises InputError for bf16 on an older GPU."""
+    precision = requested
+    if precision == "auto":
+        precision = "bf16" if compute_capability >= BF16_MIN_COMPUTE_CAPABILITY else "fp32"
+    if precision == "bf16" and compute_capability < BF16_MIN_COMPUTE_CAPABILITY:
+        raise InputError(f"--precision bf16 needs compute capability >= 8.0 (this GPU: {compute_capability / 10:.1f})")
+    return precision, bool(tf32) and compute_capability >= BF16_MIN_COMPUTE_CAPABILITY
+
+
+def device_line(device, device_name, compute_capability, model, cuda_graph):
+    """The banner's first line: the GPU, and the choices the model was set up with."""
+    return (f"device: {device_name} (cuda:{device}, compute capability {compute_capability / 10:.1f}) | {model.precision}"
+            f"{' + fp32 master weights' if model.master is not None else ''}"
+            f"{' | TF32 matmuls' if model.precision == 'fp32' and model.matmul.tf32 else ''}"
+            f" | recompute {int(model.recompute)} | {model.attention.name} attention | {model.matmul.name} matmuls"
+            f"{' | CUDA graph' if cuda_graph else ''}")
+
+
+def gpu_status_line(device):
+    """-lg: one line of this GPU's memory (the CUDA runtime) and, where NVML (nvidia-ml-py) is
+    installed, its utilization, temperature and power."""
+    cp = cuda.cupy()
+    free, total = cp.cuda.runtime.memGetInfo()
+    line = f"gpu {device}: memory {(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB in use"
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        temperature = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+        power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000
+        line += f" | utilization {util.gpu}% | {temperature} C | {power:.0f} W"
+    except Exception:                      # no NVML: memory only
+        line += " | utilization n/a (pip install nvidia-ml-py)"
+    return line

@@ -1,0 +1,141 @@
+"""
+llmc/matmul.py: gpt2_cuda.py's linear layers (llm.c's llmc/matmul.cuh and gelu.cuh): the products
+through cuBLAS (column-major, llmc/cuda.py explains the trick), the bias and its gradient
+(kernels/bias.cu), the GELU between the MLP's two layers (kernels/gelu.cu), and the two matmul
+backends the model chooses between once (model.matmul): Cublas, and CublasLt with the bias, the
+GELU and the bias gradient fused into the products (llmc/cublaslt.py). Launchers follow
+gpt2_cuda.py's contract: check the arguments, compute the grid, launch into preallocated arrays,
+outputs first.
+"""
+
+import numpy as np
+
+from llmc import cuda
+from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, ceil_div, check_launch, elementwise_grid, require,
+                       vector_size)
+
+BIAS_BACKWARD_CHUNKS = 256             # row chunks (partial-sum slots) of bias_backward: fixed, so results reproduce
+
+
+def matmul_forward(out, inp, weight, bias, B, T, C, OC, tf32=False):
+    """out (B,T,OC) = inp (B,T,C) @ weight^T + bias, weight (OC,C) (nn.Linear layout), bias (OC,)
+    or None. Column-major (llmc/cuda.py explains the trick), out^T (OC,N) = weight (OC,C) @ inp^T
+    (C,N): weight's memory is the column-major (C,OC) matrix weight^T, so op(A) = T; inp's memory
+    is already inp^T, op(B) = N. The GEMM writes the product (beta = 0), then add_bias adds the
+    bias in place (kernels/bias.cu). tf32: fp32 inputs rounded to TF32 (the model's Cublas backend)."""
+    N = B * T
+    floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
+    check_launch("matmul_forward", floatX + ([("bias", bias, OC)] if bias is not None else []))
+    cuda.gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC, tf32=tf32)
+    if bias is not None:
+        add_bias(out, bias, N, OC)
+
+
+def add_bias(out, bias, N, OC):
+    """out (N,OC) += bias (OC,) over every row, in place (kernels/bias.cu)."""
+    vectorized = OC % vector_size(cuda.precision_of(out)) == 0
+    precision = check_launch("add_bias", [("out", out, N * OC), ("bias", bias, OC)], aligned=vectorized)
+    groups = N * OC // (vector_size(precision) if vectorized else 1)
+    cuda.launch("bias", precision, "add_bias", elementwise_grid(groups), BLOCK_SIZE, (out, bias, np.int32(N), np.int32(OC)))
+
+
+def matmul_backward(dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, tf32=False):
+    """Backward of out = inp @ weight^T + bias (shapes as matmul_forward). Writes dinp (B,T,C);
+    accumulates dweight (OC,C) and dbias (OC,) (dbias may be None). partial: fp32 for bias_backward's partial sums.
+        dinp     = dout @ weight     column-major: dinp^T (C,N) = weight^T (C,OC) @ dout^T (OC,N), both as stored
+        dweight += dout^T @ inp      column-major: dweight^T (C,OC) = inp^T (C,N) @ dout (N,OC), op(B) = T
+        dbias   += sum over rows of dout   (kernels/bias.cu)"""
+    N = B * T
+    check_launch("matmul_backward", [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC),
+                                     ("inp", inp, N * C), ("weight", weight, OC * C)])
+    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C, tf32=tf32)
+    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, accumulate=True, tf32=tf32)
+    if dbias is not None:
+        bias_backward(dbias, dout, partial, N, OC)
+
+
+def bias_backward(dbias, dout, partial, N, OC):
+    """dbias (OC,) += column sums of dout (N,OC): kernels/bias.cu, per-chunk partial sums into
+    partial (chunks, OC) fp32, then a second kernel adds the chunks in order (deterministic)."""
+    chunks = bias_backward_chunks(N)
+    precision = check_launch("bias_backward", [("dbias", dbias, OC), ("dout", dout, N * OC)])
+    require(partial.dtype == np.float32 and partial.size >= chunks * OC, f"bias partial sums need {chunks * OC} floats")
+    columns = ceil_div(OC, BLOCK_SIZE)
+    cuda.launch("bias", precision, "bias_backward", (columns, chunks), BLOCK_SIZE,
+                (partial, dout, np.int32(N), np.int32(OC)))
+    cuda.launch("bias", precision, "bias_reduce", columns, BLOCK_SIZE,
+                (dbias, partial, np.int32(chunks), np.int32(OC)))
+
+
+def bias_backward_chunks(N):
+    """Row chunks (partial-sum slots) of bias_backward: fixed per N."""
+    return min(BIAS_BACKWARD_CHUNKS, N)
+
+
+def gelu_forward(out, inp, n, inp_bias=None, OC=0):
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise over n values x of inp.
+    With inp_bias (OC,), inp is (n/OC, OC) matmul outputs without their bias: the kernel first adds
+    it into inp in place (inp is the pre-GELU activation the backward reads), then takes GELU."""
+    bias_arg = [("inp_bias", inp_bias, OC)] if inp_bias is not None else []
+    precision = check_launch("gelu_forward", [("out", out, n), ("inp", inp, n)] + bias_arg, aligned=True)
+    if inp_bias is not None:
+        require(OC % vector_size(precision) == 0 and n % OC == 0,
+                f"gelu_forward: OC={OC} must be a multiple of {vector_size(precision)} dividing n={n}")
+    cuda.launch("gelu", precision, "gelu_forward", elementwise_grid(ceil_div(n, vector_size(precision))), BLOCK_SIZE,
+                (out, inp, np.uint64(0) if inp_bias is None else inp_bias, np.uint64(n), np.int32(OC)))
+
+
+def gelu_backward_inplace(d_in_out, inp, n):
+    """d_in_out = d_in_out * gelu'(inp): the gradient of gelu's output in, of its input out."""
+    precision = check_launch("gelu_backward_inplace", [("d_in_out", d_in_out, n), ("inp", inp, n)], aligned=True)
+    cuda.launch("gelu", precision, "gelu_backward_inplace", elementwise_grid(ceil_div(n, vector_size(precision))),
+                BLOCK_SIZE, (d_in_out, inp, np.uint64(n)))
+
+
+# The matmul backends (--cublaslt, -f): one object chosen once (setup_model) and kept on the model
+# (model.matmul); every linear layer of the model goes through it, and its tf32 reaches every cuBLAS
+# call the model makes (the attention's products too).
+
+class Cublas:
+    """The linear layers as cuBLAS GEMMs (matmul_forward, matmul_backward) with the bias and the
+    GELU in our kernels. tf32: fp32 inputs rounded to TF32 (-f 1; bf16 ignores it)."""
+    name = "cuBLAS"
+
+    def __init__(self, tf32=False):
+        self.tf32 = bool(tf32)
+
+    def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None):
+        """out (B,T,OC) = inp (B,T,C) @ weight^T + bias (bias (OC,) or None). With pre_gelu (B,T,OC),
+        the MLP's first layer: pre_gelu = inp @ weight^T + bias (kept for the backward) and out =
+        gelu(pre_gelu); here the bias-free GEMM, then gelu_forward adds the bias into pre_gelu and
+        takes GELU in one pass."""
+        if pre_gelu is None:
+            matmul_forward(out, inp, weight, bias, B, T, C, OC, self.tf32)
+            return
+        matmul_forward(pre_gelu, inp, weight, None, B, T, C, OC, self.tf32)
+        gelu_forward(out, pre_gelu, B * T * OC, bias, OC)
+
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
+        """Backward of forward: writes dinp (B,T,C), accumulates dweight (OC,C) and dbias (OC,) (or
+        None); partial fp32 for bias_backward's partial sums. With pre_gelu (B,T,C), inp was gelu(pre_gelu) and dinp
+        is the gradient of pre_gelu: (dout @ weight) * gelu'(pre_gelu)."""
+        matmul_backward(dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, self.tf32)
+        if pre_gelu is not None:
+            gelu_backward_inplace(dinp, pre_gelu, B * T * C)
+
+
+class CublasLt(Cublas):
+    """The linear layers through cuBLASLt (llmc/cublaslt.py): the bias, the GELU (GELU_AUX_BIAS,
+    storing pre_gelu), its derivative (DGELU) and the bias gradient (BGRADB) fused into the GEMMs.
+    Where cuBLASLt has no BGRADB algorithm for a shape, bias_backward sums dbias instead."""
+    name = "cuBLASLt"
+
+    def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None):
+        from llmc import cublaslt
+        cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu, tf32=self.tf32)
+
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
+        from llmc import cublaslt
+        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=pre_gelu,
+                                           tf32=self.tf32) and dbias is not None:
+            bias_backward(dbias, dout, partial, B * T, OC)
