@@ -72,7 +72,6 @@ def main(argv=None):
     cpu_seconds = timed(cpu_step, cpu, x, y)
 
     cuda.use_device("cpu")
-    cuda.MATMUL_OPTIONS["tf32"] = False
     model = gpt2_cuda.GPT2(cfg, "fp32", master_weights=False, recompute=True)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
     seconds, threads, launches = defaultdict(float), defaultdict(int), defaultdict(int)

@@ -34,6 +34,7 @@ from llmc import attention, cuda, cuda_check
 from llmc.check import check_tensor
 from llmc.emulator import build
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.matmul import CublasLt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # C = 32 with NH = 2: HS = 16, flash attention's smallest tile; V = 75 and Vp = 77 (not a multiple of
@@ -47,10 +48,8 @@ EXECUTED = set()                       # names of the kernels launched on the em
 
 @pytest.fixture(autouse=True)
 def emulated(monkeypatch):
-    """The emulated device for gpt2_cuda, full fp32 matmuls, every launch recorded in EXECUTED."""
+    """The emulated device for gpt2_cuda (its models default to full fp32 matmuls), every launch recorded in EXECUTED."""
     monkeypatch.setattr(cuda, "_device", "cpu")
-    monkeypatch.setitem(cuda.MATMUL_OPTIONS, "tf32", False)
-    monkeypatch.setitem(cuda.MATMUL_OPTIONS, "cublaslt", False)
     launch = build.Kernel.launch
 
     def recording_launch(self, *args):
@@ -59,9 +58,10 @@ def emulated(monkeypatch):
     monkeypatch.setattr(build.Kernel, "launch", recording_launch)
 
 
-def tiny_model(precision, Vp=77, recompute=True, attention="naive", seed=42):
+def tiny_model(precision, Vp=77, recompute=True, attention="naive", seed=42, matmul=None):
     cfg = CONFIGS[Vp]
-    model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=recompute, attention=attention)
+    model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=recompute, attention=attention,
+                           matmul=matmul)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, seed).params)
     return model
 
@@ -77,8 +77,8 @@ def batch(cfg, B, T, seed=7):
 # ----------------------------------------------------------------------------
 # the whole model, every activation and gradient
 
-def run_model_check(precision, attention, recompute, Vp, B, T):
-    model = tiny_model(precision, Vp, recompute, attention)
+def run_model_check(precision, attention, recompute, Vp, B, T, matmul=None):
+    model = tiny_model(precision, Vp, recompute, attention, matmul=matmul)
     x, y = batch(model.config, B, T)
     return cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64, verbose=False)
 
@@ -88,6 +88,14 @@ def run_model_check(precision, attention, recompute, Vp, B, T):
                                                         ("flash", True, 80, 3, 13), ("flash", False, 77, 1, 32)])
 def test_model_matches_gpt2_cpu(precision, attention, recompute, Vp, B, T):
     assert run_model_check(precision, attention, recompute, Vp, B, T)
+
+
+# the vendor-library paths on their emulations (llmc/emulator/cublaslt.py, cudnn.py): cuBLASLt's
+# fused epilogues with our kernels around them, cuDNN's attention (bf16 only, as on a GPU)
+@pytest.mark.parametrize("precision,attention,lt", [("fp32", "naive", True), ("bf16", "flash", True),
+                                                    ("bf16", "cudnn", False), ("bf16", "cudnn", True)])
+def test_vendor_paths_match_gpt2_cpu(precision, attention, lt):
+    assert run_model_check(precision, attention, True, 80, 2, 13, matmul=CublasLt() if lt else None)
 
 
 # ----------------------------------------------------------------------------
@@ -218,6 +226,7 @@ def test_every_kernel_in_kernels_is_executed():
     # the cheapest run of each workload above, so that this test stands alone
     assert run_model_check("fp32", "naive", True, 77, 1, 5)
     assert run_model_check("bf16", "flash", True, 80, 1, 5)
+    assert run_model_check("fp32", "naive", True, 80, 1, 5, matmul=CublasLt())    # its dbias accumulation
     for HS in (16, 32, 64, 128):
         run_flash("fp32", HS, 1, 3, 1)
     run_training()
