@@ -56,7 +56,7 @@ def make_case(rng, precision, n):
     case = common.Case(precision)
     case.scalar("n", n)
     data = case.input("data", rng.standard_normal(n))
-    model = types.SimpleNamespace(param_shapes=[("data", (n,))], G={"data": data})
+    model = types.SimpleNamespace(param_shapes=[("data", (n,))], G={"data": data}, grads=data.reshape(-1))
     case.output("out", 1, "f32")
     case.check("out", [gpt2_cpu.gpt2_grad_norm(model)], "global_norm")
     case.scratch("sum_sq64", 1, "f64")                  # version 1's accumulator
