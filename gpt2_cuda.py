@@ -76,12 +76,29 @@ UPDATE_SEED = 13371337                 # llm.c's initial rng_state, the seeds of
 # ----------------------------------------------------------------------------
 # activation table: every device buffer, allocated once (parameters: gpt2_cpu.parameter_shapes)
 
-def activation_shapes(config, B, T, recompute=True, attention=None):
+RECOMPUTE_LEVELS = (0, 1, 2)           # llm.c's -r: 0 none, 1 GELU, 2 GELU and the LayerNorms
+
+
+def recomputed_activations(recompute):
+    """The per-layer activations the backward recomputes at -r `recompute` (0, 1, 2, llm.c's
+    levels), each kept for one layer instead of L: 1 fch_gelu = gelu(fch); 2 also ln1 and ln2, the
+    LayerNorm outputs (their mean and rstd stay kept for every layer: layernorm_backward reads them)."""
+    return {0: (), 1: ("fch_gelu",), 2: ("fch_gelu", "ln1", "ln2")}[recompute]
+
+
+def layer_activation(A, name, l, recompute):
+    """Layer l's view of the per-layer activation `name` (in the activation views A): A[name][l],
+    or the one layer's buffer A[name][0] where the backward recomputes it (recomputed_activations)."""
+    return A[name][0 if name in recomputed_activations(recompute) else l]
+
+
+def activation_shapes(config, B, T, recompute=1, attention=None):
     """Every device buffer a forward + backward pass uses, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Each buffer is allocated once, as large as its
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
     gpt2_cpu.activation_shapes; the differences are llm.c's: attproj, fcproj and probs are never
-    kept (fused kernels consume them); with recompute, fch_gelu is kept for one layer; the logits
+    kept (fused kernels consume them); -r 1 keeps fch_gelu for one layer, -r 2 also ln1 and ln2
+    (recomputed_activations; -r 0 keeps every layer's); the logits
     live in `logits` (dlogits after the classifier); scratch_btc and scratch_bt4c hold one layer's
     transient values, reused by every layer (the activation table names each use). The attention path
     (an attention_path object, default naive) decides the attention buffers (its `buffers`):
@@ -93,14 +110,19 @@ def activation_shapes(config, B, T, recompute=True, attention=None):
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
     attention = attention or NaiveAttention()
     attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, Vp)
+    recomputed = recomputed_activations(recompute)
+
+    def layers(name):                      # how many layers of `name` are kept
+        return 1 if name in recomputed else L
+
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
-        ("ln1", (L, B, T, C), "X"), ("ln1_mean", (L, B, T), "f32"), ("ln1_rstd", (L, B, T), "f32"),
+        ("ln1", (layers("ln1"), B, T, C), "X"), ("ln1_mean", (L, B, T), "f32"), ("ln1_rstd", (L, B, T), "f32"),
         *attention_kept, ("atty", (L, B, T, C), "X"),
         ("residual2", (L, B, T, C), "X"),
-        ("ln2", (L, B, T, C), "X"), ("ln2_mean", (L, B, T), "f32"), ("ln2_rstd", (L, B, T), "f32"),
-        ("fch", (L, B, T, 4 * C), "X"), ("fch_gelu", (1 if recompute else L, B, T, 4 * C), "X"),
+        ("ln2", (layers("ln2"), B, T, C), "X"), ("ln2_mean", (L, B, T), "f32"), ("ln2_rstd", (L, B, T), "f32"),
+        ("fch", (L, B, T, 4 * C), "X"), ("fch_gelu", (layers("fch_gelu"), B, T, 4 * C), "X"),
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
@@ -323,20 +345,23 @@ class GPT2:
     """A GPT-2 on the GPU: flat floatX parameter and gradient buffers with named views (the order
     and shapes of gpt2_cpu.parameter_shapes, so the file loader, AdamW and the CPU model all agree),
     fp32 AdamW moments m, v, optional fp32 master weights, and the activation buffers (allocated
-    by gpt2_allocate, once). precision is "bf16" or "fp32"."""
+    by gpt2_allocate, once). precision is "bf16" or "fp32"; recompute is llm.c's -r level, 0, 1
+    or 2 (recomputed_activations; True and False are 1 and 0). Raises InputError for others."""
 
-    def __init__(self, config, precision="bf16", master_weights=True, recompute=True, attention="naive",
+    def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
                  zero_stage=0, process_rank=0, num_processes=1, matmul=None):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
+        if recompute not in RECOMPUTE_LEVELS:
+            raise InputError(f"recompute must be one of {', '.join(map(str, RECOMPUTE_LEVELS))}, not {recompute}")
         vec = vector_size(precision)
         if config.channels % config.num_heads or (config.channels // config.num_heads) % vec:
             raise InputError(f"the CUDA kernels need the head size C/NH = {config.channels}/{config.num_heads} "
                              f"to be a whole multiple of {vec} in {precision}")
         self.config = config
         self.precision = precision
-        self.recompute = bool(recompute)
+        self.recompute = int(recompute)
         self.attention = attention_path(attention)   # the attention layer's path (NaiveAttention ...)
         self.matmul = matmul or Cublas()             # the linear layers' backend (Cublas, CublasLt)
         self.floatX = FLOATX_DTYPES[precision]
@@ -478,28 +503,33 @@ def gpt2_forward_kernels(model, B, T, with_loss, attention=None, pos=0):
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     P, A, mm, tf32 = model.P, gpt2_activations(model, B, T), model.matmul, model.matmul.tf32
     attention = attention or model.attention
+
+    def layer(name, l):                    # layer l's buffer, or the one layer's where the backward recomputes it
+        return layer_activation(A, name, l, model.recompute)
+
     encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"][pos:], B, T, C)  # (B,T,C), positions pos..
-    layernorm_forward(A["ln1"][0], A["ln1_mean"][0], A["ln1_rstd"][0], A["encoded"], P["ln1w"][0], P["ln1b"][0], B, T, C)
+    layernorm_forward(layer("ln1", 0), A["ln1_mean"][0], A["ln1_rstd"][0], A["encoded"], P["ln1w"][0], P["ln1b"][0],
+                      B, T, C)
     for l in range(L):
         p = layer_params(P, l)
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]               # (B,T,C)
-        fch_gelu = A["fch_gelu"][0 if model.recompute else l]
-        # forward pass 1: attention block (ln1[l] was written by the previous fused residual)
+        ln1, ln2, fch_gelu = layer("ln1", l), layer("ln2", l), layer("fch_gelu", l)
+        # forward pass 1: attention block (ln1 was written by the previous fused residual)
         qkv = attention.qkv(A, l, B, T, C)                                         # (B,T,3C)
-        mm.forward(qkv, A["ln1"][l], p["qkvw"], p["qkvb"], B, T, C, 3 * C)
+        mm.forward(qkv, ln1, p["qkvw"], p["qkvb"], B, T, C, 3 * C)
         attention.forward(A, l, B, T, C, NH, tf32)                                 # atty[l] (B,T,C)
         attproj = A["scratch_btc"]                                                 # without its bias:
         mm.forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)         # the next kernel adds it
         # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
-        fused_residual_forward(A["residual2"][l], A["ln2"][l], A["ln2_mean"][l], A["ln2_rstd"][l],
+        fused_residual_forward(A["residual2"][l], ln2, A["ln2_mean"][l], A["ln2_rstd"][l],
                                residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
         # forward pass 2: MLP block
-        mm.forward(fch_gelu, A["ln2"][l], p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
+        mm.forward(fch_gelu, ln2, p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
         fcproj = A["scratch_btc"]
         mm.forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)           # (B,T,C), bias added next
         # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
         if l + 1 < L:
-            norm = (A["ln1"][l + 1], A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
+            norm = (layer("ln1", l + 1), A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
         else:
             norm = (A["lnf"], A["lnf_mean"], A["lnf_rstd"], P["lnfw"], P["lnfb"])
         fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
@@ -572,6 +602,11 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
     partial, mm = model.partial, model.matmul
+    recomputed = recomputed_activations(model.recompute)
+
+    def layer(name, l):                    # as in gpt2_forward_kernels
+        return layer_activation(A, name, l, model.recompute)
+
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
     # The fused classifier writes the losses and, over the logits in place, dlogits in one pass
     # (the training step's forward skips it; llm.c runs it at the end of the forward instead).
@@ -588,16 +623,23 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     for l in reversed(range(L)):
         p, g = layer_params(P, l), layer_params(G, l)
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]
-        fch_gelu = A["fch_gelu"][0 if model.recompute else l]
-        if model.recompute:                                                         # fch_gelu = gelu(fch), again
+        ln1, ln2, fch_gelu = layer("ln1", l), layer("ln2", l), layer("fch_gelu", l)
+        # -r 1, 2: the forward's `mm.forward(fch_gelu, ln2, p["fcw"], p["fcb"], ..., pre_gelu=A["fch"][l])`
+        # kept fch; fch_gelu = gelu(fch), again
+        if "fch_gelu" in recomputed:
             gelu_forward(fch_gelu, A["fch"][l], B * T * 4 * C)
+        # -r 2: the forward's `fused_residual_forward(A["residual2"][l], ln2, A["ln2_mean"][l], ...)`
+        # kept residual2; ln2 = layernorm(residual2), again: the same layernorm_row on the same rounded
+        # input, so bit for bit the forward's ln2 (mean and rstd are written again, the same values)
+        if "ln2" in recomputed:
+            layernorm_forward(ln2, A["ln2_mean"][l], A["ln2_rstd"][l], A["residual2"][l], p["ln2w"], p["ln2b"], B, T, C)
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
         # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
         dfch = A["scratch_bt4c"]
         mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
                     pre_gelu=A["fch"][l])                                           # dfch, through gelu
         dln2 = A["scratch_btc"]
-        mm.backward(dln2, g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"], partial, B, T, C, 4 * C)
+        mm.backward(dln2, g["fcw"], g["fcb"], dfch, ln2, p["fcw"], partial, B, T, C, 4 * C)
         layernorm_backward(dresidual, g["ln2w"], g["ln2b"], partial, dln2, A["residual2"][l], p["ln2w"],
                            A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
@@ -605,8 +647,13 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
         mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
         dqkv = prefix(A["scratch_bt4c"], (B, T, 3 * C))
         model.attention.backward(dqkv, datty, A, l, B, T, C, NH, mm.tf32)
+        # -r 2: the forward's `layernorm_forward(ln1, ...)` (layer 0, from encoded) or the previous layer's
+        # `fused_residual_forward(A["residual3"][l - 1], ln1, ...)` kept the residual; ln1 = layernorm(residual),
+        # again, bit for bit as ln2 above
+        if "ln1" in recomputed:
+            layernorm_forward(ln1, A["ln1_mean"][l], A["ln1_rstd"][l], residual, p["ln1w"], p["ln1b"], B, T, C)
         dln1 = A["scratch_btc"]                                                     # datty was consumed above
-        mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"], partial, B, T, C, 3 * C)
+        mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, ln1, p["qkvw"], partial, B, T, C, 3 * C)
         layernorm_backward(dresidual, g["ln1w"], g["ln1b"], partial, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
     # backward of the encoder: encoded = wte[inputs] + wpe
@@ -929,7 +976,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    model = GPT2(cfg, precision, bool(args.master_weights), bool(args.recompute), attention, args.zero_stage, rank, size,
+    model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
                  matmul)
     upload_parameters(model, host.params)
     return model

@@ -2,7 +2,8 @@
 llmc/cuda_check.py: `gpt2_cuda.py --check`, llm.c's test_gpt2.cu for the GPU trainer: one batch
 through gpt2_cpu.py and through the GPU model, every activation (forward order), the logits, the
 loss and every parameter gradient (backward order) compared with llmc.check's TOLERANCES, one
-TENSOR OK / NOT OK line each. The GPU trainer is passed in (`trainer`, the gpt2_cuda module), so
+TENSOR OK / NOT OK line each; an activation the backward recomputes (-r 1, 2) is
+kept for one layer, the last, and compared there. The GPU trainer is passed in (`trainer`, the gpt2_cuda module), so
 this module imports neither trainer when it loads.
 """
 
@@ -63,11 +64,18 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
     if verbose:
         print(f"forward: {B}x{T} tokens, {model.precision} vs gpt2_cpu {np.dtype(cpu_dtype).name}, "
               f"{model.attention.name} attention, tolerances '{group}'")
+    # -r 1 keeps fch_gelu, -r 2 also ln1 and ln2, for one layer only (trainer.recomputed_activations):
+    # after the forward that buffer holds the last layer's, compared with gpt2_cpu's layer L-1
+    recomputed = trainer.recomputed_activations(model.recompute)
+    if verbose and recomputed:
+        print(f"-r {model.recompute}: {', '.join(recomputed)} kept for one layer: compared at layer {L - 1} only")
     for name in names:
-        if name == "fch_gelu" and model.recompute:
-            continue                       # kept for one layer only: the next check (residual3) covers it
         kind = "statistic" if name.endswith(("_mean", "_rstd")) or name == "lse" else "activation"
-        compare(name, fetch[name], refs.get(name, CA.get(name)), kind)
+        ref = refs.get(name, CA.get(name))
+        if name in recomputed:
+            compare(f"{name}[{L - 1}]", fetch[name][0], ref[L - 1], kind)
+        else:
+            compare(name, fetch[name], ref, kind)
     compare("logits", logits[..., :V], CA["logits"][..., :V], "logits")
     compare("losses", fetch["losses"], CA["losses"], "loss")
     compare("mean loss", np.array([fetch["losses"].mean(dtype=np.float64)]), np.array([cpu.mean_loss]), "loss")

@@ -26,7 +26,9 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py"):
       help="storage precision; auto: bf16 on compute capability >= 8.0, else fp32")
     a("-f", "--tf32", type=int, default=1, choices=(0, 1), help="1: TF32 tensor cores for fp32 matmuls")
     a("-w", "--master-weights", type=int, default=1, choices=(0, 1), help="1: fp32 master weights in bf16")
-    a("-r", "--recompute", type=int, default=1, choices=(0, 1), help="1: recompute GELU in the backward (saves L-1 (B,T,4C) buffers)")
+    a("-r", "--recompute", type=int, default=1, choices=(0, 1, 2),
+      help="activations the backward computes again instead of keeping: 0 none; 1 GELU's output (saves L-1 "
+           "(B,T,4C) buffers); 2 GELU's and both LayerNorms' outputs (saves 2(L-1) (B,T,C) more)")
     a("-z", "--zero-stage", type=int, default=0, help="ZeRO stage: 0 off; 1 shards AdamW's m, v and the master "
                                                       "weights over the data-parallel ranks (2, 3: refused)")
     a("--attention", default=DEFAULT_ATTENTION, choices=ATTENTION_PATHS,
@@ -63,7 +65,7 @@ def device_line(device, device_name, compute_capability, model, cuda_graph):
     return (f"device: {device_name} (cuda:{device}, compute capability {compute_capability / 10:.1f}) | {model.precision}"
             f"{' + fp32 master weights' if model.master is not None else ''}"
             f"{' | TF32 matmuls' if model.precision == 'fp32' and model.matmul.tf32 else ''}"
-            f" | recompute {int(model.recompute)} | {model.attention.name} attention | {model.matmul.name} matmuls"
+            f" | recompute {model.recompute} | {model.attention.name} attention | {model.matmul.name} matmuls"
             f"{' | CUDA graph' if cuda_graph else ''}")
 
 

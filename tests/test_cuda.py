@@ -221,6 +221,22 @@ def test_activation_table_prefix_property():
     assert size >= max(2 * 1024 * 3 * 64, 2 * 4 * 1024 * 1024, 2 * 1024 * cfg.padded_vocab_size)
 
 
+def test_activation_table_recompute_levels():
+    # -r 0 keeps every layer of ln1, ln2, fch_gelu; -r 1 fch_gelu for one layer; -r 2 ln1 and ln2 too,
+    # their mean and rstd for every layer (layernorm_backward reads them); nothing else changes
+    cfg = GPT2Config(num_layers=3, num_heads=4, channels=64)
+    B, T, C, L = 2, 16, cfg.channels, cfg.num_layers
+    tables = {r: {name: shape for name, shape, _ in gpt2_cuda.activation_shapes(cfg, B, T, r)} for r in (0, 1, 2)}
+    assert [tables[r]["fch_gelu"] for r in (0, 1, 2)] == [(L, B, T, 4 * C), (1, B, T, 4 * C), (1, B, T, 4 * C)]
+    for name in ("ln1", "ln2"):
+        assert [tables[r][name] for r in (0, 1, 2)] == [(L, B, T, C), (L, B, T, C), (1, B, T, C)]
+        assert tables[2][f"{name}_mean"] == tables[2][f"{name}_rstd"] == (L, B, T)
+    changed = {name for name in tables[0] if tables[0][name] != tables[2][name]}
+    assert changed == {"ln1", "ln2", "fch_gelu"}
+    saved = sum(math.prod(tables[1][n]) - math.prod(tables[2][n]) for n in tables[1])
+    assert saved == 2 * (L - 1) * B * T * C                # the -r help's "2(L-1) (B,T,C)"
+
+
 NO_GPU = pytest.mark.skipif(llmc.cuda.cuda_unavailable_reason() is None,
                             reason="a GPU is present: the no-GPU path is not taken")
 

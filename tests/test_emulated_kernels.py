@@ -3,7 +3,7 @@ gpt2_cuda.py's own launchers, against gpt2_cpu.py.
 
 What it checks: the whole model's activations and gradients (llmc.check's --check tolerances,
 against gpt2_cpu in float64) in fp32 and bf16, with naive and flash attention, with and without
-GELU recompute, at small odd shapes (T = 13, V = 75 padded to 77 or 80, so the classifier's scalar
+GELU recompute (-r 1) and with the LayerNorms' too (-r 2, also bitwise -r 1's training step), at small odd shapes (T = 13, V = 75 padded to 77 or 80, so the classifier's scalar
 and vector paths both run); flash attention alone at every head size (16, 32, 64, 128) and odd T;
 two training steps (gradient accumulation, the global norm, AdamW) against gpt2_cpu's; the KV-cached
 sampling forward (the cast and residual kernels); that no `extern "C" __global__` kernel in
@@ -85,9 +85,33 @@ def run_model_check(precision, attention, recompute, Vp, B, T, matmul=None):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("attention,recompute,Vp,B,T", [("naive", True, 77, 3, 13), ("naive", False, 80, 2, 16),
-                                                        ("flash", True, 80, 3, 13), ("flash", False, 77, 1, 32)])
+                                                        ("flash", True, 80, 3, 13), ("flash", False, 77, 1, 32),
+                                                        ("naive", 2, 77, 3, 13), ("flash", 2, 80, 2, 16)])
 def test_model_matches_gpt2_cpu(precision, attention, recompute, Vp, B, T):
     assert run_model_check(precision, attention, recompute, Vp, B, T)
+
+
+# -r 2 recomputes ln1 and ln2 in the backward with layernorm_forward on the kept residual: the
+# same layernorm_row the forward ran on the same input, so a training step is bitwise -r 1's
+@pytest.mark.parametrize("precision,attention", [("fp32", "naive"), ("bf16", "flash")])
+def test_recompute_2_step_is_bitwise_recompute_1(precision, attention):
+    cfg = CONFIGS[80]
+    models = {r: tiny_model(precision, 80, r, attention) for r in (1, 2)}
+    for step in (1, 2):                                  # two steps: the second starts from updated parameters
+        x, y = batch(cfg, 2, 13, seed=step)
+        for model in models.values():
+            gpt2_cuda.gpt2_zero_grad(model)
+            gpt2_cuda.gpt2_forward(model, x, y)
+            gpt2_cuda.gpt2_backward(model)
+        one, two = models[1], models[2]
+        assert np.array_equal(two.grads.get(), one.grads.get())
+        assert gpt2_cuda.gpt2_mean_loss(two) == gpt2_cuda.gpt2_mean_loss(one)
+        for model in models.values():
+            gpt2_cuda.gpt2_update(model, 1e-3, 0.9, 0.95, 1e-8, 0.1, step)
+        assert np.array_equal(two.params.get(), one.params.get())
+        assert np.array_equal(two.m.get(), one.m.get()) and np.array_equal(two.v.get(), one.v.get())
+    A = gpt2_cuda.gpt2_activations(models[2], 2, 13)
+    assert A["ln1"].shape[0] == A["ln2"].shape[0] == 1 and A["ln1_mean"].shape[0] == cfg.num_layers
 
 
 # the vendor-library paths on their emulations (llmc/emulator/cublaslt.py, cudnn.py): cuBLASLt's
