@@ -91,8 +91,8 @@ struct Launch {
 
 static Launch* launch_now;
 static std::atomic<bool> failed;
-static std::mutex error_mutex;
-static std::string error_message;
+static std::mutex& error_mutex = *new std::mutex;
+static std::string& error_message = *new std::string;
 
 static void record_error(const uint3& block, const CudaThread* t, const char* format, va_list ap) {
     char text[768];
@@ -255,7 +255,7 @@ constexpr size_t GUARD_BYTES = 4096;
 // __shared__ arrays: thread_local, at these offsets from the start of this library's TLS block
 // (llmc/emulator/build.py reads them from the symbol table: readelf's TLS symbols)
 thread_local char llmc_emu_tls_anchor;
-static std::vector<std::pair<long, long>> shared_arrays;   // (offset, bytes)
+static std::vector<std::pair<long, long>>& shared_arrays = *new std::vector<std::pair<long, long>>;   // (offset, bytes)
 static long anchor_offset;
 
 struct Worker {
@@ -446,7 +446,9 @@ void sync_threads() {
 // the workers: the calling thread and num_workers - 1 persistent OS threads
 
 // never destroyed: at exit the pool's threads still wait on them (glibc's destructor of a
-// condition variable with waiters would block the exit)
+// condition variable with waiters would block the exit). The same for every other object with a
+// destructor here (the caller's worker, the error message, the launch lock): a Python thread
+// still inside a launch when the process exits must not find them destroyed under it
 static std::mutex& pool_mutex = *new std::mutex;
 static std::condition_variable& pool_wake = *new std::condition_variable;
 static std::condition_variable& pool_done = *new std::condition_variable;
@@ -484,7 +486,7 @@ static int num_workers() {
 }
 
 static void run_grid(long num_blocks) {
-    static Worker caller;
+    static Worker& caller = *new Worker();
     const int helpers = (int)std::min<long>(num_workers(), num_blocks) - 1;
     if (helpers > 0) {
         std::lock_guard<std::mutex> lock(pool_mutex);
@@ -520,7 +522,7 @@ static void run_grid(long num_blocks) {
 extern "C" char __start_llmc_emu_shared[] __attribute__((weak));
 extern "C" char __stop_llmc_emu_shared[] __attribute__((weak));
 
-static Block os_block;
+static Block& os_block = *new Block();
 static int spin;                                 // the bookkeeping's lock: relaxed atomics only
 static char block_sync, warp_sync[MAX_THREADS_PER_BLOCK / WARP];   // ThreadSanitizer's sync objects
 static thread_local CudaThread* this_thread;
@@ -624,7 +626,7 @@ static void run_grid(long num_blocks) {
 // ----------------------------------------------------------------------------
 // the launch
 
-static std::mutex launch_mutex;                  // one launch at a time (the emulated stream)
+static std::mutex& launch_mutex = *new std::mutex;                  // one launch at a time (the emulated stream)
 
 int launch(const char* name, const unsigned* grid, const unsigned* block, void (*body)(void*), void* args) {
     std::lock_guard<std::mutex> lock(launch_mutex);
