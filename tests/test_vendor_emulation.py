@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -547,6 +548,70 @@ def test_nccl_collectives_on_thread_ranks(K):
 
     results = run_thread_ranks(K, uid, lambda rank, communicator: check_collectives(communicator, rank, K))
     assert results == [NCCL_CHECKS] * K
+
+
+def process_rank(K, uid, rank, folder, timeout_s, mode, queue):
+    """One rank in a process of its own, started by multiprocessing's spawn without MPI (so it meets
+    the others through the emulation's files): check_collectives, and in mode "abort" rank K-1
+    aborts instead. Puts (rank, result or the error's text) on queue."""
+    os.environ.update(LLMC_NCCL_EMULATION_DIR=folder, LLMC_NCCL_EMULATION_TIMEOUT_S=str(timeout_s))
+    for name in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        os.environ.pop(name, None)
+    communicator = nccl.NcclCommunicator(K, uid, rank)
+    try:
+        if mode == "abort" and rank == K - 1:
+            time.sleep(0.5)
+            communicator.abort()
+            queue.put((rank, "aborted"))
+            return
+        queue.put((rank, check_collectives(communicator, rank, K)))
+        communicator.destroy()
+    except Exception as e:                                            # noqa: BLE001 (reported to the test)
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+        communicator.destroy()                                       # not abort: each rank reports its own error
+
+
+def run_process_ranks(K, ranks, folder, timeout_s=60, mode="check"):
+    """process_rank in one spawned process for each of `ranks` (of K); returns {rank: result}."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    queue, uid = context.Queue(), nccl.get_unique_id()
+    procs = [context.Process(target=process_rank, args=(K, uid, r, str(folder), timeout_s, mode, queue))
+             for r in ranks]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in ranks)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_nccl_collectives_on_process_ranks(K, tmp_path):
+    results = run_process_ranks(K, range(K), tmp_path)
+    assert results == {rank: NCCL_CHECKS for rank in range(K)}
+    assert os.listdir(tmp_path) == []                                # the last rank out removed the folder
+
+
+def test_nccl_missing_process_rank_times_out(tmp_path):
+    start = time.monotonic()
+    results = run_process_ranks(3, [0, 1], tmp_path, timeout_s=2)   # rank 2 never comes
+    for rank in (0, 1):
+        assert results[rank] == f"NcclError: NCCL error 2: rank {rank}: rank(s) [2] of 3 did not reach collective #1 " \
+                                f"within 2 s (LLMC_NCCL_EMULATION_TIMEOUT_S)"
+    assert time.monotonic() - start < 60
+    assert os.listdir(tmp_path) == []
+
+
+def test_nccl_abort_stops_the_waiting_process_ranks(tmp_path):
+    start = time.monotonic()
+    results = run_process_ranks(3, range(3), tmp_path, timeout_s=300, mode="abort")
+    assert results[2] == "aborted"
+    for rank in (0, 1):
+        assert results[rank].startswith(f"NcclAborted: NCCL error 6: rank {rank}: another rank aborted")
+    assert time.monotonic() - start < 60                             # not the 300 s timeout
+    assert os.listdir(tmp_path) == []
 
 
 MPIEXEC = shutil.which("mpiexec")
