@@ -14,9 +14,11 @@ bugs they stand in for.
 - NCCL: allReduce, reduceScatter and allGather (in place at NCCL's offsets and out of place,
   SUM and AVG, fp32 and bf16) against NumPy sums in rank order, with K = 2, 3 ranks as threads
   and as MPI processes (mpiexec -n 2, -n 3, running this file as a script), llmc.comm.NcclComm
-  included; a wrong in-place offset is refused.
-Run: python -m pytest -q tests/test_vendor_emulation.py   ("24 passed" in about 15 s on 2 cores, half of
-it the two mpiexec runs, which skip where mpich's mpiexec is not installed)
+  included, and as processes started without MPI (multiprocessing spawn), which meet through the
+  emulation's files and leave none behind; a wrong in-place offset is refused; without MPI a rank
+  that never comes gives its timeout's one error, and abort() stops the waiting ranks at once.
+Run: python -m pytest -q tests/test_vendor_emulation.py   ("28 passed" in about 25 s on 2 cores, the
+mpiexec runs, which skip where mpich's mpiexec is not installed)
 """
 
 import math
@@ -447,7 +449,8 @@ def test_cudnn_refuses_graphs_outside_the_subset():
 
 
 # ----------------------------------------------------------------------------
-# NCCL: one check of the three collectives, run by K ranks (threads here, MPI processes below)
+# NCCL: one check of the three collectives, run by K ranks (threads here, then processes without
+# MPI, then MPI processes)
 
 COUNT = 37                                 # elements per rank's slice: odd, so no vector size hides a bug
 NCCL_CHECKS = 2 * (2 * 4 + 2) + 1          # 2 precisions x (2 ops x 4 checks + 2 all-gathers) + the refusal
