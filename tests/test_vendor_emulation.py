@@ -17,7 +17,7 @@ bugs they stand in for.
   included, and as processes started without MPI (multiprocessing spawn), which meet through the
   emulation's files and leave none behind; a wrong in-place offset is refused; without MPI a rank
   that never comes gives its timeout's one error, and abort() stops the waiting ranks at once.
-Run: python -m pytest -q tests/test_vendor_emulation.py   ("28 passed" in about 25 s on 2 cores, the
+Run: python -m pytest -q tests/test_vendor_emulation.py   ("28 passed" in about 15 s on 2 cores, the
 mpiexec runs, which skip where mpich's mpiexec is not installed)
 """
 
