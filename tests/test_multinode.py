@@ -439,18 +439,46 @@ def losses(stdout):
     return [float(x) for x in re.findall(r"step +\d+/\d+ \| loss ([0-9.]+)", stdout)]
 
 
-def test_emulated_two_process_mpi_run_agrees_with_one_process():
-    """-pm mpi with 2 processes on the emulated device gives the losses of one process on the whole
-    batch (the same tokens per step, summed in another order: a relative bound). -pm tcp and fs
-    cannot run there yet: the emulated NCCL joins processes only through MPI."""
+EMULATED = ["gpt2_cuda.py", "--device", "cpu", "-e", "d2", "-t", "32", "-d", "128", "-x", "3", "-v", "0", "-s", "0",
+            "--precision", "fp32"]
+
+
+@pytest.fixture(scope="module")
+def emulated_mpi_losses():
+    """The losses of a 2-process -pm mpi run on the emulated device (-b 2 each)."""
     pytest.importorskip("llmc.emulator.device", reason="needs llmc.emulator.device (the emulated CUDA device)")
-    common = ["gpt2_cuda.py", "--device", "cpu", "-e", "d2", "-t", "32", "-d", "128", "-x", "3", "-v", "0",
-              "-s", "0", "--precision", "fp32"]
-    env = clean_env()
-    one = subprocess.run([sys.executable] + common + ["-b", "4"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=1800)
-    mpi = subprocess.run(["mpiexec", "-n", "2", sys.executable] + common + ["-b", "2"], cwd=ROOT, env=env,
+    mpi = subprocess.run(["mpiexec", "-n", "2", sys.executable] + EMULATED + ["-b", "2"], cwd=ROOT, env=clean_env(),
                          capture_output=True, text=True, timeout=1800)
-    assert one.returncode == 0 and mpi.returncode == 0, one.stderr + mpi.stderr
+    assert mpi.returncode == 0, mpi.stderr
     reference = losses(mpi.stdout)
-    assert len(reference) == 3 and reference == pytest.approx(losses(one.stdout), rel=1e-5)
+    assert len(reference) == 3
+    return reference
+
+
+def test_emulated_two_process_mpi_run_agrees_with_one_process(emulated_mpi_losses):
+    """-pm mpi with 2 processes on the emulated device gives the losses of one process on the whole
+    batch (the same tokens per step, summed in another order: a relative bound)."""
+    one = subprocess.run([sys.executable] + EMULATED + ["-b", "4"], cwd=ROOT, env=clean_env(), capture_output=True,
+                         text=True, timeout=1800)
+    assert one.returncode == 0, one.stderr
+    assert emulated_mpi_losses == pytest.approx(losses(one.stdout), rel=1e-5)
+
+
+def test_emulated_two_process_tcp_and_fs_runs_print_the_mpi_losses(emulated_mpi_losses, tmp_path):
+    """-pm tcp and -pm fs with 2 processes started without MPI on the emulated device print exactly
+    the losses of -pm mpi (the same reductions in the same order, only another transport), and leave
+    nothing behind: neither in the fs rendezvous folder nor in the emulated NCCL's folder."""
+    rendezvous, transport = tmp_path / "rendezvous", tmp_path / "nccl"
+    rendezvous.mkdir()
+    transport.mkdir()
+    env = dict(clean_env(), LLMC_NCCL_EMULATION_DIR=str(transport))
+    for method, extra in (("tcp", ["-ps", "127.0.0.1", "--rendezvous-port", str(free_port())]),
+                          ("fs", ["-pp", str(rendezvous), "-pj", "emulated"])):
+        procs = [subprocess.Popen([sys.executable] + EMULATED + ["-b", "2", "-pm", method, "-pn", "2", "-pr", str(r)]
+                                  + extra, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+                 for r in range(2)]
+        results = finish(procs, limit=1800)
+        assert [code for code, _, _ in results] == [0, 0], results
+        assert losses(results[0][1]) == emulated_mpi_losses, method
+        assert os.listdir(rendezvous) == [] and os.listdir(transport) == [], method

@@ -14,9 +14,11 @@ bugs they stand in for.
 - NCCL: allReduce, reduceScatter and allGather (in place at NCCL's offsets and out of place,
   SUM and AVG, fp32 and bf16) against NumPy sums in rank order, with K = 2, 3 ranks as threads
   and as MPI processes (mpiexec -n 2, -n 3, running this file as a script), llmc.comm.NcclComm
-  included; a wrong in-place offset is refused.
-Run: python -m pytest -q tests/test_vendor_emulation.py   ("24 passed" in about 15 s on 2 cores, half of
-it the two mpiexec runs, which skip where mpich's mpiexec is not installed)
+  included, and as processes started without MPI (multiprocessing spawn), which meet through the
+  emulation's files and leave none behind; a wrong in-place offset is refused; without MPI a rank
+  that never comes gives its timeout's one error, and abort() stops the waiting ranks at once.
+Run: python -m pytest -q tests/test_vendor_emulation.py   ("28 passed" in about 15 s on 2 cores, the
+mpiexec runs, which skip where mpich's mpiexec is not installed)
 """
 
 import math
@@ -25,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -446,7 +449,8 @@ def test_cudnn_refuses_graphs_outside_the_subset():
 
 
 # ----------------------------------------------------------------------------
-# NCCL: one check of the three collectives, run by K ranks (threads here, MPI processes below)
+# NCCL: one check of the three collectives, run by K ranks (threads here, then processes without
+# MPI, then MPI processes)
 
 COUNT = 37                                 # elements per rank's slice: odd, so no vector size hides a bug
 NCCL_CHECKS = 2 * (2 * 4 + 2) + 1          # 2 precisions x (2 ops x 4 checks + 2 all-gathers) + the refusal
@@ -547,6 +551,70 @@ def test_nccl_collectives_on_thread_ranks(K):
 
     results = run_thread_ranks(K, uid, lambda rank, communicator: check_collectives(communicator, rank, K))
     assert results == [NCCL_CHECKS] * K
+
+
+def process_rank(K, uid, rank, folder, timeout_s, mode, queue):
+    """One rank in a process of its own, started by multiprocessing's spawn without MPI (so it meets
+    the others through the emulation's files): check_collectives, and in mode "abort" rank K-1
+    aborts instead. Puts (rank, result or the error's text) on queue."""
+    os.environ.update(LLMC_NCCL_EMULATION_DIR=folder, LLMC_NCCL_EMULATION_TIMEOUT_S=str(timeout_s))
+    for name in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        os.environ.pop(name, None)
+    communicator = nccl.NcclCommunicator(K, uid, rank)
+    try:
+        if mode == "abort" and rank == K - 1:
+            time.sleep(0.5)
+            communicator.abort()
+            queue.put((rank, "aborted"))
+            return
+        queue.put((rank, check_collectives(communicator, rank, K)))
+        communicator.destroy()
+    except Exception as e:                                            # noqa: BLE001 (reported to the test)
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+        communicator.destroy()                                       # not abort: each rank reports its own error
+
+
+def run_process_ranks(K, ranks, folder, timeout_s=60, mode="check"):
+    """process_rank in one spawned process for each of `ranks` (of K); returns {rank: result}."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    queue, uid = context.Queue(), nccl.get_unique_id()
+    procs = [context.Process(target=process_rank, args=(K, uid, r, str(folder), timeout_s, mode, queue))
+             for r in ranks]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in ranks)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_nccl_collectives_on_process_ranks(K, tmp_path):
+    results = run_process_ranks(K, range(K), tmp_path)
+    assert results == {rank: NCCL_CHECKS for rank in range(K)}
+    assert os.listdir(tmp_path) == []                                # the last rank out removed the folder
+
+
+def test_nccl_missing_process_rank_times_out(tmp_path):
+    start = time.monotonic()
+    results = run_process_ranks(3, [0, 1], tmp_path, timeout_s=2)   # rank 2 never comes
+    for rank in (0, 1):
+        assert results[rank] == f"NcclError: NCCL error 2: rank {rank}: rank(s) [2] of 3 did not reach collective #1 " \
+                                f"within 2 s (LLMC_NCCL_EMULATION_TIMEOUT_S)"
+    assert time.monotonic() - start < 60
+    assert os.listdir(tmp_path) == []
+
+
+def test_nccl_abort_stops_the_waiting_process_ranks(tmp_path):
+    start = time.monotonic()
+    results = run_process_ranks(3, range(3), tmp_path, timeout_s=300, mode="abort")
+    assert results[2] == "aborted"
+    for rank in (0, 1):
+        assert results[rank].startswith(f"NcclAborted: NCCL error 6: rank {rank}: another rank aborted")
+    assert time.monotonic() - start < 60                             # not the 300 s timeout
+    assert os.listdir(tmp_path) == []
 
 
 MPIEXEC = shutil.which("mpiexec")

@@ -7,8 +7,11 @@ returns this module on the emulated device and CuPy's on a GPU, so llmc/comm.py 
 
 Who the ranks are: under mpiexec with more than one process (llmc.comm.launched_size() > 1),
 one MPI process each (mpi4py; the communicator is COMM_WORLD split in NCCL rank order); without
-it, threads of this one process (NCCL allows several ranks per process, one thread each), which
-meet through the unique id. A collective returns when every rank has called it.
+it, processes started without MPI (llmc/multinode.py's -pm tcp and fs) or threads of one process
+(NCCL allows several ranks per process, one thread each), which meet in files of a folder named
+from the unique id (_FileRanks: /dev/shm or the temporary folder). A collective returns when every
+rank has called it; without MPI a rank waits at most LLMC_NCCL_EMULATION_TIMEOUT_S seconds (300)
+for the others, and abort() makes the waiting ranks raise NcclAborted.
 
 The buffers, as NCCL's documentation defines them (count in elements of the datatype):
     allReduce(send, recv, count)         recv[i] = op over ranks r of send_r[i],            i < count
@@ -28,8 +31,14 @@ call completes before it returns), or more than these three collectives.
 Run its tests: python -m pytest -q tests/test_vendor_emulation.py -k nccl   (mpiexec -n 2 and -n 3)
 """
 
+import atexit
+import glob
 import os
+import pickle
+import shutil
+import tempfile
 import threading
+import time
 
 import numpy as np
 
@@ -44,14 +53,13 @@ NCCL_FLOAT32, NCCL_FLOAT = 7, 7
 NCCL_FLOAT64, NCCL_DOUBLE = 8, 8
 NCCL_BFLOAT16 = 9
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
-NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE = 4, 5          # ncclResult_t
+NCCL_SYSTEM_ERROR, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_REMOTE_ERROR = 2, 4, 5, 6   # ncclResult_t
 
 STORAGE = {NCCL_FLOAT16: np.dtype(np.float16), NCCL_FLOAT32: np.dtype(np.float32),
            NCCL_FLOAT64: np.dtype(np.float64), NCCL_BFLOAT16: np.dtype(np.uint16)}   # bf16 as its bits
 ACCUMULATE = {NCCL_FLOAT16: np.float32, NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64,
               NCCL_BFLOAT16: np.float32}
 OPS = {NCCL_SUM: "sum", NCCL_PROD: "prod", NCCL_MAX: "max", NCCL_MIN: "min", NCCL_AVG: "avg"}
-RENDEZVOUS_TIMEOUT_S = 600              # threads of one process: how long a collective waits for the others
 
 
 class NcclError(RuntimeError):
@@ -60,6 +68,14 @@ class NcclError(RuntimeError):
     def __init__(self, status, why):
         self.status = status
         super().__init__(f"NCCL error {status}: {why}")
+
+
+class NcclAborted(NcclError, threading.BrokenBarrierError):
+    """ncclRemoteError: another rank aborted the communicator while this one waited for it (also a
+    threading.BrokenBarrierError, as for any other group of threads whose wait was broken)."""
+
+    def __init__(self, why):
+        super().__init__(NCCL_REMOTE_ERROR, why)
 
 
 def get_unique_id():
@@ -150,38 +166,109 @@ class _MpiRanks:
         self.comm.Abort(1)
 
 
-class _ThreadRanks:
-    """The ranks are threads of this process that created communicators with the same unique id."""
+class _FileRanks:
+    """The ranks are processes (started without MPI: srun-style, llmc/multinode.py's -pm tcp and fs)
+    or threads of one process, meeting in a folder named from the unique id: LLMC_NCCL_EMULATION_DIR,
+    else /dev/shm, else tempfile.gettempdir(), then llmc-nccl-<the id's first 16 bytes in hex>.
 
-    _groups, _lock = {}, threading.Lock()
+    Files in the folder:
+        join-<rank>                 made (exclusively) when rank joins; a second rank `rank` is refused
+        <seq>-<src>-<dst>           collective number seq's values of rank src for rank dst (pickle),
+                                    written under a temporary name and renamed, deleted by dst once read
+        abort                       made by abort(): every rank waiting in a collective raises NcclAborted
+    A rank that leaves (close, abort, or this process's exit) deletes its join file, and the last to
+    leave deletes the folder. A collective waits at most LLMC_NCCL_EMULATION_TIMEOUT_S seconds
+    (default TIMEOUT_S) for the others, then raises NcclError naming the ranks that did not come."""
+
+    TIMEOUT_S = 300
+    _open = set()                                                # closed at exit, so nothing is left behind
+    _open_lock = threading.Lock()
 
     def __init__(self, size, uid, rank):
-        with self._lock:
-            group = self._groups.setdefault(tuple(uid), dict(size=size, slots=[None] * size, joined=set(),
-                                                             barrier=threading.Barrier(size, timeout=RENDEZVOUS_TIMEOUT_S)))
-            if group["size"] != size or not 0 <= rank < size or rank in group["joined"]:
-                raise NcclError(NCCL_INVALID_ARGUMENT, f"rank {rank} of {size} joins a communicator of {group['size']} "
-                                                       f"ranks, or joins it twice")
-            group["joined"].add(rank)
-        self.uid, self.group = tuple(uid), group
+        key = bytes(b & 0xFF for b in uid)
+        parent = os.environ.get("LLMC_NCCL_EMULATION_DIR") or (
+            "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+        self.folder = os.path.join(parent, "llmc-nccl-" + key[:16].hex())
+        self.size, self.rank, self.seq = size, rank, 0
+        self.timeout = float(os.environ.get("LLMC_NCCL_EMULATION_TIMEOUT_S", self.TIMEOUT_S))
+        os.makedirs(self.folder, exist_ok=True)
+        try:
+            os.close(os.open(self._path(f"join-{rank}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            raise NcclError(NCCL_INVALID_ARGUMENT, f"rank {rank} joins the communicator {key[:16].hex()} twice") from None
+        with self._open_lock:
+            self._open.add(self)
+
+    def _path(self, name):
+        return os.path.join(self.folder, name)
 
     def allgather(self, rank, value):
         """Every rank's value, in rank order, once all have given theirs."""
-        group = self.group
-        group["slots"][rank] = value
-        group["barrier"].wait()
-        values = list(group["slots"])
-        group["barrier"].wait()                                  # nobody overwrites a slot before all have read
+        self.seq += 1
+        for dst in range(self.size):
+            if dst != rank:
+                name = f"{self.seq}-{rank}-{dst}"
+                with open(self._path(".tmp-" + name), "wb") as f:
+                    pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+                os.replace(self._path(".tmp-" + name), self._path(name))
+        values = [None] * self.size
+        values[rank] = value
+        waiting = [src for src in range(self.size) if src != rank]
+        deadline, pause = time.monotonic() + self.timeout, 1e-4
+        while waiting:
+            for src in list(waiting):
+                name = self._path(f"{self.seq}-{src}-{rank}")
+                try:
+                    with open(name, "rb") as f:
+                        values[src] = pickle.load(f)
+                except FileNotFoundError:
+                    continue
+                os.unlink(name)
+                waiting.remove(src)
+            if not waiting:
+                break
+            if os.path.exists(self._path("abort")):
+                raise NcclAborted(f"rank {rank}: another rank aborted the communicator (collective #{self.seq})")
+            if time.monotonic() > deadline:
+                raise NcclError(NCCL_SYSTEM_ERROR, f"rank {rank}: rank(s) {waiting} of {self.size} did not reach "
+                                                   f"collective #{self.seq} within {self.timeout:g} s "
+                                                   f"(LLMC_NCCL_EMULATION_TIMEOUT_S)")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
         return values
 
     def close(self):
-        with self._lock:
-            self._groups.pop(self.uid, None)
+        """Leave: delete this rank's join file, and the folder when no rank is left in it."""
+        with self._open_lock:
+            if self not in self._open:
+                return
+            self._open.discard(self)
+        try:
+            os.unlink(self._path(f"join-{self.rank}"))
+        except FileNotFoundError:
+            pass
+        if not glob.glob(self._path("join-*")):
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def abort(self):
-        """Release the ranks waiting in a collective: each of them raises threading.BrokenBarrierError."""
-        self.group["barrier"].abort()
+        """Make every rank waiting in a collective (now or later) raise NcclAborted, then leave;
+        this rank's values no other rank will read are deleted."""
+        with open(self._path("abort"), "w") as f:
+            f.write(str(self.rank))
+        for name in glob.glob(self._path(f"*-{self.rank}-*")) + glob.glob(self._path(f"*-*-{self.rank}")):
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
         self.close()
+
+    @classmethod
+    def close_all(cls):
+        for ranks in list(cls._open):
+            ranks.close()
+
+
+atexit.register(_FileRanks.close_all)
 
 
 # ----------------------------------------------------------------------------
@@ -196,7 +283,7 @@ class NcclCommunicator:
         if not 0 <= rank < ndev:
             raise NcclError(NCCL_INVALID_ARGUMENT, f"rank {rank} of {ndev}")
         self._rank, self._size = rank, ndev
-        self._ranks = _MpiRanks(ndev, commId, rank) if launched_size() > 1 else _ThreadRanks(ndev, commId, rank)
+        self._ranks = _MpiRanks(ndev, commId, rank) if launched_size() > 1 else _FileRanks(ndev, commId, rank)
 
     def rank_id(self):
         return self._rank
@@ -214,7 +301,7 @@ class NcclCommunicator:
 
     def abort(self):
         """ncclCommAbort: after an error on this rank, stop the others waiting for it in a
-        collective (threads: they raise BrokenBarrierError; MPI: the job ends)."""
+        collective (without MPI: they raise NcclAborted; MPI: the job ends)."""
         if self._ranks is not None:
             self._ranks.abort()
             self._ranks = None
@@ -223,7 +310,7 @@ class NcclCommunicator:
         """Every rank's send values, after checking that all ranks made the same call."""
         if self._ranks is None:
             raise NcclError(NCCL_INVALID_USAGE, "the communicator was destroyed")
-        parts = self._ranks.allgather(self._rank, (call, np.array(values)))
+        parts = self._ranks.allgather(self._rank, ((call, self._size), np.array(values)))
         calls = {c for c, _ in parts}
         if len(calls) != 1:
             raise NcclError(NCCL_INVALID_USAGE, f"the ranks made different calls: {sorted(calls)}")
