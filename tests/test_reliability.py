@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 import gpt2_cpu as g
+from mpi_marks import needs_mpi
 from llmc import checkpoint, formats
 from llmc.outlier import OUTLIER_WINDOW, OutlierDetector, skip_reason
 from llmc.utils import atomic_write
@@ -42,18 +43,6 @@ SMALL = g.GPT2Config(max_seq_len=64, num_layers=2, num_heads=2, channels=32)
 TRAIN = os.path.join(ROOT, "data", "tinyshakespeare", "tiny_shakespeare_train.bin")
 
 
-def mpi_unavailable_reason():
-    """None where `mpiexec` runs and mpi4py loads an MPI library, else why not (the skip reason):
-    mpi4py can be installed without any MPI (the GPU machine's is)."""
-    if shutil.which("mpiexec") is None:
-        return "no mpiexec (pip install mpich mpi4py)"
-    r = subprocess.run([sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        return f"mpi4py cannot load an MPI library ({(r.stderr.strip().splitlines() or ['?'])[-1]}): pip install mpich"
-    return None
-
-
-MPI_UNAVAILABLE = mpi_unavailable_reason()
 
 
 def run(args, mpi=0, timeout=300):
@@ -97,7 +86,7 @@ def common(model, data, **extra):
 # ----------------------------------------------------------------------------
 # 1. an error on one rank ends every rank
 
-@pytest.mark.skipif(MPI_UNAVAILABLE is not None, reason=str(MPI_UNAVAILABLE))
+@needs_mpi
 def test_error_on_one_rank_ends_the_job(data, small_model, tmp_path):
     out = run(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}), mpi=2)
     assert out.returncode == 0, out.stderr

@@ -14,24 +14,13 @@ import numpy as np
 import pytest
 
 import gpt2_cpu as g
+from mpi_marks import needs_mpi
 from llmc import cli, evalloader, formats, tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = g.GPT2Config(max_seq_len=64, num_layers=2, num_heads=2, channels=32)
 
 
-def mpi_unavailable_reason():
-    """None where `mpiexec` runs and mpi4py loads an MPI library, else why not (the skip reason):
-    mpi4py can be installed without any MPI (the GPU machine's is)."""
-    if shutil.which("mpiexec") is None:
-        return "no mpiexec (pip install mpich mpi4py)"
-    r = subprocess.run([sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        return f"mpi4py cannot load an MPI library ({(r.stderr.strip().splitlines() or ['?'])[-1]}): pip install mpich"
-    return None
-
-
-MPI_UNAVAILABLE = mpi_unavailable_reason()
 
 
 def run(args, env=None, mpi=0, timeout=300):
@@ -104,7 +93,7 @@ def test_resume_ignores_incomplete_checkpoint(shakespeare, small_model, tmp_path
     assert out.returncode == 0 and "at step 2" in out.stdout
 
 
-@pytest.mark.skipif(MPI_UNAVAILABLE is not None, reason=str(MPI_UNAVAILABLE))
+@needs_mpi
 def test_mpi_two_ranks_equal_one_process(shakespeare, small_model):
     """mpiexec -n 2 with B=2 equals one process accumulating two micro-batches of B=2. Validation
     runs -m batches per rank (as in llm.c), so 2 ranks x 2 batches cover the windows 1 x 4 does."""
