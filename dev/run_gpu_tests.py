@@ -34,10 +34,18 @@ PASS. A second run on the same day and device replaces that log.
 What it deliberately is not: a test runner of its own. The checks live in the pytest files and
 in gpt2_cuda.py --check; this only runs them and keeps the record.
 
+--emulated rehearses the same run without a GPU, on the emulated CUDA device (llmc/emulator/: the
+kernels compiled by g++ and run on the CPU, `gpt2_cuda.py --device cpu`): every gpt2_cuda.py
+command gets `--device cpu` and the d2 model at small shapes in place of d12 (the emulated device
+runs a 124M --check in hours, not seconds), `pytest -m gpu` becomes the emulated kernel tests,
+and the bench (timings mean nothing there) becomes dev/bench_emulator.py. Its log is named
+`_test-gpu-emulated.log`. It checks the runner, the commands and the kernels' results; it says
+nothing of a GPU's numerics, speed or memory.
+
 Run it:
-    python dev/run_gpu_tests.py [--quick]
-exits 0 if no command failed, 1 if any failed or timed out. Without a CUDA GPU (or CuPy) it prints
-one line saying so and exits 2, writing no log. dev/results/README.md gives the plan of the first
+    python dev/run_gpu_tests.py [--quick] [--emulated]
+exits 0 if no command failed, 1 if any failed or timed out. Without a CUDA GPU (or CuPy), and
+without --emulated, it prints one line saying so and exits 2, writing no log. dev/results/README.md gives the plan of the first
 run on the device machine.
 """
 
@@ -62,8 +70,14 @@ RESULTS_DIR = os.path.join(REPO_ROOT, "dev", "results")
 WHEEL_DIR = os.path.join(REPO_ROOT, ".whl")
 SITE = "/tmp/llmc-site"                # the carried wheels go here, first on the commands' PYTHONPATH
 SHARDS = [os.path.join(REPO_ROOT, "data", "tinyshakespeare", f"tiny_shakespeare_{split}.bin") for split in ("train", "val")]
-CHECK_ARGS = ["--check", "-e", "d12", "-b", "4", "-t", "64"]
+# The model and batch of each kind of command: on the GPU the 124M model; on the emulated device
+# (--emulated) the d2 model at shapes it runs in seconds to a minute on two cores.
+GPU_SHAPES = {"check": ["-e", "d12", "-b", "4", "-t", "64"], "check-long": ["-e", "d12", "-b", "1", "-t", "1024"],
+              "train": ["-x", "50", "-v", "25", "-s", "50"]}
+EMULATED_SHAPES = {"check": ["-e", "d2", "-b", "2", "-t", "32"], "check-long": ["-e", "d2", "-b", "1", "-t", "128"],
+                   "train": ["-e", "d2", "-b", "2", "-t", "32", "-x", "4", "-v", "2", "-s", "4"]}
 NO_GPU_EXIT = 2
+EMULATED_DEVICE = "emulated CUDA device (CPU)"
 TIMEOUT_EXIT = 124                      # as timeout(1) reports it
 QUICK_DEADLINE_S = 540                  # one device command may run 600 s; 60 s to spare
 # Time limits per command, in seconds, (full run, --quick). Guesses until the first GPU run
@@ -86,21 +100,36 @@ def quick_commands():
     return preparation() + _commands(quick=True)
 
 
-def _commands(quick):
+def emulated_commands(quick):
+    """The commands of an --emulated rehearsal: the same list on the emulated device."""
+    return preparation() + _commands(quick, emulated=True)
+
+
+def _commands(quick, emulated=False):
+    """The checks, the training run, the tests and the bench. emulated: the same list for the
+    emulated device (EMULATED_SHAPES in place of the GPU shapes, `--device cpu`, the emulated
+    kernel tests in place of `pytest -m gpu`, dev/bench_emulator.py in place of the bench)."""
     python = sys.executable
+    shapes = EMULATED_SHAPES if emulated else GPU_SHAPES
+    trainer = [python, "gpt2_cuda.py"] + (["--device", "cpu"] if emulated else [])
     fp32, bf16 = ["--precision", "fp32", "-f", "0"], ["--precision", "bf16"]
-    long = ["--check", "-e", "d12", "-b", "1", "-t", "1024"]
-    bench = [python, "dev/bench.py", "-b", "16"] + (["--steps", "10", "--warmup", "3"] if quick else [])
+    check, long = ["--check"] + shapes["check"], ["--check"] + shapes["check-long"]
+    if emulated:
+        tests = [python, "-m", "pytest", "-q", "-rs", "-m", "not slow", "tests/test_emulated_kernels.py"]
+        bench = [python, "dev/bench_emulator.py"]
+    else:
+        tests = [python, "-m", "pytest", "-m", "gpu", "-v", "-rs", "tests"]
+        bench = [python, "dev/bench.py", "-b", "16"] + (["--steps", "10", "--warmup", "3"] if quick else [])
     return [
-        [python, "gpt2_cuda.py"] + CHECK_ARGS + fp32,
-        [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16,
-        [python, "gpt2_cuda.py"] + CHECK_ARGS + fp32 + ["--attention", "flash"],
-        [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16 + ["--attention", "flash"],
-        [python, "gpt2_cuda.py"] + CHECK_ARGS + bf16 + ["--attention", "cudnn"],
-        [python, "gpt2_cuda.py", "-x", "50", "-v", "25", "-s", "50"],
-        [python, "-m", "pytest", "-m", "gpu", "-v", "-rs", "tests"],
+        trainer + check + fp32,
+        trainer + check + bf16,
+        trainer + check + fp32 + ["--attention", "flash"],
+        trainer + check + bf16 + ["--attention", "flash"],
+        trainer + check + bf16 + ["--attention", "cudnn"],
+        trainer + shapes["train"],
+        tests,
         bench,
-    ] + [[python, "gpt2_cuda.py"] + long + bf16 + ["--attention", path] for path in ("naive", "flash", "cudnn")]
+    ] + [trainer + long + bf16 + ["--attention", path] for path in ("naive", "flash", "cudnn")]
 
 
 def kind_of(cmd):
@@ -109,7 +138,7 @@ def kind_of(cmd):
     if "pip install" in text or (len(cmd) > 2 and cmd[1:3] == ["-m", "pip"]):
         return "wheels"
     for key, marker in (("data", "tinyshakespeare.py"), ("pytest", "pytest"), ("bench", "bench.py"),
-                        ("check-long", "-t 1024"), ("check", "--check")):
+                        ("bench", "bench_emulator.py"), ("check-long", "-b 1 -t"), ("check", "--check")):
         if marker in text:
             return key
     return "train"
@@ -192,6 +221,12 @@ def software_versions():
     return ", ".join(parts)
 
 
+def emulator_versions():
+    """The compiler that builds the emulated device's kernels, as one line for the header."""
+    from llmc.emulator import build
+    return f"emulated: kernels compiled by {build.compiler_version()}; no GPU"
+
+
 def device_slug(name):
     """A device name as a file-name part: lower case, runs of anything else than a-z0-9 -> '-'."""
     return re.sub(r"[^a-z0-9]+", "-", name.strip().lower()).strip("-")
@@ -258,26 +293,32 @@ def main(argv=None):
     p.add_argument("--results-dir", default=os.environ.get("OUT") or RESULTS_DIR,
                    help="where the log goes (default: $OUT when set, else dev/results/)")
     p.add_argument("--quick", action="store_true", help="shorter limits and bench, to end inside --deadline")
+    p.add_argument("--emulated", action="store_true",
+                   help="rehearse on the emulated CUDA device (no GPU): small shapes, --device cpu, no timings")
     p.add_argument("--deadline", type=float, default=None,
                    help=f"seconds after which no command starts (default: {QUICK_DEADLINE_S} with --quick, none without)")
     args = p.parse_args(argv)
     started = time.monotonic()
     deadline = args.deadline if args.deadline is not None else (QUICK_DEADLINE_S if args.quick else None)
-    reason = cuda.cuda_unavailable_reason()
+    reason = None if args.emulated else cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/run_gpu_tests.py: no CUDA GPU found ({reason}); nothing to run here "
               "(`make test` runs the CPU tests)", file=sys.stderr)
         return NO_GPU_EXIT
     now = datetime.datetime.now(datetime.timezone.utc)
-    device = device_name()
-    cmds = quick_commands() if args.quick else commands()
+    device = EMULATED_DEVICE if args.emulated else device_name()
+    if args.emulated:
+        cmds = emulated_commands(args.quick)
+    else:
+        cmds = quick_commands() if args.quick else commands()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SITE, os.environ.get("PYTHONPATH")]))}
     os.makedirs(args.results_dir, exist_ok=True)
-    path = log_path(args.results_dir, now.strftime("%Y-%m-%d"), device, "test-gpu-quick" if args.quick else "test-gpu")
+    name = "test-gpu" + ("-quick" if args.quick else "") + ("-emulated" if args.emulated else "")
+    path = log_path(args.results_dir, now.strftime("%Y-%m-%d"), device, name)
     results = []                                                       # (command, verdict, seconds)
     with open(path, "w") as log:
         tee(f"# dev/run_gpu_tests.py{' --quick' if args.quick else ''}, {now.strftime('%Y-%m-%d %H:%M:%S')} UTC\n"
-            f"# device: {device} ({software_versions()})\n"
+            f"# device: {device} ({emulator_versions() if args.emulated else software_versions()})\n"
             f"# commit: {git_commit()}\n"
             "# commands:\n" + "".join(f"#   {' '.join(c)}\n" for c in cmds), log)
         for cmd in cmds:
