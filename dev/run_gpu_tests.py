@@ -75,7 +75,7 @@ SHARDS = [os.path.join(REPO_ROOT, "data", "tinyshakespeare", f"tiny_shakespeare_
 GPU_SHAPES = {"check": ["-e", "d12", "-b", "4", "-t", "64"], "check-long": ["-e", "d12", "-b", "1", "-t", "1024"],
               "train": ["-x", "50", "-v", "25", "-s", "50"]}
 EMULATED_SHAPES = {"check": ["-e", "d2", "-b", "2", "-t", "32"], "check-long": ["-e", "d2", "-b", "1", "-t", "128"],
-                   "train": ["-e", "d2", "-b", "2", "-t", "32", "-x", "4", "-v", "2", "-s", "4"]}
+                   "train": ["-e", "d2", "-b", "2", "-t", "32", "-x", "4", "-v", "2", "-s", "4", "-g", "8"]}
 NO_GPU_EXIT = 2
 EMULATED_DEVICE = "emulated CUDA device (CPU)"
 TIMEOUT_EXIT = 124                      # as timeout(1) reports it
@@ -322,7 +322,8 @@ def main(argv=None):
             f"# commit: {git_commit()}\n"
             "# commands:\n" + "".join(f"#   {' '.join(c)}\n" for c in cmds), log)
         for cmd in cmds:
-            limit = limit_s(cmd, args.quick) if (args.quick or deadline) else None
+            # the emulated device is slower than a GPU: the full run's limits, also with --quick
+            limit = limit_s(cmd, args.quick and not args.emulated) if (args.quick or deadline) else None
             if deadline is not None:
                 left = deadline - (time.monotonic() - started)
                 if left < 10:
