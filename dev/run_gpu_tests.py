@@ -317,7 +317,8 @@ def main(argv=None):
     path = log_path(args.results_dir, now.strftime("%Y-%m-%d"), device, name)
     results = []                                                       # (command, verdict, seconds)
     with open(path, "w") as log:
-        tee(f"# dev/run_gpu_tests.py{' --quick' if args.quick else ''}, {now.strftime('%Y-%m-%d %H:%M:%S')} UTC\n"
+        flags = (" --quick" if args.quick else "") + (" --emulated" if args.emulated else "")
+        tee(f"# dev/run_gpu_tests.py{flags}, {now.strftime('%Y-%m-%d %H:%M:%S')} UTC\n"
             f"# device: {device} ({emulator_versions() if args.emulated else software_versions()})\n"
             f"# commit: {git_commit()}\n"
             "# commands:\n" + "".join(f"#   {' '.join(c)}\n" for c in cmds), log)
