@@ -26,7 +26,7 @@ import gpt2_cuda
 import llmc.attention
 import llmc
 from llmc import cuda_check
-from gpt2_cpu import GPT2Config, model_config
+from gpt2_cpu import model_config
 from emulated_gpu import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
 
 
