@@ -3,7 +3,7 @@ tests/emulated_gpu.py: the test scaffolding shared by the test modules that run 
 without a GPU (test modules never import each other): the `emulated_gpu` fixture, which puts
 llmc.cuda on the emulated CUDA device (llmc/emulator/: our kernels/*.cu compiled by g++ and run on
 the CPU, llmc.emulator.device for CuPy, the vendor libraries emulated with their contracts), a
-recorder of the kernel launches, the tiny model TINY, and helpers for training runs (a token
+recorder of the kernel launches, the tiny model TINY and its parameters, and helpers for training runs (a token
 shard, the losses of a main.log). Not a test module: there is one emulation, llmc/emulator/, and
 nothing here stands in for a kernel.
 """
@@ -14,11 +14,24 @@ import re
 import numpy as np
 import pytest
 
+import gpt2_cpu
 import llmc.cuda
 from gpt2_cpu import GPT2Config
 from llmc import formats
 
 TINY = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
+BIASES_AND_NORMS = ("qkvb", "attprojb", "fcb", "fcprojb", "ln1w", "ln1b", "ln2w", "ln2b", "lnfw", "lnfb")
+
+
+def tiny_model_parameters(config=TINY, seed=42):
+    """gpt2_cpu's model of gpt2_init(config, seed) with every bias and LayerNorm parameter moved by
+    ~N(0, 0.1^2): the init makes them all 0 (or 1), which would hide a bias or LayerNorm weight
+    handed to the wrong layer."""
+    model = gpt2_cpu.gpt2_init(config, seed)
+    rng = np.random.default_rng(seed)
+    for name in BIASES_AND_NORMS:
+        model.P[name] += 0.1 * rng.standard_normal(model.P[name].shape).astype(model.P[name].dtype)
+    return model
 
 
 # ----------------------------------------------------------------------------

@@ -21,13 +21,12 @@ import types
 import numpy as np
 import pytest
 
-import gpt2_cpu
 import gpt2_cuda
 import llmc.attention
 import llmc
 from llmc import cuda_check
 from gpt2_cpu import model_config
-from emulated_gpu import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+from emulated_gpu import TINY, emulated_gpu, tiny_model_parameters  # noqa: F401  (emulated_gpu is a fixture)
 
 
 # ----------------------------------------------------------------------------
@@ -125,7 +124,7 @@ def test_emulated_model_on_cudnn_path_matches_gpt2_cpu(emulated_gpu, monkeypatch
     calls = []
     _record_cudnn_calls(monkeypatch, calls)
     model = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True, recompute=True, attention="cudnn")
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
     rng = np.random.default_rng(11)
     x = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)

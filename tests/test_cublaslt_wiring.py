@@ -15,13 +15,12 @@ import types
 import numpy as np
 import pytest
 
-import gpt2_cpu
 import gpt2_cuda
 import llmc.matmul
 import llmc
 import llmc.cuda
 from llmc import cuda_check
-from emulated_gpu import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+from emulated_gpu import TINY, emulated_gpu, tiny_model_parameters  # noqa: F401  (emulated_gpu is a fixture)
 
 
 def _recording(calls, fn, direction):
@@ -63,7 +62,7 @@ def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch
     # the separate GELU kernels must not run: their work is in the epilogues
     monkeypatch.setattr(llmc.matmul, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
     model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=llmc.matmul.CublasLt())
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
     rng = np.random.default_rng(2)
     x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
