@@ -26,8 +26,8 @@ GPU-only); on a GPU only: the 124M model against gpt2_cpu in fp32 and bf16, ten 
 steps, resuming CPU <-> CUDA on d2.
 Part 3, flash attention: its tiles, and the kernels against float64 attention and lse, at the
 GPU shapes and (emulated) at the small ones tests/test_flash_attention_host.py does not run.
-Run: pytest tests/test_cuda.py   (no GPU: about a minute on 2 cores once the emulated kernels are
-built; part 2 on an H100: minutes, mostly gpt2_cpu computing the 124M references on the CPU)
+Run: pytest tests/test_cuda.py   (no GPU: about two minutes on 2 shared cores once the emulated
+kernels are built; part 2 on an H100: minutes, mostly gpt2_cpu computing the 124M references)
 """
 import ctypes
 import importlib.util
@@ -752,7 +752,7 @@ def test_emulated_log_gpu_every(emulated_training, monkeypatch, tmp_path, capsys
     assert len(lines) == 2 and lines[0].startswith("gpu 0: memory 2.00 of 8.00 GiB in use")
 
 
-@pytest.mark.slow                      # 136 optimizer steps on the emulated device: ~35 s on 2 busy cores
+@pytest.mark.slow                      # 136 optimizer steps on the emulated device: 25-65 s on 2 shared cores
 def test_emulated_outlier_skipping_matches_gpt2_cpu(emulated_training, tmp_path, capsys):
     # -sg through llmc/cli.py: once the 128-step windows are full both trainers print the same
     # z-scores and skip the same updates (fp32, so the norms agree to ~1e-6)
