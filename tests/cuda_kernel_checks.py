@@ -227,7 +227,6 @@ def check_matmul_and_bias(rng, precision, B, T, C, OC):
 
 def check_attention(rng, precision, B, T, NH, HS):
     """The naive attention path (permutes, cuBLAS, softmax kernels), forward and backward."""
-    cp = llmc.cuda.cupy()
     C = NH * HS
     qkv = rng.standard_normal((B, T, 3 * C))
     out, qkvr, att = poisoned((B, T, C), precision), poisoned((3, B, NH, T, HS), precision), poisoned((B, NH, T, T), precision)
@@ -245,7 +244,7 @@ def check_attention(rng, precision, B, T, NH, HS):
     llmc.attention.attention_backward(dinp, dqkvr, datt, dy, to_device(dout, precision), qkvr, att, B, T, C, NH)
     ref_dinp = gpt2_cpu.attention_backward(as_input(dout, precision), as_input(qkv, precision), to_host(att).astype(np.float64), NH)
     assert_kernel("attention", precision, dinp, ref_dinp, "attention dqkv")
-    assert bool(cp.isfinite(cp.asarray(to_host(dinp))).all())
+    assert np.isfinite(to_host(dinp)).all()
 
 
 def check_flash_attention(rng, precision, B, T, NH, HS):

@@ -4,13 +4,14 @@
   drop (counted by hand here from the shapes, not from the table);
 - resolve_attention: the fallbacks (cuDNN missing -> flash, no flash kernel for the head size ->
   naive), each with its one line, and --attention on the command line;
-- the whole model on the cuDNN path through the emulated GPU (tests/test_cuda.py's stand-ins), with
-  the cuDNN entry points replaced by a float64 NumPy attention written here: every activation, the
-  log-sum-exp and every gradient against gpt2_cpu.py. This checks the wiring of the fused paths
+- the whole model on the cuDNN path on the emulated CUDA device (tests/emulated_gpu.py's fixture:
+  the real kernels, llmc/cudnn_attention.py itself on the emulated cuDNN, llmc/emulator/cudnn.py),
+  bf16 as cuDNN's fused attention needs: every activation, the log-sum-exp and every gradient
+  against gpt2_cpu.py, and which entry points run when. This checks the wiring of the fused path
   (which buffers, which layouts, the backward's arguments), not cuDNN, which only a GPU can run.
-The flash path's kernels are emulated block by block in tests/test_cuda.py, which also runs the
-model on that path.
-Run: pytest tests/test_attention_paths.py   (a few seconds)
+The flash path's kernels run emulated in tests/test_flash_attention_host.py and tests/test_cuda.py,
+which also runs the model on that path.
+Run: pytest tests/test_attention_paths.py   (a few seconds once the emulated kernels are built)
 """
 
 import math
@@ -20,13 +21,12 @@ import types
 import numpy as np
 import pytest
 
-import gpt2_cpu
 import gpt2_cuda
 import llmc.attention
 import llmc
 from llmc import cuda_check
-from gpt2_cpu import GPT2Config, model_config
-from emulated_gpu import TINY, _from_f32, _to_f32, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+from gpt2_cpu import model_config
+from emulated_gpu import TINY, emulated_gpu, tiny_model_parameters  # noqa: F401  (emulated_gpu is a fixture)
 
 
 # ----------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def test_attention_flag():
 
 
 # ----------------------------------------------------------------------------
-# the model on the cuDNN path, cuDNN replaced by NumPy
+# the model on the cuDNN path, on the emulated cuDNN
 
 def _heads(qkv, NH):
     """(B,T,3C) -> q, k, v each (B,NH,T,HS), float64."""
@@ -107,52 +107,24 @@ def _heads(qkv, NH):
             for i in range(3)]
 
 
-def _probabilities(q, k, T):
-    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
-    scores[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
-    lse = np.logaddexp.reduce(scores, axis=-1)                                     # (B,NH,T)
-    return np.exp(scores - lse[..., None]), lse
+def _record_cudnn_calls(monkeypatch, calls):
+    """llmc.cudnn_attention's entry points, each call appended to calls ("prepare", "forward",
+    "backward") before it runs."""
+    from llmc import cudnn_attention
+    for name, label in (("prepare", "prepare"), ("attention_forward_cudnn", "forward"),
+                        ("attention_backward_cudnn", "backward")):
+        def recording(*args, _call=getattr(cudnn_attention, name), _label=label, **kwargs):
+            calls.append(_label)
+            return _call(*args, **kwargs)
+        monkeypatch.setattr(cudnn_attention, name, recording)
 
 
-def _numpy_cudnn(calls):
-    """Stand-ins for llmc.cudnn_attention's entry points with their signatures, float64 inside."""
-
-    def forward(out, stats, qkv, B, T, NH, HS, training=True):
-        calls.append("forward")
-        precision = "bf16" if out.dtype == np.uint16 else "fp32"
-        q, k, v = _heads(_to_f32(np.asarray(qkv)), NH)
-        p, lse = _probabilities(q, k, T)
-        y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T, NH * HS)
-        out[...] = _from_f32(y.astype(np.float32), precision)
-        stats[...] = lse.astype(np.float32)
-
-    def backward(dqkv, dout, qkv, out, stats, B, T, NH, HS):
-        calls.append("backward")
-        precision = "bf16" if dqkv.dtype == np.uint16 else "fp32"
-        q, k, v = _heads(_to_f32(np.asarray(qkv)), NH)
-        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(HS)
-        p = np.tril(np.exp(scores - np.asarray(stats, np.float64)[..., None]))      # from the saved stats
-        do = _to_f32(np.asarray(dout)).reshape(B, T, NH, HS).transpose(0, 2, 1, 3).astype(np.float64)
-        dv = p.transpose(0, 1, 3, 2) @ do
-        dp = do @ v.transpose(0, 1, 3, 2)
-        ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(HS)
-        dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
-        full = np.concatenate([g.transpose(0, 2, 1, 3).reshape(B, T, NH * HS) for g in (dq, dk, dv)], axis=-1)
-        dqkv[...] = _from_f32(full.astype(np.float32), precision)
-
-    return types.SimpleNamespace(attention_forward_cudnn=forward, attention_backward_cudnn=backward,
-                                 prepare=lambda sizes, NH, HS: calls.append("prepare"),
-                                 unavailable_reason=lambda precision, HS: None)
-
-
-@pytest.mark.parametrize("precision,B,T", [("fp32", 3, 16), ("bf16", 2, 13)])
-def test_emulated_model_on_cudnn_path_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, B, T):
+@pytest.mark.parametrize("B,T", [(3, 16), (1, 13)])
+def test_emulated_model_on_cudnn_path_matches_gpt2_cpu(emulated_gpu, monkeypatch, B, T):
     calls = []
-    fake = _numpy_cudnn(calls)
-    monkeypatch.setattr(llmc, "cudnn_attention", fake, raising=False)
-    monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", fake)
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True, attention="cudnn")
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+    _record_cudnn_calls(monkeypatch, calls)
+    model = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True, recompute=True, attention="cudnn")
+    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
     rng = np.random.default_rng(11)
     x = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32)

@@ -1,11 +1,12 @@
-"""gpt2_cuda.py with --cublaslt 1, without a GPU: the whole model through tests/test_cuda.py's
-emulated GPU, its linear layers through llmc/cublaslt.py itself on the emulated device's cuBLASLt
+"""gpt2_cuda.py with --cublaslt 1, without a GPU: the whole model on the emulated CUDA device
+(tests/emulated_gpu.py's fixture: the real kernels on the CPU), its linear layers through
+llmc/cublaslt.py itself on the emulated device's cuBLASLt
 (llmc/emulator/cublaslt.py: the epilogues bias, GELU with the pre-activation stored, DGELU and the
 bias gradient, computed on the raw pointers), checked tensor by tensor against gpt2_cpu.py. This
 checks the wiring (which layer passes which buffer as the GELU pre-activation, that the separate
 GELU kernels are skipped, the bias-gradient fallback when cuBLASLt has no BGRADB algorithm), not
 cuBLASLt itself: a GPU checks the library (tests/test_cublaslt.py part 2).
-Run: pytest tests/test_cublaslt_wiring.py   (a few seconds)
+Run: pytest tests/test_cublaslt_wiring.py   (a few seconds once the emulated kernels are built)
 """
 
 import sys
@@ -14,13 +15,12 @@ import types
 import numpy as np
 import pytest
 
-import gpt2_cpu
 import gpt2_cuda
 import llmc.matmul
 import llmc
 import llmc.cuda
 from llmc import cuda_check
-from emulated_gpu import TINY, emulated_gpu  # noqa: F401  (emulated_gpu is a fixture)
+from emulated_gpu import TINY, emulated_gpu, tiny_model_parameters  # noqa: F401  (emulated_gpu is a fixture)
 
 
 def _recording(calls, fn, direction):
@@ -32,14 +32,11 @@ def _recording(calls, fn, direction):
     return wrapper
 
 
-def _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad):
+def _emulated_cublaslt(monkeypatch, calls, bgrad):
     """llmc/cublaslt.py itself on the emulated device's cuBLASLt (llmc/emulator/cublaslt.py, what
     llmc.cuda.library("cublaslt") returns with the device "cpu"); without bgrad its heuristic
     finds no BGRADB algorithm, as some cuBLASLt builds do."""
     from llmc import cublaslt
-    monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())          # restored after the test
-    llmc.cuda.use_device("cpu")
-    monkeypatch.setattr(emulated_gpu, "empty", lambda shape, dtype=np.float32: np.empty(shape, dtype), raising=False)
     lt = llmc.cuda.library("cublaslt")
     if not bgrad:
         heuristic = lt.matmul_algo_get_heuristic
@@ -61,11 +58,11 @@ def _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad):
 @pytest.mark.parametrize("precision,bgrad", [("fp32", True), ("fp32", False), ("bf16", True)])
 def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, bgrad):
     calls = []
-    cublaslt = _emulated_cublaslt(monkeypatch, emulated_gpu, calls, bgrad)
+    cublaslt = _emulated_cublaslt(monkeypatch, calls, bgrad)
     # the separate GELU kernels must not run: their work is in the epilogues
     monkeypatch.setattr(llmc.matmul, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
     model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=llmc.matmul.CublasLt())
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
     rng = np.random.default_rng(2)
     x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)

@@ -1,46 +1,47 @@
-"""Tests of gpt2_cuda.py: its host logic and, emulated, its whole GPU orchestration on the CPU;
-then (marked gpu, skipped without CuPy and a CUDA device) every kernel and the model on a GPU.
+"""Tests of gpt2_cuda.py: its host logic and its whole GPU orchestration on the emulated CUDA
+device (llmc/emulator/: the real kernels/*.cu compiled by g++ and run on the CPU, cuBLAS, cuBLASLt
+and cuDNN emulated with their contracts); then every kernel against gpt2_cpu.py, on a GPU and, at
+the small shapes, on the emulated device.
 
 Part 1, no GPU needed:
 - host logic: MFU/FLOPs, the peak-FLOPS table lookup, the encoder's segment building (against
   np.add.at), grids, the activation table's prefix property;
 - the command line: gpt2_cpu's parser plus the GPU flags in one --help, errors that name
   gpt2_cuda.py, the one-line exit without a GPU (of gpt2_cuda.py and dev/run_gpu_tests.py),
-  and dev/run_gpu_tests.py's log name and tee;
-- the column-major cuBLAS calls of matmul_forward/backward and of attention, run through a NumPy
-  emulation of cublasGemmEx / cublasGemmStridedBatchedEx (column-major, leading dimensions and
-  strides taken literally), against plain row-major NumPy products;
-- the whole model: gpt2_cuda's forward, backward, AdamW, checkpoints, run with every kernel
-  replaced by a NumPy emulation of its C signature (tests/emulated_gpu.py's EMULATED_KERNELS,
-  parameter names checked against the .cu sources), CuPy by a NumPy-backed stand-in, and cuBLAS
-  by the emulated gemm,
-  compared tensor by tensor with gpt2_cpu. This checks argument order, views, shapes, scratch
-  reuse and the training loop; it cannot check the kernels themselves, which part 2 does.
-  Through the same stand-ins: one activation allocation for training, HellaSwag and sampling;
-  gpt2_cpu.generate and --generate with the CUDA forward (the same tokens as gpt2_cpu.py);
-  HellaSwag's padded forward_losses, --eval-only -h 1, and -h 1 / samples during training
-  (the same main.log eval lines and sample text as gpt2_cpu.py).
-Part 2, GPU: each kernel against gpt2_cpu's NumPy layer on fresh random inputs with outputs
-poisoned with NaN, tolerances in llmc.check.TOLERANCES; the 124M model against gpt2_cpu in fp32 and
-bf16; ten training steps; the sampling and HellaSwag forwards; resuming CPU <-> CUDA.
-Run: pytest tests/test_cuda.py   (part 1: a few seconds on 2 cores; part 2 on an H100: minutes,
-mostly gpt2_cpu computing the 124M references on the CPU)
+  and dev/run_gpu_tests.py's log name and tee; every launch names a kernel of its file;
+- the column-major cuBLAS calls of matmul_forward/backward and of attention on the emulated
+  cuBLAS (column-major, leading dimensions and strides taken literally), against plain row-major
+  NumPy products;
+- the whole model on the emulated device (tests/emulated_gpu.py's fixture): gpt2_cuda's forward,
+  backward, AdamW, checkpoints, compared tensor by tensor with gpt2_cpu; which kernels a step
+  launches (the classifier once, the biases on the next kernel) and its pinned, asynchronous
+  uploads; one activation allocation for training, HellaSwag and sampling; gpt2_cpu.generate and
+  --generate with the CUDA forward (the same tokens as gpt2_cpu.py); HellaSwag's padded
+  forward_losses, --eval-only -h 1, and -h 1 / samples during training (the same main.log eval
+  lines and sample text as gpt2_cpu.py); resuming CPU <-> CUDA; bf16 master weights.
+Part 2, kernels: each kernel file against gpt2_cpu's NumPy layer on fresh random inputs with
+outputs poisoned with NaN, tolerances in llmc.check.TOLERANCES, on a GPU (marked gpu) at every
+shape and on the emulated device at the small, odd ones (the 768 / 50304 / 1<<20 shapes are
+GPU-only); on a GPU only: the 124M model against gpt2_cpu in fp32 and bf16, ten d4 training
+steps, resuming CPU <-> CUDA on d2.
+Part 3, flash attention: its tiles, and the kernels against float64 attention and lse, at the
+GPU shapes and (emulated) at the small ones tests/test_flash_attention_host.py does not run.
+Run: pytest tests/test_cuda.py   (no GPU: about two minutes on 2 shared cores once the emulated
+kernels are built; part 2 on an H100: minutes, mostly gpt2_cpu computing the 124M references)
 """
-
+import ctypes
 import importlib.util
-import inspect
 import math
 import os
 import re
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 
 import gpt2_cpu
-from llmc import checkpoint, cli, cuda_check, dataloader, evalloader, formats, gpu_cli, tokenizer
+from llmc import checkpoint, cli, cuda_check, dataloader, evalloader, gpu_cli, tokenizer
 import gpt2_cuda
 import llmc.matmul
 import llmc.attention
@@ -49,9 +50,9 @@ import llmc.mfu
 import llmc.pinned
 from gpt2_cpu import GPT2Config
 from llmc.check import TOLERANCES, check_tensor
-from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits
-from emulated_gpu import (EMULATED_KERNELS, TINY, FakeDeviceArray, _flash_forward, _from_f32, _heads, _null,  # noqa: F401
-                          _to_f32, _train_losses, _write_shards, emulated_gemm, emulated_gpu, emulated_launch)
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from emulated_gpu import (TINY, _train_losses, _write_shards, emulated_gpu, record_launches,  # noqa: F401  (a fixture)
+                          tiny_model_parameters)
 from cuda_kernel_checks import (as_input, check_adamw_norm_cast, check_attention, check_classifier, check_encoder,
                                 check_gelu, check_layernorm, check_matmul_and_bias, poisoned, to_device, to_host)
 
@@ -323,16 +324,7 @@ def _launched_kernels():
     return launched | {("flash_attention", name) for names in llmc.attention.FLASH_ATTENTION_KERNELS.values() for name in names}
 
 
-def _c_parameters(file, kernel):
-    """Parameter names of `extern "C" __global__ void kernel(...)` in kernels/<file>.cu."""
-    with open(os.path.join(ROOT, "kernels", f"{file}.cu")) as f:
-        src = f.read()
-    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+' + kernel + r'\s*\(([^)]*)\)', src)
-    assert m, f"kernels/{file}.cu has no extern \"C\" kernel {kernel}"
-    return [re.findall(r"(\w+)\s*$", p.strip())[0] for p in m.group(1).split(",")]
-
-
-def test_every_launch_names_a_kernel_of_its_file_and_the_emulation_matches_its_signature():
+def test_every_launch_names_a_kernel_of_its_file():
     launched = _launched_kernels()
     defined = set()
     for path in sorted(os.listdir(os.path.join(ROOT, "kernels"))):
@@ -341,90 +333,108 @@ def test_every_launch_names_a_kernel_of_its_file_and_the_emulation_matches_its_s
                 defined |= {(path[:-3], k) for k in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', f.read())}
     assert launched == defined                                           # every kernel has a launcher
     assert set(gpt2_cuda.KERNEL_FILES) | {"flash_attention"} == {file for file, _ in defined}   # flash: kernel_files(model)
-    for file, kernel in launched:
-        params = _c_parameters(file, kernel)
-        emulated = list(inspect.signature(EMULATED_KERNELS[kernel]).parameters)[2:]   # after grid, block
-        assert emulated == params, (kernel, emulated, params)
 
 
 # ----------------------------------------------------------------------------
-# part 1b: cuBLAS, emulated: column-major gemm on flat buffers
+# part 1b: the cuBLAS calls on the emulated cuBLAS (llmc/emulator/cublas.py): column-major, every
+# leading dimension and stride taken literally
 
-@pytest.fixture
-def emulated_cublas(monkeypatch):
-    monkeypatch.setattr(llmc.cuda, "gemm", emulated_gemm)
-    monkeypatch.setattr(llmc.cuda, "launch", emulated_launch)           # add_bias, bias_backward
+def _floatX(x, precision):
+    """fp32 host values -> floatX host storage (bf16 bits, rounded to nearest even)."""
+    x = np.asarray(x, dtype=np.float32)
+    return float32_to_bfloat16_bits(x) if precision == "bf16" else x
+
+
+def _float32(x):
+    """floatX host storage -> float32 values."""
+    return bfloat16_bits_to_float32(x) if x.dtype == np.uint16 else x
 
 
 @pytest.mark.parametrize("precision,OC", [("fp32", 12), ("fp32", 5), ("bf16", 24), ("bf16", 7)])
-def test_matmul_forward_adds_the_bias_after_a_beta_0_gemm(emulated_cublas, monkeypatch, precision, OC):
+def test_matmul_forward_adds_the_bias_after_a_beta_0_gemm(emulated_gpu, monkeypatch, precision, OC):
     # no broadcast copy of the bias into out and no beta = 1 GEMM reading it back: the GEMM
     # overwrites out (poisoned first), then one add_bias launch (vectorized or not by OC)
-    gemms, launches = [], []
-    monkeypatch.setattr(llmc.cuda, "gemm", lambda *a, **k: (gemms.append(k.get("accumulate", False)),
-                                                             emulated_gemm(*a, **k)))
-    monkeypatch.setattr(llmc.cuda, "launch", lambda file, prec, name, grid, block, args: (
-        launches.append((name, grid)), emulated_launch(file, prec, name, grid, block, args)))
+    cp, cublas = emulated_gpu, llmc.cuda.library("cublas")
+    betas, gemm_ex = [], cublas.gemmEx
+
+    def recording_gemm(*args):
+        betas.append(ctypes.c_float.from_address(args[13]).value)       # beta: a host pointer (pointer mode host)
+        return gemm_ex(*args)
+    monkeypatch.setattr(cublas, "gemmEx", recording_gemm)
+    launches = record_launches(monkeypatch)
     B, T, C = 2, 3, 8
     rng = np.random.default_rng(OC)
     inp, weight, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)), rng.standard_normal(OC)
-    out = _from_f32(np.full((B, T, OC), np.nan, np.float32), precision)
-    llmc.matmul.matmul_forward(out, *(_from_f32(a.astype(np.float32), precision) for a in (inp, weight, bias)),
-                             B, T, C, OC)
-    assert gemms == [False] and [name for name, _ in launches] == ["add_bias"]
+    out = cp.asarray(_floatX(np.full((B, T, OC), np.nan), precision))
+    llmc.matmul.matmul_forward(out, *(cp.asarray(_floatX(a, precision)) for a in (inp, weight, bias)), B, T, C, OC)
+    assert betas == [0.0] and [launch.name for launch in launches] == ["add_bias"]
     vec = llmc.cuda.vector_size(precision) if OC % llmc.cuda.vector_size(precision) == 0 else 1
-    assert launches[0][1] == llmc.cuda.elementwise_grid(B * T * OC // vec)
-    r = lambda a: _to_f32(_from_f32(a.astype(np.float32), precision)).astype(np.float64)   # noqa: E731
+    assert launches[0].grid == (llmc.cuda.elementwise_grid(B * T * OC // vec), 1, 1)
+    r = lambda a: _float32(_floatX(a, precision)).astype(np.float64)                 # noqa: E731
     atol, rtol = TOLERANCES[f"kernel_{precision}"]["matmul"]
-    np.testing.assert_allclose(_to_f32(out), r(inp) @ r(weight).T + r(bias), rtol=rtol, atol=atol)
+    np.testing.assert_allclose(_float32(out.get()), r(inp) @ r(weight).T + r(bias), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("B,T,C,OC", [(2, 3, 4, 5), (1, 7, 8, 12), (3, 5, 6, 1)])
-def test_matmul_gemm_arguments(emulated_cublas, B, T, C, OC):
+def test_matmul_gemm_arguments(emulated_gpu, B, T, C, OC):
+    cp = emulated_gpu
     rng = np.random.default_rng(OC)
     inp = rng.standard_normal((B, T, C)).astype(np.float32)
     weight = rng.standard_normal((OC, C)).astype(np.float32)
     bias = rng.standard_normal(OC).astype(np.float32)
-    out = np.full((B, T, OC), np.nan, np.float32)
-    llmc.matmul.matmul_forward(out, inp, weight, bias, B, T, C, OC)
-    np.testing.assert_allclose(out, inp @ weight.T + bias, rtol=1e-5, atol=1e-5)
-    llmc.matmul.matmul_forward(out, inp, weight, None, B, T, C, OC)
-    np.testing.assert_allclose(out, inp @ weight.T, rtol=1e-5, atol=1e-5)
+    out = cp.full((B, T, OC), np.nan, np.float32)
+    llmc.matmul.matmul_forward(out, cp.asarray(inp), cp.asarray(weight), cp.asarray(bias), B, T, C, OC)
+    np.testing.assert_allclose(out.get(), inp @ weight.T + bias, rtol=1e-5, atol=1e-5)
+    llmc.matmul.matmul_forward(out, cp.asarray(inp), cp.asarray(weight), None, B, T, C, OC)
+    np.testing.assert_allclose(out.get(), inp @ weight.T, rtol=1e-5, atol=1e-5)
     dout = rng.standard_normal((B, T, OC)).astype(np.float32)
-    dinp = np.full((B, T, C), np.nan, np.float32)
+    dinp = cp.full((B, T, C), np.nan, np.float32)
     dweight0 = rng.standard_normal((OC, C)).astype(np.float32)
-    dweight = dweight0.copy()
-    llmc.matmul.matmul_backward(dinp, dweight, None, dout, inp, weight, None, B, T, C, OC)
-    np.testing.assert_allclose(dinp, dout @ weight, rtol=1e-5, atol=1e-5)                  # written
-    np.testing.assert_allclose(dweight, dweight0 + dout.reshape(-1, OC).T @ inp.reshape(-1, C),
-                               rtol=1e-5, atol=1e-5)                                        # accumulated
+    dweight = cp.asarray(dweight0)
+    llmc.matmul.matmul_backward(dinp, dweight, None, cp.asarray(dout), cp.asarray(inp), cp.asarray(weight), None,
+                                B, T, C, OC)
+    np.testing.assert_allclose(dinp.get(), dout @ weight, rtol=1e-5, atol=1e-5)                  # written
+    np.testing.assert_allclose(dweight.get(), dweight0 + dout.reshape(-1, OC).T @ inp.reshape(-1, C),
+                               rtol=1e-5, atol=1e-5)                                              # accumulated
 
 
 @pytest.mark.parametrize("BNH,T,HS", [(1, 1, 4), (3, 5, 4), (2, 16, 8)])
-def test_attention_gemm_arguments(emulated_cublas, BNH, T, HS):
+def test_attention_gemm_arguments(emulated_gpu, BNH, T, HS):
+    cp = emulated_gpu
     rng = np.random.default_rng(T)
     q, k, v, dy = (rng.standard_normal((BNH, T, HS)).astype(np.float32) for _ in range(4))
     att, dpreatt = (rng.standard_normal((BNH, T, T)).astype(np.float32) for _ in range(2))
     tr = lambda x: x.transpose(0, 2, 1)                                                 # noqa: E731
-    preatt = np.full((BNH, T, T), np.nan, np.float32)
-    llmc.attention.attention_scores(preatt, q, k, BNH, T, HS)
-    np.testing.assert_allclose(preatt, q @ tr(k), rtol=1e-5, atol=1e-5)
-    y = np.full((BNH, T, HS), np.nan, np.float32)
-    llmc.attention.attention_values(y, att, v, BNH, T, HS)
-    np.testing.assert_allclose(y, att @ v, rtol=1e-5, atol=1e-5)
-    datt, dv = np.full((BNH, T, T), np.nan, np.float32), np.full((BNH, T, HS), np.nan, np.float32)
-    llmc.attention.attention_values_backward(datt, dv, dy, att, v, BNH, T, HS)
-    np.testing.assert_allclose(datt, dy @ tr(v), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dv, tr(att) @ dy, rtol=1e-5, atol=1e-5)
-    dq, dk = np.full((BNH, T, HS), np.nan, np.float32), np.full((BNH, T, HS), np.nan, np.float32)
-    llmc.attention.attention_scores_backward(dq, dk, dpreatt, q, k, BNH, T, HS)
-    np.testing.assert_allclose(dq, dpreatt @ k, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dk, tr(dpreatt) @ q, rtol=1e-5, atol=1e-5)
+    nan = lambda *shape: cp.full(shape, np.nan, np.float32)                             # noqa: E731
+    preatt = nan(BNH, T, T)
+    llmc.attention.attention_scores(preatt, cp.asarray(q), cp.asarray(k), BNH, T, HS)
+    np.testing.assert_allclose(preatt.get(), q @ tr(k), rtol=1e-5, atol=1e-5)
+    y = nan(BNH, T, HS)
+    llmc.attention.attention_values(y, cp.asarray(att), cp.asarray(v), BNH, T, HS)
+    np.testing.assert_allclose(y.get(), att @ v, rtol=1e-5, atol=1e-5)
+    datt, dv = nan(BNH, T, T), nan(BNH, T, HS)
+    llmc.attention.attention_values_backward(datt, dv, cp.asarray(dy), cp.asarray(att), cp.asarray(v), BNH, T, HS)
+    np.testing.assert_allclose(datt.get(), dy @ tr(v), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dv.get(), tr(att) @ dy, rtol=1e-5, atol=1e-5)
+    dq, dk = nan(BNH, T, HS), nan(BNH, T, HS)
+    llmc.attention.attention_scores_backward(dq, dk, cp.asarray(dpreatt), cp.asarray(q), cp.asarray(k), BNH, T, HS)
+    np.testing.assert_allclose(dq.get(), dpreatt @ k, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dk.get(), tr(dpreatt) @ q, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def emulated_training(emulated_gpu, monkeypatch):
+    """The emulated device for tests that take optimizer steps, with the global norm's grid cut
+    from 1024 blocks of 512 threads (seconds per step there, each CUDA thread a fiber) to 16: the
+    kernel is grid-stride and its launcher and partial buffer follow the constant, so the same
+    kernels compute the same norm, in another fixed summation order."""
+    monkeypatch.setattr(gpt2_cuda, "GLOBAL_NORM_GRID", 16)
+    return emulated_gpu
 
 
 def _tiny_model(precision, recompute, seed=42):
     model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=recompute)
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, seed).params)
+    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, seed).params)
     return model
 
 
@@ -444,12 +454,12 @@ def test_emulated_model_matches_gpt2_cpu(emulated_gpu, precision, recompute, B, 
     assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
 
 
-def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
+def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_training):
     rng = np.random.default_rng(3)
-    B, T = 2, 8
+    B, T, C = 2, 8, TINY.channels
     batches = [tuple(rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32) for _ in range(2)) for _ in range(2)]
     model = _tiny_model("fp32", True)
-    cpu = gpt2_cpu.gpt2_init(TINY, 42)
+    cpu = tiny_model_parameters(TINY, 42)
     for step in range(1, 3):
         gpt2_cuda.gpt2_zero_grad(model)
         gpt2_cpu.gpt2_zero_grad(cpu)
@@ -463,7 +473,16 @@ def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
         assert norm == pytest.approx(cpu_norm, rel=1e-5)
         gpt2_cuda.gpt2_update(model, 1e-3, 0.9, 0.95, 1e-8, 0.1, step, grad_scale=0.5)
         gpt2_cpu.gpt2_update(cpu, 1e-3, 0.9, 0.95, 1e-8, 0.1, step, grad_scale=0.5)
-        assert check_tensor(model.params.get(), cpu.params, "params", 1e-6, 1e-5)
+        # the key biases' gradient is zero analytically (adding q.bk to every score of a softmax row
+        # changes nothing): both trainers hold rounding noise there (~1e-12, far below AdamW's eps
+        # of 1e-8), which AdamW turns into steps of lr * g/(|g| + eps) << lr of either sign. There
+        # the two may part by that much each step (a real gradient would move them by ~lr = 1e-3)
+        params, cpu_params = model.params.get(), cpu.params.copy()
+        key_bias = np.zeros(cpu.params.size, bool)
+        gpt2_cpu.tensor_views(key_bias, cpu.param_shapes)["qkvb"][:, C:2 * C] = True
+        assert np.abs(params[key_bias] - cpu_params[key_bias]).max() < 2 * step * 1e-3 * 1e-2
+        params[key_bias] = cpu_params[key_bias] = 0.0
+        assert check_tensor(params, cpu_params, "params", 1e-6, 1e-5)
         # m = beta1 m + (1 - beta1) g inherits (1 - beta1) of the gradients' differences, which the
         # grads check above allows up to 1e-6 absolute: so 1e-7 absolute here (m itself is ~1e-3)
         assert check_tensor(model.m.get(), cpu.m, "m", 1e-7, 1e-4)
@@ -472,21 +491,16 @@ def test_emulated_gradient_accumulation_and_update_match_gpt2_cpu(emulated_gpu):
 def test_emulated_micro_batch_runs_the_classifier_once(emulated_gpu, monkeypatch):
     # the training step's fused classifier is one pass writing the losses and dlogits (not a
     # forward pass for the loss and a backward pass again); the step's results are unchanged
-    launched = []
-
-    def recording_launch(file, precision, name, grid, block, args):
-        launched.append((name, args))
-        emulated_launch(file, precision, name, grid, block, args)
-    monkeypatch.setattr(llmc.cuda, "launch", recording_launch)
+    launched = record_launches(monkeypatch)
     rng = np.random.default_rng(4)
     x, y = (rng.integers(0, TINY.vocab_size, (2, 8)).astype(np.int32) for _ in range(2))
     model = _tiny_model("fp32", True)
     gpt2_cuda.gpt2_zero_grad(model)
     gpt2_cuda.gpt2_activations(model, 2, 8)["loss_accum"].fill(0)
     gpt2_cuda.gpt2_micro_batch(model, x, y, 0.5)
-    classifier = [args for name, args in launched if name == "fused_classifier"]
+    classifier = [launch.args for launch in launched if launch.name == "fused_classifier"]
     assert len(classifier) == 1 and int(classifier[0][-1]) == 1           # write_dlogits
-    cpu = gpt2_cpu.gpt2_init(TINY, 42)
+    cpu = tiny_model_parameters(TINY, 42)
     gpt2_cpu.gpt2_forward(cpu, x, y)
     gpt2_cpu.gpt2_zero_grad(cpu)
     gpt2_cpu.gpt2_backward(cpu, loss_scale=0.5)
@@ -499,22 +513,17 @@ def test_emulated_biases_ride_on_the_next_kernel(emulated_gpu, monkeypatch):
     # of a layer's four linear layers only qkv adds its bias with add_bias; fc hands its bias to
     # the GELU, the attention and MLP projections theirs to the fused residual + LayerNorm (no
     # pass of their own)
-    launched = []
-
-    def recording_launch(file, precision, name, grid, block, args):
-        launched.append((name, args))
-        emulated_launch(file, precision, name, grid, block, args)
-    monkeypatch.setattr(llmc.cuda, "launch", recording_launch)
     model = _tiny_model("bf16", True)
+    launched = record_launches(monkeypatch)
     x = np.arange(16, dtype=np.int32).reshape(2, 8)
     gpt2_cuda.gpt2_forward(model, x, x)
     L = TINY.num_layers
-    assert sum(name == "add_bias" for name, _ in launched) == L
-    fc_biases = [args[2] for name, args in launched if name == "gelu_forward"]
-    assert len(fc_biases) == L and all(np.shares_memory(b, model.P["fcb"]) for b in fc_biases)
-    projection_biases = [args[6] for name, args in launched if name == "fused_residual_forward"]
-    assert len(projection_biases) == 2 * L and not any(_null(b) for b in projection_biases)
-    assert all(np.shares_memory(b, model.params) for b in projection_biases)
+    assert sum(launch.name == "add_bias" for launch in launched) == L
+    fc_biases = [launch.args[2] for launch in launched if launch.name == "gelu_forward"]
+    assert [llmc.cuda.address(b) for b in fc_biases] == [llmc.cuda.address(model.P["fcb"][l]) for l in range(L)]
+    projection_biases = [launch.args[6] for launch in launched if launch.name == "fused_residual_forward"]
+    assert [llmc.cuda.address(b) for b in projection_biases] == [
+        llmc.cuda.address(model.P[name][l]) for l in range(L) for name in ("attprojb", "fcprojb")]
 
 
 def test_emulated_uploads_are_async_copies_from_pinned_buffers(emulated_gpu, monkeypatch):
@@ -526,11 +535,14 @@ def test_emulated_uploads_are_async_copies_from_pinned_buffers(emulated_gpu, mon
         pinned.append(bytearray(nbytes))
         return pinned[-1]
 
+    device_array = type(emulated_gpu.zeros(1))
+    device_set = device_array.set
+
     def recording_set(self, arr, stream=None):
         copies.append((arr, stream))
-        np.copyto(self, arr)
+        device_set(self, arr, stream)
     monkeypatch.setattr(emulated_gpu.cuda, "alloc_pinned_memory", alloc_pinned_memory)
-    monkeypatch.setattr(FakeDeviceArray, "set", recording_set)
+    monkeypatch.setattr(device_array, "set", recording_set)
     model = _tiny_model("bf16", True)
     gpt2_cuda.gpt2_allocate(model, (2, 16))
     assert len(pinned) == 4                                                # two buffers each for batch and chunks
@@ -599,6 +611,17 @@ def test_emulated_generate_matches_gpt2_cpu(emulated_gpu, B, T, new_tokens):
     assert model.allocated == [(B, T), (1, window)]                  # the sampler used the allocation
 
 
+# gpt2_cuda.py's flag for the emulated device, and the banner line it prints first
+EMULATED = ["--device", "cpu"]
+
+
+def _without_banner(out):
+    """gpt2_cuda.py --device cpu's output without its first line, the emulated device's banner."""
+    banner, rest = out.split("\n", 1)
+    assert banner.startswith("gpt2_cuda.py --device cpu: the CUDA kernels run on the emulated device")
+    return rest
+
+
 def _synthetic_tokenizer(tmp_path):
     """A tokenizer file whose token i decodes to '<i>', so that printed samples give back their ids."""
     path = str(tmp_path / "tok.bin")
@@ -619,13 +642,13 @@ def test_emulated_generate_flag_matches_gpt2_cpu(emulated_gpu, tmp_path, capsys)
             "--temperature", "0.8", "--sample-seed", "5"]
     assert gpt2_cpu.main(argv) == 0
     cpu_out = capsys.readouterr().out
-    assert gpt2_cuda.main(argv + ["--precision", "fp32"]) == 0
-    cuda_out = capsys.readouterr().out
+    assert gpt2_cuda.main(argv + ["--precision", "fp32"] + EMULATED) == 0
+    cuda_out = _without_banner(capsys.readouterr().out)
     assert cuda_out == cpu_out
     ref = gpt2_cpu.generate(gpt2_cpu.read_model(path), [tokenizer.GPT2_EOT], 9, gpt2_cpu.SamplerRNG(5), 0.8, 40)
     assert _ids(cuda_out) == ref and len(set(ref)) > 1
     # the errors are gpt2_cpu's, one line each
-    assert gpt2_cuda.main(["-e", path, "--generate", "3", "--tokenizer", str(tmp_path / "none.bin")]) == 1
+    assert gpt2_cuda.main(["-e", path, "--generate", "3", "--tokenizer", str(tmp_path / "none.bin")] + EMULATED) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
 
@@ -644,7 +667,7 @@ def test_emulated_eval_forward_losses_pad_and_slice(emulated_gpu, B, R):
     inputs, targets = (rng.integers(0, TINY.vocab_size, (R, T)).astype(np.int32) for _ in range(2))
     losses = forward_losses(inputs, targets)
     assert type(losses) is np.ndarray and losses.shape == (R, T)            # host memory, R rows
-    cpu = gpt2_cpu.gpt2_init(TINY, 42)
+    cpu = tiny_model_parameters(TINY, 42)
     gpt2_cpu.gpt2_forward(cpu, inputs, targets)
     assert check_tensor(losses, cpu.acts["losses"], "eval losses", 1e-5, 1e-5)
     assert model.allocated == list(dict.fromkeys([(B, T), (rows, T)])) and model.BT == (rows, T)   # no reallocation
@@ -672,7 +695,7 @@ def test_emulated_eval_only_hellaswag_matches_gpt2_cpu(emulated_gpu, tmp_path, c
             "--hellaswag-file", hs, "--eval-only"]
     assert gpt2_cpu.main(argv) == 0
     cpu_out = capsys.readouterr().out
-    assert gpt2_cuda.main(argv + ["--precision", "fp32"]) == 0
+    assert gpt2_cuda.main(argv + ["--precision", "fp32"] + EMULATED) == 0
     cuda_out = capsys.readouterr().out
     acc = re.search(r"HellaSwag: ([0-9.]+) accuracy over 7 examples", cuda_out).group(1)
     assert acc == re.search(r"HellaSwag: ([0-9.]+) accuracy over 7 examples", cpu_out).group(1)
@@ -687,7 +710,7 @@ def test_emulated_eval_only_hellaswag_matches_gpt2_cpu(emulated_gpu, tmp_path, c
     assert val == pytest.approx(cpu_val, rel=1e-5)
 
 
-def test_emulated_training_evals_and_samples_match_gpt2_cpu(emulated_gpu, tmp_path, capsys):
+def test_emulated_training_evals_and_samples_match_gpt2_cpu(emulated_training, tmp_path, capsys):
     # -h 1 every -v steps (logged s:<step> eval:<acc>) and samples every -s steps during training:
     # the same log and the same sample text as gpt2_cpu.py. B=1, T=8, -g 12: the sampler's
     # window (13) needs more than the training buffers, so train() allocates for both up front
@@ -700,7 +723,7 @@ def test_emulated_training_evals_and_samples_match_gpt2_cpu(emulated_gpu, tmp_pa
     cpu_dir, cuda_dir = str(tmp_path / "cpu"), str(tmp_path / "cuda")
     assert gpt2_cpu.main(common + ["-o", cpu_dir]) == 0
     cpu_out = capsys.readouterr().out
-    trained = gpt2_cuda.train(gpt2_cuda.parse_args(common + ["-o", cuda_dir, "--precision", "fp32"]))
+    trained = gpt2_cuda.train(gpt2_cuda.parse_args(common + ["-o", cuda_dir, "--precision", "fp32"] + EMULATED))
     cuda_out = capsys.readouterr().out
     # one allocation for the whole run: training, HellaSwag's 4 rows, the sampler's window
     assert trained.allocated == [(1, 8), (4, 8), (1, 13)]
@@ -715,19 +738,22 @@ def test_emulated_training_evals_and_samples_match_gpt2_cpu(emulated_gpu, tmp_pa
         assert got == pytest.approx(ref, rel=1e-5)
 
 
-def test_emulated_log_gpu_every(emulated_gpu, tmp_path, capsys):
-    # -lg 2: a memory line every 2 steps (the stand-in reports 2 of 8 GiB in use; NVML is absent here)
+def test_emulated_log_gpu_every(emulated_training, monkeypatch, tmp_path, capsys):
+    # -lg 2: a memory line every 2 steps (the emulated device's memory query made to report 2 of
+    # 8 GiB in use; NVML is absent here)
+    monkeypatch.setattr(emulated_training.cuda.runtime, "memGetInfo", lambda: (6 * 2**30, 8 * 2**30))   # (free, total)
     data = _write_shards(tmp_path)
     model = str(tmp_path / "tiny.bin")
     gpt2_cpu.write_model(model, gpt2_cpu.gpt2_init(TINY, 42))
     common = ["-e", model, "-i", data, "-j", "", "-b", "1", "-t", "8", "-x", "4", "-s", "0", "-l", "1e-3"]
-    assert gpt2_cuda.main(common + ["--precision", "fp32", "-lg", "2"]) == 0
+    assert gpt2_cuda.main(common + ["--precision", "fp32", "-lg", "2"] + EMULATED) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("gpu 0: memory")]
     assert len(lines) == 2 and lines[0].startswith("gpu 0: memory 2.00 of 8.00 GiB in use")
 
 
-def test_emulated_outlier_skipping_matches_gpt2_cpu(emulated_gpu, tmp_path, capsys):
+@pytest.mark.slow                      # 136 optimizer steps on the emulated device: 25-65 s on 2 shared cores
+def test_emulated_outlier_skipping_matches_gpt2_cpu(emulated_training, tmp_path, capsys):
     # -sg through llmc/cli.py: once the 128-step windows are full both trainers print the same
     # z-scores and skip the same updates (fp32, so the norms agree to ~1e-6)
     data = _write_shards(tmp_path, n_tokens=20000)
@@ -737,7 +763,7 @@ def test_emulated_outlier_skipping_matches_gpt2_cpu(emulated_gpu, tmp_path, caps
               "-k", "constant", "-sg", "0.001"]
     assert gpt2_cpu.main(common) == 0
     cpu_out = capsys.readouterr().out
-    assert gpt2_cuda.main(common + ["--precision", "fp32"]) == 0
+    assert gpt2_cuda.main(common + ["--precision", "fp32"] + EMULATED) == 0
     cuda_out = capsys.readouterr().out
 
     def skips_and_z(out):
@@ -756,12 +782,12 @@ def _tiny_checkpoint(tmp_path):
     return path
 
 
-def test_emulated_cross_resume_with_gpt2_cpu(emulated_gpu, tmp_path, capsys):
+def test_emulated_cross_resume_with_gpt2_cpu(emulated_training, tmp_path, capsys):
     # the CUDA trainer writes gpt2_cpu's checkpoint files: gpt2_cpu resumes them, and vice versa,
     # and the resumed losses match an uninterrupted run
     data, model = _write_shards(tmp_path), _tiny_checkpoint(tmp_path)
     common = ["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "16", "-v", "0", "-s", "0", "-l", "1e-3"]
-    gpu = common + ["--precision", "fp32"]
+    gpu = common + ["--precision", "fp32"] + EMULATED
     straight, a, b = (str(tmp_path / d) for d in ("straight", "a", "b"))
     assert gpt2_cpu.main(common + ["-x", "6", "-o", straight]) == 0
     ref = _train_losses(os.path.join(straight, "main.log"))
@@ -783,11 +809,11 @@ def test_emulated_cross_resume_with_gpt2_cpu(emulated_gpu, tmp_path, capsys):
     assert "MFU n/a" in out and "resumed from" in out
 
 
-def test_emulated_bf16_training_writes_master_weights(emulated_gpu, tmp_path):
+def test_emulated_bf16_training_writes_master_weights(emulated_training, tmp_path):
     data, model = _write_shards(tmp_path), _tiny_checkpoint(tmp_path)
     out = str(tmp_path / "run")
     args = ["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "16", "-v", "0", "-s", "0", "-x", "2", "-n", "2",
-            "-o", out, "--precision", "bf16"]
+            "-o", out, "--precision", "bf16"] + EMULATED
     assert gpt2_cuda.main(args) == 0
     saved = gpt2_cpu.read_model(os.path.join(out, "model_00000002.bin"))
     st = checkpoint.read_state(os.path.join(out, "state_00000002_00000.bin"), saved.num_parameters, 0, 1)
@@ -807,7 +833,7 @@ def test_emulated_bf16_training_writes_master_weights(emulated_gpu, tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# part 2: on a GPU
+# part 2: the kernels, on a GPU and on the emulated device
 
 # Kernel tolerances: llmc.check.TOLERANCES['kernel_fp32' / 'kernel_bf16'] (absolute atol, inputs ~N(0,1)).
 # The checks themselves are in tests/cuda_kernel_checks.py (tests/test_gpu_training_shapes.py runs
@@ -815,11 +841,27 @@ def test_emulated_bf16_training_writes_master_weights(emulated_gpu, tmp_path):
 
 
 def _cp():
-    import cupy
-    return cupy
+    return llmc.cuda.cupy()
 
 
 PRECISION_PARAMS = pytest.mark.parametrize("precision", ["fp32", "bf16"])
+
+
+def on_devices(small, large=()):
+    """pytest parameters (device, *shape) for the `device` fixture: every shape on a GPU ("cuda",
+    marked gpu), the small ones also on the emulated device ("cpu"); the large ones (768 channels,
+    50304 logits, 1<<20 parameters) would take minutes there."""
+    return ([pytest.param("cuda", *shape, marks=pytest.mark.gpu) for shape in list(small) + list(large)]
+            + [pytest.param("cpu", *shape, id="emulated" + "".join(f"-{v}" for v in shape)) for shape in small])
+
+
+@pytest.fixture
+def device(request, monkeypatch):
+    """The device of a kernel test (its parameter): "cuda", the GPU, or "cpu", the emulated
+    device; llmc.cuda's device is restored after the test."""
+    monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())
+    llmc.cuda.use_device(request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -839,50 +881,50 @@ def test_cublas_enums_match_cupy():
     assert (llmc.cuda.CUDA_R_32F, llmc.cuda.CUDA_R_16BF) == (runtime.CUDA_R_32F, runtime.CUDA_R_16BF)
 
 
-@pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("B,T,C,Vp", [(2, 3, 16, 24), (3, 37, 64, 128), (4, 64, 768, 256)])
-def test_encoder_kernels(gpu_rng, precision, B, T, C, Vp):
+@pytest.mark.parametrize("device,B,T,C,Vp", on_devices([(2, 3, 16, 24), (3, 37, 64, 128)], [(4, 64, 768, 256)]),
+                         indirect=["device"])
+def test_encoder_kernels(device, gpu_rng, precision, B, T, C, Vp):
     check_encoder(gpu_rng, precision, B, T, C, Vp, frequent=0.3)     # a third of the batch: chunked
 
 
-@pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("B,T,C", [(1, 1, 8), (2, 37, 96), (4, 64, 768), (3, 100, 1600)])
-def test_layernorm_kernels(gpu_rng, precision, B, T, C):
+@pytest.mark.parametrize("device,B,T,C", on_devices([(1, 1, 8), (2, 37, 96)], [(4, 64, 768), (3, 100, 1600)]),
+                         indirect=["device"])
+def test_layernorm_kernels(device, gpu_rng, precision, B, T, C):
     check_layernorm(gpu_rng, precision, B, T, C)
 
 
-@pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("n,OC", [(1, None), (7, None), (4096 + 3, None), (3 * 37 * 4 * 96, 4 * 96)])
-def test_gelu_kernels(gpu_rng, precision, n, OC):
+@pytest.mark.parametrize("device,n,OC", on_devices([(1, None), (7, None), (4096 + 3, None), (3 * 37 * 4 * 96, 4 * 96)]),
+                         indirect=["device"])
+def test_gelu_kernels(device, gpu_rng, precision, n, OC):
     check_gelu(gpu_rng, precision, n, OC)
 
 
-@pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("B,T,C,OC", [(2, 3, 16, 24), (3, 37, 96, 288), (4, 64, 768, 3072), (1, 5, 64, 50304)])
-def test_matmul_and_bias_kernels(gpu_rng, precision, monkeypatch, B, T, C, OC):
+@pytest.mark.parametrize("device,B,T,C,OC", on_devices([(2, 3, 16, 24), (3, 37, 96, 288)],
+                                                       [(4, 64, 768, 3072), (1, 5, 64, 50304)]), indirect=["device"])
+def test_matmul_and_bias_kernels(device, gpu_rng, precision, B, T, C, OC):
     check_matmul_and_bias(gpu_rng, precision, B, T, C, OC)
 
 
-@pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("B,T,NH,HS", [(1, 1, 1, 8), (2, 37, 3, 16), (4, 64, 12, 64), (1, 128, 2, 8)])
-def test_attention_kernels(gpu_rng, precision, monkeypatch, B, T, NH, HS):
+@pytest.mark.parametrize("device,B,T,NH,HS", on_devices([(1, 1, 1, 8), (2, 37, 3, 16), (1, 128, 2, 8)], [(4, 64, 12, 64)]),
+                         indirect=["device"])
+def test_attention_kernels(device, gpu_rng, precision, B, T, NH, HS):
     check_attention(gpu_rng, precision, B, T, NH, HS)
 
 
-@pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("B,T,V,Vp", [(1, 1, 5, 8), (2, 37, 1000, 1024), (2, 64, 50257, 50304)])
-def test_classifier_kernel(gpu_rng, precision, B, T, V, Vp):
+@pytest.mark.parametrize("device,B,T,V,Vp", on_devices([(1, 1, 5, 8), (2, 37, 1000, 1024)], [(2, 64, 50257, 50304)]),
+                         indirect=["device"])
+def test_classifier_kernel(device, gpu_rng, precision, B, T, V, Vp):
     check_classifier(gpu_rng, precision, B, T, V, Vp)
 
 
-@pytest.mark.gpu
-def test_stochastic_rounding_near_the_largest_float_never_gives_nan():
+@pytest.mark.parametrize("device", on_devices([()]), indirect=True)
+def test_stochastic_rounding_near_the_largest_float_never_gives_nan(device):
     # AdamW's bf16 store of a value just under float32's largest: the stochastic carry out of the
     # largest finite bf16 must give inf (the high half 0x7F80), never NaN (kernels/common.cuh)
     cp = _cp()
@@ -897,10 +939,9 @@ def test_stochastic_rounding_near_the_largest_float_never_gives_nan():
     assert (bits == 0x7F80).any(), "some draws carry out of the largest finite value"
 
 
-@pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("n", [1, 1000, 1 << 20])
-def test_adamw_norm_and_cast_kernels(gpu_rng, precision, n):
+@pytest.mark.parametrize("device,n", on_devices([(1,), (1000,)], [(1 << 20,)]), indirect=["device"])
+def test_adamw_norm_and_cast_kernels(device, gpu_rng, precision, n):
     check_adamw_norm_cast(gpu_rng, precision, n)
 
 
@@ -943,8 +984,8 @@ def test_ten_training_steps_match_gpt2_cpu(precision, rtol, monkeypatch):
     assert cpu_losses[-1] < cpu_losses[0] - 1.0
 
 
-@pytest.mark.gpu
-def test_sampling_and_eval_forwards_match_gpt2_cpu(monkeypatch):
+@pytest.mark.parametrize("device", on_devices([()]), indirect=True)
+def test_sampling_and_eval_forwards_match_gpt2_cpu(device):
     # the CuPy side of the two forwards handed to gpt2_cpu: HostLogits' row copies, the padded
     # HellaSwag batch; fp32 without TF32, so that a tiny model samples the very same tokens
     cpu = _gen_model()
@@ -985,11 +1026,9 @@ def test_cross_resume_cpu_cuda(tmp_path, precision, rtol):
 
 
 # ----------------------------------------------------------------------------
-# part 3: flash attention (kernels/flash_attention.cu): its launchers through the block-by-block
-# emulation above (no GPU), then the real kernels (GPU); both against gpt2_cpu's attention in
-# float64, and lse against a float64 log-sum-exp computed here
-
-FLASH_SHAPES = [(2, 64, 2, 16), (1, 70, 3, 16), (2, 70, 2, 32), (1, 70, 1, 64), (1, 1, 2, 16), (1, 1024, 2, 16)]
+# part 3: flash attention (kernels/flash_attention.cu): the real kernels, on a GPU and (emulated)
+# at the small shapes, against gpt2_cpu's attention in float64, and lse against a float64
+# log-sum-exp computed here
 
 
 def _flash_reference(qkv, dout, NH):
@@ -999,11 +1038,11 @@ def _flash_reference(qkv, dout, NH):
     HS = C3 // 3 // NH
     out, att = gpt2_cpu.attention_forward(qkv, NH)
     dqkv = gpt2_cpu.attention_backward(dout, qkv, att, NH)
-    q, k = (_heads(qkv[:, :, i * C3 // 3:(i + 1) * C3 // 3], B, T, NH, HS) for i in range(2))
-    s = q @ k.transpose(0, 2, 1) / math.sqrt(HS)                          # (BNH,T,T)
-    s[:, np.triu(np.ones((T, T), bool), 1)] = -np.inf
+    q, k = (qkv.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(2))   # (B,NH,T,HS)
+    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(HS)                      # (B,NH,T,T)
+    s[..., np.triu(np.ones((T, T), bool), 1)] = -np.inf
     top = s.max(axis=-1)
-    lse = (top + np.log(np.exp(s - top[..., None]).sum(axis=-1))).reshape(B, NH, T)
+    lse = top + np.log(np.exp(s - top[..., None]).sum(axis=-1))
     return out, lse, dqkv
 
 
@@ -1034,58 +1073,21 @@ def test_flash_attention_tiles_and_support():
         llmc.attention.flash_attention_launch("bf16", 48, 1, 64, 2)
 
 
-def _host_poisoned(shape, precision):
-    return np.full(shape, BF16_QUIET_NAN if precision == "bf16" else np.nan, llmc.cuda.FLOATX_DTYPES[precision])
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("B,T,NH,HS", FLASH_SHAPES)
-def test_emulated_flash_attention_matches_gpt2_cpu(emulated_gpu, precision, B, T, NH, HS):
-    # the launchers' grids, blocks and arguments, and the block algorithm (online softmax over key
-    # blocks, lse, D, dk/dv per key block, dq per query block) against plain float64 attention.
-    # T=70: a partial last block; T=1: one row; outputs poisoned with NaN: every element is written
-    C = NH * HS
-    rng = np.random.default_rng(T * 10 + HS)
-    qkv, dout = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((B, T, C))
-    ref = _flash_reference(as_input(qkv, precision), as_input(dout, precision), NH)
-    qkv_x, dout_x = _from_f32(qkv.astype(np.float32), precision), _from_f32(dout.astype(np.float32), precision)
-    out, lse = _host_poisoned((B, T, C), precision), np.full((B, NH, T), np.nan, np.float32)
-    llmc.attention.flash_attention_forward(out, lse, qkv_x, B, T, C, NH)
-    dqkv, D = _host_poisoned((B, T, 3 * C), precision), np.full((B, NH, T), np.nan, np.float32)
-    llmc.attention.flash_attention_backward(dqkv, D, dout_x, out, qkv_x, lse, B, T, C, NH)
-    assert _check_flash(precision, _to_f32(out), lse, _to_f32(dqkv), ref, f"B={B} T={T} NH={NH} HS={HS}")
-    # D = rowsum(dout * out) of the stored (floatX) out
-    ref_D = (_to_f32(dout_x).astype(np.float64) * _to_f32(out)).reshape(B, T, NH, HS).sum(axis=-1).transpose(0, 2, 1)
-    assert check_tensor(D, ref_D, "D", 1e-5, 1e-5)
-
-
-def test_emulated_flash_attention_block_structure_is_the_kernels():
-    # the emulation really computes block by block: the key blocks before the diagonal change the
-    # online softmax's state (alpha < 1 somewhere), and the launch checks refuse a wrong blockDim
-    B, T, NH, HS = 1, 96, 1, 16
-    rng = np.random.default_rng(0)
-    qkv = rng.standard_normal((B, T, 3 * NH * HS)).astype(np.float32) * 3
-    out, lse = np.zeros((B, T, NH * HS), np.float32), np.zeros((B, NH, T), np.float32)
-    grid, block = llmc.attention.flash_attention_launch("fp32", HS, B, T, NH)
-    _flash_forward(grid, block, out, lse, qkv, B, T, NH, HS)
-    ref_out, ref_lse, _ = _flash_reference(qkv.astype(np.float64), np.zeros((B, T, NH * HS)), NH)
-    assert check_tensor(out, ref_out, "out", 1e-5, 1e-5) and check_tensor(lse, ref_lse, "lse", 1e-5, 1e-5)
-    with pytest.raises(AssertionError, match="blockDim"):
-        _flash_forward(grid, block * 2, out, lse, qkv, B, T, NH, HS)
-
-
 @pytest.mark.parametrize("precision,recompute,B,T", [("fp32", True, 3, 16), ("bf16", False, 2, 13)])
 def test_emulated_model_on_flash_path_matches_gpt2_cpu(emulated_gpu, precision, recompute, B, T):
     # the whole model with attention="flash": every activation and gradient against gpt2_cpu
     model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=recompute, attention="flash")
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
     rng = np.random.default_rng(11)
     x, y = (rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32) for _ in range(2))
     assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
 
 
-FLASH_GPU_SHAPES = [(2, 64, 4, 64), (1, 70, 3, 64), (2, 1024, 2, 64), (1, 70, 2, 16), (2, 70, 2, 32),
-                    (1, 70, 2, 128), (3, 1, 2, 64), (1, 1024, 2, 128)]
+# (B, T, NH, HS): T = 70, a partial last block; T = 1, one row. The small shapes also run on the
+# emulated device, except those tests/test_flash_attention_host.py runs there already
+FLASH_SMALL_SHAPES = [(2, 64, 4, 64), (1, 70, 3, 64), (1, 70, 2, 16), (2, 70, 2, 32), (1, 70, 2, 128), (3, 1, 2, 64),
+                      (1, 70, 3, 16), (1, 1, 2, 16)]
+FLASH_LARGE_SHAPES = [(2, 1024, 2, 64), (1, 1024, 2, 128), (1, 1024, 2, 16)]
 
 
 def _flash_on_gpu(qkv, dout, B, T, NH, precision):
@@ -1097,13 +1099,15 @@ def _flash_on_gpu(qkv, dout, B, T, NH, precision):
     llmc.attention.flash_attention_forward(out, lse, qkv_d, B, T, C, NH)
     dqkv, D = poisoned((B, T, 3 * C), precision), cp.full((B, NH, T), np.nan, np.float32)
     llmc.attention.flash_attention_backward(dqkv, D, dout_d, out, qkv_d, lse, B, T, C, NH)
+    # D = rowsum(dout * out) of the stored (floatX) out
+    ref_D = (as_input(dout, precision) * to_host(out)).reshape(B, T, NH, -1).sum(axis=-1).transpose(0, 2, 1)
+    assert check_tensor(D.get(), ref_D, f"D [{precision}]", *TOLERANCES["kernel_fp32"]["attention"])
     return to_host(out), lse.get(), to_host(dqkv), dqkv
 
 
-@pytest.mark.gpu
 @PRECISION_PARAMS
-@pytest.mark.parametrize("B,T,NH,HS", FLASH_GPU_SHAPES)
-def test_flash_attention_kernels(gpu_rng, precision, B, T, NH, HS):
+@pytest.mark.parametrize("device,B,T,NH,HS", on_devices(FLASH_SMALL_SHAPES, FLASH_LARGE_SHAPES), indirect=["device"])
+def test_flash_attention_kernels(device, gpu_rng, precision, B, T, NH, HS):
     C = NH * HS
     qkv, dout = gpu_rng.standard_normal((B, T, 3 * C)), gpu_rng.standard_normal((B, T, C))
     out, lse, dqkv, _ = _flash_on_gpu(qkv, dout, B, T, NH, precision)

@@ -1,6 +1,6 @@
 """Tests of generation with a KV cache (issue 12, "Fast generation"): gpt2_cpu's
-attention_forward_cached, gpt2_forward_cached and generate, and gpt2_cuda's counterparts run
-through tests/test_cuda.py's NumPy stand-ins for CuPy, the kernels and cuBLAS (emulated_gpu).
+attention_forward_cached, gpt2_forward_cached and generate, and gpt2_cuda's counterparts run on
+the emulated CUDA device (tests/emulated_gpu.py's fixture: the real kernels on the CPU).
 Each test computes the same thing two ways and compares:
 - the cached attention and forward against the full ones (attention_forward, gpt2_forward), the
   logits at every step, tolerances from llmc.check.TOLERANCES (reference_fp32 / reference_fp64:
@@ -8,8 +8,8 @@ Each test computes the same thing two ways and compares:
 - generate with the cache against generate without it (kv_cache=False, the full forward over the
   window at every step): the same tokens under the same seed, and the logits each token was drawn
   from, at every step; with a tiny maxT the context slides, and the cache is recomputed;
-- gpt2_cuda's cached forward and generate, emulated, against gpt2_cpu's.
-Run: pytest tests/test_generate.py   (a few seconds on 2 cores)
+- gpt2_cuda's cached forward and generate, on the emulated device, against gpt2_cpu's.
+Run: pytest tests/test_generate.py   (a few seconds on 2 cores once the emulated kernels are built)
 """
 
 import numpy as np
@@ -19,7 +19,7 @@ import gpt2_cpu as g
 import gpt2_cuda
 from llmc.check import check_against
 from llmc.utils import InputError
-from emulated_gpu import emulated_gpu  # noqa: F401  (a fixture: CuPy, kernels, cuBLAS as NumPy stand-ins)
+from emulated_gpu import emulated_gpu  # noqa: F401  (a fixture: the emulated CUDA device)
 
 # small models; SLIDE's maxT = 8 makes the context slide within a dozen tokens. HS = 16 fits the
 # CUDA kernels' 16-byte vectors in bf16 too (8 values).
