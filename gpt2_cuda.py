@@ -98,13 +98,13 @@ def activation_shapes(config, B, T, recompute=1, attention=None):
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
     gpt2_cpu.activation_shapes; the differences are llm.c's: attproj, fcproj and probs are never
     kept (fused kernels consume them); -r 1 keeps fch_gelu for one layer, -r 2 also ln1 and ln2
-    (recomputed_activations; -r 0 keeps every layer's); the logits
-    live in `logits` (dlogits after the classifier); scratch_btc and scratch_bt4c hold one layer's
-    transient values, reused by every layer (the activation table names each use). The attention path
-    (an attention_path object, default naive) decides the attention buffers (its `buffers`):
-      naive:         qkvr (q, k, v split into heads) and att (L,B,NH,T,T) are kept; `output` is
-                     it borrows `logits` as the workspace of qkv, preatt, the per-head outputs and
-                     datt (B,NH,T,T), which it sizes (the one alias between different roles);
+    (recomputed_activations; -r 0 keeps every layer's); dlogits overwrite the logits in place;
+    scratch_btc and scratch_bt4c hold one layer's transient values, each under the name of its
+    role (activation_aliases). The attention path (an attention_path object, default naive)
+    decides the attention buffers (its `buffers`):
+      naive:         qkvr (q, k, v split into heads) and att (L,B,NH,T,T) are kept; `logits` is
+                     sized to be its workspace too (att_workspace: qkv, preatt, the per-head outputs,
+                     datt (B,NH,T,T));
       flash, cudnn:  qkv (L,B,T,3C) itself and lse (L,B,NH,T), the log-sum-exp of each query's
                      scores, are kept: no (T,T) buffer exists, and no per-head copies."""
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
@@ -126,15 +126,31 @@ def activation_shapes(config, B, T, recompute=1, attention=None):
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
-        ("logits", (logits_floats,), "X"),     # (B,T,Vp), dlogits in place; naive attention's workspace
-        ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj (bias-free); in the backward dlnf, dln2, datty, dln1
-        ("scratch_bt4c", (B, T, 4 * C), "X"),  # in the backward dfch, then dqkv (B,T,3C)
+        ("logits", (logits_floats,), "X"),     # (B,T,Vp), then dlogits in place
+        ("scratch_btc", (B, T, C), "X"),       # one layer's (B,T,C) transients (activation_aliases)
+        ("scratch_bt4c", (B, T, 4 * C), "X"),  # one layer's (B,T,4C) transients (activation_aliases)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
         *attention_backward_buffers,
         # the dwte scatter-add's plan (WteSegments), sized for the most chunks and tokens B*T can have
         ("positions", (B * T,), "i32"), ("chunk_start", (B * T + 1,), "i32"), ("chunk_token", (B * T,), "i32"),
         ("chunk_slot", (B * T,), "i32"), ("reduce_start", (wte_reduce_max(B * T) + 1,), "i32"),
         ("reduce_token", (wte_reduce_max(B * T) + 1,), "i32"), ("wte_partial", (wte_partial_rows(B * T), C), "f32"),
+    ]
+
+
+def activation_aliases(config, B, T, attention=None):
+    """The roles that live in a buffer of activation_shapes, one name each: (name, buffer, shape),
+    a view of the buffer's first elements (gpt2_activations). The roles of one buffer are never
+    live at once: each is consumed before the next is written."""
+    C = config.channels
+    attention = attention or NaiveAttention()
+    return [
+        # the forward's bias-free projections (the fused residual after each adds the bias), and
+        # the backward's input gradients, each consumed by the launch after the one writing it
+        *[(name, "scratch_btc", (B, T, C)) for name in ("attproj", "fcproj", "dlnf", "dln2", "datty", "dln1")],
+        ("dfch", "scratch_bt4c", (B, T, 4 * C)), ("dqkv", "scratch_bt4c", (B, T, 3 * C)),
+        ("sampler_qkv", "scratch_bt4c", (B, T, 3 * C)),   # the cached forward's qkv: no backward follows it
+        *attention.aliases(B, T, C, config.num_heads),    # naive: att_workspace in `logits`
     ]
 
 
@@ -425,14 +441,17 @@ def gpt2_allocate(model, *sizes):
 
 def gpt2_activations(model, B, T):
     """Named views of the activation buffers shaped for (B,T) (cached): the first elements of each
-    buffer. If nothing is allocated, or some buffer is too small for (B,T), everything is
+    buffer, and of the buffers the roles of activation_aliases live in. If nothing is allocated, or some buffer is too small for (B,T), everything is
     reallocated for (B,T) and the sizes allocated before (views fetched earlier are then stale:
     fetch them again)."""
     if (B, T) not in model.views:
         table = activation_shapes(model.config, B, T, model.recompute, model.attention)
         if model.buffers is None or any(math.prod(shape) > model.buffers[name].size for name, shape, _ in table):
             gpt2_allocate(model, *model.allocated, (B, T))
-        model.views[(B, T)] = {name: prefix(model.buffers[name], shape) for name, shape, _ in table}
+        views = {name: prefix(model.buffers[name], shape) for name, shape, _ in table}
+        views.update({name: prefix(model.buffers[buffer], shape)
+                      for name, buffer, shape in activation_aliases(model.config, B, T, model.attention)})
+        model.views[(B, T)] = views
     return model.views[(B, T)]
 
 
@@ -544,14 +563,14 @@ def block_forward(model, A, l, B, T, attention):
     qkv = attention.qkv(A, l, B, T, C)                                             # (B,T,3C)
     mm.forward(qkv, ln1, p["qkvw"], p["qkvb"], B, T, C, 3 * C)
     attention.forward(A, l, B, T, C, NH, mm.tf32)                                  # atty[l] (B,T,C)
-    attproj = A["scratch_btc"]                                                     # without its bias:
+    attproj = A["attproj"]                                                         # without its bias:
     mm.forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)             # the next kernel adds it
     # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
     fused_residual_forward(A["residual2"][l], ln2, A["ln2_mean"][l], A["ln2_rstd"][l],
                            residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
     # forward pass 2: MLP block
     mm.forward(fch_gelu, ln2, p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
-    fcproj = A["scratch_btc"]
+    fcproj = A["fcproj"]
     mm.forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)               # (B,T,C), bias added next
     # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
     if l + 1 < L:
@@ -634,7 +653,7 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
     logits = prefix(A["logits"], (B, T, Vp))
     fused_classifier(logits, A["losses"], A["targets"], dloss, B, T, V, Vp, write_dlogits=True)
     dlogits = logits
-    dlnf = A["scratch_btc"]
+    dlnf = A["dlnf"]
     mm.backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], partial, B, T, C, Vp)
     dresidual = A["dresidual"]                                                      # gradient of the residual stream
     dresidual.fill(0)                                                               # layernorm_backward accumulates
@@ -655,24 +674,24 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
             layernorm_forward(ln2, A["ln2_mean"][l], A["ln2_rstd"][l], A["residual2"][l], p["ln2w"], p["ln2b"], B, T, C)
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
         # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
-        dfch = A["scratch_bt4c"]
+        dfch = A["dfch"]
         mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
                     pre_gelu=A["fch"][l])                                           # dfch, through gelu
-        dln2 = A["scratch_btc"]
+        dln2 = A["dln2"]
         mm.backward(dln2, g["fcw"], g["fcb"], dfch, ln2, p["fcw"], partial, B, T, C, 4 * C)
         layernorm_backward(dresidual, g["ln2w"], g["ln2b"], partial, dln2, A["residual2"][l], p["ln2w"],
                            A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
-        datty = A["scratch_btc"]
+        datty = A["datty"]
         mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
-        dqkv = prefix(A["scratch_bt4c"], (B, T, 3 * C))
+        dqkv = A["dqkv"]
         model.attention.backward(dqkv, datty, A, l, B, T, C, NH, mm.tf32)
         # -r 2: the forward's `layernorm_forward(ln1, ...)` (layer 0, from encoded) or the previous layer's
         # `fused_residual_forward(A["residual3"][l - 1], ln1, ...)` kept the residual; ln1 = layernorm(residual),
         # again, bit for bit as ln2 above
         if "ln1" in recomputed:
             layernorm_forward(ln1, A["ln1_mean"][l], A["ln1_rstd"][l], residual, p["ln1w"], p["ln1b"], B, T, C)
-        dln1 = A["scratch_btc"]                                                     # datty was consumed above
+        dln1 = A["dln1"]                                                            # datty was consumed above
         mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, ln1, p["qkvw"], partial, B, T, C, 3 * C)
         layernorm_backward(dresidual, g["ln1w"], g["ln1b"], partial, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
@@ -868,13 +887,13 @@ def attention_forward_cached(out, qkv, k_cache, v_cache, pos, B, T, C, NH):
 class CachedAttention:
     """The sampler's attention path for block_forward: the T new positions pos..pos+T-1 against
     the keys and values of the earlier ones in `cache` (attention_forward_cached, which appends
-    theirs). The qkv projection goes to scratch_bt4c, which only a backward uses."""
+    theirs). Its qkv projection goes to sampler_qkv (activation_aliases)."""
 
     def __init__(self, cache, pos):
         self.cache, self.pos = cache, pos
 
     def qkv(self, A, l, B, T, C):
-        return prefix(A["scratch_bt4c"], (B, T, 3 * C))
+        return A["sampler_qkv"]
 
     def forward(self, A, l, B, T, C, NH, tf32):
         attention_forward_cached(A["atty"][l], self.qkv(A, l, B, T, C), self.cache.k[l], self.cache.v[l], self.pos,
