@@ -255,7 +255,8 @@ def causal_scores(q, keys, pos=0):
     HS = q.shape[3]
     scores = (q @ keys.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))   # (B,NH,T,HS) @ (B,NH,HS,n)
     future = np.triu(np.ones_like(scores[0, 0], dtype=bool), pos + 1)   # (T,n): key j > position pos+t
-    return np.where(future, -np.inf, scores)
+    np.copyto(scores, -np.inf, where=future)                            # in place: the dtype stays
+    return scores
 
 
 def causal_softmax(q, keys, pos=0):
