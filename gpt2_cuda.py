@@ -441,9 +441,9 @@ def gpt2_allocate(model, *sizes):
 
 def gpt2_activations(model, B, T):
     """Named views of the activation buffers shaped for (B,T) (cached): the first elements of each
-    buffer, and of the buffers the roles of activation_aliases live in. If nothing is allocated, or some buffer is too small for (B,T), everything is
-    reallocated for (B,T) and the sizes allocated before (views fetched earlier are then stale:
-    fetch them again)."""
+    buffer, and of the buffers the roles of activation_aliases live in. If nothing is allocated,
+    or some buffer is too small for (B,T), everything is reallocated for (B,T) and the sizes
+    allocated before (views fetched earlier are then stale: fetch them again)."""
     if (B, T) not in model.views:
         table = activation_shapes(model.config, B, T, model.recompute, model.attention)
         if model.buffers is None or any(math.prod(shape) > model.buffers[name].size for name, shape, _ in table):
