@@ -249,11 +249,13 @@ def split_heads(qkv, NH):
 def causal_scores(q, keys, pos=0):
     """The scaled scores q k^T / sqrt(HS) of T queries q (B,NH,T,HS) at positions pos..pos+T-1
     against the keys (B,NH,n,HS) of positions 0..n-1 -> (B,NH,T,n), a key after its query set to
-    -inf (the causal mask), so its probability is exactly 0 (and so is its gradient)."""
-    T, n, HS = q.shape[2], keys.shape[2], q.shape[3]
+    -inf (the causal mask), so its probability is exactly 0 (and so is its gradient). NumPy
+    functions of the inputs only: given CuPy arrays they run on the GPU (NEP 13 and 18), which is
+    how gpt2_cuda.py's sampler runs this attention."""
+    HS = q.shape[3]
     scores = (q @ keys.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))   # (B,NH,T,HS) @ (B,NH,HS,n)
-    future = np.arange(n)[None, :] > pos + np.arange(T)[:, None]        # (T,n): key after the query
-    scores[..., future] = -np.inf
+    future = np.triu(np.ones_like(scores[0, 0], dtype=bool), pos + 1)   # (T,n): key j > position pos+t
+    np.copyto(scores, -np.inf, where=future)                            # in place: the dtype stays
     return scores
 
 
@@ -451,25 +453,44 @@ def block_forward(residual, p, attend):
     return a
 
 
-def gpt2_forward(model, inputs, targets=None):
-    """Forward pass. inputs (B,T) int token ids; targets (B,T) or None.
+def gpt2_forward(model, inputs, targets=None, cache=None):
+    """Forward pass. inputs (B,T) int token ids; targets (B,T) or None; cache a KVCache or None.
     Returns logits (B,T,Vp). With targets it also computes probs and the per-position losses,
     and sets model.mean_loss. Every activation is kept in model.acts for the backward pass.
-    Raises InputError if T > maxT or a token id (input or target) is out of range."""
+    With a cache (the sampler's, kv_cache_new) the tokens sit at positions cache.length..
+    cache.length+T-1: attention reads the earlier positions' keys and values from the cache and
+    appends the new ones (attention_forward_cached), no activation is kept, and only the last
+    position's logits (B,Vp) are computed and returned.
+    Raises InputError if the positions pass maxT or a token id (input or target) is out of range."""
     cfg = model.config
     B, T = inputs.shape
     L, NH, V = cfg.num_layers, cfg.num_heads, cfg.vocab_size
-    check_inputs(cfg, inputs, targets)
-    P, A = model.P, model.activations(B, T)
-    model.inputs, model.targets = inputs, targets
+    pos = 0 if cache is None else cache.length
+    check_inputs(cfg, inputs, targets, pos)
+    P = model.P
 
-    A["encoded"][...] = encoder_forward(inputs, P["wte"], P["wpe"])           # (B,T,C)
+    def attend(l):                         # layer l's attention: the T positions, or them against the cache
+        if cache is None:
+            return lambda qkv: attention_forward(qkv, NH)
+        return lambda qkv: (attention_forward_cached(qkv, cache.k[l], cache.v[l], pos, NH), None)
+
+    residual = encoder_forward(inputs, P["wte"], P["wpe"][pos:])              # (B,T,C), positions pos..pos+T-1
+    A = model.activations(B, T) if cache is None else None                   # the sampler keeps none
+    if A is not None:
+        A["encoded"][...] = residual
     for l in range(L):
-        residual = A["encoded"] if l == 0 else A["residual3"][l - 1]          # (B,T,C)
-        for name, value in block_forward(residual, layer_params(P, l), lambda qkv: attention_forward(qkv, NH)).items():
-            A[name][l] = value                                                # kept for the backward
+        block = block_forward(residual, layer_params(P, l), attend(l))
+        if A is not None:
+            for name, value in block.items():
+                A[name][l] = value                                            # kept for the backward
+        residual = block["residual3"]                                         # the next layer's input
     # forward pass 3: final LayerNorm, classifier tied to wte, softmax, cross-entropy
-    A["lnf"][...], A["lnf_mean"][...], A["lnf_rstd"][...] = layernorm_forward(A["residual3"][L - 1], P["lnfw"], P["lnfb"])
+    if cache is not None:                  # the sampler: the last position only
+        lnf, _, _ = layernorm_forward(residual[:, T - 1:], P["lnfw"], P["lnfb"])  # (B,1,C)
+        cache.length = pos + T
+        return matmul_forward(lnf, P["wte"], None)[:, 0]                      # (B,1,C) @ (C,Vp) -> (B,Vp)
+    model.inputs, model.targets = inputs, targets
+    A["lnf"][...], A["lnf_mean"][...], A["lnf_rstd"][...] = layernorm_forward(residual, P["lnfw"], P["lnfb"])
     A["logits"][...] = matmul_forward(A["lnf"], P["wte"], None)             # (B,T,C) @ (C,Vp) -> (B,T,Vp)
     if targets is not None:
         A["probs"][...] = softmax_forward(A["logits"], V)
@@ -657,7 +678,7 @@ def learning_rate_at(step, schedule, learning_rate, warmup_iters, train_num_batc
 
 @dataclass
 class KVCache:
-    """The keys and values of the positions run so far, per layer, for gpt2_forward_cached.
+    """The keys and values of the positions run so far, per layer, for gpt2_forward's sampler.
     k, v (L,B,NH,maxT,HS); positions 0..length-1 are filled (the rest is scratch)."""
     k: np.ndarray
     v: np.ndarray
@@ -692,31 +713,6 @@ def attention_forward_cached(qkv, k_cache, v_cache, pos, NH):
     return out.transpose(0, 2, 1, 3).reshape(B, T, C)
 
 
-def gpt2_forward_cached(model, inputs, cache):
-    """gpt2_forward for the T tokens inputs (B,T) at positions cache.length..cache.length+T-1,
-    the earlier positions' keys and values read from `cache` (a KVCache), the new ones appended
-    to it. Returns the logits (B,Vp) of the last position only. The blocks are gpt2_forward's
-    (block_forward), but attention is attention_forward_cached and no activation is kept.
-    Raises InputError if the positions pass maxT or a token id is out of range."""
-    cfg = model.config
-    B, T = inputs.shape
-    L, NH = cfg.num_layers, cfg.num_heads
-    pos = cache.length
-    check_inputs(cfg, inputs, pos=pos)
-    P = model.P
-
-    residual = encoder_forward(inputs, P["wte"], P["wpe"][pos:])              # (B,T,C), positions pos..pos+T-1
-    for l in range(L):
-        def attend(qkv):                                                      # layer l's keys and values cached
-            return attention_forward_cached(qkv, cache.k[l], cache.v[l], pos, NH), None
-        residual = block_forward(residual, layer_params(P, l), attend)["residual3"]   # the next layer's input
-    # forward pass 3: final LayerNorm and the classifier tied to wte, for the last position only
-    lnf, _, _ = layernorm_forward(residual[:, T - 1:], P["lnfw"], P["lnfb"])  # (B,1,C)
-    logits = matmul_forward(lnf, P["wte"], None)                              # (B,1,C) @ (C,Vp) -> (B,1,Vp)
-    cache.length = pos + T
-    return logits[:, 0]                                                       # (B,Vp)
-
-
 @dataclass(frozen=True)
 class SamplingForward:
     """generate's forwards on one model, B=1: full(x (1,window)) -> logits (1,window,Vp);
@@ -731,9 +727,9 @@ class SamplingForward:
 
 
 def sampling_forward(model):
-    """generate's forwards on this (NumPy) model: gpt2_forward and gpt2_forward_cached."""
+    """generate's forwards on this (NumPy) model: gpt2_forward, without and with a KV cache."""
     return SamplingForward(full=lambda x: gpt2_forward(model, x),
-                           cached=lambda x, cache: gpt2_forward_cached(model, x, cache),
+                           cached=lambda x, cache: gpt2_forward(model, x, cache=cache),
                            new_cache=lambda: kv_cache_new(model.config, 1, model.params.dtype))
 
 

@@ -98,13 +98,13 @@ def activation_shapes(config, B, T, recompute=1, attention=None):
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
     gpt2_cpu.activation_shapes; the differences are llm.c's: attproj, fcproj and probs are never
     kept (fused kernels consume them); -r 1 keeps fch_gelu for one layer, -r 2 also ln1 and ln2
-    (recomputed_activations; -r 0 keeps every layer's); the logits
-    live in `logits` (dlogits after the classifier); scratch_btc and scratch_bt4c hold one layer's
-    transient values, reused by every layer (the activation table names each use). The attention path
-    (an attention_path object, default naive) decides the attention buffers (its `buffers`):
-      naive:         qkvr (q, k, v split into heads) and att (L,B,NH,T,T) are kept; `output` is
-                     it borrows `logits` as the workspace of qkv, preatt, the per-head outputs and
-                     datt (B,NH,T,T), which it sizes (the one alias between different roles);
+    (recomputed_activations; -r 0 keeps every layer's); dlogits overwrite the logits in place;
+    scratch_btc and scratch_bt4c hold one layer's transient values, each under the name of its
+    role (activation_aliases). The attention path (an attention_path object, default naive)
+    decides the attention buffers (its `buffers`):
+      naive:         qkvr (q, k, v split into heads) and att (L,B,NH,T,T) are kept; `logits` is
+                     sized to be its workspace too (att_workspace: qkv, preatt, the per-head outputs,
+                     datt (B,NH,T,T));
       flash, cudnn:  qkv (L,B,T,3C) itself and lse (L,B,NH,T), the log-sum-exp of each query's
                      scores, are kept: no (T,T) buffer exists, and no per-head copies."""
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
@@ -126,15 +126,31 @@ def activation_shapes(config, B, T, recompute=1, attention=None):
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
-        ("logits", (logits_floats,), "X"),     # (B,T,Vp), dlogits in place; naive attention's workspace
-        ("scratch_btc", (B, T, C), "X"),       # attproj / fcproj (bias-free); in the backward dlnf, dln2, datty, dln1
-        ("scratch_bt4c", (B, T, 4 * C), "X"),  # in the backward dfch, then dqkv (B,T,3C)
+        ("logits", (logits_floats,), "X"),     # (B,T,Vp), then dlogits in place
+        ("scratch_btc", (B, T, C), "X"),       # one layer's (B,T,C) transients (activation_aliases)
+        ("scratch_bt4c", (B, T, 4 * C), "X"),  # one layer's (B,T,4C) transients (activation_aliases)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
         *attention_backward_buffers,
         # the dwte scatter-add's plan (WteSegments), sized for the most chunks and tokens B*T can have
         ("positions", (B * T,), "i32"), ("chunk_start", (B * T + 1,), "i32"), ("chunk_token", (B * T,), "i32"),
         ("chunk_slot", (B * T,), "i32"), ("reduce_start", (wte_reduce_max(B * T) + 1,), "i32"),
         ("reduce_token", (wte_reduce_max(B * T) + 1,), "i32"), ("wte_partial", (wte_partial_rows(B * T), C), "f32"),
+    ]
+
+
+def activation_aliases(config, B, T, attention=None):
+    """The roles that live in a buffer of activation_shapes, one name each: (name, buffer, shape),
+    a view of the buffer's first elements (gpt2_activations). The roles of one buffer are never
+    live at once: each is consumed before the next is written."""
+    C = config.channels
+    attention = attention or NaiveAttention()
+    return [
+        # the forward's bias-free projections (the fused residual after each adds the bias), and
+        # the backward's input gradients, each consumed by the launch after the one writing it
+        *[(name, "scratch_btc", (B, T, C)) for name in ("attproj", "fcproj", "dlnf", "dln2", "datty", "dln1")],
+        ("dfch", "scratch_bt4c", (B, T, 4 * C)), ("dqkv", "scratch_bt4c", (B, T, 3 * C)),
+        ("sampler_qkv", "scratch_bt4c", (B, T, 3 * C)),   # the cached forward's qkv: no backward follows it
+        *attention.aliases(B, T, C, config.num_heads),    # naive: att_workspace in `logits`
     ]
 
 
@@ -425,14 +441,17 @@ def gpt2_allocate(model, *sizes):
 
 def gpt2_activations(model, B, T):
     """Named views of the activation buffers shaped for (B,T) (cached): the first elements of each
-    buffer. If nothing is allocated, or some buffer is too small for (B,T), everything is
-    reallocated for (B,T) and the sizes allocated before (views fetched earlier are then stale:
-    fetch them again)."""
+    buffer, and of the buffers the roles of activation_aliases live in. If nothing is allocated,
+    or some buffer is too small for (B,T), everything is reallocated for (B,T) and the sizes
+    allocated before (views fetched earlier are then stale: fetch them again)."""
     if (B, T) not in model.views:
         table = activation_shapes(model.config, B, T, model.recompute, model.attention)
         if model.buffers is None or any(math.prod(shape) > model.buffers[name].size for name, shape, _ in table):
             gpt2_allocate(model, *model.allocated, (B, T))
-        model.views[(B, T)] = {name: prefix(model.buffers[name], shape) for name, shape, _ in table}
+        views = {name: prefix(model.buffers[name], shape) for name, shape, _ in table}
+        views.update({name: prefix(model.buffers[buffer], shape)
+                      for name, buffer, shape in activation_aliases(model.config, B, T, model.attention)})
+        model.views[(B, T)] = views
     return model.views[(B, T)]
 
 
@@ -466,20 +485,28 @@ def as_float32(host):
     return bfloat16_bits_to_float32(host) if host.dtype == np.uint16 else np.asarray(host, dtype=np.float32)
 
 
-def gpt2_forward(model, inputs, targets=None):
-    """Forward pass. inputs (B,T) int token ids (host numpy); targets (B,T) or None. Returns the
-    logits (B,T,Vp) floatX on the device (a view into the `logits` buffer: valid until the next
-    forward or backward, which overwrites it with dlogits). With targets, the per-position losses
-    (B,T) fp32 are computed too (model.buffers' `losses`; gpt2_mean_loss reads their mean).
-    Raises InputError if T > maxT or a token id is out of range."""
-    B, T = upload_batch(model, inputs, targets)
-    return gpt2_forward_kernels(model, B, T, targets is not None)
+def gpt2_forward(model, inputs, targets=None, cache=None):
+    """Forward pass, gpt2_cpu.gpt2_forward's: inputs (B,T) int token ids (host numpy); targets (B,T)
+    or None; cache a KVCache (kv_cache_new) or None. Returns the logits (B,T,Vp) floatX on the
+    device (a view into the `logits` buffer: valid until the next forward or backward, which
+    overwrites it with dlogits). With targets, the per-position losses (B,T) fp32 are computed too
+    (gpt2_mean_loss reads their mean). With a cache (the sampler's) the tokens sit at positions
+    cache.length..cache.length+T-1 and attend to the cached keys and values (CachedAttention, which
+    appends theirs); the last position's logits (B,Vp) come back, float32 on the host.
+    Raises InputError if the positions pass maxT or a token id is out of range."""
+    pos = 0 if cache is None else cache.length
+    B, T = upload_batch(model, inputs, targets, pos)
+    logits = forward_launches(model, B, T, targets is not None, cache)
+    if cache is None:
+        return logits
+    cache.length = pos + T
+    return as_float32(logits[:, T - 1].get())                                       # (B,Vp) to the host
 
 
 def upload_batch(model, inputs, targets, pos=0):
-    """The host half of gpt2_forward: check the token ids (at positions pos..pos+T-1,
-    gpt2_cpu.check_inputs), copy them (and the targets) into the device buffers of their (B,T),
-    and remember them for the backward. Returns (B,T)."""
+    """The host half of gpt2_forward and gpt2_micro_batch: check the token ids (at positions
+    pos..pos+T-1, gpt2_cpu.check_inputs), copy them (and the targets) into the device buffers of
+    their (B,T), and remember them for the backward. Returns (B,T)."""
     inputs = np.asarray(inputs)
     B, T = inputs.shape
     check_inputs(model.config, inputs, targets, pos)
@@ -493,53 +520,65 @@ def upload_batch(model, inputs, targets, pos=0):
     return B, T
 
 
-def gpt2_forward_kernels(model, B, T, with_loss, attention=None, pos=0):
+def forward_launches(model, B, T, with_loss, cache=None):
     """The device half of gpt2_forward: every launch of the forward pass, reading the token ids
-    (and targets) already on the device. Launches only: no host work, no synchronization, the
-    same arguments every call for a given (B,T), so a CUDA graph can capture it (gpt2_micro_batch).
-    The sampler's cached forward runs the same blocks with its own attention (CachedAttention) on
-    positions pos..pos+T-1. Returns the logits view (B,T,Vp)."""
+    (and targets) upload_batch put on the device. Launches only: no host work, no synchronization,
+    the same arguments every call for a given (B,T), so that a CUDA graph can capture it
+    (gpt2_micro_batch). With a cache: positions cache.length.., the sampler's attention
+    (CachedAttention). Returns the logits view (B,T,Vp)."""
     cfg = model.config
-    C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
-    P, A, mm, tf32 = model.P, gpt2_activations(model, B, T), model.matmul, model.matmul.tf32
-    attention = attention or model.attention
-
-    def layer(name, l):                    # layer l's buffer, or the one layer's where the backward recomputes it
-        return layer_activation(A, name, l, model.recompute)
-
+    C, L, V, Vp = cfg.channels, cfg.num_layers, cfg.vocab_size, cfg.padded_vocab_size
+    P, A = model.P, gpt2_activations(model, B, T)
+    pos = 0 if cache is None else cache.length
+    attention = model.attention if cache is None else CachedAttention(cache, pos)
     encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"][pos:], B, T, C)  # (B,T,C), positions pos..
-    layernorm_forward(layer("ln1", 0), A["ln1_mean"][0], A["ln1_rstd"][0], A["encoded"], P["ln1w"][0], P["ln1b"][0],
-                      B, T, C)
+    # layer 0's ln1: every later LayerNorm is fused into the residual addition before it (block_forward)
+    layernorm_forward(layer_activation(A, "ln1", 0, model.recompute), A["ln1_mean"][0], A["ln1_rstd"][0],
+                      A["encoded"], P["ln1w"][0], P["ln1b"][0], B, T, C)
     for l in range(L):
-        p = layer_params(P, l)
-        residual = A["encoded"] if l == 0 else A["residual3"][l - 1]               # (B,T,C)
-        ln1, ln2, fch_gelu = layer("ln1", l), layer("ln2", l), layer("fch_gelu", l)
-        # forward pass 1: attention block (ln1 was written by the previous fused residual)
-        qkv = attention.qkv(A, l, B, T, C)                                         # (B,T,3C)
-        mm.forward(qkv, ln1, p["qkvw"], p["qkvb"], B, T, C, 3 * C)
-        attention.forward(A, l, B, T, C, NH, tf32)                                 # atty[l] (B,T,C)
-        attproj = A["scratch_btc"]                                                 # without its bias:
-        mm.forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)         # the next kernel adds it
-        # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
-        fused_residual_forward(A["residual2"][l], ln2, A["ln2_mean"][l], A["ln2_rstd"][l],
-                               residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
-        # forward pass 2: MLP block
-        mm.forward(fch_gelu, ln2, p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
-        fcproj = A["scratch_btc"]
-        mm.forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)           # (B,T,C), bias added next
-        # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
-        if l + 1 < L:
-            norm = (layer("ln1", l + 1), A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
-        else:
-            norm = (A["lnf"], A["lnf_mean"], A["lnf_rstd"], P["lnfw"], P["lnfb"])
-        fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
-                               norm[3], norm[4], B * T, C)
-    # forward pass 3: classifier tied to wte (lnf was written by the last fused residual), loss
+        block_forward(model, A, l, B, T, attention)
+    # forward pass 3: classifier tied to wte (lnf was written by the last block's fused residual), loss
     logits = prefix(A["logits"], (B, T, Vp))
-    mm.forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)                      # (B,T,C) @ (C,Vp) -> (B,T,Vp)
+    model.matmul.forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)           # (B,T,C) @ (C,Vp) -> (B,T,Vp)
     if with_loss:
         fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
     return logits
+
+
+def block_forward(model, A, l, B, T, attention):
+    """Transformer block l, gpt2_cpu.block_forward's launches, on the activations A of (B,T): from
+    its input (encoded, or block l-1's residual3) and ln1, the LayerNorm of it, already written
+    (by forward_launches, or block l-1), to residual3[l] and the next LayerNorm: block l+1's ln1
+    or the final lnf. attention: model.attention, or the sampler's CachedAttention."""
+    cfg, P, mm = model.config, model.P, model.matmul
+    C, L, NH = cfg.channels, cfg.num_layers, cfg.num_heads
+    p = layer_params(P, l)
+
+    def layer(name, k):                    # layer k's buffer, or the one layer's where the backward recomputes it
+        return layer_activation(A, name, k, model.recompute)
+
+    residual = A["encoded"] if l == 0 else A["residual3"][l - 1]                   # (B,T,C)
+    ln1, ln2, fch_gelu = layer("ln1", l), layer("ln2", l), layer("fch_gelu", l)
+    # forward pass 1: attention block
+    qkv = attention.qkv(A, l, B, T, C)                                             # (B,T,3C)
+    mm.forward(qkv, ln1, p["qkvw"], p["qkvb"], B, T, C, 3 * C)
+    attention.forward(A, l, B, T, C, NH, mm.tf32)                                  # atty[l] (B,T,C)
+    attproj = A["attproj"]                                                         # without its bias:
+    mm.forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)             # the next kernel adds it
+    # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
+    fused_residual_forward(A["residual2"][l], ln2, A["ln2_mean"][l], A["ln2_rstd"][l],
+                           residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
+    # forward pass 2: MLP block
+    mm.forward(fch_gelu, ln2, p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
+    fcproj = A["fcproj"]
+    mm.forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)               # (B,T,C), bias added next
+    # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
+    if l + 1 < L:
+        norm = (layer("ln1", l + 1), A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
+    else:
+        norm = (A["lnf"], A["lnf_mean"], A["lnf_rstd"], P["lnfw"], P["lnfb"])
+    fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
+                           norm[3], norm[4], B * T, C)
 
 
 def gpt2_mean_loss(model):
@@ -561,7 +600,7 @@ def gpt2_backward(model, loss_scale=1.0):
     training step, gpt2_micro_batch, runs the classifier only here."""
     if not model.has_targets:
         raise RuntimeError("gpt2_backward needs a forward pass with targets")
-    gpt2_backward_kernels(model, loss_scale, *upload_segments(model, padded=False))
+    backward_launches(model, loss_scale, *upload_segments(model, padded=False))
 
 
 def upload_segments(model, padded):
@@ -593,7 +632,7 @@ def padded_to(values, length, fill):
     return np.concatenate([values, np.full(length - values.size, fill, dtype=np.int32)])
 
 
-def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
+def backward_launches(model, loss_scale, num_chunks, num_reduce):
     """The device half of gpt2_backward: every launch of the backward pass of the (B,T) forward,
     the dwte scatter-add's chunks already on the device (upload_segments' counts). Launches only,
     with the same arguments every call for given (B,T), loss_scale and counts: graph-capturable."""
@@ -604,7 +643,7 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     partial, mm = model.partial, model.matmul
     recomputed = recomputed_activations(model.recompute)
 
-    def layer(name, l):                    # as in gpt2_forward_kernels
+    def layer(name, l):                    # as in block_forward
         return layer_activation(A, name, l, model.recompute)
 
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
@@ -614,7 +653,7 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
     logits = prefix(A["logits"], (B, T, Vp))
     fused_classifier(logits, A["losses"], A["targets"], dloss, B, T, V, Vp, write_dlogits=True)
     dlogits = logits
-    dlnf = A["scratch_btc"]
+    dlnf = A["dlnf"]
     mm.backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], partial, B, T, C, Vp)
     dresidual = A["dresidual"]                                                      # gradient of the residual stream
     dresidual.fill(0)                                                               # layernorm_backward accumulates
@@ -635,24 +674,24 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
             layernorm_forward(ln2, A["ln2_mean"][l], A["ln2_rstd"][l], A["residual2"][l], p["ln2w"], p["ln2b"], B, T, C)
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
         # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
-        dfch = A["scratch_bt4c"]
+        dfch = A["dfch"]
         mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
                     pre_gelu=A["fch"][l])                                           # dfch, through gelu
-        dln2 = A["scratch_btc"]
+        dln2 = A["dln2"]
         mm.backward(dln2, g["fcw"], g["fcb"], dfch, ln2, p["fcw"], partial, B, T, C, 4 * C)
         layernorm_backward(dresidual, g["ln2w"], g["ln2b"], partial, dln2, A["residual2"][l], p["ln2w"],
                            A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
-        datty = A["scratch_btc"]
+        datty = A["datty"]
         mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
-        dqkv = prefix(A["scratch_bt4c"], (B, T, 3 * C))
+        dqkv = A["dqkv"]
         model.attention.backward(dqkv, datty, A, l, B, T, C, NH, mm.tf32)
         # -r 2: the forward's `layernorm_forward(ln1, ...)` (layer 0, from encoded) or the previous layer's
         # `fused_residual_forward(A["residual3"][l - 1], ln1, ...)` kept the residual; ln1 = layernorm(residual),
         # again, bit for bit as ln2 above
         if "ln1" in recomputed:
             layernorm_forward(ln1, A["ln1_mean"][l], A["ln1_rstd"][l], residual, p["ln1w"], p["ln1b"], B, T, C)
-        dln1 = A["scratch_btc"]                                                     # datty was consumed above
+        dln1 = A["dln1"]                                                            # datty was consumed above
         mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, ln1, p["qkvw"], partial, B, T, C, 3 * C)
         layernorm_backward(dresidual, g["ln1w"], g["ln1b"], partial, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
@@ -663,13 +702,13 @@ def gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce):
                      B, T, C)
 
 
-def micro_batch_kernels(model, B, T, loss_scale, num_chunks, num_reduce):
+def micro_batch_launches(model, B, T, loss_scale, num_chunks, num_reduce):
     """The device work of one micro-batch, launches only (graph-capturable): the forward without
     the classifier, the backward (whose fused classifier writes the losses and dlogits in one
     pass), and the losses added into loss_accum."""
     A = gpt2_activations(model, B, T)
-    gpt2_forward_kernels(model, B, T, with_loss=False)
-    gpt2_backward_kernels(model, loss_scale, num_chunks, num_reduce)
+    forward_launches(model, B, T, with_loss=False)
+    backward_launches(model, loss_scale, num_chunks, num_reduce)
     cuda.cupy().add(A["loss_accum"], A["losses"], out=A["loss_accum"])
 
 
@@ -704,7 +743,7 @@ def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
     cp = cuda.cupy()
     B, T = upload_batch(model, inputs, targets)
     if not cuda_graph:
-        micro_batch_kernels(model, B, T, loss_scale, *upload_segments(model, padded=False))
+        micro_batch_launches(model, B, T, loss_scale, *upload_segments(model, padded=False))
         return
     counts = upload_segments(model, padded=True)
     stream = cp.cuda.get_current_stream()         # a created stream: the legacy one cannot capture
@@ -712,8 +751,8 @@ def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
     if key in model.graphs:
         model.graphs[key].launch(stream)
         return
-    micro_batch_kernels(model, B, T, loss_scale, *counts)                 # the warm-up: this micro-batch, eagerly
-    model.graphs[key] = capture_graph(stream, lambda: micro_batch_kernels(model, B, T, loss_scale, *counts))
+    micro_batch_launches(model, B, T, loss_scale, *counts)                 # the warm-up: this micro-batch, eagerly
+    model.graphs[key] = capture_graph(stream, lambda: micro_batch_launches(model, B, T, loss_scale, *counts))
 
 
 def gpt2_grad_norm(model):
@@ -802,11 +841,11 @@ def gpt2_global_grad_norm(model, comm):
 # is given: given forwards that run this model, the CUDA trainer samples exactly as the CPU one.
 # Two forwards, as in gpt2_cpu: `full`, gpt2_forward on a fixed window of min(maxT, len(prompt) +
 # new tokens) tokens (train() allocates its (1, window) activations up front), and `cached`,
-# gpt2_forward_cached below, which runs only the new tokens against a KV cache (generate's
-# default). The cached forward runs the training forward's blocks in the same activation buffers,
-# but its attention is CuPy array operations (cuBLAS matmuls, CuPy's elementwise kernels) in fp32
-# rather than a kernel of ours, against the KV cache (fp32 (L,1,NH,maxT,HS) keys and values from
-# CuPy's memory pool, once per sample).
+# gpt2_forward with a KV cache, which runs only the new tokens (generate's default). The cached
+# forward runs the training forward's blocks in the same activation buffers; its attention is
+# gpt2_cpu.attention_forward_cached itself, NumPy code run on CuPy arrays (cuBLAS matmuls, CuPy's
+# elementwise kernels) in fp32 rather than a kernel of ours, against the KV cache (fp32
+# (L,1,NH,maxT,HS) keys and values from CuPy's memory pool, once per sample).
 
 class HostLogits:
     """The (B,T,Vp) logits of the last forward pass, left on the device; indexing copies just the
@@ -834,68 +873,39 @@ def kv_cache_new(config, B, dtype=np.float32):
 
 
 def attention_forward_cached(out, qkv, k_cache, v_cache, pos, B, T, C, NH):
-    """gpt2_cpu.attention_forward_cached on the device: out (B,T,C) floatX = the heads of
-    softmax(q k^T / sqrt(HS), causal) @ v for T new positions pos..pos+T-1, from qkv (B,T,3C)
-    floatX, their projection. k_cache, v_cache (B,NH,maxT,HS) fp32, positions 0..pos-1 filled,
-    get the new k, v at pos..pos+T-1. Library calls: CuPy array operations in fp32 between two
-    cast kernels (see the section's header for why)."""
-    cp = cuda.cupy()
-    HS, n = C // NH, pos + T
-    qkv32 = cp.zeros((B, T, 3, NH, HS), np.float32)
+    """gpt2_cpu.attention_forward_cached on the device, the same code: out (B,T,C) floatX = the
+    heads of softmax(q k^T / sqrt(HS), causal) @ v for T new positions pos..pos+T-1, from qkv
+    (B,T,3C) floatX, their projection. k_cache, v_cache (B,NH,maxT,HS) fp32, positions 0..pos-1
+    filled, get the new k, v at pos..pos+T-1. Library calls: NumPy functions on CuPy arrays (NEP
+    13 and 18 send them to CuPy) in fp32, between two cast kernels."""
+    qkv32 = cuda.cupy().zeros((B, T, 3 * C), np.float32)
     cast_floatX_to_float(qkv32.reshape(-1), qkv.reshape(-1), B * T * 3 * C)
-    q, k, v = (qkv32[:, :, i].transpose(0, 2, 1, 3) for i in range(3))       # each (B,NH,T,HS)
-    k_cache[:, :, pos:n] = k
-    v_cache[:, :, pos:n] = v
-    keys, values = k_cache[:, :, :n], v_cache[:, :, :n]                      # (B,NH,n,HS): every position so far
-    preatt = (q @ keys.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))        # (B,NH,T,HS) @ (B,NH,HS,n) -> (B,NH,T,n)
-    if T > 1:                                      # a prefill: mask the keys after each query (one row: none)
-        future = np.arange(n)[None, :] > pos + np.arange(T)[:, None]        # (T,n) on the host
-        mask = cp.zeros((T, n), np.float32)
-        mask.set(np.where(future, -np.inf, 0.0).astype(np.float32))
-        preatt += mask
-    preatt -= preatt.max(axis=-1, keepdims=True)   # a query's own key is never masked: max is finite
-    att = np.exp(preatt)                           # on the device: CuPy implements NumPy's ufunc protocol (NEP 13)
-    att /= att.sum(axis=-1, keepdims=True)
-    y = cp.zeros((B, T, NH, HS), np.float32)
-    y[...] = (att @ values).transpose(0, 2, 1, 3)  # (B,NH,T,n) @ (B,NH,n,HS) -> (B,NH,T,HS) -> (B,T,NH,HS)
+    y = gpt2_cpu.attention_forward_cached(qkv32, k_cache, v_cache, pos, NH)     # (B,T,C) fp32
     cast_float_to_floatX(out.reshape(-1), y.reshape(-1), B * T * C)
 
 
 class CachedAttention:
-    """The sampler's attention path for gpt2_forward_kernels: the T new positions pos..pos+T-1
-    against the keys and values of the earlier ones in `cache` (attention_forward_cached, which
-    appends theirs). The qkv projection goes to scratch_bt4c, which only a backward uses."""
+    """The sampler's attention path for block_forward: the T new positions pos..pos+T-1 against
+    the keys and values of the earlier ones in `cache` (attention_forward_cached, which appends
+    theirs). Its qkv projection goes to sampler_qkv (activation_aliases)."""
 
     def __init__(self, cache, pos):
         self.cache, self.pos = cache, pos
 
     def qkv(self, A, l, B, T, C):
-        return prefix(A["scratch_bt4c"], (B, T, 3 * C))
+        return A["sampler_qkv"]
 
     def forward(self, A, l, B, T, C, NH, tf32):
         attention_forward_cached(A["atty"][l], self.qkv(A, l, B, T, C), self.cache.k[l], self.cache.v[l], self.pos,
                                  B, T, C, NH)
 
 
-def gpt2_forward_cached(model, inputs, cache):
-    """gpt2_cpu.gpt2_forward_cached on the device: the T tokens inputs (B,T) (host ints) at
-    positions cache.length..cache.length+T-1 against the KV cache (kv_cache_new), which gets
-    their keys and values. The training forward's blocks (gpt2_forward_kernels) with
-    CachedAttention. Returns the logits (B,Vp) of the last position, float32 on the host.
-    Raises InputError if the positions pass maxT or a token id is out of range."""
-    pos = cache.length
-    B, T = upload_batch(model, inputs, None, pos)
-    logits = gpt2_forward_kernels(model, B, T, False, CachedAttention(cache, pos), pos)
-    cache.length = pos + T
-    return as_float32(logits[:, T - 1].get())                                       # (B,Vp) to the host
-
-
 def sampling_forward(model):
     """gpt2_cpu.generate's forwards on this model (a gpt2_cpu.SamplingForward), for token ids on
     the host: full(x (1,window)) -> HostLogits (1,window,Vp) from gpt2_forward without targets;
-    cached(x (1,T), cache) -> logits (1,Vp) float32 on the host from gpt2_forward_cached."""
+    cached(x (1,T), cache) -> logits (1,Vp) float32 on the host from gpt2_forward with the cache."""
     return SamplingForward(full=lambda x: HostLogits(gpt2_forward(model, x)),
-                           cached=lambda x, cache: gpt2_forward_cached(model, x, cache),
+                           cached=lambda x, cache: gpt2_forward(model, x, cache=cache),
                            new_cache=lambda: kv_cache_new(model.config, 1))
 
 

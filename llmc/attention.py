@@ -205,8 +205,8 @@ def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH):
 
 class NaiveAttention:
     """The (B,NH,T,T) matrix (kernels/attention.cu + cuBLAS): qkvr (q, k, v split into heads) and
-    att are kept per layer; the qkv projection, preatt, the per-head outputs and datt live in the
-    `logits` buffer, borrowed as their workspace (sized for the largest of them and the logits)."""
+    att are kept per layer; the qkv projection, preatt, the per-head outputs and datt live in
+    att_workspace, an alias of the `logits` buffer (sized for the largest of them and the logits)."""
     name = "naive"
     kernel_files = ()
     check_names = ("qkvr", "att")
@@ -219,20 +219,27 @@ class NaiveAttention:
                     ("dy", (B, NH, T, HS), "X")]                 # attention backward: dout per head
         return kept, B * T * max(3 * C, NH * T, Vp), backward    # logits, and the workspace of qkv | preatt | y | datt
 
+    def aliases(self, B, T, C, NH):
+        """(name, buffer, shape) of the roles it keeps in another buffer, for activation_aliases:
+        the workspace of attention_forward and attention_backward, in `logits` (free until the
+        classifier writes it, and again once the backward's classifier matmul has consumed it)."""
+        return [("att_workspace", "logits", (B * T * max(3 * C, NH * T),))]
+
     def prepare(self, sizes, NH, HS):
         """Work before the first step for these (B,T) sizes: none."""
 
     def qkv(self, A, l, B, T, C):
         """Where layer l's qkv projection (B,T,3C) is written."""
-        return prefix(A["logits"], (B, T, 3 * C))
+        return prefix(A["att_workspace"], (B, T, 3 * C))
 
     def forward(self, A, l, B, T, C, NH, tf32):
-        """atty[l] (B,T,C) from the qkv projection in `output`."""
-        attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["logits"], B, T, C, NH, tf32)
+        """atty[l] (B,T,C) from the qkv projection in att_workspace."""
+        attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["att_workspace"], B, T, C, NH, tf32)
 
     def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
         """dqkv (B,T,3C) written from datty (B,T,C)."""
-        attention_backward(dqkv, A["dqkvr"], A["logits"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH, tf32)
+        attention_backward(dqkv, A["dqkvr"], A["att_workspace"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH,
+                           tf32)
 
     def references(self, cpu_acts, L, B, T, C, NH):
         """gpt2_cpu's counterparts of check_names that gpt2_cpu does not keep under the same name."""
@@ -249,6 +256,9 @@ class FlashAttention(NaiveAttention):
     def buffers(self, B, T, C, L, NH, Vp):
         kept = [("qkv", (L, B, T, 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
         return kept, B * T * Vp, [("att_D", (B, NH, T), "f32")]   # flash backward: rowsum(dout * out)
+
+    def aliases(self, B, T, C, NH):
+        return []
 
     def qkv(self, A, l, B, T, C):
         return A["qkv"][l]

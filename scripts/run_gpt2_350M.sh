@@ -6,33 +6,11 @@
 # Run from anywhere: bash scripts/run_gpt2_350M.sh
 set -u
 cd "$(dirname "$0")/.." || exit 1
+# shellcheck source=gpt2_recipe.sh
+source scripts/gpt2_recipe.sh         # GPT2_RECIPE (llm.c's flags), run_until_done
 
 gpus=8
-out_dir="log_gpt2_350M"
 steps=60000
-done_file=$(printf "%s/DONE_%08d" "$out_dir" "$steps")   # the checkpoint marker of the last step
-
-while [ ! -f "$done_file" ]; do
-    resume=0
-    if compgen -G "$out_dir/DONE_*" > /dev/null; then resume=1; fi
-    mpiexec -n "$gpus" python gpt2_cuda.py \
-        -i "data/fineweb10B/fineweb_train_*.bin" \
-        -j "data/fineweb10B/fineweb_val_*.bin" \
-        -o "$out_dir" \
-        -v 250 -s 100000 -g 144 \
-        -h 1 \
-        -b 64 -t 1024 \
-        -d 524288 \
-        -r 0 \
-        -z 1 \
-        -c 0.1 \
-        -l 0.0003 \
-        -q 0.0 \
-        -u 700 \
-        -n 2000 \
-        -x "$steps" \
-        -y "$resume" \
-        -e d24
-    sleep 1
-done
-echo "$done_file exists: training is complete"
+run_until_done "$(printf "log_gpt2_350M/DONE_%08d" "$steps")" \
+    mpiexec -n "$gpus" python gpt2_cuda.py "${GPT2_RECIPE[@]}" -e d24 -d 524288 -l 0.0003 -x "$steps" \
+    -i "data/fineweb10B/fineweb_train_*.bin" -j "data/fineweb10B/fineweb_val_*.bin" -o log_gpt2_350M -s 100000 -n 2000

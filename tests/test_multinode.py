@@ -379,6 +379,8 @@ def test_tcp_group_before_connect_refuses_host_reductions():
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "**", "*.sh"), recursive=True) +
                  glob.glob(os.path.join(ROOT, "scripts", "**", "*.sbatch"), recursive=True))
+RECIPE = os.path.join(ROOT, "scripts", "gpt2_recipe.sh")      # sourced by the others: llm.c's shared flags
+RUNS = [s for s in SCRIPTS if s != RECIPE]
 
 
 def test_there_are_scripts():
@@ -403,8 +405,10 @@ def test_script_passes_shellcheck(script):
 def trainer_arguments(script):
     """The arguments each script passes to gpt2_cuda.py: the words after `gpt2_cuda.py` to the end
     of the (backslash-continued) command, each "$variable" replaced by its plain assignment in the
-    script (`steps=18865`), or by 1 where it has none (a path, an environment variable)."""
-    text = open(script).read().replace("\\\n", " ")
+    script (`steps=18865`), or by 1 where it has none (a path, an environment variable), and
+    "${GPT2_RECIPE[@]}" by the flags scripts/gpt2_recipe.sh gives it."""
+    recipe = re.search(r"^GPT2_RECIPE=\((.*)\)$", open(RECIPE).read(), re.MULTILINE).group(1)
+    text = open(script).read().replace("\\\n", " ").replace('"${GPT2_RECIPE[@]}"', recipe)
     values = dict(re.findall(r'^(\w+)=([\w.]+)\s', text, re.MULTILINE))
     commands = [line.split("gpt2_cuda.py", 1)[1] for line in text.splitlines()
                 if "gpt2_cuda.py" in line and not line.lstrip().startswith("#")]
@@ -412,7 +416,7 @@ def trainer_arguments(script):
             for command in commands]
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: os.path.relpath(s, ROOT))
+@pytest.mark.parametrize("script", RUNS, ids=lambda s: os.path.relpath(s, ROOT))
 def test_script_flags_exist(script):
     import gpt2_cuda
     parser = gpt2_cuda.build_parser()

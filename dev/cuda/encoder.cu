@@ -13,11 +13,8 @@ each progression is kernels/encoder.cu's, launched from there by its real name).
 - encoder_backward_accumulate_v1: dwte += dwte_acc, dwpe += dwpe_acc (rounded to floatX once),
   one thread per element of the whole tables: the price of the fp32 accumulators is a pass over
   all Vp*C entries, even those of tokens absent from the batch.
-- encoder_backward_wte_v2: no atomics: the host sorts the positions by token (stable), and one
-  block per distinct token sums its dout rows in position order and adds once into dwte: only
-  touched rows move, and the result is deterministic. Its weakness is the load balance: a token
-  that is 4% of a batch (330 of 8192 positions) is one block summing 330 rows while the others
-  sum one or two: a serial tail.
+Version 2 of the backward has no kernel of its own: it is kernels/encoder.cu's
+encoder_backward_wte given one chunk per token (see dev/cuda/encoder.py).
 
 Compile check: python dev/cuda/nvrtc_compile.py dev/cuda/encoder.cu
 */
@@ -61,37 +58,5 @@ extern "C" __global__ void encoder_backward_accumulate_v1(floatX* dwte, floatX* 
     }
     if (i < n_wpe) {
         dwpe[i] = (floatX)((float)dwpe[i] + dwpe_acc[i]);
-    }
-}
-
-// dwte (Vp,C): for each segment s (a distinct token seg_token[s]),
-//     dwte[seg_token[s], :] += sum over j in [seg_start[s], seg_start[s+1]) of dout[positions[j], :]
-// positions are sorted stably by token, so each sum runs in increasing position order.
-extern "C" __global__ void encoder_backward_wte_v2(floatX* dwte, const floatX* dout, const int* positions,
-                                                   const int* seg_start, const int* seg_token,
-                                                   int num_segments, int C) {
-    const int groups_per_row = C / x128::size;
-    for (int s = blockIdx.x; s < num_segments; s += gridDim.x) {
-        const int begin = seg_start[s];
-        const int end = seg_start[s + 1];
-        floatX* dwte_row = dwte + (size_t)seg_token[s] * C;
-        for (int group = threadIdx.x; group < groups_per_row; group += blockDim.x) {
-            const int c = group * x128::size;
-            float sums[x128::size];
-            for (int k = 0; k < x128::size; k++) {
-                sums[k] = 0.0f;
-            }
-            for (int j = begin; j < end; j++) {
-                const x128 dout_group = load128(dout + (size_t)positions[j] * C + c);
-                for (int k = 0; k < x128::size; k++) {
-                    sums[k] += (float)dout_group[k];
-                }
-            }
-            x128 dwte_group = load128(dwte_row + c);
-            for (int k = 0; k < x128::size; k++) {
-                dwte_group[k] = (floatX)((float)dwte_group[k] + sums[k]);
-            }
-            store128(dwte_row + c, dwte_group);
-        }
     }
 }

@@ -16,13 +16,15 @@ encoder_backward, dwte[v] += sum of dout[b,t] over inp[b,t] == v; dwpe[t] += sum
             three reasons: zeroing and re-adding the whole (Vp,C) table even though a batch
             touches few rows, atomics contending on repeated tokens and positions, and an order
             of additions that changes run to run (not reproducible).
-  version 2 (encoder_backward_wte_v2 with kernels/encoder.cu encoder_backward_wpe) needs no
-            atomics: dwpe has one thread per (t, x128 group) summing b in order; for dwte the
-            host sorts positions by token (gpt2_cuda.encoder_backward_segments, not timed here),
-            and one block per distinct token sums its rows in order and adds once. Only touched
-            rows are read and written, with x128 accesses, and the result is deterministic; but
-            a frequent token (the benchmark makes one 4% of the batch, as "the" or "," are) is
-            one block summing hundreds of rows while the others sum one or two: a serial tail.
+  version 2 (kernels/encoder.cu encoder_backward_wpe + encoder_backward_wte, one chunk per
+            token) needs no atomics: dwpe has one thread per (t, x128 group) summing b in order;
+            for dwte the host sorts positions by token (gpt2_cuda.encoder_backward_segments with
+            unbounded chunks, not timed here), and one block per distinct token sums its rows in
+            order and adds once. Only touched rows are read and written, with x128 accesses, and
+            the result is deterministic; but a frequent token (the benchmark makes one 4% of the
+            batch, as "the" or "," are) is one block summing hundreds of rows while the others
+            sum one or two: a serial tail. It is version 3's kernel on version 2's plan: the
+            kernel's chunk is a token here.
   version 3 (kernels/encoder.cu encoder_backward_wpe + encoder_backward_wte +
             encoder_backward_wte_reduce, production) cuts each token's run of positions into
             chunks of at most gpt2_cuda.WTE_CHUNK_ROWS: one block per chunk, so no block sums
@@ -58,7 +60,6 @@ OP = "encoder"
 ENCODER_FORWARD_V1 = dev_kernel(OP, "encoder_forward_v1")
 ENCODER_BACKWARD_V1 = dev_kernel(OP, "encoder_backward_v1")
 ENCODER_BACKWARD_ACCUMULATE_V1 = dev_kernel(OP, "encoder_backward_accumulate_v1")
-ENCODER_BACKWARD_WTE_V2 = dev_kernel(OP, "encoder_backward_wte_v2")
 ENCODER_FORWARD = production_kernel("encoder", "encoder_forward")
 ENCODER_BACKWARD_WPE = production_kernel("encoder", "encoder_backward_wpe")
 ENCODER_BACKWARD_WTE = production_kernel("encoder", "encoder_backward_wte")
@@ -101,7 +102,8 @@ def make_backward_case(rng, precision, B, T, C, V, Vp, maxT, frequent):
     for name, value in dict(B=B, T=T, C=C, num_segments=S, num_chunks=seg.chunk_token.size,
                             num_reduce=seg.reduce_token.size, n_wte=Vp * C, n_wpe=maxT * C).items():
         case.scalar(name, value)
-    for name, value in dict(inp=inp, seg_start=whole.chunk_start, seg_token=whole.chunk_token, **seg._asdict()).items():
+    for name, value in dict(inp=inp, token_start=whole.chunk_start, token_id=whole.chunk_token,
+                            token_slot=whole.chunk_slot, **seg._asdict()).items():
         case.input(name, value, "i32")
     dout = case.input("dout", rng.standard_normal((B, T, C)))
     dwte = case.input("dwte", rng.standard_normal((Vp, C)))           # float64 copies: the reference
@@ -143,9 +145,9 @@ def backward_v2(d, block_size):
     vec = vector_size(d.precision)
     ENCODER_BACKWARD_WPE.launch(d.precision, elementwise_grid(d.T * d.C // vec, block_size), block_size,
                                 (d.dwpe, d.dout, np.int32(d.B), np.int32(d.T), np.int32(d.C)))
-    ENCODER_BACKWARD_WTE_V2.launch(d.precision, max(1, d.num_segments), block_size,
-                                   (d.dwte, d.dout, d.positions, d.seg_start, d.seg_token, np.int32(d.num_segments),
-                                    np.int32(d.C)))
+    ENCODER_BACKWARD_WTE.launch(d.precision, max(1, d.num_segments), block_size,      # one chunk per token:
+                                (d.dwte, d.partial, d.dout, d.positions, d.token_start, d.token_id, d.token_slot,
+                                 np.int32(d.num_segments), np.int32(d.C)))          # no partial rows (slots -1)
 
 
 def backward_v3(d, block_size):
@@ -172,7 +174,7 @@ PROGRESSIONS = [
         Version(1, "naive port of np.add.at: fp32 atomics, then a pass over the tables",
                 (ENCODER_BACKWARD_V1, ENCODER_BACKWARD_ACCUMULATE_V1), backward_v1),
         Version(2, "no atomics, in-order sums per position and per token",
-                (ENCODER_BACKWARD_WPE, ENCODER_BACKWARD_WTE_V2), backward_v2),
+                (ENCODER_BACKWARD_WPE, ENCODER_BACKWARD_WTE), backward_v2),
         Version(3, "production: version 2 with each token cut into bounded chunks, reduced in order",
                 (ENCODER_BACKWARD_WPE, ENCODER_BACKWARD_WTE, ENCODER_BACKWARD_WTE_REDUCE), backward_v3),
     ], dict(SIZES, frequent=FREQUENT_TOKEN_SHARE), dict(TEST_SIZES, frequent=0.5)),

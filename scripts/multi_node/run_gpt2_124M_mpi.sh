@@ -20,20 +20,11 @@ val_data="$repo/data/fineweb10B/fineweb_val_*.bin"
 # --------------------------------------------------------------------------------
 
 cd "$repo" || exit 1
-mpiexec -n "$processes" -hosts "$hosts" python gpt2_cuda.py \
+# shellcheck source=../gpt2_recipe.sh
+source scripts/gpt2_recipe.sh               # GPT2_RECIPE: llm.c's flags
+mpiexec -n "$processes" -hosts "$hosts" python gpt2_cuda.py "${GPT2_RECIPE[@]}" \
     -pm mpi \
     -i "$train_data" \
     -j "$val_data" \
     -o "$out_dir" \
-    -v 250 -s 20000 -g 144 \
-    -h 1 \
-    -b 64 -t 1024 \
-    -d 2097152 \
-    -r 0 \
-    -z 1 \
-    -c 0.1 \
-    -l 0.0006 \
-    -q 0.0 \
-    -u 700 \
-    -n 1000 \
-    -e d12
+    -e d12 -d 2097152 -l 0.0006 -s 20000 -n 1000
