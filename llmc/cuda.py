@@ -143,8 +143,9 @@ def library(name):
 
 
 def address(arr):
-    """Device (CuPy) or host (NumPy) address of an array's first element."""
-    return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+    """The device address of a device array's first element (CuPy's arr.data.ptr; on the
+    emulated device a host address)."""
+    return arr.data.ptr
 
 
 def select_device(comm):

@@ -33,6 +33,7 @@ import pytest
 
 import gpt2_cpu
 import llmc.cuda
+from emulated_gpu import record_launches
 from llmc import cublaslt
 from llmc.check import TOLERANCES, check_tensor
 from llmc.cublaslt import (EPILOGUE_BGRADB, EPILOGUE_BIAS, EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX,
@@ -265,49 +266,28 @@ def _store(x, storage):
     return float32_to_bfloat16_bits(x) if storage == np.uint16 else x
 
 
-class FakeCupy:
-    """CuPy's empty (host memory, filled with garbage) and the current stream."""
-
-    def __init__(self):
-        self.allocations = []
-        self.stream = types.SimpleNamespace(ptr=0x5EED)
-        self.cuda = types.SimpleNamespace(get_current_stream=lambda: self.stream)
-
-    def empty(self, shape, dtype=np.float32):
-        self.allocations.append((shape, np.dtype(dtype)))
-        arr = np.empty(shape, dtype)
-        arr.view(np.uint8).fill(0xFF)                       # garbage: all-ones bits, NaN in fp32 and bf16
-        return arr
-
-
-def _emulated_launch(launches):
-    """llmc.cuda.launch for the one kernel this module launches: residual_forward (out = inp1 + inp2)."""
-    def launch(file, precision, name, grid, block, args):
-        assert (file, name) == ("layernorm", "residual_forward")
-        out, inp1, inp2, n = args
-        assert isinstance(n, np.uint64) and grid * block * llmc.cuda.vector_size(precision) >= n
-        assert llmc.cuda.precision_of(out) == precision
-        launches.append(args)
-        out[:n] = _store(_to_f64(inp1[:n]).astype(np.float32) + _to_f64(inp2[:n]).astype(np.float32), out.dtype)
-    return launch
-
-
 @pytest.fixture
 def fake(monkeypatch):
-    """llmc.cublaslt on the emulated device's cuBLASLt (llmc.cuda.library("cublaslt") with the
-    device "cpu"), its calls recorded; CuPy and the kernel launch replaced by NumPy stand-ins."""
+    """llmc.cublaslt on the emulated device: its cuBLASLt (llmc.cuda.library("cublaslt") with the
+    device "cpu") with every call recorded (a Recorder), its memory (lt.allocations: the (shape,
+    dtype) of each empty()) and its kernels (lt.launches: the launches, which still run)."""
     monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())  # restored after the test
     llmc.cuda.use_device("cpu")
     lt = Recorder(llmc.cuda.library("cublaslt"), monkeypatch)
     assert cublaslt.bindings() is lt.lt and lt.lt.__name__ == "llmc.emulator.cublaslt"
-    cp = FakeCupy()
-    lt.launches = []
-    monkeypatch.setattr(llmc.cuda, "cupy", lambda: cp)
-    monkeypatch.setattr(llmc.cuda, "launch", _emulated_launch(lt.launches))
+    lt.cupy = llmc.cuda.cupy()
+    lt.allocations = []
+    empty = lt.cupy.empty
+
+    def recording_empty(shape, dtype=np.float32, order="C"):
+        lt.allocations.append((shape, np.dtype(dtype)))
+        return empty(shape, dtype, order)
+    monkeypatch.setattr(lt.cupy, "empty", recording_empty)
+    lt.launches = record_launches(monkeypatch)
     cublaslt.clear_cache()
-    lt.cupy = cp
     yield lt
     cublaslt.clear_cache()
+
 
 def floatx(precision):
     """The storage dtype of a floatX array: bf16 bit patterns in uint16, or float32."""
@@ -317,13 +297,14 @@ def floatx(precision):
 def dev(lt, x, precision):
     """A host array as a floatX 'device' array (bf16: rounded to nearest even), kept alive for
     the whole test (so that no two arrays of a test share an address)."""
-    lt.alive.append(_store(np.ascontiguousarray(x, dtype=np.float32), floatx(precision)))
+    lt.alive.append(lt.cupy.asarray(_store(np.ascontiguousarray(x, dtype=np.float32), floatx(precision))))
     return lt.alive[-1]
 
 
 def poisoned(lt, shape, precision):
     """A floatX array of NaN, kept alive like dev's: any element a product fails to write stays NaN."""
-    lt.alive.append(np.full(shape, 0x7FC0, np.uint16) if precision == "bf16" else np.full(shape, np.nan, np.float32))
+    cp = lt.cupy
+    lt.alive.append(cp.full(shape, 0x7FC0, np.uint16) if precision == "bf16" else cp.full(shape, np.nan, np.float32))
     return lt.alive[-1]
 
 
@@ -376,7 +357,7 @@ def test_forward_through_fake(fake, precision, B, T, C, OC, with_bias, with_gelu
     assert call["epilogue"] == expected and call["aux_ld"] == (OC if with_gelu else 0)    # 0: unset
     assert (call["alpha"], call["beta"]) == (1.0, 0.0)
     assert call["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F and call["scale"] == CUDA_R_32F
-    assert call["stream"] == fake.cupy.stream.ptr and call["workspace_size"] == cublaslt.WORKSPACE_BYTES
+    assert call["stream"] == fake.cupy.cuda.get_current_stream().ptr and call["workspace_size"] == cublaslt.WORKSPACE_BYTES
     assert call["workspace"] == cublaslt._CONTEXT["workspace"].ctypes.data
 
 
@@ -442,7 +423,7 @@ def test_bgradb_without_algorithm_leaves_dbias_to_the_caller(fake, refuse_by):
 
 def test_no_algorithm_for_a_forward_raises(fake):
     fake.refuse = {EPILOGUE_BIAS}
-    out, inp, w, b = ((np.zeros(s, np.float32)) for s in ((1, 2, 8), (1, 2, 8), (8, 8), (8,)))
+    out, inp, w, b = (fake.cupy.zeros(s, np.float32) for s in ((1, 2, 8), (1, 2, 8), (8, 8), (8,)))
     with pytest.raises(cublaslt.CublasLtUnsupported, match="BIAS m=8 n=2 k=8 fp32"):
         matmul_forward_lt(out, inp, w, b, 1, 2, 8, 8)
 
@@ -476,7 +457,7 @@ def test_plans_are_built_once_per_shape_epilogue_and_precision(fake, monkeypatch
     assert fake.calls[6]["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F
     # one handle and one 32 MiB workspace for all of it; preferences are not kept
     assert fake.created["handle"] == 1
-    assert fake.cupy.allocations == [(cublaslt.WORKSPACE_BYTES, np.dtype(np.uint8))]
+    assert fake.allocations == [(cublaslt.WORKSPACE_BYTES, np.dtype(np.uint8))]
     assert fake.created["pref"] == fake.destroyed["pref"] == 5
     cublaslt.clear_cache()
     assert fake.destroyed["desc"] == 5 and fake.destroyed["layout"] == 20 and fake.destroyed["handle"] == 1
@@ -485,10 +466,10 @@ def test_plans_are_built_once_per_shape_epilogue_and_precision(fake, monkeypatch
 
 def test_bgrad_scratch_is_allocated_once_per_size(fake):
     B, T, C, OC = 1, 4, 8, 16
-    args = [(np.zeros(s, np.float32)) for s in ((B, T, C), (OC, C), (OC,), (B, T, OC), (B, T, C), (OC, C))]
+    args = [fake.cupy.zeros(s, np.float32) for s in ((B, T, C), (OC, C), (OC,), (B, T, OC), (B, T, C), (OC, C))]
     for _ in range(3):
         assert matmul_backward_lt(*args, B, T, C, OC)
-    assert fake.cupy.allocations.count((OC, np.dtype(np.float32))) == 1
+    assert fake.allocations.count((OC, np.dtype(np.float32))) == 1
 
 
 # ----------------------------------------------------------------------------
@@ -496,7 +477,7 @@ def test_bgrad_scratch_is_allocated_once_per_size(fake):
 
 def test_argument_checks(fake):
     B, T, C, OC = 1, 2, 8, 12
-    z = lambda *s, dtype=np.float32: np.zeros(s, dtype)                         # noqa: E731
+    z = lambda *s, dtype=np.float32: fake.cupy.zeros(s, dtype)                  # noqa: E731
     with pytest.raises(ValueError, match="multiple of 8"):                     # aux ld = OC = 12
         matmul_forward_lt(z(B, T, OC), z(B, T, C), z(OC, C), z(OC), B, T, C, OC, pre_gelu=z(B, T, OC))
     with pytest.raises(TypeError):                                              # bf16 weight, fp32 rest
