@@ -44,7 +44,6 @@ from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from llmc.utils import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STREAM_PTR = 0x5EED                      # the fake current stream's handle
 
 
 # ----------------------------------------------------------------------------
@@ -86,7 +85,8 @@ class RecordedGraph(emulated.pygraph):
 @pytest.fixture
 def fake_cudnn(monkeypatch):
     """llmc.cuda.library("cudnn") on the emulated device (device "cpu", restored after the test),
-    its pygraph, handles and set_stream recorded; empty caches; NumPy in place of CuPy."""
+    its pygraph, handles and set_stream recorded; empty caches; the emulated device's
+    arrays and a stream of the test's own (frontend.stream) current."""
     monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())
     llmc.cuda.use_device("cpu")
     assert ca.cudnn_module() is emulated
@@ -106,11 +106,10 @@ def fake_cudnn(monkeypatch):
     monkeypatch.setattr(emulated, "set_stream", recorded_stream)
     monkeypatch.setattr(ca, "GRAPHS", {})
     monkeypatch.setattr(ca, "_RESOURCES", {})
-    stream = types.SimpleNamespace(ptr=STREAM_PTR)
-    cupy = types.SimpleNamespace(zeros=lambda shape, dtype=np.float32: np.zeros(shape, dtype),
-                                 cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
-    monkeypatch.setattr(llmc.cuda, "cupy", lambda: cupy)
-    return frontend
+    cp = llmc.cuda.cupy()
+    frontend.stream = cp.cuda.Stream(non_blocking=True)       # a stream of its own, current during the test
+    with frontend.stream:
+        yield frontend
 
 
 def emulated_versions(monkeypatch, version="1.32.0", backend=91300):
@@ -124,6 +123,16 @@ def emulated_versions(monkeypatch, version="1.32.0", backend=91300):
 
 def _address(arr):
     return arr.__array_interface__["data"][0]
+
+
+def device_full(shape, value, dtype):
+    """A device array of the emulated device filled with value (bf16 NaN 0x7FC0, NaN, 0)."""
+    return llmc.cuda.cupy().full(shape, value, dtype)
+
+
+def on_device(host):
+    """A device copy of a host array."""
+    return llmc.cuda.cupy().asarray(host)
 
 
 # ----------------------------------------------------------------------------
@@ -140,12 +149,12 @@ def run_forward_backward(B, T, NH, HS, rng, training=True):
     C = NH * HS
     qkv, qkv_f = bf16_normal(rng, (B, T, 3 * C))
     dout, dout_f = bf16_normal(rng, (B, T, C))
-    out = np.full((B, T, C), 0x7FC0, np.uint16)                               # bf16 NaN
-    stats = np.full((B, NH, T), np.nan, np.float32)
-    dqkv = np.full((B, T, 3 * C), 0x7FC0, np.uint16)
-    ca.attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training=training)
-    ca.attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS)
-    return dict(qkv=qkv, qkv_f=qkv_f, dout=dout, dout_f=dout_f, out=out, stats=stats, dqkv=dqkv)
+    out = device_full((B, T, C), 0x7FC0, np.uint16)                           # bf16 NaN
+    stats = device_full((B, NH, T), np.nan, np.float32)
+    dqkv = device_full((B, T, 3 * C), 0x7FC0, np.uint16)
+    ca.attention_forward_cudnn(out, stats, on_device(qkv), B, T, NH, HS, training=training)
+    ca.attention_backward_cudnn(dqkv, on_device(dout), on_device(qkv), out, stats, B, T, NH, HS)
+    return dict(qkv=qkv, qkv_f=qkv_f, dout=dout, dout_f=dout_f, out=out.get(), stats=stats.get(), dqkv=dqkv.get())
 
 
 def reference_stats(qkv_f, NH):
@@ -226,9 +235,9 @@ def test_unavailable_reason_library_not_loadable_and_ok(monkeypatch):
 def _forward(B, T, NH, HS, training=True, rng=None):
     rng = rng or np.random.default_rng(0)
     C = NH * HS
-    qkv = bf16_normal(rng, (B, T, 3 * C))[0]
-    out = np.zeros((B, T, C), np.uint16)
-    stats = np.zeros((B, NH, T), np.float32)
+    qkv = on_device(bf16_normal(rng, (B, T, 3 * C))[0])
+    out = device_full((B, T, C), 0, np.uint16)
+    stats = device_full((B, NH, T), 0, np.float32)
     ca.attention_forward_cudnn(out, stats if training else None, qkv, B, T, NH, HS, training=training)
     return qkv, out, stats
 
@@ -331,7 +340,7 @@ def test_workspace_sized_from_the_plans_and_stream(fake_cudnn):
     handle = fake_cudnn.handles[0]
     kinds = [c[0] for c in fake_cudnn.calls]
     assert kinds == ["set_stream", "execute"] * 3
-    assert all(c[1:] == (handle, STREAM_PTR) for c in fake_cudnn.calls if c[0] == "set_stream")
+    assert all(c[1:] == (handle, fake_cudnn.stream.ptr) for c in fake_cudnn.calls if c[0] == "set_stream")
     assert all(c[2] is handle for c in fake_cudnn.calls if c[0] == "execute")
 
 
@@ -374,8 +383,8 @@ def test_build_failure_is_one_input_error_line(fake_cudnn, step):
 def test_argument_checks(fake_cudnn):
     B, T, NH, HS = 2, 8, 2, 8
     C = NH * HS
-    qkv, out = np.zeros((B, T, 3 * C), np.uint16), np.zeros((B, T, C), np.uint16)
-    stats = np.zeros((B, NH, T), np.float32)
+    qkv, out = device_full((B, T, 3 * C), 0, np.uint16), device_full((B, T, C), 0, np.uint16)
+    stats = device_full((B, NH, T), 0, np.float32)
     with pytest.raises(TypeError, match="qkv"):
         ca.attention_forward_cudnn(out, stats, qkv.astype(np.float32), B, T, NH, HS)
     with pytest.raises(ValueError, match="out"):
@@ -396,11 +405,12 @@ def test_emulated_forward_backward_match_gpt2_cpu(fake_cudnn, B, T, NH, HS):
     rng = np.random.default_rng(T)
     qkv, qkv_f = bf16_normal(rng, (B, T, 3 * C))
     dout, dout_f = bf16_normal(rng, (B, T, C))
-    out = np.full((B, T, C), 0x7FC0, np.uint16)
-    stats = np.full((B, NH, T), np.nan, np.float32)
-    dqkv = np.full((B, T, 3 * C), 0x7FC0, np.uint16)
-    ca.attention_forward_cudnn(out, stats, qkv, B, T, NH, HS)
-    ca.attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS)
+    out = device_full((B, T, C), 0x7FC0, np.uint16)
+    stats = device_full((B, NH, T), np.nan, np.float32)
+    dqkv = device_full((B, T, 3 * C), 0x7FC0, np.uint16)
+    ca.attention_forward_cudnn(out, stats, on_device(qkv), B, T, NH, HS)
+    ca.attention_backward_cudnn(dqkv, on_device(dout), on_device(qkv), out, stats, B, T, NH, HS)
+    out, stats, dqkv = out.get(), stats.get(), dqkv.get()
     ref_out, att = gpt2_cpu.attention_forward(qkv_f.astype(np.float64), NH)
     ref_dqkv = gpt2_cpu.attention_backward(dout_f.astype(np.float64), qkv_f.astype(np.float64), att, NH)
     atol, rtol = TOLERANCES["kernel_bf16"]["attention"]
@@ -411,12 +421,13 @@ def test_emulated_forward_backward_match_gpt2_cpu(fake_cudnn, B, T, NH, HS):
 
 def test_emulated_inference_forward_matches_training_forward(fake_cudnn):
     B, T, NH, HS = 2, 9, 2, 8
-    qkv = bf16_normal(np.random.default_rng(3), (B, T, 3 * NH * HS))[0]
-    out_train, out_infer = (np.full((B, T, NH * HS), 0x7FC0, np.uint16) for _ in range(2))
-    stats = np.full((B, NH, T), np.nan, np.float32)
+    qkv = on_device(bf16_normal(np.random.default_rng(3), (B, T, 3 * NH * HS))[0])
+    out_train, out_infer = (device_full((B, T, NH * HS), 0x7FC0, np.uint16) for _ in range(2))
+    stats = device_full((B, NH, T), np.nan, np.float32)
     ca.attention_forward_cudnn(out_train, stats, qkv, B, T, NH, HS)
     ca.attention_forward_cudnn(out_infer, None, qkv, B, T, NH, HS, training=False)
-    np.testing.assert_array_equal(out_infer, out_train)
+    assert not np.isnan(bfloat16_bits_to_float32(out_train.get())).any()
+    np.testing.assert_array_equal(out_infer.get(), out_train.get())
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])

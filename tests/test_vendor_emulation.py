@@ -636,12 +636,10 @@ def mpi_worker(report_dir):
     """One MPI rank: the collectives through the emulation, then llmc.comm.NcclComm (mean_,
     reduce_scatter_mean_, all_gather_) on the emulated device against NumPy; the report goes to
     report_dir/rank<r>.txt."""
-    import types
     from llmc import comm as llmc_comm
     from llmc import cuda
     cuda.use_device("cpu")
-    device = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
-    cuda.cupy = lambda: device                                       # NcclComm asks it for the stream only
+    cp = cuda.cupy()                                                 # the emulated device's arrays
     world = llmc_comm.Comm()
     rank, K = world.rank, world.size
     uid = world.comm.bcast(nccl.get_unique_id() if rank == 0 else None, root=0)
@@ -651,15 +649,15 @@ def mpi_worker(report_dir):
     for precision in ("fp32", "bf16"):
         parts = [rank_data(r, precision, K * COUNT) for r in range(K)]
         want = rank_order_sum(parts, precision, average=True)
-        arr = parts[rank].copy()
+        arr = cp.asarray(parts[rank])
         nc.mean_(arr)
-        np.testing.assert_array_equal(arr, want)
-        arr = parts[rank].copy()
+        np.testing.assert_array_equal(arr.get(), want)
+        arr = cp.asarray(parts[rank])
         nc.reduce_scatter_mean_(arr)
         mine = slice(rank * COUNT, (rank + 1) * COUNT)
-        np.testing.assert_array_equal(arr[mine], want[mine])
+        np.testing.assert_array_equal(arr.get()[mine], want[mine])
         nc.all_gather_(arr)
-        np.testing.assert_array_equal(arr, want)
+        np.testing.assert_array_equal(arr.get(), want)
     with open(os.path.join(report_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"nccl rank {rank}/{K}: {checks} checks, NcclComm ok")
 
