@@ -8,21 +8,25 @@ No GPU needed:
   gpt2_cuda.py launches (tests/test_kernels_compile.py's contract);
 - each op script takes its reference from gpt2_cpu (imported, never redefined);
 - the harness's host parts against hand-computed values: napkin bytes and FLOPs, throughput,
-  tolerance choice, the table, bf16 round trips, and its validation loop (NaN poisoning, inputs
-  restored before every run) run on NumPy stand-ins for CuPy;
+  tolerance choice, the table, bf16 round trips;
+- every progression validates at its small test size, both precisions, every version and block
+  size, on the emulated CUDA device (llmc/emulator/: the kernels of dev/cuda/*.cu and kernels/
+  compiled by g++, each CUDA thread a fiber); the validation loop restores in-place inputs before
+  every run and fails a version that leaves an element unwritten or swaps its arguments;
 - every script says in one line that there is no GPU and exits 2, and --help works without one.
-Marked gpu (skipped here): every progression's validation at its small test size, both
-precisions, and a full run of one script writing its table.
-Run: pytest tests/test_dev_cuda.py   (about 15 s on 2 cores, mostly NVRTC)
+Marked gpu (skipped here): the same validations on a GPU, and a full run of one script writing its
+table.
+Run: pytest tests/test_dev_cuda.py   (about a minute on 2 cores once the emulated device's kernels
+are built: NVRTC, and global_norm's 1024-block grids on the emulated device)
 """
 
 import ast
+import dataclasses
 import functools
 import importlib.util
 import os
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -219,70 +223,65 @@ def test_test_cases_are_consistent(op):
 
 
 # ----------------------------------------------------------------------------
-# the validation loop, on NumPy stand-ins for CuPy (no kernels: the launches are NumPy)
-
-class FakeDeviceArray(np.ndarray):
-    def set(self, host):
-        self[...] = host
-
-    def get(self):
-        return np.array(self)
-
+# the validation loop, on the emulated CUDA device (llmc/emulator/): the real kernels, compiled by g++
 
 @pytest.fixture
-def fake_cupy(monkeypatch):
-    stream = types.SimpleNamespace(synchronize=lambda: None)
-    fake = types.SimpleNamespace(
-        asarray=lambda a: np.array(a).view(FakeDeviceArray),
-        zeros=lambda shape, dtype: np.zeros(shape, dtype).view(FakeDeviceArray),
-        cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
-    monkeypatch.setattr(common.cuda, "cupy", lambda: fake)
-    return fake
+def emulated(monkeypatch):
+    """llmc.cuda (and so the harness) on the emulated device."""
+    monkeypatch.setattr(common.cuda, "_device", "cpu")
 
 
-def _double_case(rng, precision, n):
-    """out = 2 * inp; acc += inp (in place): a toy progression for the harness."""
-    case = common.Case(precision)
-    case.scalar("n", n)
-    x = case.input("inp", rng.standard_normal(n))
-    acc = case.input("acc", rng.standard_normal(n))
-    case.output("out", n)
-    case.check("out", 2 * x, "gelu")
-    case.check("acc", acc + x, "gelu")
-    return case
+def _gelu(name):
+    return next(p for p in SCRIPTS["gelu"].PROGRESSIONS if p.name == name)
 
 
-def _launch(out_fn):
-    def launch(d, block_size):
-        x = common.to_float64(d.inp, "X", d.precision)
-        acc = common.to_float64(d.acc, "X", d.precision) + x
-        d.acc[...] = common.to_device_dtype(acc, "X", d.precision)
-        out = out_fn(x)
-        d.out[:out.size] = common.to_device_dtype(out, "X", d.precision)
-    return launch
+def _only(progression, *versions):
+    """The progression with only these versions."""
+    return common.Progression(progression.name, progression.make_case, list(versions), progression.sizes,
+                              progression.test_sizes)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_validation_accepts_a_correct_version_and_restores_inputs(fake_cupy, precision, capsys):
-    # acc accumulates: without the inputs restored before each run, the second block size fails
-    progression = common.Progression("toy", _double_case, [
-        common.Version(1, "correct", (), _launch(lambda x: 2 * x), block_sizes=(32, 64, 128))], {}, {})
-    assert common.validate(progression, precision, dict(n=100))
+def test_validation_accepts_a_correct_version_and_restores_inputs(emulated, monkeypatch, precision, capsys):
+    # gelu_backward runs in place on d_in_out: without the inputs restored before each run, the
+    # second block size would start from the first one's output (shown below by a reset that
+    # restores them only once)
+    backward = _gelu("gelu_backward")
+    production = dataclasses.replace(backward.versions[-1], block_sizes=(32, 64, 128))
+    assert common.validate(_only(backward, production), precision, backward.test_sizes)
     out = capsys.readouterr().out
-    assert out.count(": OK") == 3 and "toy v1 block   64: OK" in out
+    assert out.count(": OK") == 3 and "gelu_backward v2 block   64: OK" in out
+    reset, resets = common.reset, []
+
+    def restore_once(case, d):
+        if not resets:
+            reset(case, d)
+        resets.append(case)
+    monkeypatch.setattr(common, "reset", restore_once)
+    assert not common.validate(_only(backward, production), precision, backward.test_sizes)
+    assert "gelu_backward v2 block   64 d_in_out: TENSOR NOT OK" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_validation_catches_unwritten_and_wrong_elements(fake_cupy, precision, capsys):
-    forgot_last = _launch(lambda x: 2 * x[:-1])                     # the last element stays NaN
-    off = _launch(lambda x: 2 * x * (1 + 3 * common.tolerance("gelu", precision)[1]))
-    progression = common.Progression("toy", _double_case, [
-        common.Version(1, "misses one", (), forgot_last, block_sizes=(32,)),
-        common.Version(2, "off by 3 rtol", (), off, block_sizes=(32,))], {}, {})
-    assert not common.validate(progression, precision, dict(n=100), versions={1})
-    assert "toy v1 block   32 out: TENSOR NOT OK (1 of 100" in capsys.readouterr().out
-    assert not common.validate(progression, precision, dict(n=100), versions={2})
-    assert "TENSOR NOT OK" in capsys.readouterr().out
+def test_validation_catches_unwritten_and_wrong_elements(emulated, precision, capsys):
+    forward, backward = _gelu("gelu_forward"), _gelu("gelu_backward")
+    n = backward.make_case(np.random.default_rng(0), precision, **backward.test_sizes).scalars["n"]
+
+    def forgets_the_last(d, block_size):               # the grid one element short: it stays NaN
+        kernel = forward.versions[0].kernels[0]
+        kernel.launch(d.precision, common.cuda.ceil_div(d.n - 1, block_size), block_size,
+                      (d.out, d.inp, np.int32(d.n - 1)))
+
+    def swaps_its_arguments(d, block_size):            # gelu'(dout) * inp, written into inp
+        kernel = backward.versions[0].kernels[0]
+        kernel.launch(d.precision, common.cuda.ceil_div(d.n, block_size), block_size,
+                      (d.inp, d.d_in_out, np.int32(d.n)))
+    assert not common.validate(_only(forward, common.Version(1, "misses one", (), forgets_the_last, (32,))),
+                               precision, forward.test_sizes)
+    assert f"gelu_forward v1 block   32 out: TENSOR NOT OK (1 of {n}" in capsys.readouterr().out
+    assert not common.validate(_only(backward, common.Version(1, "swapped", (), swaps_its_arguments, (32,))),
+                               precision, backward.test_sizes)
+    assert "gelu_backward v1 block   32 d_in_out: TENSOR NOT OK" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------
@@ -316,14 +315,19 @@ def test_help_and_a_bad_version_need_no_gpu():
 
 
 # ----------------------------------------------------------------------------
-# on a GPU: every progression validated at its small test size
+# every progression validated at its small test size: on the emulated device, and on a GPU
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name", [p.name for op in PART_A for p in SCRIPTS[op].PROGRESSIONS])
-def test_progression_validates_on_gpu(name, precision):
+def test_progression_validates(monkeypatch, name, precision, device):
+    monkeypatch.setattr(common.cuda, "_device", device)
     progression = next(p for op in PART_A for p in SCRIPTS[op].PROGRESSIONS if p.name == name)
     assert common.validate(progression, precision, progression.test_sizes)
+
+
+# ----------------------------------------------------------------------------
+# on a GPU: a full run of one script
 
 
 @pytest.mark.gpu

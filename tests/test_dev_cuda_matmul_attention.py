@@ -5,20 +5,20 @@ No GPU needed:
   the trainer's options), both precisions, compute_80/compute_90 PTX and sm_80/sm_90 cubins; the
   PTX defines exactly the kernels the versions launch; ptxas reports no register spills (v3 keeps
   its 8x8 tile in registers);
-- versions 1-3 computed on the CPU: matmul.cu and attention.cu compiled by g++ against a small
-  shim (a block = std::threads with a std::barrier, atomics through std::atomic_ref), fp32,
-  outputs poisoned with NaN, checked against gpt2_cpu (skipped without a C++20 g++);
 - every launcher of a hand-written kernel passes what the kernel's C signature declares (floatX
   pointers, float pointers, np.int32), found by recording the launches and parsing the .cu file;
 - the FLOP counts and napkin bytes against numbers worked out by hand;
-- the production and library versions validate against gpt2_cpu.py through the harness's own
-  validate(), on tests/emulated_gpu.py's NumPy emulations of CuPy, our kernels and cuBLAS; and a
-  version that drops the bias fails that same validation;
+- every version of every progression validates against gpt2_cpu.py through the harness's own
+  validate(), both precisions, at its small test size (and matmul's hand-written versions at two
+  of version 3's 128-row blocks), on the emulated CUDA device (llmc/emulator/: the kernels of
+  dev/cuda/*.cu and kernels/ compiled by g++, each CUDA thread a fiber, cuBLAS, cuBLASLt and cuDNN
+  emulated with their contracts); a version that drops the bias fails that same validation;
 - optional versions (cuBLASLt, flash, cuDNN, PyTorch) are skipped with a reason, not crashed on;
 - without a GPU each script says so in one line and exits 2.
-Marked gpu (skipped here): every version of every progression validated at its small test size,
-both precisions (optional versions skip with their reason).
-Run: pytest tests/test_dev_cuda_matmul_attention.py   (about 20 s on 2 cores: NVRTC, g++)
+Marked gpu (skipped here): the same validations on a GPU (optional versions skip with their
+reason: PyTorch's needs a GPU, cuDNN's bf16).
+Run: pytest tests/test_dev_cuda_matmul_attention.py   (about 20 s on 2 cores once the emulated
+device's kernels are built: NVRTC, ptxas)
 """
 
 import os
@@ -29,14 +29,10 @@ import sys
 import numpy as np
 import pytest
 
-import emulated_gpu as emulation
-import gpt2_cpu
-import gpt2_cuda
 import llmc
 import llmc.attention
 import llmc.cuda
 import llmc.matmul
-from llmc.check import check_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEV_CUDA = os.path.join(ROOT, "dev", "cuda")
@@ -130,18 +126,10 @@ def c_parameter_types(op, name):
     return types_
 
 
-def fake_cupy():
-    """Enough of CuPy for the harness (allocate, reset, validate) on NumPy: tests/emulated_gpu.py's
-    stand-in plus asarray."""
-    fake = emulation._fake_cupy()
-    fake.asarray = lambda host: np.array(host).view(emulation.FakeDeviceArray)
-    return fake
-
-
 def recorded_launches(monkeypatch, progression, version, precision):
-    """Every Kernel.launch of `version` at each of its block sizes on the progression's test case:
-    [(kernel, grid, block, args, shared_mem)]. Nothing runs."""
-    monkeypatch.setattr(llmc.cuda, "cupy", fake_cupy)
+    """Every Kernel.launch of `version` at each of its block sizes on the progression's test case,
+    allocated on the emulated device: [(kernel, grid, block, args, shared_mem)]. Nothing runs."""
+    monkeypatch.setattr(llmc.cuda, "_device", "cpu")
     calls = []
 
     def record(self, _precision, grid, block, args, shared_mem=0):
@@ -193,153 +181,6 @@ def test_v2_grid_and_shared_memory_by_hand(monkeypatch):
 
 
 # ----------------------------------------------------------------------------
-# the hand-written kernels run on the CPU: the .cu source compiled by g++ against a shim
-
-# A CUDA block becomes blockDim.x std::threads sharing `static` (__shared__) arrays, with a
-# std::barrier for __syncthreads and std::atomic_ref for atomicAdd; blocks run one after another.
-# floatX is float (fp32 only). It checks the indexing, tiling, barriers and tails of versions 1-3
-# against gpt2_cpu; not the GPU's speed, bank conflicts or bf16 rounding.
-HOST_SHIM = r"""
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <thread>
-#include <vector>
-typedef float floatX;
-struct dim3_ { int x, y, z; };
-thread_local dim3_ threadIdx, blockIdx;
-dim3_ blockDim, gridDim;
-std::barrier<>* block_barrier;
-#define __global__
-#define __device__
-#define __launch_bounds__(n)
-#define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static
-#define NEGATIVE_INFINITY (-INFINITY)
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
-inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-struct float4 { float x, y, z, w; };
-inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
-
-template <class F> void launch(dim3_ grid, int block, F kernel) {
-    gridDim = grid;
-    blockDim = {block, 1, 1};
-    for (int by = 0; by < grid.y; by++) {
-        for (int bx = 0; bx < grid.x; bx++) {
-            std::barrier<> bar(block);
-            block_barrier = &bar;
-            std::vector<std::thread> threads;
-            for (int t = 0; t < block; t++) {
-                threads.emplace_back([&, t] { threadIdx = {t, 0, 0}; blockIdx = {bx, by, 0}; kernel(); });
-            }
-            for (auto& thread : threads) thread.join();
-        }
-    }
-}
-std::vector<float> load(const char* path, size_t n) {
-    std::vector<float> v(n);
-    FILE* f = fopen(path, "rb");
-    if (fread(v.data(), 4, n, f) != n) abort();
-    fclose(f);
-    return v;
-}
-void save(const char* path, const std::vector<float>& v) {
-    FILE* f = fopen(path, "wb");
-    fwrite(v.data(), 4, v.size(), f);
-    fclose(f);
-}
-"""
-HOST_MAINS = {
-    "matmul": r"""
-int main(int argc, char** argv) {       // N C OC; every output starts as NaN
-    const int N = atoi(argv[1]), C = atoi(argv[2]), OC = atoi(argv[3]);
-    auto inp = load("inp.bin", (size_t)N * C), weight = load("weight.bin", (size_t)OC * C), bias = load("bias.bin", OC);
-    std::vector<float> out((size_t)N * OC, NAN);
-    launch({(OC + 63) / 64, N, 1}, 64, [&] { matmul_forward_v1(out.data(), inp.data(), weight.data(), bias.data(), N, C, OC); });
-    save("out_v1.bin", out);
-    for (int tile : {8, 16}) {
-        std::fill(out.begin(), out.end(), NAN);
-        launch({(OC + tile - 1) / tile, (N + tile - 1) / tile, 1}, tile * tile,
-               [&] { matmul_forward_v2(out.data(), inp.data(), weight.data(), bias.data(), N, C, OC, tile); });
-        save(tile == 8 ? "out_v2_8.bin" : "out_v2_16.bin", out);
-    }
-    std::fill(out.begin(), out.end(), NAN);
-    launch({(OC + 127) / 128, (N + 127) / 128, 1}, 256,
-           [&] { matmul_forward_v3(out.data(), inp.data(), weight.data(), bias.data(), N, C, OC); });
-    save("out_v3.bin", out);
-}
-""",
-    "attention": r"""
-int main(int argc, char** argv) {       // B T NH HS; outputs start as NaN, the accumulator at 0
-    const int B = atoi(argv[1]), T = atoi(argv[2]), NH = atoi(argv[3]), HS = atoi(argv[4]), C = NH * HS;
-    const size_t n_qkv = (size_t)B * T * 3 * C, n_att = (size_t)B * NH * T * T;
-    auto qkv = load("qkv.bin", n_qkv), dout = load("dout.bin", (size_t)B * T * C), att_ref = load("att.bin", n_att);
-    std::vector<float> out((size_t)B * T * C, NAN), att(n_att, NAN), acc(n_qkv, 0.0f), dqkv(n_qkv, NAN);
-    const int rows = B * NH * T, n = (int)n_qkv;
-    launch({(rows + 63) / 64, 1, 1}, 64, [&] { attention_forward_v1(out.data(), att.data(), qkv.data(), B, T, NH, HS); });
-    save("out.bin", out);
-    save("att_v1.bin", att);
-    launch({(rows + 63) / 64, 1, 1}, 64,
-           [&] { attention_backward_v1(acc.data(), dout.data(), qkv.data(), att_ref.data(), B, T, NH, HS); });
-    launch({(n + 255) / 256, 1, 1}, 256, [&] { attention_backward_cast_v1(dqkv.data(), acc.data(), n); });
-    save("dqkv.bin", dqkv);
-}
-""",
-}
-
-
-def run_on_host(op, tmp_path, args, inputs):
-    """Compile dev/cuda/<op>.cu with HOST_SHIM and HOST_MAINS[op], write the float32 inputs
-    {file: array} into tmp_path and run it there with `args`. Returns {file: float32 array} of
-    what it wrote."""
-    if subprocess.run(["which", "g++"], capture_output=True).returncode != 0:
-        pytest.skip("no g++ to run the kernels on the CPU")
-    with open(cu_path(op), encoding="utf-8") as f:
-        source = f.read().replace('#include "common.cuh"', '#include "shim.h"')
-    source = re.sub(r"extern __shared__ float (\w+)\[\];", r"static float \1[1 << 14];", source)
-    (tmp_path / "shim.h").write_text(HOST_SHIM)
-    (tmp_path / "host.cpp").write_text(source + HOST_MAINS[op])
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "host.cpp", "-o", "host"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
-    if build.returncode != 0 and "barrier" in build.stderr:
-        pytest.skip(f"g++ without C++20 <barrier>: {build.stderr.splitlines()[0]}")
-    assert build.returncode == 0, build.stderr
-    for name, array in inputs.items():
-        np.asarray(array, np.float32).tofile(tmp_path / name)
-    subprocess.run(["./host"] + [str(a) for a in args], cwd=tmp_path, check=True, timeout=300)
-    return {p.name: np.fromfile(p, np.float32) for p in tmp_path.glob("*.bin") if p.name not in inputs}
-
-
-def test_matmul_kernels_on_the_cpu(tmp_path):
-    N, C, OC = 130, 37, 200                 # two v3 blocks of rows, C not a multiple of a slice
-    rng = np.random.default_rng(1)
-    inp = rng.standard_normal((N, C)).astype(np.float32)
-    weight = (rng.standard_normal((OC, C)) / np.sqrt(C)).astype(np.float32)
-    bias = rng.standard_normal(OC).astype(np.float32)
-    ref = gpt2_cpu.matmul_forward(inp[None].astype(np.float64), weight.astype(np.float64), bias.astype(np.float64))[0]
-    outputs = run_on_host("matmul", tmp_path, (N, C, OC), {"inp.bin": inp, "weight.bin": weight, "bias.bin": bias})
-    assert sorted(outputs) == ["out_v1.bin", "out_v2_16.bin", "out_v2_8.bin", "out_v3.bin"]
-    atol, rtol = common.tolerance("matmul", "fp32")
-    for name, out in outputs.items():          # an element a kernel forgot stays NaN and fails
-        assert check_tensor(out.reshape(N, OC), ref, name, atol, rtol)
-
-
-def test_attention_kernels_on_the_cpu(tmp_path):
-    B, T, NH, HS = 2, 67, 3, 16
-    rng = np.random.default_rng(2)
-    qkv = rng.standard_normal((B, T, 3 * NH * HS)).astype(np.float32)
-    dout = rng.standard_normal((B, T, NH * HS)).astype(np.float32)
-    out, att = gpt2_cpu.attention_forward(qkv.astype(np.float64), NH)
-    dqkv = gpt2_cpu.attention_backward(dout.astype(np.float64), qkv.astype(np.float64), att, NH)
-    outputs = run_on_host("attention", tmp_path, (B, T, NH, HS), {"qkv.bin": qkv, "dout.bin": dout, "att.bin": att})
-    atol, rtol = common.tolerance("attention", "fp32")
-    assert check_tensor(outputs["out.bin"].reshape(out.shape), out, "out v1", atol, rtol)
-    assert check_tensor(outputs["att_v1.bin"].reshape(att.shape), att, "att v1", atol, rtol)
-    assert check_tensor(outputs["dqkv.bin"].reshape(dqkv.shape), dqkv, "dqkv v1", atol, rtol)
-
-# ----------------------------------------------------------------------------
 # napkin math by hand
 
 def test_matmul_flops_by_hand():
@@ -379,29 +220,42 @@ def test_case_napkin_by_hand():
 
 
 # ----------------------------------------------------------------------------
-# the production and library versions, validated on the NumPy emulation of the GPU
+# every version validated against gpt2_cpu.py: on the emulated CUDA device, and on a GPU
 
 @pytest.fixture
-def emulated_gpu(monkeypatch):
-    """tests/emulated_gpu.py's emulations of our kernels and cuBLAS, and fake_cupy for the harness."""
-    monkeypatch.setattr(llmc.cuda, "cupy", fake_cupy)
-    monkeypatch.setattr(llmc.cuda, "launch", emulation.emulated_launch)
-    monkeypatch.setattr(llmc.cuda, "gemm", emulation.emulated_gemm)
+def emulated(monkeypatch):
+    """llmc.cuda (and so the harness) on the emulated device."""
+    monkeypatch.setattr(llmc.cuda, "_device", "cpu")
 
 
-EMULATED = [("matmul", p.name, 4) for p in matmul.PROGRESSIONS[::3]] + \
-           [("attention", p.name, 2) for p in attention.PROGRESSIONS[::2]]
+ALL_VERSIONS = [(op, p.name, v.number) for op, m in SCRIPTS.items() for p in m.PROGRESSIONS for v in p.versions]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op,name,number", ALL_VERSIONS)
+def test_version_validates(monkeypatch, capsys, op, name, number, precision, device):
+    monkeypatch.setattr(llmc.cuda, "_device", device)
+    script = SCRIPTS[op]
+    progression = next(p for p in script.PROGRESSIONS if p.name == name)
+    if number in script.OPTIONAL_VERSIONS:
+        reason = script.OPTIONAL_VERSIONS[number](precision, progression.test_sizes)
+        if reason:
+            pytest.skip(reason)
+    assert common.validate(progression, precision, progression.test_sizes, {number})
+    version = next(v for v in progression.versions if v.number == number)
+    assert capsys.readouterr().out.count(": OK") == len(version.block_sizes)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("op,name,number", EMULATED)
-def test_production_version_validates_on_the_emulation(emulated_gpu, capsys, op, name, number, precision):
-    progression = next(p for p in SCRIPTS[op].PROGRESSIONS if p.name == name)
-    assert common.validate(progression, precision, progression.test_sizes, {number})
-    assert f"{name} v{number} block    0: OK" in capsys.readouterr().out
+def test_hand_written_matmuls_validate_over_two_v3_blocks(emulated, precision):
+    # N = 130 rows: two of version 3's 128-row blocks; OC = 200: two of its 128-column blocks;
+    # C = 37: not a multiple of its 16-column slice
+    progression = matmul.PROGRESSIONS[0]
+    assert common.validate(progression, precision, dict(B=2, T=65, C=37, OC=200), {1, 2, 3})
 
 
-def test_a_version_without_the_bias_fails_validation(emulated_gpu, capsys):
+def test_a_version_without_the_bias_fails_validation(emulated, capsys):
     def no_bias(d, block_size):
         llmc.matmul.matmul_forward(d.out, d.inp, d.weight, None, d.B, d.T, d.C, d.OC)
     progression = matmul.PROGRESSIONS[0]
@@ -462,22 +316,3 @@ def test_help_lists_every_version(op):
         for version in progression.versions:
             assert f"version {version.number} of {progression.name}:" in run.stdout
             assert f"version {version.number} (" in SCRIPTS[op].__doc__
-
-
-# ----------------------------------------------------------------------------
-# on a GPU: every version of every progression validated against gpt2_cpu.py
-
-ALL_VERSIONS = [(op, p.name, v.number) for op, m in SCRIPTS.items() for p in m.PROGRESSIONS for v in p.versions]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("op,name,number", ALL_VERSIONS)
-def test_version_validates_on_gpu(op, name, number, precision):
-    script = SCRIPTS[op]
-    progression = next(p for p in script.PROGRESSIONS if p.name == name)
-    if number in script.OPTIONAL_VERSIONS:
-        reason = script.OPTIONAL_VERSIONS[number](precision, progression.test_sizes)
-        if reason:
-            pytest.skip(reason)
-    assert common.validate(progression, precision, progression.test_sizes, {number})

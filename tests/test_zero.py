@@ -5,27 +5,28 @@ Part 1, no GPU needed:
 - the shard arithmetic (zero_shard, shard_slices): every element of the padded flat vector in
   exactly one shard, every parameter in exactly one piece, equal aligned shards, 1/K the size;
 - rounding_seed: a NumPy squirrel_noise5 (the constants read from kernels/common.cuh) shows that
-  the shifted seed draws, for a piece of a tensor, the bits one launch over the tensor draws;
+  the shifted seed draws, for a piece of a tensor, the bits one launch over the tensor draws; the
+  real adamw kernel on the emulated CUDA device (llmc/emulator/) updates a tensor in pieces with
+  rounding_seed to the bits of one launch, and its stochastic rounding is the NumPy one;
 - NcclComm's reduce-scatter and all-gather pass NCCL the in-place pointers (a recording fake);
-- K = 2 and 3 ranks in one process (threads; each rank its own GPT2, llmc.comm.NcclComm on the
-  emulated device's NCCL, llmc/emulator/nccl.py, whose ranks are the threads, and an emulated MPI
-  whose collectives complete when all K ranks have called them), through tests/test_cuda.py's
-  emulated GPU, with AdamW's stochastic rounding emulated bit for bit (hash and all, so that a
-  wrong element index would show): -z 1 gives the very parameters, m and v of -z 0 (bitwise,
-  fp32 and bf16), the global gradient norm, and (fp32, to rounding) the parameters of one
-  process on the whole batch; gpt2_cuda.train() itself with -z 1 on K ranks equals -z 0, writes
-  per-rank state files of the shard's size and resumes from them bit for bit; -z 2 is refused.
+- `mpiexec -n 2 python gpt2_cuda.py --device cpu -z 1`: two MPI processes, the real kernels on the
+  emulated device and its NCCL over MPI (llmc/emulator/nccl.py). In bf16, -z 1 prints the losses of
+  -z 0 and writes, bit for bit, its model file and (put together from the ranks' shards) its m, v
+  and master weights, in state files of the shard's size; resuming from a -z 1 checkpoint gives the
+  same files bit for bit. In fp32 the losses and parameters are gpt2_cpu.py's on the whole batch
+  (one process), to fp32 rounding. -z 2 is refused.
 Part 2, GPU (skipped without one): -z 1 on one rank equals -z 0 bit for bit and tracks gpt2_cpu;
-the real adamw kernel on a piece with rounding_seed rounds as the whole-tensor launch.
-Run: pytest tests/test_zero.py   (part 1: ~5 s on 2 cores)
+the real adamw kernel's pieces on a GPU.
+Run: pytest tests/test_zero.py   (~1.5 minutes on 2 cores once the emulated device's kernels are
+built, see tests/test_emulated_kernels.py; mostly the mpiexec runs)
 """
 
-import concurrent.futures
 import math
 import os
 import re
+import shutil
+import subprocess
 import sys
-import threading
 import types
 
 import numpy as np
@@ -35,14 +36,20 @@ import gpt2_cpu
 import gpt2_cuda
 import llmc.comm
 import llmc.cuda
-from llmc import checkpoint, cli, zero
+from emulated_gpu import TINY, _train_losses, _write_shards
+from llmc import checkpoint, zero
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
-from emulated_gpu import (EMULATED_KERNELS, TINY, _train_losses, _write_shards, adamw_emulated_step,  # noqa: F401
-                          emulated_gpu)
+from mpi_marks import needs_mpi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_SHAPES = gpt2_cpu.parameter_shapes(TINY)
 TINY_N = gpt2_cpu.num_elements(TINY_SHAPES)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """gpt2_cuda on the emulated CUDA device (llmc/emulator/): the real kernels, compiled by g++."""
+    monkeypatch.setattr(llmc.cuda, "_device", "cpu")
 
 
 # ----------------------------------------------------------------------------
@@ -98,7 +105,7 @@ def test_shard_slices_by_hand():
     assert zero.shard_slices(shapes, r1) == [P("b", slice(8, 11), slice(0, 3), 3), P("c", slice(11, 15), slice(3, 7), 0)]
 
 
-def test_optimizer_shard_and_model_buffers(emulated_gpu):
+def test_optimizer_shard_and_model_buffers(emulated):
     # -z 0: the whole vector; -z 1: m, v, master of S = ceil(n/K) (aligned) floats, params and
     # grads padded to K*S with (n,) views; -z 2, 3 refused with one InputError
     assert zero.optimizer_shard(TINY_N, 0, 0, 1) == zero.Shard(0, 1, TINY_N, TINY_N)
@@ -119,9 +126,10 @@ def test_optimizer_shard_and_model_buffers(emulated_gpu):
     model = gpt2_cuda.GPT2(TINY, "bf16", zero_stage=1, process_rank=2, num_processes=3)
     gpt2_cuda.upload_parameters(model, p)
     o, S = model.shard.offset, model.shard.size
-    np.testing.assert_array_equal(model.master[:TINY_N - o], p[o:])
-    assert np.all(model.master[TINY_N - o:] == 0) and TINY_N - o < S
-    np.testing.assert_array_equal(model.params, float32_to_bfloat16_bits(p))
+    master = model.master.get()
+    np.testing.assert_array_equal(master[:TINY_N - o], p[o:])
+    assert np.all(master[TINY_N - o:] == 0) and TINY_N - o < S
+    np.testing.assert_array_equal(model.params.get(), float32_to_bfloat16_bits(p))
 
 
 # ----------------------------------------------------------------------------
@@ -164,19 +172,6 @@ def stochastic_round_bf16(x, index, seed):
     return out
 
 
-def k_adamw_update_sr(grid, block, params, master_params, grads, m, v, n, learning_rate, beta1, beta2,
-                      beta1_correction, beta2_correction, eps, weight_decay, grad_scale, seed):
-    """kernels/adamw.cu in NumPy as tests/test_cuda.py's emulation, but with the kernel's
-    stochastic rounding (element i of the launch: squirrel_noise5(i, seed)) instead of nearest."""
-    n = int(n)
-    p = adamw_emulated_step(params, master_params, grads, m, v, n, learning_rate, beta1, beta2,
-                            beta1_correction, beta2_correction, eps, weight_decay, grad_scale)
-    if params.dtype == np.uint16:
-        params.reshape(-1)[:n] = stochastic_round_bf16(p, np.arange(n, dtype=np.uint32), seed)
-    else:
-        params.reshape(-1)[:n] = p
-
-
 def test_python_constant_matches_common_cuh():
     assert zero.SQ5_BIT_NOISE1 == int(SQ5[0])
 
@@ -193,34 +188,45 @@ def test_rounding_seed_shifts_the_hash_by_start():
     assert zero.rounding_seed(123, 0) == 123
 
 
-def test_adamw_on_pieces_rounds_as_one_launch(emulated_gpu, monkeypatch):
-    # the emulated kernel with its real rounding: a tensor updated in 3 pieces with rounding_seed
-    # gives the bits of one launch; with the plain seed it does not (so the test can fail)
-    monkeypatch.setitem(EMULATED_KERNELS, "adamw_update", k_adamw_update_sr)
-    rng = np.random.default_rng(1)
-    n, seed, cuts = 5000, 987654321, [0, 1234, 3001, 5000]
+def adamw_pieces_round_as_one_launch(cp):
+    """The real adamw kernel on the device of the array module cp: a bf16 tensor updated in three
+    pieces with rounding_seed gets the bits of one launch over it (with the plain seed it does
+    not, so the check can fail); the values follow gpt2_cpu's AdamW; the rounding is stochastic
+    (both bf16 neighbours of the fp32 value occur) and is stochastic_round_bf16's, bit for bit."""
+    rng = np.random.default_rng(3)
+    n, seed, cuts = 1 << 16, 2024, [0, 12345, 40001, 1 << 16]
     p0 = rng.standard_normal(n).astype(np.float32)
-    g = float32_to_bfloat16_bits(rng.standard_normal(n).astype(np.float32))
+    g0 = float32_to_bfloat16_bits(rng.standard_normal(n).astype(np.float32))
     args = (1e-2, 0.9, 0.95, 0.1, 0.05, 1e-8, 0.1, 1.0)
 
     def run(seeds):
-        params, master = float32_to_bfloat16_bits(p0), p0.copy()
-        m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        params, master = cp.asarray(float32_to_bfloat16_bits(p0)), cp.asarray(p0)
+        m, v, g = cp.zeros(n, np.float32), cp.zeros(n, np.float32), cp.asarray(g0)
         for (a, b), s in zip(zip(cuts, cuts[1:]), seeds):
             gpt2_cuda.adamw_update(params[a:b], master[a:b], g[a:b], m[a:b], v[a:b], b - a, *args, s)
-        return params, master
-
-    params1, master1 = float32_to_bfloat16_bits(p0), p0.copy()
-    gpt2_cuda.adamw_update(params1, master1, g, np.zeros(n, np.float32), np.zeros(n, np.float32), n, *args, seed)
+        return params.get(), master.get()
+    params1 = cp.asarray(float32_to_bfloat16_bits(p0))
+    master1 = cp.asarray(p0)
+    gpt2_cuda.adamw_update(params1, master1, cp.asarray(g0), cp.zeros(n, np.float32), cp.zeros(n, np.float32), n,
+                           *args, seed)
+    params1, master1 = params1.get(), master1.get()
     pieces, master3 = run([zero.rounding_seed(seed, a) for a in cuts[:-1]])
-    np.testing.assert_array_equal(master3, master1)
     np.testing.assert_array_equal(pieces, params1)
+    np.testing.assert_array_equal(master3, master1)
     plain, _ = run([seed] * 3)
     assert not np.array_equal(plain, params1)
-    # and the rounding is stochastic: both neighbours of the fp32 value occur, never anything else
+    ref = types.SimpleNamespace(params=p0.copy(), grads=bfloat16_bits_to_float32(g0), m=np.zeros(n, np.float32),
+                                v=np.zeros(n, np.float32), param_shapes=[("wte", (n,))])
+    gpt2_cpu.gpt2_update(ref, 1e-2, 0.9, 0.95, 1e-8, 0.1, 1, 1.0)
+    np.testing.assert_allclose(master3, ref.params, rtol=1e-5, atol=1e-6)
     lo = float32_to_bfloat16_bits(master1)
     assert set(np.unique(params1.astype(np.int32) - lo.astype(np.int32)).tolist()) <= {-1, 0, 1}
     assert (params1 != lo).mean() > 0.1
+    assert np.array_equal(stochastic_round_bf16(master1, np.arange(n, dtype=np.uint32), seed), params1)
+
+
+def test_adamw_on_pieces_rounds_as_one_launch(emulated):
+    adamw_pieces_round_as_one_launch(llmc.cuda.cupy())
 
 
 # ----------------------------------------------------------------------------
@@ -261,293 +267,179 @@ def test_nccl_comm_in_place_pointers(monkeypatch):
 
 
 # ----------------------------------------------------------------------------
-# part 1d: K ranks in one process. Each rank is a thread with its own model; a collective is
-# complete when all K ranks have called it (a barrier), and its result is computed from the K
-# contributions in rank order, so it is deterministic whatever the threads' timing.
+# part 1d: `mpiexec -n 2 python gpt2_cuda.py --device cpu -z 1`: two MPI processes on the emulated
+# device, its NCCL over MPI; the runs compared through their logs and checkpoint files
 
-class RankGroup:
-    """The meeting point of K emulated ranks."""
-
-    def __init__(self, K):
-        self.K = K
-        self.barrier = threading.Barrier(K, timeout=120)
-        self.slots = [None] * K
-
-    def exchange(self, rank, value):
-        """Every rank's value, in rank order, once all K ranks have given theirs."""
-        self.slots[rank] = value
-        self.barrier.wait()
-        values = list(self.slots)
-        self.barrier.wait()                                # no slot is overwritten before all have read
-        return values
+K, B, T, STEPS = 2, 2, 16, 2       # each rank B rows; step 2 starts from the sharded update
+CLIP = 0.5                         # below TINY's gradient norms (> 1): clipping happens every step
 
 
-class EmulatedComm:
-    """llmc.comm.Comm (MPI on host values) for rank `rank` of a RankGroup."""
+class Runs:
+    """The training runs of part 1d, each started once (the first test that needs it) in one
+    temporary folder: tiny.bin (gpt2_cpu's TINY, seed 42) and a shard of random tokens."""
 
-    def __init__(self, group, rank):
-        self.group, self.rank, self.size = group, rank, group.K
-        self.local_rank = rank
-        self.comm = self                                   # NcclComm reads comm.comm; never called here
+    def __init__(self, root):
+        self.root = root
+        self.data = _write_shards(root)
+        self.model = str(root / "tiny.bin")
+        gpt2_cpu.write_model(self.model, gpt2_cpu.gpt2_init(TINY, 42))
+        self.done = {}
 
-    def connect(self):                                     # llmc.multinode.ProcessGroup.connect
-        return RecordedNcclComm(self) if self.size > 1 else None
+    def argv(self, out, grad_clip, B=B, extra=()):
+        """The flags both trainers take: STEPS steps of B x T tokens per process, gradients
+        clipped at grad_clip (0: never), a checkpoint after every step."""
+        return ["-e", self.model, "-i", self.data, "-j", "", "-b", str(B), "-t", str(T), "-x", str(STEPS), "-v", "0",
+                "-s", "0", "-l", "1e-3", "-c", "0.1", "--grad-clip", str(grad_clip), "-n", "1", "-o", str(out), *extra]
 
-    def mean_(self, arr):
-        arr[...] = np.sum(self.group.exchange(self.rank, np.array(arr, np.float64)), axis=0) / self.size
-        return arr
+    def gpt2_cuda(self, precision, zero_stage, grad_clip, out=None, extra=()):
+        """The output folder of `mpiexec -n K gpt2_cuda.py --device cpu --precision P -z Z`; its
+        stdout in self.done[folder]."""
+        out = out or self.root / f"{precision}-z{zero_stage}-clip{grad_clip}"
+        if out not in self.done:
+            cmd = ["mpiexec", "-n", str(K), sys.executable, os.path.join(ROOT, "gpt2_cuda.py"), "--device", "cpu",
+                   "--precision", precision, "-z", str(zero_stage), *self.argv(out, grad_clip, extra=extra)]
+            self.done[out] = _run(cmd)
+        return out
 
-    def sum(self, x):
-        return float(np.sum(self.group.exchange(self.rank, float(x))))
-
-    def mean(self, x):
-        return self.sum(x) / self.size
-
-    def barrier(self):
-        self.group.exchange(self.rank, None)
-
-    def bcast(self, value, root=0):
-        """MPI's broadcast of a Python object (NcclComm sends the NCCL unique id with it)."""
-        return self.group.exchange(self.rank, value)[root]
-
-
-class RecordedNcclComm(llmc.comm.NcclComm):
-    """llmc.comm.NcclComm itself, on the emulated device's NCCL (llmc/emulator/nccl.py, whose
-    ranks here are the threads of one RankGroup), recording which collectives ran. After a
-    reduce-scatter it poisons the slices that are not this rank's (NCCL leaves them holding this
-    rank's own unreduced values), so that a read of them shows."""
-
-    def __init__(self, comm):
-        super().__init__(comm)
-        assert self.nccl is llmc.cuda.library("nccl") and self.nccl.__name__ == "llmc.emulator.nccl"
-        self.calls = []
-        threading.current_thread().nccl_comm = self             # run_ranks aborts it if this rank fails
-
-    def mean_(self, arr):
-        self.calls.append("all_reduce")
-        super().mean_(arr)
-
-    def reduce_scatter_mean_(self, arr):
-        self.calls.append("reduce_scatter")
-        super().reduce_scatter_mean_(arr)
-        S = self.shard_elements(arr)
-        mine = slice(self.rank * S, (self.rank + 1) * S)
-        arr[:mine.start] = arr[mine.stop:] = 0xFFFF if arr.dtype == np.uint16 else np.nan
-
-    def all_gather_(self, arr):
-        self.calls.append("all_gather")
-        super().all_gather_(arr)
+    def gpt2_cpu(self):
+        """The output folder of gpt2_cpu.py, gradients clipped at CLIP, on the whole batch (K*B
+        rows: rank r's rows are rows r*B..(r+1)*B-1 of it) in one process."""
+        out = self.root / "gpt2_cpu"
+        if out not in self.done:
+            self.done[out] = _run([sys.executable, os.path.join(ROOT, "gpt2_cpu.py"), *self.argv(out, CLIP, B=K * B)])
+        return out
 
 
-def _to_f64(arr):
-    return (bfloat16_bits_to_float32(np.asarray(arr)) if arr.dtype == np.uint16 else np.asarray(arr)).astype(np.float64)
+def _run(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
 
 
-def run_ranks(K, fn):
-    """fn(rank, comm) on K threads (ranks of one RankGroup); returns their results in rank order.
-    An exception on one rank breaks the barriers (MPI's and NCCL's), so the others stop instead of
-    waiting; the exception raised here is the first rank's own error, not a broken barrier of
-    a rank that was waiting for it."""
-    group = RankGroup(K)
-
-    def one(rank):
-        threading.current_thread().rank_comm = comm = EmulatedComm(group, rank)
-        try:
-            return fn(rank, comm)
-        except BaseException:
-            group.barrier.abort()
-            nccl = getattr(threading.current_thread(), "nccl_comm", None)
-            if nccl is not None:
-                nccl.communicator.abort()                  # the others may wait in an NCCL collective
-            raise
-    with concurrent.futures.ThreadPoolExecutor(K) as pool:
-        futures = [pool.submit(one, r) for r in range(K)]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-    own = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-    if errors:
-        raise (own or errors)[0]
-    return [f.result() for f in futures]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("zero"))
 
 
-@pytest.fixture
-def emulated_ranks(emulated_gpu, monkeypatch):
-    """The emulated GPU (tests/test_cuda.py), AdamW with the kernel's stochastic rounding,
-    gpt2_cuda's process group (llmc.multinode) replaced by the rank group of the calling thread,
-    and its NcclComm recorded on the emulated device's NCCL (llmc.cuda.library("nccl") with the
-    device "cpu", restored after)."""
-    monkeypatch.setitem(EMULATED_KERNELS, "adamw_update", k_adamw_update_sr)
-    monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())
-    llmc.cuda.use_device("cpu")
-    monkeypatch.setattr(gpt2_cuda.multinode, "init_process_group", lambda args: threading.current_thread().rank_comm)
-    # -o's write probe is named by the process id, which the K threads share: one at a time, with
-    # the ranks' closing barrier taken after the lock is released (inside it, the ranks would wait
-    # for each other forever)
-    lock, make_output_dir = threading.Lock(), cli.TrainingRun.make_output_dir
-
-    def locked(self, out_dir):
-        barrier = self.comm.barrier
-        with lock:
-            self.comm.barrier = lambda: None
-            try:
-                make_output_dir(self, out_dir)
-            finally:
-                self.comm.barrier = barrier
-        barrier()
-    monkeypatch.setattr(cli.TrainingRun, "make_output_dir", locked)
-    return emulated_gpu
+def _norms(out):
+    """[norm of each step] from a main.log."""
+    with open(out / "main.log") as f:
+        return [float(x) for x in re.findall(r"norm:(\S+)", f.read())]
 
 
-STEPS, B, T = 3, 2, 16
+def _model_file(out, step):
+    return checkpoint.checkpoint_paths(str(out), step)[0]
 
 
-def _batches(K, seed=11):
-    """STEPS batches of (K*B, T) token ids: rank r trains on rows r*B..(r+1)*B-1 of each."""
-    rng = np.random.default_rng(seed)
-    return [tuple(rng.integers(0, TINY.vocab_size, (K * B, T)).astype(np.int32) for _ in range(2)) for _ in range(STEPS)]
+def _states(out, zero_stage):
+    """The K ranks' state files of the last step: [dict of checkpoint.read_state], rank order."""
+    size = zero.zero_shard(TINY_N, 0, K).size if zero_stage == 1 else TINY_N
+    return [checkpoint.read_state(checkpoint.checkpoint_paths(str(out), STEPS, rank)[1], size, rank, K, zero_stage)
+            for rank in range(K)]
 
 
-def train_rank(rank, comm, zero_stage, precision, batches, grad_clip=0.0, weight_decay=0.1):
-    """train()'s training step on one rank, STEPS times: forward, backward, the gradients averaged
-    over the ranks (-z 1: reduce-scattered), the global norm, clipping, AdamW (-z 1: all-gather).
-    Returns (model, norms, nccl calls)."""
-    K = comm.size
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, zero_stage=zero_stage, process_rank=rank,
-                           num_processes=K)
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
-    nccl = RecordedNcclComm(comm) if K > 1 else None
-    norms = []
-    for step, (x, y) in enumerate(batches):
-        rows = slice(rank * B, (rank + 1) * B) if K > 1 else slice(None)
-        gpt2_cuda.gpt2_zero_grad(model)
-        gpt2_cuda.gpt2_forward(model, x[rows], y[rows])
-        gpt2_cuda.gpt2_backward(model)
-        if nccl is not None:
-            gpt2_cuda.gpt2_average_gradients(model, nccl)
-        norm = gpt2_cuda.gpt2_global_grad_norm(model, comm)
-        norms.append(norm)
-        grad_scale = grad_clip / norm if 0 < grad_clip < norm else 1.0
-        gpt2_cuda.gpt2_update(model, 1e-3, 0.9, 0.95, 1e-8, weight_decay, step + 1, grad_scale, nccl)
-    return model, norms, nccl.calls if nccl else []
+def _gathered(states, key):
+    """The K ranks' shards of m / v / master_weights put together, cut to the real parameters."""
+    return np.concatenate([st[key] for st in states])[:TINY_N]
 
 
-def _state(model):
-    """The model's parameters and full optimizer state on the host (the shard's m, v, master)."""
-    return {"params": model.params.get(), "m": model.m.get(), "v": model.v.get(),
-            "master": None if model.master is None else model.master.get()}
+@needs_mpi
+def test_zero1_on_two_processes_equals_zero0_bitwise_bf16(runs):
+    # without clipping: the norm of -z 1 adds the shards' squares over the ranks, in another order
+    # than -z 0's one pass, so a clipping scale would differ in its last bit (as in llm.c)
+    z0, z1 = runs.gpt2_cuda("bf16", 0, grad_clip=0), runs.gpt2_cuda("bf16", 1, grad_clip=0)
+    losses = _train_losses(z1 / "main.log")
+    assert len(losses) == STEPS and losses == _train_losses(z0 / "main.log")
+    assert _norms(z1) == _norms(z0)                                      # the global norm, from shards
+    # each rank's state file holds its shard of m, v and master weights, 1/K of -z 0's
+    shards, whole = _states(z1, 1), _states(z0, 0)
+    S = zero.zero_shard(TINY_N, 0, K).size
+    assert all(st["zero_stage"] == 1 and st["m"].size == S < TINY_N for st in shards)
+    for key in ("m", "v", "master_weights"):
+        np.testing.assert_array_equal(_gathered(shards, key), whole[0][key], err_msg=key)
+    # the model file: -z 0's holds the master weights, -z 1's the bf16 parameters upcast (no rank
+    # has all the master weights), each the master weight stochastically rounded (1 bf16 ulp)
+    params = gpt2_cpu.read_model(_model_file(z1, STEPS)).params
+    bits = float32_to_bfloat16_bits(params)
+    np.testing.assert_array_equal(bfloat16_bits_to_float32(bits), params)
+    master = gpt2_cpu.read_model(_model_file(z0, STEPS)).params
+    np.testing.assert_array_equal(master, whole[0]["master_weights"])
+    ulps = bits.astype(np.int32) - float32_to_bfloat16_bits(master).astype(np.int32)
+    assert set(np.unique(ulps).tolist()) <= {-1, 0, 1}
+    path = checkpoint.checkpoint_paths(str(z1), STEPS, 0)[1]
+    assert os.path.getsize(path) < os.path.getsize(checkpoint.checkpoint_paths(str(z0), STEPS, 0)[1])
+    # the steps did move the model; the shards do not resume as -z 0
+    init, final = gpt2_cpu.read_model(runs.model).params, gpt2_cpu.read_model(_model_file(z1, STEPS)).params
+    assert (init != final).mean() > 0.5
+    with pytest.raises(gpt2_cuda.InputError, match="written with -z 1, but this run has -z 0: resume with -z 1"):
+        checkpoint.read_state(path, TINY_N, 0, K, zero_stage=0)
 
 
-def _gathered(models, key):
-    """Concatenate the K ranks' shards of m / v / master, cut to the real parameters."""
-    return np.concatenate([_state(model)[key] for model in models])[:TINY_N]
+@needs_mpi
+def test_zero1_on_two_processes_fp32_is_gpt2_cpu_on_the_whole_batch(runs):
+    # to fp32 rounding, not bitwise: the batch's mean is taken in two halves, NCCL averages the
+    # halves' gradients, and the norm adds the shards' squares. AdamW divides m by sqrt(v), so an
+    # element whose gradient is ~0 turns a 1e-7 relative change of it into up to a few
+    # thousandths of lr (1e-3): all parameters within 1e-5 (1% of lr), 99.9% within 1e-6
+    z1, cpu = runs.gpt2_cuda("fp32", 1, grad_clip=CLIP), runs.gpt2_cpu()
+    losses, ref = _train_losses(z1 / "main.log"), _train_losses(cpu / "main.log")
+    assert len(losses) == STEPS and losses == pytest.approx(ref, rel=1e-5)
+    np.testing.assert_allclose(_norms(z1), _norms(cpu), rtol=1e-4)       # main.log keeps 4 decimals
+    assert min(_norms(z1)) > CLIP                                        # clipping did happen
+    got = gpt2_cpu.read_model(_model_file(z1, STEPS)).params
+    want = gpt2_cpu.read_model(_model_file(cpu, STEPS)).params
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert np.isclose(got, want, rtol=1e-5, atol=1e-6).mean() > 0.999
+    whole = checkpoint.read_state(checkpoint.checkpoint_paths(str(cpu), STEPS, 0)[1], TINY_N, 0, 1)
+    np.testing.assert_allclose(_gathered(_states(z1, 1), "m"), whole["m"], rtol=1e-4, atol=1e-8)
 
 
-@pytest.mark.parametrize("K", [2, 3])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_zero1_equals_zero0_bitwise(emulated_ranks, K, precision):
-    batches = _batches(K)
-    z0 = run_ranks(K, lambda r, comm: train_rank(r, comm, 0, precision, batches))
-    z1 = run_ranks(K, lambda r, comm: train_rank(r, comm, 1, precision, batches))
-    ref = _state(z0[0][0])
-    for (model, norms, calls), (_, ref_norms, ref_calls) in zip(z1, z0):
-        np.testing.assert_array_equal(model.params.get(), ref["params"])      # every rank, every bit
-        assert model.m.size == math.ceil(TINY_N / K / 8) * 8 < TINY_N         # the state is 1/K per rank
-        assert calls == ["reduce_scatter", "all_gather"] * STEPS and ref_calls == ["all_reduce"] * STEPS
-        np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)              # the global norm, from shards
-    for key in ("m", "v") + (("master",) if precision == "bf16" else ()):   # the shards, put together
-        np.testing.assert_array_equal(_gathered([z[0] for z in z1], key), ref[key])
-    moved = ref["params"] != _state(_tiny_init(precision))["params"]
-    assert moved.mean() > 0.5                                                # the steps did change the model
-
-
-def _tiny_init(precision):
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True)
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
-    return model
-
-
-def test_zero1_with_clipping_matches_one_process_on_the_whole_batch(emulated_ranks):
-    # K ranks of B rows against one process of K*B rows, fp32, clipping active: equal to fp32
-    # rounding, not bitwise (the batch's sum runs in another order, the mean over K*B*T rows is
-    # taken in two parts, and the norm squares the shards' fp32 norms). AdamW divides m by
-    # sqrt(v), so an element whose gradient is ~0 turns a 1e-7 relative change of it into up to
-    # a few thousandths of lr (1e-3): all elements within 1e-5 (1% of lr), 99.9% within 1e-6
-    K, clip = 3, 0.5
-    batches = _batches(K, seed=5)
-    (whole, whole_norms, _), = run_ranks(1, lambda r, comm: train_rank(r, comm, 0, "fp32", batches, clip))
-    ranks = run_ranks(K, lambda r, comm: train_rank(r, comm, 1, "fp32", batches, clip))
-    assert min(whole_norms) > clip                                            # clipping did happen
-    for model, norms, _ in ranks:
-        np.testing.assert_allclose(norms, whole_norms, rtol=1e-5)
-        got, ref = model.params.get(), whole.params.get()
-        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
-        assert np.isclose(got, ref, rtol=1e-5, atol=1e-6).mean() > 0.999
-    np.testing.assert_allclose(_gathered([r[0] for r in ranks], "m"), whole.m.get(), rtol=1e-4, atol=1e-8)
-
-
-def test_zero1_one_process_is_zero0(emulated_ranks):
-    # -z 1 with a single process: one shard is everything, the same launches, the same bits
-    batches = _batches(1)
-    (a, na, _), = run_ranks(1, lambda r, comm: train_rank(r, comm, 0, "bf16", batches, grad_clip=0.5))
-    (b, nb, _), = run_ranks(1, lambda r, comm: train_rank(r, comm, 1, "bf16", batches, grad_clip=0.5))
-    assert na == nb and b.shard == zero.Shard(0, 1, TINY_N, TINY_N)
-    for key, value in _state(a).items():
-        np.testing.assert_array_equal(_state(b)[key], value)
+@needs_mpi
+def test_zero1_resumes_from_its_checkpoint_bitwise(runs, tmp_path):
+    z1 = runs.gpt2_cuda("bf16", 1, grad_clip=0)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(z1, resumed)
+    os.remove(resumed / f"DONE_{STEPS:08d}")                             # the run stopped a step earlier
+    runs.gpt2_cuda("bf16", 1, grad_clip=0, out=resumed, extra=("-y", "1"))
+    assert "resumed from" in runs.done[resumed]
+    assert _train_losses(resumed / "main.log")[STEPS - 1] == _train_losses(z1 / "main.log")[STEPS - 1]
+    with open(_model_file(resumed, STEPS), "rb") as a, open(_model_file(z1, STEPS), "rb") as b:
+        assert a.read() == b.read()
+    for again, first in zip(_states(resumed, 1), _states(z1, 1)):
+        for key in ("m", "v", "master_weights"):
+            np.testing.assert_array_equal(again[key], first[key], err_msg=key)
 
 
 # ----------------------------------------------------------------------------
-# part 1e: gpt2_cuda.train() on K emulated ranks: -z 1 against -z 0, checkpoints, resume
+# part 1e: one process, and the refused stages
 
-def _train_args(tmp_path, data, out, zero_stage, precision="bf16", steps=4, extra=()):
-    model = str(tmp_path / "tiny.bin")
-    if not os.path.exists(model):
-        gpt2_cpu.write_model(model, gpt2_cpu.gpt2_init(TINY, 42))
-    argv = ["-e", model, "-i", data, "-j", "", "-b", str(B), "-t", str(T), "-x", str(steps), "-v", "0", "-s", "0",
-            "-l", "1e-3", "-c", "0.1", "-n", "2", "-o", str(out), "--precision", precision, "-z", str(zero_stage),
-            *extra]
-    return gpt2_cuda.parse_args(argv)
-
-
-def _train_on_ranks(K, args):
-    return run_ranks(K, lambda rank, comm: gpt2_cuda.train(args))
-
-
-def test_train_zero1_on_ranks_checkpoints_and_resumes(emulated_ranks, tmp_path, capsys):
-    K = 2
-    data = _write_shards(tmp_path)
-    z0 = _train_on_ranks(K, _train_args(tmp_path, data, tmp_path / "z0", 0))
-    z1 = _train_on_ranks(K, _train_args(tmp_path, data, tmp_path / "z1", 1))
-    for a, b in zip(z0, z1):
-        np.testing.assert_array_equal(b.params.get(), a.params.get())
-    for key in ("m", "v", "master"):
-        np.testing.assert_array_equal(_gathered(z1, key), _state(z0[0])[key][:TINY_N])
-    assert _train_losses(tmp_path / "z1" / "main.log") == _train_losses(tmp_path / "z0" / "main.log")
-    # each rank's state file: its shard of m, v, master (S floats each), flagged -z 1
-    S = z1[0].shard.size
-    for rank in range(K):
-        path = checkpoint.checkpoint_paths(str(tmp_path / "z1"), 4, rank)[1]
-        st = checkpoint.read_state(path, S, rank, K, zero_stage=1)
-        assert st["zero_stage"] == 1 and st["m"].size == st["v"].size == st["master_weights"].size == S
-        np.testing.assert_array_equal(st["master_weights"], z1[rank].master.get())
-        assert os.path.getsize(path) < os.path.getsize(checkpoint.checkpoint_paths(str(tmp_path / "z0"), 4, rank)[1])
-    # the model file holds the bf16 parameters the ranks share, exactly
-    saved = gpt2_cpu.read_model(checkpoint.checkpoint_paths(str(tmp_path / "z1"), 4)[0])
-    np.testing.assert_array_equal(saved.params, bfloat16_bits_to_float32(z1[0].params.get()))
-    # resume at step 2 on K ranks: the same parameters, moments and master weights, bit for bit
-    os.remove(tmp_path / "z1" / "DONE_00000004")
-    resumed = _train_on_ranks(K, _train_args(tmp_path, data, tmp_path / "z1", 1, extra=("-y", "1")))
-    for a, b in zip(z1, resumed):
-        for key, value in _state(a).items():
-            np.testing.assert_array_equal(_state(b)[key], value)
-    assert "resumed from" in capsys.readouterr().out
-    # a -z 1 checkpoint of several ranks does not resume with -z 0: one line saying so
-    with pytest.raises(gpt2_cuda.InputError, match="written with -z 1, but this run has -z 0: resume with -z 1"):
-        _train_on_ranks(K, _train_args(tmp_path, data, tmp_path / "z1", 0, extra=("-y", "1")))
+def test_zero1_one_process_is_zero0(emulated):
+    # -z 1 with a single process: one shard is everything, the same launches, the same bits
+    rng = np.random.default_rng(11)
+    x, y = (rng.integers(0, TINY.vocab_size, (B, T)).astype(np.int32) for _ in range(2))
+    comm = llmc.comm.Comm()
+    models = []
+    for zero_stage in (0, 1):
+        model = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True, zero_stage=zero_stage)
+        gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+        gpt2_cuda.gpt2_zero_grad(model)
+        gpt2_cuda.gpt2_forward(model, x, y)
+        gpt2_cuda.gpt2_backward(model)
+        norm = gpt2_cuda.gpt2_global_grad_norm(model, comm)
+        gpt2_cuda.gpt2_update(model, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, CLIP / norm)
+        models.append(model)
+    assert models[1].shard == zero.Shard(0, 1, TINY_N, TINY_N) and norm > CLIP
+    for name in ("params", "m", "v", "master"):
+        np.testing.assert_array_equal(getattr(models[1], name).get(), getattr(models[0], name).get(), err_msg=name)
+    assert not np.array_equal(models[1].params.get(), float32_to_bfloat16_bits(gpt2_cpu.gpt2_init(TINY, 42).params))
 
 
-def test_zero_stage_2_is_refused_with_one_line(emulated_gpu, tmp_path, capsys):
+def test_zero_stage_2_is_refused_with_one_line(emulated, tmp_path, capsys):
     data, model = _write_shards(tmp_path), str(tmp_path / "tiny.bin")
     gpt2_cpu.write_model(model, gpt2_cpu.gpt2_init(TINY, 42))
-    assert gpt2_cuda.main(["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "16", "-x", "1", "-z", "2"]) == 1
+    argv = ["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "16", "-x", "1", "-z", "2", "--device", "cpu"]
+    assert gpt2_cuda.main(argv) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: -z 2: ZeRO stage 2 is not supported")
     assert gpt2_cuda.parse_args([]).zero_stage == 0 and gpt2_cuda.parse_args(["--zero-stage", "1"]).zero_stage == 1
@@ -597,33 +489,5 @@ def test_gpu_zero1_one_rank_equals_zero0_and_tracks_gpt2_cpu(precision, rtol, mo
 
 @pytest.mark.gpu
 def test_gpu_adamw_pieces_with_rounding_seed_round_as_one_launch():
-    # the real kernel: a bf16 tensor updated in three pieces with rounding_seed gets the bits of
-    # one launch over it (and with the plain seed it does not); the values follow gpt2_cpu's AdamW
     import cupy as cp
-    rng = np.random.default_rng(3)
-    n, seed, cuts = 1 << 16, 2024, [0, 12345, 40001, 1 << 16]
-    p0 = rng.standard_normal(n).astype(np.float32)
-    g0 = float32_to_bfloat16_bits(rng.standard_normal(n).astype(np.float32))
-    args = (1e-2, 0.9, 0.95, 0.1, 0.05, 1e-8, 0.1, 1.0)
-
-    def run(seeds):
-        params, master = cp.asarray(float32_to_bfloat16_bits(p0)), cp.asarray(p0)
-        m, v, g = cp.zeros(n, np.float32), cp.zeros(n, np.float32), cp.asarray(g0)
-        for (a, b), s in zip(zip(cuts, cuts[1:]), seeds):
-            gpt2_cuda.adamw_update(params[a:b], master[a:b], g[a:b], m[a:b], v[a:b], b - a, *args, s)
-        return params.get(), master.get()
-    params1 = cp.asarray(float32_to_bfloat16_bits(p0))
-    master1 = cp.asarray(p0)
-    gpt2_cuda.adamw_update(params1, master1, cp.asarray(g0), cp.zeros(n, np.float32), cp.zeros(n, np.float32), n,
-                           *args, seed)
-    pieces, master3 = run([zero.rounding_seed(seed, a) for a in cuts[:-1]])
-    np.testing.assert_array_equal(pieces, params1.get())
-    np.testing.assert_array_equal(master3, master1.get())
-    plain, _ = run([seed] * 3)
-    assert not np.array_equal(plain, params1.get())
-    ref = types.SimpleNamespace(params=p0.copy(), grads=bfloat16_bits_to_float32(g0), m=np.zeros(n, np.float32),
-                                v=np.zeros(n, np.float32), param_shapes=[("wte", (n,))])
-    gpt2_cpu.gpt2_update(ref, 1e-2, 0.9, 0.95, 1e-8, 0.1, 1, 1.0)
-    np.testing.assert_allclose(master3, ref.params, rtol=1e-5, atol=1e-6)
-    # the emulation's rounding (part 1) is the kernel's: the same bits from the same inputs
-    assert np.array_equal(stochastic_round_bf16(master1.get(), np.arange(n, dtype=np.uint32), seed), params1.get())
+    adamw_pieces_round_as_one_launch(cp)

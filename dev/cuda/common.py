@@ -268,13 +268,14 @@ class Case:
 # ----------------------------------------------------------------------------
 # device side: modules, buffers
 
-_FUNCTIONS = {}          # (path, precision, name) -> cupy.RawKernel
+_FUNCTIONS = {}          # (device, path, precision, name) -> cupy.RawKernel
 
 
 def load_function(kernel, precision):
-    """The compiled kernel (each file compiled once per process and precision, with the
-    trainer's options, llmc.cuda.kernel_compile_options; CuPy also caches it on disk)."""
-    key = (kernel.path, precision, kernel.name)
+    """The compiled kernel (each file compiled once per process, device and precision, with the
+    trainer's options, llmc.cuda.kernel_compile_options; CuPy also caches it on disk, the emulated
+    device, llmc.cuda.use_device("cpu"), its g++ build)."""
+    key = (cuda.device(), kernel.path, precision, kernel.name)
     if key not in _FUNCTIONS:
         directory, file = os.path.split(kernel.path)
         if directory == "kernels":                   # the trainer's own module and cache
@@ -286,7 +287,8 @@ def load_function(kernel, precision):
             try:
                 module.compile()
             except cp.cuda.compiler.CompileException as e:
-                raise cuda.KernelCompileError(f"{kernel.path}: NVRTC failed ({precision}):\n"
+                compiler = "g++ (the emulated device)" if cuda.device() == "cpu" else "NVRTC"
+                raise cuda.KernelCompileError(f"{kernel.path}: {compiler} failed ({precision}):\n"
                                               f"{e.get_message()}") from None
         _FUNCTIONS[key] = module.get_function(kernel.name)
     return _FUNCTIONS[key]

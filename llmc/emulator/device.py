@@ -17,6 +17,7 @@ calls listed below.
 """
 
 import os
+import re
 import types
 import weakref
 
@@ -26,6 +27,7 @@ from llmc.emulator import build
 
 ALLOCATION_ALIGNMENT = 256             # bytes, as CuPy's memory pool
 UNINITIALIZED_BYTE = 0xFF              # what empty() leaves: NaN in fp32 and bf16
+MAX_DYNAMIC_SHARED_BYTES = 49152       # per block: CUDA's limit without cudaFuncSetAttribute's opt-in
 EMULATED_COMPUTE_CAPABILITY = (8, 0)   # bf16 kernels, as an A100 (no tensor cores: scalar tile ops)
 DEVICE_NAME = "emulated CUDA device (CPU)"
 # The sanitizer runs (dev/sanitize_kernels.py) set these: RawModule builds in that mode ("tsan",
@@ -313,7 +315,7 @@ def _device_properties(index):
     major, minor = EMULATED_COMPUTE_CAPABILITY
     return {"name": DEVICE_NAME.encode(), "major": major, "minor": minor, "totalGlobalMem": _host_memory()[1],
             "multiProcessorCount": os.cpu_count() or 1, "warpSize": 32, "maxThreadsPerBlock": 1024,
-            "sharedMemPerBlock": 49152}
+            "sharedMemPerBlock": MAX_DYNAMIC_SHARED_BYTES}
 
 
 # as many emulated GPUs as one node of llm.c's recipes has, so that a data-parallel run of up to 8
@@ -386,6 +388,19 @@ class CompileException(Exception):
 # ----------------------------------------------------------------------------
 # kernel modules
 
+# `extern __shared__ T name[];`: dynamic shared memory, sized by the launch (shared_mem bytes)
+DYNAMIC_SHARED_PATTERN = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?(\w+)\s+(\w+)\s*\[\s*\]\s*;")
+
+
+def static_dynamic_shared(code):
+    """The kernel source with each dynamic shared memory array declared as a __shared__ array of
+    the most a launch may ask for (MAX_DYNAMIC_SHARED_BYTES, 16-byte aligned as CUDA's): like the
+    other __shared__ arrays, one copy per block in flight, filled with NaN before each block, so
+    that a read past what the kernel wrote shows. Line numbers do not change."""
+    return DYNAMIC_SHARED_PATTERN.sub(
+        lambda m: f"__shared__ __align__(16) {m[1]} {m[2]}[{MAX_DYNAMIC_SHARED_BYTES} / sizeof({m[1]})];", code)
+
+
 class RawModule:
     """cupy.RawModule(code=, options=): the source compiled by g++ against the shim (cached on
     disk), its kernels fetched by get_function(name) and called as kernel(grid, block, args).
@@ -403,7 +418,7 @@ class RawModule:
             return
         defines = [o for o in self.options if o.startswith("-D")]
         include_dirs = [o[2:] for o in self.options if o.startswith("-I")]
-        path = build.source_file(self.code)
+        path = build.source_file(static_dynamic_shared(self.code))
         try:
             self.library = build.Library(path, defines, include_dirs, BUILD_MODE)
         except build.EmulatorError as e:
@@ -425,8 +440,9 @@ class RawKernel:
         self.name = kernel.name
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        if shared_mem:
-            raise ValueError(f"kernel {self.name}: dynamic shared memory is not emulated")
+        if not 0 <= shared_mem <= MAX_DYNAMIC_SHARED_BYTES:
+            raise ValueError(f"kernel {self.name}: {shared_mem} bytes of dynamic shared memory, a block may have "
+                             f"at most {MAX_DYNAMIC_SHARED_BYTES}")
         grid, block = build.dims(grid), build.dims(block)
         storage, pointers = self.kernel.argument_buffer(args)
         enqueue(lambda: self.kernel.launch(grid, block, storage, pointers))
