@@ -1,8 +1,8 @@
 """Tests of llmc/cudnn_attention.py, cuDNN fused attention through the cuDNN frontend package.
 
 Part 1, no GPU (the emulated device's cudnn, llmc/emulator/cudnn.py, reached through
-llmc.cuda.library("cudnn"), with its graphs and calls recorded; CuPy is replaced by NumPy, so a
-"device pointer" is a host address):
+llmc.cuda.library("cudnn"), with its graphs and calls recorded; the arrays are the emulated
+device's, so a "device pointer" is a host address):
 - unavailable_reason: fp32, bad head sizes, the package missing, the frontend too old, the library
   not loadable, too old or a known-broken version, each with its one line; None when all is well;
 - the graph: built once per (direction, B, T, NH, HS, training), reused, the build steps in order,
