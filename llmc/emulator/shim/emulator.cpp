@@ -275,13 +275,14 @@ static uint3 block_index(long i) {
 
 constexpr size_t STACK_BYTES = 256 * 1024;       // per waiting CUDA thread; the lowest page is a guard
 constexpr size_t GUARD_BYTES = 4096;
-// Stacks are mmap'd at multiples of 4 KiB, so the tops of 1024 fibers' stacks would all fall into
-// the same cache sets and evict each other at every switch. Each stack's top is moved down by a
-// different multiple of 17 cache lines (the "color"), which spreads them over 64 L1 sets and
-// 1 MiB of L2 sets.
-constexpr size_t STACK_COLORS = 64;
-constexpr size_t STACK_COLOR_BYTES = 17 * 64;
-constexpr size_t STACK_MAPPING = STACK_BYTES + STACK_COLORS * STACK_COLOR_BYTES;
+// Stacks are mmap'd at multiples of 4 KiB, so the tops of a block's fibers would all fall into the
+// same cache sets and evict each other at every switch. Each stack's top is moved down to its own
+// place in a 64 KiB window (the "color"; 64 KiB is the span of the L2 cache's sets): fiber i's top
+// at 7*i cache lines into the window, so the few hot lines of consecutive fibers do not overlap
+// and 1024 fibers cover the window's 1024 lines evenly.
+constexpr uintptr_t COLOR_WINDOW = 64 * 1024;
+constexpr uintptr_t COLOR_STRIDE = 7 * 64;
+constexpr size_t STACK_MAPPING = STACK_BYTES + COLOR_WINDOW;
 
 // __shared__ arrays: thread_local, at these offsets from the start of this library's TLS block
 // (llmc/emulator/build.py reads them from the symbol table: readelf's TLS symbols)
@@ -400,8 +401,9 @@ static void start_runner(Worker& w) {
     }
     w.runner_stack = w.free_stacks.back();
     w.free_stacks.pop_back();
-    const size_t color = (size_t)w.runner_stack % STACK_COLORS * STACK_COLOR_BYTES;
-    char* top = w.stacks[w.runner_stack] + STACK_MAPPING - color;
+    char* end = w.stacks[w.runner_stack] + STACK_MAPPING;
+    const uintptr_t color = (uintptr_t)w.runner_stack * COLOR_STRIDE % COLOR_WINDOW;
+    char* top = end - ((uintptr_t)end - color) % COLOR_WINDOW;     // top == color (mod the window)
 #if defined(__x86_64__)
     // the frame llmc_emu_switch pops: r15..rbp, then `ret` enters runner_main with the stack
     // aligned as after a call (a zero return address above it ends backtraces)
@@ -413,7 +415,7 @@ static void start_runner(Worker& w) {
 #else
     getcontext(&w.runner.uc);
     w.runner.uc.uc_stack.ss_sp = w.stacks[w.runner_stack] + GUARD_BYTES;
-    w.runner.uc.uc_stack.ss_size = STACK_MAPPING - GUARD_BYTES - color;
+    w.runner.uc.uc_stack.ss_size = top - (w.stacks[w.runner_stack] + GUARD_BYTES);
     w.runner.uc.uc_link = nullptr;
     makecontext(&w.runner.uc, (void (*)())runner_main, 0);
 #endif
