@@ -164,9 +164,16 @@ NO_TSAN static unsigned lanes_of_warp(const Block& b, int warp) {
     return lanes == WARP ? 0xffffffffu : (1u << lanes) - 1u;
 }
 
-// lane t arrives at a warp call; completes its group if it is the last of the mask to arrive
+// lane t arrives at a warp call (what it brings: see warp_call in cuda_shim.h); completes its
+// group if it is the last of the mask to arrive
 template <class Wake>
-NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, bool* completed, Wake wake) {
+NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mask, unsigned long long value,
+                                int source, const char* what, bool* completed, Wake wake) {
+    t.op = op;
+    t.mask = mask;
+    t.value = value;
+    t.source = source;
+    t.what = what;
     const int warp = t.linear / WARP, lane = t.linear % WARP;
     const uint3 block = blockIdx;
     if (!(t.mask >> lane & 1u)) {
@@ -468,13 +475,8 @@ static void wait_here(Worker& w, CudaThread& t) {
 unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
     Worker& w = *this_worker;
     CudaThread& t = *w.current;
-    t.op = op;
-    t.mask = mask;
-    t.value = value;
-    t.source = source;
-    t.what = what;
     bool completed = false;
-    if (!warp_arrive(w.block, t, &completed, [&](CudaThread& u) { enqueue(w, u); })) {
+    if (!warp_arrive(w.block, t, op, mask, value, source, what, &completed, [&](CudaThread& u) { enqueue(w, u); })) {
         switch_context(t.context, w.scheduler);  // failed: never resumed
     }
     if (!completed) wait_here(w, t);
@@ -630,13 +632,8 @@ NO_TSAN unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long lon
     CudaThread& t = *this_thread;
     if (op == WARP_SYNC) happens_before(&warp_sync[t.linear / WARP]);
     lock();
-    t.op = op;
-    t.mask = mask;
-    t.value = value;
-    t.source = source;
-    t.what = what;
     bool completed = false;
-    if (!warp_arrive(os_block, t, &completed, no_wake)) {
+    if (!warp_arrive(os_block, t, op, mask, value, source, what, &completed, no_wake)) {
         fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
         abort();
     }
