@@ -284,11 +284,12 @@ constexpr size_t STACK_BYTES = 256 * 1024;       // per waiting CUDA thread; the
 constexpr size_t GUARD_BYTES = 4096;
 // Stacks are mmap'd at multiples of 4 KiB, so the tops of a block's fibers would all fall into the
 // same cache sets and evict each other at every switch. Each stack's top is moved down to its own
-// place in a 64 KiB window (the "color"; 64 KiB is the span of the L2 cache's sets): fiber i's top
-// at 7*i cache lines into the window, so the few hot lines of consecutive fibers do not overlap
-// and 1024 fibers cover the window's 1024 lines evenly.
+// place in a 64 KiB window (the "color"; 64 KiB is the span of the L2 cache's sets): stack i's top
+// at 13*i cache lines into the window (mod 1024 lines), so the hot frames of consecutive fibers
+// (about 11 lines from the runner down to a wait) do not share sets, and 1024 stacks cover the
+// window's lines evenly (13 is odd).
 constexpr uintptr_t COLOR_WINDOW = 64 * 1024;
-constexpr uintptr_t COLOR_STRIDE = 7 * 64;
+constexpr uintptr_t COLOR_STRIDE = 13 * 64;
 constexpr size_t STACK_MAPPING = STACK_BYTES + COLOR_WINDOW;
 
 // __shared__ arrays: thread_local, at these offsets from the start of this library's TLS block
@@ -491,6 +492,7 @@ void sync_threads() {
     barrier_release_if_complete(w.block, &t, [&](CudaThread& u) { enqueue(w, u); });
     if (t.wait == AT_BARRIER) wait_here(w, t);
 }
+
 // ----------------------------------------------------------------------------
 // the workers: the calling thread and num_workers - 1 persistent OS threads
 
