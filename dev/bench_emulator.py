@@ -4,13 +4,13 @@ cost of each kernel per CUDA thread.
 
 What it measures: the d4 model (-e d4), B=4, T=64, fp32, full fp32 matmuls; a step is zero_grad,
 forward, backward, the global norm and AdamW. After one warm-up step (which also builds or loads
-the kernel libraries) each side runs -r timed steps (3) and the fastest counts: the machine's
+the kernel libraries) each side runs --repeats timed steps (3) and the fastest counts: the machine's
 other load only ever adds time. Per kernel, in the emulated device's fastest step: wall time
 inside its launches, the CUDA threads launched (grid x block), and microseconds per CUDA thread.
 A benchmark, not a test: the numbers depend on the machine and its load. The emulated step's matmuls are NumPy's
 (llmc/emulator/cublas.py), so the ratio is the cost of running our kernels thread by thread.
 
-Run: python dev/bench_emulator.py            (about a minute; -e d2 -b 2 -r 1 for a quicker look)
+Run: python dev/bench_emulator.py            (a few minutes; -e d2 -b 2 --repeats 1 for a quicker look)
 Expect: a table of kernels by total time, then
     step (the fastest of 3): emulated device X ms, gpt2_cpu.py Y ms, ratio X/Y
 """
@@ -87,11 +87,13 @@ class KernelTimes:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-e", "--model", default="d4", help="model spec, as gpt2_cpu.py -e")
-    p.add_argument("-b", "--batch-size", type=int, default=4)
-    p.add_argument("-t", "--seq-len", type=int, default=64)
-    p.add_argument("-r", "--repeats", type=int, default=3, help="timed steps of each; the fastest counts")
+    p.add_argument("-b", "--batch-size", type=int, default=4, help="B")
+    p.add_argument("-t", "--seq-len", type=int, default=64, help="T")
+    # long only: -r is llm.c's recompute flag
+    p.add_argument("--repeats", type=int, default=3, help="timed steps of each; the fastest counts")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, not {args.repeats}")
