@@ -1,7 +1,8 @@
 """The emulated CUDA device's own rules (llmc/emulator/): its shim, launcher, arrays and cuBLAS.
 
 What it checks, each on a small kernel written here (compiled once by g++, cached in
-.emulator-cache/): __syncthreads orders shared memory between threads; shared memory starts as
+.emulator-cache/): __syncthreads orders shared memory between threads, threads that have left
+count as arrived at it (while the others each hold a fiber stack); shared memory starts as
 NaN; warp shuffles (xor, up, down, idx, widths, partial masks) and ballots give CUDA's values;
 a mask that omits the calling lane, names a lane that never arrives, or a shuffle that reads a lane
 outside its mask stops the launch with a message (a GPU would give garbage or hang); __nv_bfloat16
@@ -33,6 +34,23 @@ extern "C" __global__ void rotate_through_shared(float* out, int n) {
     values[t] = (float)(t * 10);
     __syncthreads();
     out[blockIdx.x * blockDim.x + t] = values[(t + 1) % n];          // another thread's write
+}
+// threads t % 3 == 1 leave at once (each a plain call on a reused stack); the others pass two
+// barriers (each waiting thread then holds a stack of its own), at which the leavers count as arrived
+extern "C" __global__ void some_threads_leave(float* out) {
+    __shared__ float values[1024];
+    const int t = threadIdx.x, n = blockDim.x;
+    if (t % 3 == 1) {
+        out[blockIdx.x * n + t] = -1.0f;
+        return;
+    }
+    values[t] = (float)t;
+    __syncthreads();
+    const float a = values[t - t % 3];                                 // thread t - t % 3 stays
+    __syncthreads();
+    values[t] = a + 1000.0f;
+    __syncthreads();
+    out[blockIdx.x * n + t] = values[t - t % 3];
 }
 // reads its element before writing it: each block must see NaN, even after an earlier block wrote
 extern "C" __global__ void read_shared_unwritten(float* out) {
@@ -96,6 +114,15 @@ def test_syncthreads_orders_shared_memory(kernels, blocks, n):
     kernels.get_function("rotate_through_shared")((blocks,), (n,), (out, np.int32(n)))
     expected = np.tile((np.arange(1, n + 1) % n) * 10.0, blocks)
     np.testing.assert_array_equal(out.get(), expected)
+
+
+@pytest.mark.parametrize("blocks,n", [(1, 100), (5, 1024)])
+def test_threads_that_leave_count_as_arrived_at_barriers(kernels, blocks, n):
+    out = cp.empty(blocks * n, np.float32)
+    kernels.get_function("some_threads_leave")((blocks,), (n,), (out,))
+    t = np.arange(n)
+    expected = np.where(t % 3 == 1, -1.0, t - t % 3 + 1000.0)
+    np.testing.assert_array_equal(out.get(), np.tile(expected, blocks))
 
 
 def test_shared_memory_starts_as_nan(kernels):
