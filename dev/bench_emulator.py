@@ -7,7 +7,8 @@ forward, backward, the global norm and AdamW. After one warm-up step (which also
 the kernel libraries) each side runs --repeats timed steps (3) and the fastest counts: the machine's
 other load only ever adds time. Per kernel, in the emulated device's fastest step: wall time
 inside its launches, the CUDA threads launched (grid x block), and microseconds per CUDA thread.
-A benchmark, not a test: the numbers depend on the machine and its load. The emulated step's matmuls are NumPy's
+A benchmark, not a test: the numbers depend on the machine and its load (on a shared machine the
+ratio moves by 2x or more from run to run). The emulated step's matmuls are NumPy's
 (llmc/emulator/cublas.py), so the ratio is the cost of running our kernels thread by thread.
 
 Run: python dev/bench_emulator.py            (a few minutes; -e d2 -b 2 --repeats 1 for a quicker look)
