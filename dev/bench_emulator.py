@@ -3,15 +3,17 @@ of gpt2_cuda.py's code on it against the same step of gpt2_cpu.py, measured in o
 cost of each kernel per CUDA thread.
 
 What it measures: the d4 model (-e d4), B=4, T=64, fp32, full fp32 matmuls; a step is zero_grad,
-forward, backward, the global norm and AdamW, timed after one warm-up step (which also builds or
-loads the kernel libraries). Per kernel: total wall time inside its launches during the timed step,
-the CUDA threads launched (grid x block), and microseconds per CUDA thread. A benchmark, not a
-test: the numbers depend on the machine and its load. The emulated step's matmuls are NumPy's
+forward, backward, the global norm and AdamW. After one warm-up step (which also builds or loads
+the kernel libraries) each side runs --repeats timed steps (3) and the fastest counts: the machine's
+other load only ever adds time. Per kernel, in the emulated device's fastest step: wall time
+inside its launches, the CUDA threads launched (grid x block), and microseconds per CUDA thread.
+A benchmark, not a test: the numbers depend on the machine and its load (on a shared machine the
+ratio moves by 2x or more from run to run). The emulated step's matmuls are NumPy's
 (llmc/emulator/cublas.py), so the ratio is the cost of running our kernels thread by thread.
 
-Run: python dev/bench_emulator.py            (about a minute; -e d2 -b 2 for a quicker look)
+Run: python dev/bench_emulator.py            (a few minutes; -e d2 -b 2 --repeats 1 for a quicker look)
 Expect: a table of kernels by total time, then
-    step: emulated device X ms, gpt2_cpu.py Y ms, ratio X/Y
+    step (the fastest of 3): emulated device X ms, gpt2_cpu.py Y ms, ratio X/Y
 """
 
 import argparse
@@ -30,38 +32,72 @@ import gpt2_cuda  # noqa: E402
 from llmc import cuda  # noqa: E402
 from llmc.emulator import build  # noqa: E402
 
-LEARNING_RATE, WEIGHT_DECAY = 3e-4, 0.0
+LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY = 3e-4, 0.9, 0.95, 1e-8, 0.0
 
 
-def cpu_step(model, x, y, t):
-    gpt2_cpu.gpt2_zero_grad(model)
-    gpt2_cpu.gpt2_forward(model, x, y)
-    gpt2_cpu.gpt2_backward(model)
-    gpt2_cpu.gpt2_grad_norm(model)
-    gpt2_cpu.gpt2_update(model, LEARNING_RATE, 0.9, 0.95, 1e-8, WEIGHT_DECAY, t)
+def training_step(trainer, model, x, y, t):
+    """AdamW step t of `trainer`, gpt2_cpu or gpt2_cuda (the same function names, the same order):
+    zero_grad, forward, backward, the global norm, the update."""
+    trainer.gpt2_zero_grad(model)
+    trainer.gpt2_forward(model, x, y)
+    trainer.gpt2_backward(model)
+    trainer.gpt2_grad_norm(model)
+    trainer.gpt2_update(model, LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY, t)
 
 
-def emulated_step(model, x, y, t):
-    gpt2_cuda.gpt2_zero_grad(model)
-    gpt2_cuda.gpt2_forward(model, x, y)
-    gpt2_cuda.gpt2_backward(model)
-    gpt2_cuda.gpt2_grad_norm(model)
-    gpt2_cuda.gpt2_update(model, LEARNING_RATE, 0.9, 0.95, 1e-8, WEIGHT_DECAY, t)
+def timed_steps(trainer, model, x, y, repeats, before_step=lambda t: None):
+    """Seconds of each of `repeats` timed steps t = 2, 3, ..., after one warm-up step (kernel
+    libraries, allocations); before_step(t) is called before step t is timed."""
+    training_step(trainer, model, x, y, 1)
+    seconds = []
+    for t in range(2, repeats + 2):
+        before_step(t)
+        t0 = time.perf_counter()
+        training_step(trainer, model, x, y, t)
+        seconds.append(time.perf_counter() - t0)
+    return seconds
 
 
-def timed(step, model, x, y):
-    step(model, x, y, 1)                          # warm-up: kernel libraries, allocations
-    t0 = time.perf_counter()
-    step(model, x, y, 2)
-    return time.perf_counter() - t0
+class KernelTimes:
+    """Wraps build.Kernel.launch while in a `with` block: per step t and kernel name, the wall
+    seconds inside its launches, the launches and the CUDA threads (grid x block) launched."""
+
+    def __init__(self):
+        self.step = None
+        self.seconds, self.launches, self.threads = defaultdict(float), defaultdict(int), defaultdict(int)
+
+    def __enter__(self):
+        self.launch = launch = build.Kernel.launch
+
+        def timed_launch(kernel, grid, block, storage, pointers):
+            t0 = time.perf_counter()
+            launch(kernel, grid, block, storage, pointers)
+            if self.step is not None:
+                key = (self.step, kernel.name)
+                self.seconds[key] += time.perf_counter() - t0
+                self.launches[key] += 1
+                self.threads[key] += int(np.prod(grid)) * int(np.prod(block))
+        build.Kernel.launch = timed_launch
+        return self
+
+    def __exit__(self, *exc):
+        build.Kernel.launch = self.launch
+
+    def start_step(self, t):
+        self.step = t
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-e", "--model", default="d4", help="model spec, as gpt2_cpu.py -e")
-    p.add_argument("-b", "--batch-size", type=int, default=4)
-    p.add_argument("-t", "--seq-len", type=int, default=64)
+    p.add_argument("-b", "--batch-size", type=int, default=4, help="B")
+    p.add_argument("-t", "--seq-len", type=int, default=64, help="T")
+    # long only: -r is llm.c's recompute flag
+    p.add_argument("--repeats", type=int, default=3, help="timed steps of each; the fastest counts")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, not {args.repeats}")
     cfg = gpt2_cpu.model_config(args.model)
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
@@ -69,40 +105,30 @@ def main(argv=None):
     y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
 
     cpu = gpt2_cpu.gpt2_init(cfg, 42)
-    cpu_seconds = timed(cpu_step, cpu, x, y)
+    cpu_seconds = min(timed_steps(gpt2_cpu, cpu, x, y, args.repeats))
 
     cuda.use_device("cpu")
     model = gpt2_cuda.GPT2(cfg, "fp32", master_weights=False, recompute=True)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
-    seconds, threads, launches = defaultdict(float), defaultdict(int), defaultdict(int)
-    launch = build.Kernel.launch
-    recording = [False]
+    with KernelTimes() as times:
+        steps = timed_steps(gpt2_cuda, model, x, y, args.repeats, times.start_step)
+    emulated_seconds = min(steps)
+    fastest = 2 + steps.index(emulated_seconds)
+    names = [name for (t, name) in times.seconds if t == fastest]
 
-    def timed_launch(self, grid, block, storage, pointers):
-        t0 = time.perf_counter()
-        launch(self, grid, block, storage, pointers)
-        if recording[0]:
-            seconds[self.name] += time.perf_counter() - t0
-            threads[self.name] += int(np.prod(grid)) * int(np.prod(block))
-            launches[self.name] += 1
-    build.Kernel.launch = timed_launch
-    emulated_step(model, x, y, 1)                 # warm-up
-    recording[0] = True
-    t0 = time.perf_counter()
-    emulated_step(model, x, y, 2)
-    emulated_seconds = time.perf_counter() - t0
-    build.Kernel.launch = launch
-
-    print(f"{args.model}, B={B}, T={T}, fp32: one training step on the emulated device, kernels by total time")
+    print(f"{args.model}, B={B}, T={T}, fp32: the fastest of {args.repeats} training steps on the emulated "
+          f"device, kernels by total time")
     print(f"{'kernel':40s} {'launches':>8s} {'CUDA threads':>13s} {'ms':>9s} {'us/thread':>10s}")
-    for name in sorted(seconds, key=seconds.get, reverse=True):
-        print(f"{name:40s} {launches[name]:8d} {threads[name]:13d} {1e3 * seconds[name]:9.1f} "
-              f"{1e6 * seconds[name] / threads[name]:10.3f}")
-    kernels = sum(seconds.values())
-    print(f"{'all kernels':40s} {sum(launches.values()):8d} {sum(threads.values()):13d} {1e3 * kernels:9.1f}")
+    for name in sorted(names, key=lambda name: times.seconds[fastest, name], reverse=True):
+        key = (fastest, name)
+        print(f"{name:40s} {times.launches[key]:8d} {times.threads[key]:13d} {1e3 * times.seconds[key]:9.1f} "
+              f"{1e6 * times.seconds[key] / times.threads[key]:10.3f}")
+    kernels = sum(times.seconds[fastest, name] for name in names)
+    print(f"{'all kernels':40s} {sum(times.launches[fastest, name] for name in names):8d} "
+          f"{sum(times.threads[fastest, name] for name in names):13d} {1e3 * kernels:9.1f}")
     print(f"rest of the step (emulated cuBLAS matmuls, Python): {1e3 * (emulated_seconds - kernels):.1f} ms")
-    print(f"step: emulated device {1e3 * emulated_seconds:.0f} ms, gpt2_cpu.py {1e3 * cpu_seconds:.0f} ms, "
-          f"ratio {emulated_seconds / cpu_seconds:.1f}")
+    print(f"step (the fastest of {args.repeats}): emulated device {1e3 * emulated_seconds:.0f} ms, "
+          f"gpt2_cpu.py {1e3 * cpu_seconds:.0f} ms, ratio {emulated_seconds / cpu_seconds:.1f}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The emulated CUDA device's own rules (llmc/emulator/): its shim, launcher, arrays and cuBLAS.
 
 What it checks, each on a small kernel written here (compiled once by g++, cached in
-.emulator-cache/): __syncthreads orders shared memory between threads; shared memory starts as
+.emulator-cache/): __syncthreads orders shared memory between threads, threads that have left
+count as arrived at it (while the others each hold a fiber stack); shared memory starts as
 NaN; warp shuffles (xor, up, down, idx, widths, partial masks) and ballots give CUDA's values;
 a mask that omits the calling lane, names a lane that never arrives, or a shuffle that reads a lane
 outside its mask stops the launch with a message (a GPU would give garbage or hang); __nv_bfloat16
@@ -33,6 +34,23 @@ extern "C" __global__ void rotate_through_shared(float* out, int n) {
     values[t] = (float)(t * 10);
     __syncthreads();
     out[blockIdx.x * blockDim.x + t] = values[(t + 1) % n];          // another thread's write
+}
+// threads t % 3 == 1 leave at once (each a plain call on a reused stack); the others pass two
+// barriers (each waiting thread then holds a stack of its own), at which the leavers count as arrived
+extern "C" __global__ void some_threads_leave(float* out) {
+    __shared__ float values[1024];
+    const int t = threadIdx.x, n = blockDim.x;
+    if (t % 3 == 1) {
+        out[blockIdx.x * n + t] = -1.0f;
+        return;
+    }
+    values[t] = (float)t;
+    __syncthreads();
+    const float a = values[t - t % 3];                                 // thread t - t % 3 stays
+    __syncthreads();
+    values[t] = a + 1000.0f;
+    __syncthreads();
+    out[blockIdx.x * n + t] = values[t - t % 3];
 }
 // reads its element before writing it: each block must see NaN, even after an earlier block wrote
 extern "C" __global__ void read_shared_unwritten(float* out) {
@@ -96,6 +114,15 @@ def test_syncthreads_orders_shared_memory(kernels, blocks, n):
     kernels.get_function("rotate_through_shared")((blocks,), (n,), (out, np.int32(n)))
     expected = np.tile((np.arange(1, n + 1) % n) * 10.0, blocks)
     np.testing.assert_array_equal(out.get(), expected)
+
+
+@pytest.mark.parametrize("blocks,n", [(1, 100), (5, 1024)])
+def test_threads_that_leave_count_as_arrived_at_barriers(kernels, blocks, n):
+    out = cp.empty(blocks * n, np.float32)
+    kernels.get_function("some_threads_leave")((blocks,), (n,), (out,))
+    t = np.arange(n)
+    expected = np.where(t % 3 == 1, -1.0, t - t % 3 + 1000.0)
+    np.testing.assert_array_equal(out.get(), np.tile(expected, blocks))
 
 
 def test_shared_memory_starts_as_nan(kernels):
@@ -233,8 +260,8 @@ def colmajor(rng, rows, cols, ld, dtype):
     return cp.asarray(stored), values.astype(np.float64)
 
 
-def run_gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, dtype, beta=0.0):
-    alpha, b = np.ones(1, np.float32), np.full(1, beta, np.float32)
+def run_gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, dtype, beta=0.0, alpha=1.0):
+    alpha, b = np.full(1, alpha, np.float32), np.full(1, beta, np.float32)
     t = cublas.CUDA_R_16BF if dtype == np.uint16 else cublas.CUDA_R_32F
     cublas.setPointerMode(1, cublas.CUBLAS_POINTER_MODE_HOST)
     cublas.gemmEx(1, transa, transb, m, n, k, alpha.ctypes.data, A.data.ptr, t, lda, B.data.ptr, t, ldb,
@@ -247,9 +274,11 @@ def read_colmajor(C, rows, cols, ld, dtype):
     return np.stack([flat[j * ld:j * ld + rows] for j in range(cols)], axis=1)
 
 
+# alpha 1, beta 0 is the fp32 path that writes the product straight into C's memory
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (1.0, 0.0), (0.5, 2.0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.uint16])
 @pytest.mark.parametrize("transa,transb", [(0, 0), (0, 1), (1, 0), (1, 1)])
-def test_gemm_matches_numpy_for_every_op(transa, transb, dtype):
+def test_gemm_matches_numpy_for_every_op(transa, transb, dtype, alpha, beta):
     rng = np.random.default_rng(transa * 2 + transb)
     m, n, k = 5, 7, 3
     a_shape = (m, k) if transa == 0 else (k, m)
@@ -257,8 +286,8 @@ def test_gemm_matches_numpy_for_every_op(transa, transb, dtype):
     A, a = colmajor(rng, *a_shape, a_shape[0] + 2, dtype)
     B, b = colmajor(rng, *b_shape, b_shape[0] + 1, dtype)
     C, c = colmajor(rng, m, n, m + 3, dtype)
-    run_gemm(transa, transb, m, n, k, A, a_shape[0] + 2, B, b_shape[0] + 1, C, m + 3, dtype, beta=1.0)
-    expected = (a if transa == 0 else a.T) @ (b if transb == 0 else b.T) + c
+    run_gemm(transa, transb, m, n, k, A, a_shape[0] + 2, B, b_shape[0] + 1, C, m + 3, dtype, beta=beta, alpha=alpha)
+    expected = alpha * (a if transa == 0 else a.T) @ (b if transb == 0 else b.T) + beta * c
     tol = 1e-2 if dtype == np.uint16 else 1e-5
     np.testing.assert_allclose(read_colmajor(C, m, n, m + 3, dtype), expected, rtol=tol, atol=tol)
     # the padding rows of C are left as they were (NaN)
@@ -294,20 +323,31 @@ def test_gemm_with_a_wrong_but_legal_leading_dimension_is_wrong():
     np.testing.assert_allclose(read_colmajor(C, 4, 2, 5, np.float32), a @ b, rtol=1e-5)
 
 
-def test_strided_batched_gemm():
+@pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (0.5, 2.0)])
+def test_strided_batched_gemm(alpha, beta):
     rng = np.random.default_rng(3)
     batch, m, n, k = 3, 4, 5, 6
+    ldc, stride_c = m + 1, (m + 1) * n + 2                        # padding rows and gaps between the C_i
     a = rng.standard_normal((batch, k, m)).astype(np.float32)     # each A stored k x m (op T)
     b = rng.standard_normal((batch, k, n)).astype(np.float32)     # each B stored k x n (op N)
-    A, B, C = cp.asarray(a.transpose(0, 2, 1).copy()), cp.asarray(b.transpose(0, 2, 1).copy()), cp.empty(batch * m * n)
-    alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
-    cublas.gemmStridedBatchedEx(1, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, alpha.ctypes.data,
+    c = rng.standard_normal((batch, n, ldc)).astype(np.float32)   # each C stored m x n, ldc apart
+    stored_c = np.full((batch, stride_c), np.nan, np.float32)
+    stored_c[:, :n * ldc] = c.reshape(batch, -1)
+    A, B = cp.asarray(a.transpose(0, 2, 1).copy()), cp.asarray(b.transpose(0, 2, 1).copy())
+    C = cp.asarray(stored_c.ravel())
+    alpha_host, beta_host = np.full(1, alpha, np.float32), np.full(1, beta, np.float32)
+    cublas.gemmStridedBatchedEx(1, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, alpha_host.ctypes.data,
                                 A.data.ptr, cublas.CUDA_R_32F, k, k * m, B.data.ptr, cublas.CUDA_R_32F, k, k * n,
-                                beta.ctypes.data, C.data.ptr, cublas.CUDA_R_32F, m, m * n, batch,
+                                beta_host.ctypes.data, C.data.ptr, cublas.CUDA_R_32F, ldc, stride_c, batch,
                                 cublas.CUBLAS_COMPUTE_32F, -1)
-    # column-major (m,n) C_i = A_i^T B_i where A_i (k,m), B_i (k,n) column-major are a[i], b[i]
-    got = C.get().reshape(batch, n, m).transpose(0, 2, 1)
-    np.testing.assert_allclose(got, np.einsum("bkm,bkn->bmn", a, b), rtol=1e-5, atol=1e-5)
+    # column-major (m,n) C_i = alpha A_i^T B_i + beta C_i where A_i (k,m), B_i (k,n) column-major are a[i], b[i]
+    got = C.get().reshape(batch, stride_c)
+    product = got[:, :n * ldc].reshape(batch, n, ldc)[:, :, :m].transpose(0, 2, 1)
+    expected = alpha * np.einsum("bkm,bkn->bmn", a, b) + beta * c[:, :, :m].transpose(0, 2, 1)
+    np.testing.assert_allclose(product, expected, rtol=1e-5, atol=1e-5)
+    # the padding rows and the gaps between the C_i are left as they were
+    np.testing.assert_array_equal(got[:, :n * ldc].reshape(batch, n, ldc)[:, :, m:], c[:, :, m:])
+    assert np.isnan(got[:, n * ldc:]).all()
 
 
 # ----------------------------------------------------------------------------

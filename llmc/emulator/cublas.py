@@ -69,20 +69,26 @@ def _scalar(ptr):
     return ctypes.c_float.from_address(ptr).value
 
 
-def _matrix(ptr, dtype, rows, cols, ld, writeable=False):
-    """The column-major rows x cols matrix at address ptr with leading dimension ld, as a strided
-    NumPy view of exactly the memory cuBLAS reads: element (i, j) at ptr + (i + j*ld) * itemsize."""
-    if rows == 0 or cols == 0:
-        return np.zeros((rows, cols), dtype)
-    extent = (cols - 1) * ld + rows
-    buffer = (ctypes.c_char * (extent * dtype.itemsize)).from_address(ptr)
-    view = np.ndarray((rows, cols), dtype, buffer=buffer, strides=(dtype.itemsize, ld * dtype.itemsize))
+def _matrices(ptr, dtype, rows, cols, ld, batch=1, stride=0, writeable=False):
+    """The `batch` column-major rows x cols matrices at address ptr with leading dimension ld,
+    matrix b starting b*stride elements after ptr, as a (batch, cols, rows) strided NumPy view of
+    exactly the memory cuBLAS reads: element (i, j) of matrix b at ptr + (b*stride + i + j*ld) *
+    itemsize. A column-major matrix read row-major is its transpose, so view[b] is matrix b
+    transposed, and nothing is copied."""
+    if rows == 0 or cols == 0 or batch == 0:
+        return np.zeros((batch, cols, rows), dtype)
+    first = min(0, (batch - 1) * stride)                       # a negative stride reads below ptr
+    extent = max(0, (batch - 1) * stride) + (cols - 1) * ld + rows - first
+    buffer = (ctypes.c_char * (extent * dtype.itemsize)).from_address(ptr + first * dtype.itemsize)
+    view = np.ndarray((batch, cols, rows), dtype, buffer=buffer, offset=-first * dtype.itemsize,
+                      strides=(stride * dtype.itemsize, ld * dtype.itemsize, dtype.itemsize))
     view.flags.writeable = writeable
     return view
 
 
 def _to_float32(x, dtype, tf32):
-    x = bfloat16_bits_to_float32(x) if dtype == np.uint16 else np.array(x, dtype=np.float32)
+    """x (bf16 bits or fp32, any strides) as fp32, rounded to TF32 when tf32; fp32 is not copied."""
+    x = bfloat16_bits_to_float32(x) if dtype == np.uint16 else np.asarray(x, dtype=np.float32)
     if tf32:                           # round to nearest even at bit 13, then clear the dropped bits
         bits = x.view(np.uint32)
         half = np.uint32(1 << (TF32_DROPPED_BITS - 1)) - np.uint32(1)
@@ -116,25 +122,42 @@ def _check(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, co
     return a_rows, b_rows
 
 
-def _gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, tf32):
-    """One column-major product on host addresses A, B, C; alpha, beta are floats."""
-    if m == 0 or n == 0:
+def _gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, tf32, batch=1,
+          stride_a=0, stride_b=0, stride_c=0):
+    """`batch` column-major products C_i (m,n) = alpha op(A_i) (m,k) op(B_i) (k,n) + beta C_i on
+    host addresses A, B, C (matrix i at i*stride elements); alpha, beta are floats. Computed on
+    row-major views of cuBLAS's memory, which hold the transposes: C^T = op(B)^T op(A)^T, written
+    straight into C when there is nothing to scale or convert."""
+    if m == 0 or n == 0 or batch == 0:
         return
-    c = _matrix(C, dtype, m, n, ldc, writeable=True)
+    if batch > 1 and abs(stride_c) < (n - 1) * ldc + m:        # C_i overlap: write them in order, as cuBLAS
+        size = dtype.itemsize
+        for i in range(batch):
+            _gemm(transa, transb, m, n, k, alpha, A + i * stride_a * size, lda, B + i * stride_b * size, ldb,
+                  beta, C + i * stride_c * size, ldc, dtype, tf32)
+        return
+    ct = _matrices(C, dtype, m, n, ldc, batch, stride_c, writeable=True)         # (batch,n,m) = C^T
+    direct = dtype == np.float32 and not tf32 and alpha == 1.0 and beta == 0.0
     if k == 0:
-        product = np.zeros((m, n), np.float32)
+        product = np.zeros((batch, n, m), np.float32)
     else:
-        a = _to_float32(_matrix(A, dtype, m if transa == CUBLAS_OP_N else k, k if transa == CUBLAS_OP_N else m, lda),
-                        dtype, tf32)
-        b = _to_float32(_matrix(B, dtype, k if transb == CUBLAS_OP_N else n, n if transb == CUBLAS_OP_N else k, ldb),
-                        dtype, tf32)
-        a = a if transa == CUBLAS_OP_N else a.T                # (m,k)
-        b = b if transb == CUBLAS_OP_N else b.T                # (k,n)
-        product = np.matmul(a, b)                              # (m,k) @ (k,n) -> (m,n), fp32
-    out = np.float32(alpha) * product
-    if beta != 0.0:                                            # beta == 0: C is not read
-        out = out + np.float32(beta) * _to_float32(c, dtype, False)
-    c[...] = float32_to_bfloat16_bits(out) if dtype == np.uint16 else out
+        at = _matrices(A, dtype, m if transa == CUBLAS_OP_N else k, k if transa == CUBLAS_OP_N else m, lda,
+                       batch, stride_a)                                            # A^T as stored
+        bt = _matrices(B, dtype, k if transb == CUBLAS_OP_N else n, n if transb == CUBLAS_OP_N else k, ldb,
+                       batch, stride_b)                                            # B^T as stored
+        if not direct:
+            at, bt = _to_float32(at, dtype, tf32), _to_float32(bt, dtype, tf32)
+        op_at = at if transa == CUBLAS_OP_N else at.transpose(0, 2, 1)           # op(A)^T (batch,k,m)
+        op_bt = bt if transb == CUBLAS_OP_N else bt.transpose(0, 2, 1)           # op(B)^T (batch,n,k)
+        if direct:
+            np.matmul(op_bt, op_at, out=ct)                                        # (n,k) @ (k,m) -> (n,m), fp32
+            return
+        product = np.matmul(op_bt, op_at)                                          # (batch,n,m), fp32
+    if alpha != 1.0:
+        product *= np.float32(alpha)
+    if beta != 0.0:                                                                # beta == 0: C is not read
+        product += np.float32(beta) * _to_float32(ct, dtype, False)
+    ct[...] = float32_to_bfloat16_bits(product) if dtype == np.uint16 else product
 
 
 def _scalars(handle, name, alpha, beta):
@@ -162,9 +185,5 @@ def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, 
     dtype = DATA_TYPES[Ctype]
     tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32
 
-    def run():
-        size = dtype.itemsize
-        for i in range(batchCount):
-            _gemm(transa, transb, m, n, k, a, A + i * strideA * size, lda, B + i * strideB * size, ldb, b,
-                  C + i * strideC * size, ldc, dtype, tf32)
-    enqueue(run)
+    enqueue(lambda: _gemm(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, dtype, tf32, batchCount,
+                          strideA, strideB, strideC))

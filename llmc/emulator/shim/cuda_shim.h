@@ -12,10 +12,10 @@ What it is: force-included (g++ -include) before each kernel file, it defines
   naming the kernel's block and thread, where a GPU would silently give garbage or hang;
 - __nv_bfloat16 with cuda_bf16.h's round-to-nearest-even conversions, atomics, CUDA's math
   functions, int4 / float4 and the cache-hint loads and stores;
-- the launcher: llmc_emu::launch runs a grid. Each CUDA thread is a fiber (a user-space context:
-  its own stack, switched by a few instructions, no system call); a block's fibers run on one OS
-  thread and switch only at a barrier or a warp-synchronous call, and blocks are spread over the
-  cores. __shared__ arrays are thread_local, so each block in flight has its own copy; they are
+- the launcher: llmc_emu::launch runs a grid. Each CUDA thread is a fiber (a user-space context,
+  switched by a few instructions, no system call; it takes a stack of its own when it first
+  waits); a block's fibers run on one OS thread and switch only at a barrier or a
+  warp-synchronous call, and blocks are spread over the cores. __shared__ arrays are thread_local, so each block in flight has its own copy; they are
   filled with NaN bytes (0xff) before each block, so a read before any write shows as NaN.
 
 With -DLLMC_EMU_OS_THREADS (the sanitizer builds), each CUDA thread is an OS thread instead and

@@ -4,11 +4,12 @@ library after the kernel file (llmc/emulator/build.py generates the unit that in
 
 A launch runs a grid of blocks. Blocks are handed out to workers (the calling thread plus
 persistent OS threads, one per core) in blockIdx order. A worker runs one block at a time: each
-CUDA thread of the block is a fiber with its own stack, started in threadIdx order and run until
-it finishes or waits (at __syncthreads or a warp-synchronous call); a wait that completes its
-group wakes the others. If every unfinished thread waits and no group can complete, the block is
-deadlocked (a barrier some threads skip, a mask naming a lane that left): the launch stops and
-says which threads wait where.
+CUDA thread of the block is a fiber, started in threadIdx order and run until it finishes or waits
+(at __syncthreads or a warp-synchronous call); a wait that completes its group wakes the others.
+A thread takes a stack of its own only when it waits: threads that finish without waiting run
+one after another on the same stack, a plain function call each. If every unfinished thread waits
+and no group can complete, the block is deadlocked (a barrier some threads skip, a mask naming
+a lane that left): the launch stops and says which threads wait where.
 
 With LLMC_EMU_OS_THREADS (the sanitizer builds), each CUDA thread of a block is an OS thread,
 the same waits are a condition variable, and blocks run one after another.
@@ -54,6 +55,15 @@ constexpr int WARP = 32;
 constexpr int MAX_THREADS_PER_BLOCK = 1024;
 constexpr unsigned MAX_GRID_YZ = 65535;
 
+#ifndef LLMC_EMU_OS_THREADS
+// a suspended fiber: its stack pointer (the registers are saved on its stack), or a ucontext
+#if defined(__x86_64__)
+struct Context { void* sp; };
+#else
+struct Context { ucontext_t uc; };
+#endif
+#endif
+
 // ----------------------------------------------------------------------------
 // the state of one block in flight
 
@@ -68,15 +78,15 @@ struct CudaThread {
     unsigned long long value, result;
     int source;
     const char* what;
-    void* sp;                       // fiber mode: saved stack pointer
-    int stack;                      // fiber mode: index of its stack, -1 before it starts
-#if !defined(LLMC_EMU_OS_THREADS) && !defined(__x86_64__)
-    ucontext_t context;
+    bool started;                   // fiber mode: it has run (a fiber holds its stack while it waits)
+#ifndef LLMC_EMU_OS_THREADS
+    Context context;                // fiber mode: where it continues after a wait
 #endif
 };
 
 struct Block {
-    int n, live, at_barrier, waiting;
+    int n = 0, live, at_barrier, waiting;
+    dim3 shape;
     unsigned warp_arrived[MAX_THREADS_PER_BLOCK / WARP];
     std::vector<CudaThread> threads;
 };
@@ -154,9 +164,16 @@ NO_TSAN static unsigned lanes_of_warp(const Block& b, int warp) {
     return lanes == WARP ? 0xffffffffu : (1u << lanes) - 1u;
 }
 
-// lane t arrives at a warp call; completes its group if it is the last of the mask to arrive
+// lane t arrives at a warp call (what it brings: see warp_call in cuda_shim.h); completes its
+// group if it is the last of the mask to arrive
 template <class Wake>
-NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, bool* completed, Wake wake) {
+NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mask, unsigned long long value,
+                                int source, const char* what, bool* completed, Wake wake) {
+    t.op = op;
+    t.mask = mask;
+    t.value = value;
+    t.source = source;
+    t.what = what;
     const int warp = t.linear / WARP, lane = t.linear % WARP;
     const uint3 block = blockIdx;
     if (!(t.mask >> lane & 1u)) {
@@ -221,23 +238,28 @@ NO_TSAN static void barrier_release_if_complete(Block& b, CudaThread* self, Wake
 }
 
 NO_TSAN static void init_block(Block& b, const dim3& block) {
-    b.n = (int)(block.x * block.y * block.z);
-    b.live = b.n;
+    const int n = (int)(block.x * block.y * block.z);
+    if (b.n != n || b.shape.x != block.x || b.shape.y != block.y) {    // the indices, once per shape
+        b.n = n;
+        b.shape = block;
+        b.threads.resize(n);
+        for (int i = 0; i < n; i++) {
+            b.threads[i].idx = {(unsigned)i % block.x, ((unsigned)i / block.x) % block.y, (unsigned)i / (block.x * block.y)};
+            b.threads[i].linear = i;
+        }
+    }
+    b.live = n;
     b.at_barrier = 0;
     b.waiting = 0;
     memset(b.warp_arrived, 0, sizeof(b.warp_arrived));
-    b.threads.resize(b.n);
-    for (int i = 0; i < b.n; i++) {
-        CudaThread& t = b.threads[i];
-        t.idx = {(unsigned)i % block.x, ((unsigned)i / block.x) % block.y, (unsigned)i / (block.x * block.y)};
-        t.linear = i;
+    for (CudaThread& t : b.threads) {
         t.wait = RUNNING;
         t.mask = 0;
         t.op = WARP_SYNC;
         t.value = t.result = 0;
         t.source = 0;
         t.what = "";
-        t.stack = -1;
+        t.started = false;
     }
 }
 
@@ -248,9 +270,27 @@ static uint3 block_index(long i) {
 #ifndef LLMC_EMU_OS_THREADS
 // ----------------------------------------------------------------------------
 // fiber mode
+//
+// A worker runs a block's threads in the order of its run queue: first every thread in threadIdx
+// order, then each thread again when its wait completes. A thread that never waits costs a
+// function call: a *runner* (a loop on a fiber stack) calls the kernel for one thread after
+// another, as long as each returns. When a thread waits, its frames stay on the runner's stack,
+// and it hands the worker directly to the next thread of the queue: a fresh runner on a free
+// stack when that thread has not started, else the waiting thread itself (a warp whose lanes only
+// shuffle switches lane to lane). The worker's own stack (the scheduler) is reached only when the
+// block ends, fails or deadlocks (the queue runs empty while threads still wait).
 
-constexpr size_t STACK_BYTES = 256 * 1024;       // per CUDA thread; the lowest page is a guard
+constexpr size_t STACK_BYTES = 256 * 1024;       // per waiting CUDA thread; the lowest page is a guard
 constexpr size_t GUARD_BYTES = 4096;
+// Stacks are mmap'd at multiples of 4 KiB, so the tops of a block's fibers would all fall into the
+// same cache sets and evict each other at every switch. Each stack's top is moved down to its own
+// place in a 64 KiB window (the "color"; 64 KiB is the span of the L2 cache's sets): stack i's top
+// at 13*i cache lines into the window (mod 1024 lines), so the hot frames of consecutive fibers
+// (about 11 lines from the runner down to a wait) do not share sets, and 1024 stacks cover the
+// window's lines evenly (13 is odd).
+constexpr uintptr_t COLOR_WINDOW = 64 * 1024;
+constexpr uintptr_t COLOR_STRIDE = 13 * 64;
+constexpr size_t STACK_MAPPING = STACK_BYTES + COLOR_WINDOW;
 
 // __shared__ arrays: thread_local, at these offsets from the start of this library's TLS block
 // (llmc/emulator/build.py reads them from the symbol table: readelf's TLS symbols)
@@ -260,21 +300,22 @@ static long anchor_offset;
 
 struct Worker {
     Block block;
-    void* scheduler_sp;
-#if !defined(__x86_64__)
-    ucontext_t scheduler_context;
-#endif
+    Context scheduler;                           // the worker's own stack, in run_block
+    Context runner;                              // a runner about to start (on stacks[runner_stack])
+    Context discarded;                           // where a runner that leaves for good saves itself
+    int runner_stack;
     std::vector<char*> stacks;                   // all stacks this worker owns
     std::vector<int> free_stacks;
-    std::vector<int> queue;                      // runnable threads, first in first out
-    size_t head;
+    int queue[MAX_THREADS_PER_BLOCK];            // the run queue, a ring: a thread is in it at most once
+    unsigned head, tail;                         // next to run, next free slot (both counting up)
     CudaThread* current;
 };
 static thread_local Worker* this_worker;
 
 #if defined(__x86_64__)
-// switch(save, next): push the callee-saved registers and the SSE/x87 control words, store the
-// stack pointer in *save, load `next`, pop the same from it and return into that context
+// switch(save, next): push the callee-saved registers, store the stack pointer in *save, load
+// `next`, pop the same from it and return into that context. The SSE and x87 control words are
+// not switched: every fiber of a worker runs with the ones work() sets for the launch.
 extern "C" void llmc_emu_switch(void** save, void* next);
 asm(R"(
     .text
@@ -288,14 +329,8 @@ llmc_emu_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -305,30 +340,65 @@ llmc_emu_switch:
     ret
     .size llmc_emu_switch, .-llmc_emu_switch
 )");
-#endif
 
-static void to_scheduler(Worker& w, CudaThread& t) {
-#if defined(__x86_64__)
-    llmc_emu_switch(&t.sp, w.scheduler_sp);
+static void switch_context(Context& save, Context& next) { llmc_emu_switch(&save.sp, next.sp); }
 #else
-    swapcontext(&t.context, &w.scheduler_context);
+static void switch_context(Context& save, Context& next) { swapcontext(&save.uc, &next.uc); }
 #endif
+
+static void enqueue(Worker& w, CudaThread& t) { w.queue[w.tail++ % MAX_THREADS_PER_BLOCK] = t.linear; }
+
+// the next thread of the run queue, or nullptr when it is empty or the launch failed
+static CudaThread* next_thread(Worker& w) {
+    if (w.head == w.tail || failed.load(std::memory_order_relaxed)) return nullptr;
+    return &w.block.threads[w.queue[w.head++ % MAX_THREADS_PER_BLOCK]];
 }
 
-[[noreturn]] static void fiber_main() {
+static void start_runner(Worker& w);
+
+// leave the running context (saved in `save`) for thread `next`: resume it where it waits, or
+// start it on a fresh runner; nullptr returns to the scheduler
+static void run_next(Worker& w, Context& save, CudaThread* next) {
+    if (next == nullptr) {
+        switch_context(save, w.scheduler);
+    } else if (!next->started) {
+        w.current = next;
+        start_runner(w);
+        switch_context(save, w.runner);
+    } else {
+        w.current = next;
+        switch_context(save, next->context);
+    }
+}
+
+// the loop of a runner: run w.current, then each following thread that has not started, while
+// each finishes without waiting on this stack
+[[noreturn]] static void runner_main() {
     Worker& w = *this_worker;
-    launch_now->body(launch_now->args);
-    CudaThread& t = *w.current;
-    t.wait = FINISHED;
-    w.block.live--;
-    barrier_release_if_complete(w.block, &t, [&](CudaThread& u) { w.queue.push_back(u.linear); });
-    to_scheduler(w, t);
-    __builtin_unreachable();
+    const int stack = w.runner_stack;
+    for (;;) {
+        CudaThread& t = *w.current;
+        t.started = true;
+        threadIdx = t.idx;
+        launch_now->body(launch_now->args);
+        t.wait = FINISHED;
+        w.block.live--;
+        barrier_release_if_complete(w.block, &t, [&](CudaThread& u) { enqueue(w, u); });
+        CudaThread* next = next_thread(w);
+        if (next != nullptr && !next->started) {
+            w.current = next;
+            continue;
+        }
+        w.free_stacks.push_back(stack);          // nothing of this runner is needed any more
+        run_next(w, w.discarded, next);
+        __builtin_unreachable();
+    }
 }
 
-static void start_fiber(Worker& w, CudaThread& t) {
+// prepare w.runner: runner_main on a free stack (mapped on first need)
+static void start_runner(Worker& w) {
     if (w.free_stacks.empty()) {
-        char* stack = (char*)mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        char* stack = (char*)mmap(nullptr, STACK_MAPPING, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (stack == MAP_FAILED) {
             fputs("llmc emulator: out of memory for fiber stacks\n", stderr);
             abort();
@@ -337,24 +407,25 @@ static void start_fiber(Worker& w, CudaThread& t) {
         w.stacks.push_back(stack);
         w.free_stacks.push_back((int)w.stacks.size() - 1);
     }
-    t.stack = w.free_stacks.back();
+    w.runner_stack = w.free_stacks.back();
     w.free_stacks.pop_back();
-    char* top = w.stacks[t.stack] + STACK_BYTES;
+    char* end = w.stacks[w.runner_stack] + STACK_MAPPING;
+    const uintptr_t color = (uintptr_t)w.runner_stack * COLOR_STRIDE % COLOR_WINDOW;
+    char* top = end - ((uintptr_t)end - color) % COLOR_WINDOW;     // top == color (mod the window)
 #if defined(__x86_64__)
-    // the frame llmc_emu_switch pops: control words, r15..rbp, then `ret` enters fiber_main with
-    // the stack aligned as after a call (a zero return address above it ends backtraces)
-    unsigned long long* sp = (unsigned long long*)(top - 72);
-    sp[0] = 0x037f00001f80ull;                   // mxcsr 0x1f80, x87 control word 0x037f
-    for (int i = 1; i <= 6; i++) sp[i] = 0;
-    sp[7] = (unsigned long long)&fiber_main;
-    sp[8] = 0;
-    t.sp = sp;
+    // the frame llmc_emu_switch pops: r15..rbp, then `ret` enters runner_main with the stack
+    // aligned as after a call (a zero return address above it ends backtraces)
+    unsigned long long* sp = (unsigned long long*)(top - 64);
+    for (int i = 0; i < 6; i++) sp[i] = 0;
+    sp[6] = (unsigned long long)&runner_main;
+    sp[7] = 0;
+    w.runner.sp = sp;
 #else
-    getcontext(&t.context);
-    t.context.uc_stack.ss_sp = w.stacks[t.stack] + GUARD_BYTES;
-    t.context.uc_stack.ss_size = STACK_BYTES - GUARD_BYTES;
-    t.context.uc_link = nullptr;
-    makecontext(&t.context, (void (*)())fiber_main, 0);
+    getcontext(&w.runner.uc);
+    w.runner.uc.uc_stack.ss_sp = w.stacks[w.runner_stack] + GUARD_BYTES;
+    w.runner.uc.uc_stack.ss_size = top - (w.stacks[w.runner_stack] + GUARD_BYTES);
+    w.runner.uc.uc_link = nullptr;
+    makecontext(&w.runner.uc, (void (*)())runner_main, 0);
 #endif
 }
 
@@ -368,26 +439,9 @@ static void run_block(Worker& w, long index) {
     blockIdx = block_index(index);
     init_block(b, blockDim);
     fill_shared_with_nan();
-    w.queue.clear();
-    for (int i = 0; i < b.n; i++) w.queue.push_back(i);
-    w.head = 0;
-    while (w.head < w.queue.size()) {
-        CudaThread& t = b.threads[w.queue[w.head++]];
-        w.current = &t;
-        threadIdx = t.idx;
-        if (t.stack < 0) start_fiber(w, t);
-#if defined(__x86_64__)
-        llmc_emu_switch(&w.scheduler_sp, t.sp);
-#else
-        swapcontext(&w.scheduler_context, &t.context);
-#endif
-        if (failed.load(std::memory_order_relaxed)) break;
-        if (t.wait == FINISHED) w.free_stacks.push_back(t.stack);
-        if (w.head > 4096 && w.head == w.queue.size()) {
-            w.queue.clear();
-            w.head = 0;
-        }
-    }
+    w.head = w.tail = 0;
+    for (int i = 0; i < b.n; i++) enqueue(w, b.threads[i]);
+    run_next(w, w.scheduler, next_thread(w));    // back when the queue is empty or the launch failed
     if (!failed.load() && b.live > 0) {
         record_error(blockIdx, nullptr, "deadlock: every unfinished thread waits and no wait can complete: %s",
                      describe_waits(b).c_str());
@@ -398,9 +452,11 @@ static void run_block(Worker& w, long index) {
     }
 }
 
+// the running thread t waits: the worker runs the next thread until t's wait completes
 static void wait_here(Worker& w, CudaThread& t) {
-    to_scheduler(w, t);
-    threadIdx = t.idx;                           // the scheduler set it already; gdb reads it here
+    run_next(w, t.context, next_thread(w));
+    w.current = &t;
+    threadIdx = t.idx;                           // gdb reads it here
 }
 
 [[noreturn]] void fail(const char* format, ...) {
@@ -413,21 +469,16 @@ static void wait_here(Worker& w, CudaThread& t) {
         fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
         abort();
     }
-    to_scheduler(*w, *w->current);
+    switch_context(w->current->context, w->scheduler);
     __builtin_unreachable();
 }
 
 unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
     Worker& w = *this_worker;
     CudaThread& t = *w.current;
-    t.op = op;
-    t.mask = mask;
-    t.value = value;
-    t.source = source;
-    t.what = what;
     bool completed = false;
-    if (!warp_arrive(w.block, t, &completed, [&](CudaThread& u) { w.queue.push_back(u.linear); })) {
-        to_scheduler(w, t);                      // failed: never resumed
+    if (!warp_arrive(w.block, t, op, mask, value, source, what, &completed, [&](CudaThread& u) { enqueue(w, u); })) {
+        switch_context(t.context, w.scheduler);  // failed: never resumed
     }
     if (!completed) wait_here(w, t);
     return t.result;
@@ -438,7 +489,7 @@ void sync_threads() {
     CudaThread& t = *w.current;
     t.wait = AT_BARRIER;
     w.block.at_barrier++;
-    barrier_release_if_complete(w.block, &t, [&](CudaThread& u) { w.queue.push_back(u.linear); });
+    barrier_release_if_complete(w.block, &t, [&](CudaThread& u) { enqueue(w, u); });
     if (t.wait == AT_BARRIER) wait_here(w, t);
 }
 
@@ -456,11 +507,34 @@ static std::vector<std::thread>& pool = *new std::vector<std::thread>;
 static long pool_generation;
 static int pool_busy, pool_wanted;
 
+#if defined(__x86_64__)
+// the floating-point control words every fiber runs with, whatever its worker's OS thread had:
+// the defaults (round to nearest even, no flush to zero, every exception masked)
+struct ControlWords {
+    unsigned mxcsr;
+    unsigned short x87;
+};
+constexpr ControlWords FIBER_CONTROL_WORDS = {0x1f80, 0x037f};
+
+static ControlWords exchange_control_words(ControlWords next) {
+    ControlWords old;
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(old.mxcsr), "=m"(old.x87));
+    asm volatile("ldmxcsr %0\n\tfldcw %1" : : "m"(next.mxcsr), "m"(next.x87));
+    return old;
+}
+#endif
+
 static void work(Worker& w) {
     this_worker = &w;
+#if defined(__x86_64__)
+    const ControlWords thread_control_words = exchange_control_words(FIBER_CONTROL_WORDS);
+#endif
     for (long i; !failed.load(std::memory_order_relaxed) && (i = launch_now->next_block++) < launch_now->num_blocks;) {
         run_block(w, i);
     }
+#if defined(__x86_64__)
+    exchange_control_words(thread_control_words);
+#endif
 }
 
 static void pool_thread(int id) {
@@ -560,13 +634,8 @@ NO_TSAN unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long lon
     CudaThread& t = *this_thread;
     if (op == WARP_SYNC) happens_before(&warp_sync[t.linear / WARP]);
     lock();
-    t.op = op;
-    t.mask = mask;
-    t.value = value;
-    t.source = source;
-    t.what = what;
     bool completed = false;
-    if (!warp_arrive(os_block, t, &completed, no_wake)) {
+    if (!warp_arrive(os_block, t, op, mask, value, source, what, &completed, no_wake)) {
         fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
         abort();
     }
