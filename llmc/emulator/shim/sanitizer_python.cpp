@@ -34,7 +34,9 @@ int running;                                     // futex: threads of the job in
 int pool_size;
 std::mutex& one_job_at_a_time = *new std::mutex;   // never destroyed: a thread may be inside at exit
 
-NO_TSAN void futex_wait(int* word, int value) { syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0); }
+NO_TSAN void futex_wait(int* word, int value) {
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
+}
 NO_TSAN void futex_wake(int* word) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0); }
 
 NO_TSAN void pool_thread(int k) {
