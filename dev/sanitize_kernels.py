@@ -26,7 +26,7 @@ after the last) or of the GPU's memory model. tests/test_emulator.py shows on pl
 of the kernels that an out-of-bounds write (cast.cu, adamw.cu), a missing __syncthreads and a
 wrong shuffle mask are each caught.
 
-Run: python dev/sanitize_kernels.py          (or: make sanitize)
+Run: python dev/sanitize_kernels.py          (or: make sanitize; --only tsan or --only asan: one)
 Expect: "tsan: OK, 39 kernels in ..." and "asan+ubsan: OK, 39 kernels in ..." (~4 minutes on 2
 busy cores once built; the first run compiles every kernel file twice per sanitizer, ~5 more
 minutes, cached in .emulator-cache/)
@@ -134,7 +134,9 @@ def inside(executed_path):
         return launch(self, *args)
     build.Kernel.launch = recording_launch
     gpt2_cuda.GLOBAL_NORM_GRID = SANITIZER_GLOBAL_NORM_GRID
-    ok = pytest.main(["-q", "-p", "no:cacheprovider", *WORKLOAD]) == 0
+    # --capture=sys: a sanitizer's report is written to file descriptor 2 and ends the process
+    # at once, so pytest must not be holding that descriptor's output
+    ok = pytest.main(["-q", "-p", "no:cacheprovider", "--capture=sys", *WORKLOAD]) == 0
     cuda.use_device("cpu")
     for precision in ("fp32", "bf16"):
         ok = optimizer_check(precision) and ok
@@ -162,16 +164,23 @@ def run(mode):
     return result.returncode == 0, executed, output
 
 
+USAGE = "usage: python dev/sanitize_kernels.py [--only tsan|asan]"
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--inside"] and len(argv) == 2:
         return inside(argv[1])
-    if argv:
-        print(f"error: unknown arguments {' '.join(argv)} (usage: python dev/sanitize_kernels.py)", file=sys.stderr)
+    modes = list(SANITIZERS)
+    if len(argv) == 2 and argv[0] == "--only" and argv[1] in SANITIZERS:
+        modes = [argv[1]]
+    elif argv:
+        print(f"error: unknown arguments {' '.join(argv)} ({USAGE})", file=sys.stderr)
         return 2
     kernels = all_kernels()
     failed = False
-    for mode, label in SANITIZERS.items():
+    for mode in modes:
+        label = SANITIZERS[mode]
         start = time.time()
         try:
             ok, executed, output = run(mode)
@@ -187,7 +196,7 @@ def main(argv=None):
         print(f"{label}: FAILED after {seconds:.0f} s")
         if not ok:
             print(output)
-        if missing:
+        else:
             print(f"{label}: kernels that the run did not launch: {', '.join(sorted(missing))}")
     return 1 if failed else 0
 
