@@ -1,24 +1,45 @@
-"""dev/sanitize_kernels.py: the kernels of kernels/*.cu run under ThreadSanitizer and under
+"""dev/sanitize_kernels.py: every kernel of kernels/*.cu run under ThreadSanitizer and under
 AddressSanitizer + UndefinedBehaviorSanitizer on the emulated CUDA device (llmc/emulator/).
 
 What it does, per sanitizer: builds a Python interpreter with the sanitizer linked in
-(llmc.emulator.build.sanitizer_python: ThreadSanitizer cannot be preloaded into python3), then runs
-a selection of tests/test_emulated_kernels.py (WORKLOAD below; --all: its every-kernel test) in
-it with LLMC_EMULATOR_MODE set, so every kernel file is compiled with that sanitizer and each CUDA
-thread is an OS thread (fibers would serialize the threads of a block and hide their races), at
-the tests' odd shapes (T = 13, 37, 70, 33, 19; V = 75 in Vp = 77 and 80). A report stops the
-run (exit code 66) and this script exits 1.
-tests/test_emulator.py shows on planted-bug copies that an out-of-bounds write, a missing
-__syncthreads and a wrong shuffle mask are each caught.
+(llmc.emulator.build.sanitizer_python: ThreadSanitizer cannot be preloaded into python3) and runs
+this file again in it (--inside) with LLMC_EMULATOR_MODE set, so that every kernel file is
+compiled with that sanitizer and each CUDA thread is an OS thread (fibers would serialize the
+threads of a block and hide their races). Inside, through gpt2_cuda.py's own launchers:
+- WORKLOAD, tests of tests/test_emulated_kernels.py: the whole model's forward and backward
+  against gpt2_cpu (fp32 with naive attention, bf16 with flash attention, fp32 with cuBLASLt's
+  fused epilogues), flash attention at every head size, the KV-cached sampling forward, and two
+  training steps (the global norm and AdamW), at odd shapes (B = 3, T = 13, 37, 70, 33, 19, 9;
+  V = 75 in Vp = 77 and 80);
+- the optimizer's kernels at n = OPTIMIZER_N values (a multiple of neither the vector nor the
+  block size) in fp32 and in bf16 (with master weights: the stochastic rounding), against NumPy;
+then it checks that every `extern "C" __global__` kernel of kernels/ was launched. A sanitizer
+report stops the run (exit code 66); a report, a failed check or a kernel left out fails it.
 
-Run: python dev/sanitize_kernels.py          (or: make sanitize; --all adds AdamW and the global norm)
-Expect: "tsan: OK" and "asan+ubsan: OK" (the first run compiles every kernel file twice per
-sanitizer: ~10 minutes on 2 cores; cached in .emulator-cache/)
+The global norm's launcher runs a fixed grid (gpt2_cuda.GLOBAL_NORM_GRID = 1024 blocks of 512
+threads, so that its slot layout and its result do not depend on n): 524,288 OS threads per call
+under a sanitizer, ~100 s here. The runs set it to SANITIZER_GLOBAL_NORM_GRID blocks: the same
+launcher and kernels, each thread now striding over several groups of the data.
+
+What it is not: a check of races between blocks (blocks run one after another, each ordered
+after the last) or of the GPU's memory model. tests/test_emulator.py shows on planted-bug copies
+of the kernels that an out-of-bounds write (cast.cu, adamw.cu), a missing __syncthreads and a
+wrong shuffle mask are each caught.
+
+Run: python dev/sanitize_kernels.py          (or: make sanitize; --only tsan or --only asan: one)
+Expect: "tsan: OK, 39 kernels in ..." and "asan+ubsan: OK, 39 kernels in ..." (~4 minutes on 2
+busy cores once built; the first run compiles every kernel file twice per sanitizer, ~5 more
+minutes, cached in .emulator-cache/)
 """
 
+import glob
 import os
 import subprocess
 import sys
+import tempfile
+import time
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -26,37 +47,157 @@ sys.path.insert(0, ROOT)
 from llmc.emulator import build  # noqa: E402
 
 SANITIZERS = {"tsan": "tsan", "asan": "asan+ubsan"}
-# every kernel of the forward and backward (naive attention in fp32, flash in bf16), flash at each
-# head size, the sampling path's cast and residual kernels: the small shapes of
-# tests/test_emulated_kernels.py. AdamW and the global norm (1024 blocks of 512 OS threads under a
-# sanitizer) run at the end of the training test: --all adds it.
-WORKLOAD = [os.path.join(ROOT, "tests", "test_emulated_kernels.py"), "-k",
-            "test_model_matches_gpt2_cpu and (fp32-naive-True-77-3-13 or bf16-flash-True-80-3-13) "
-            "or test_flash_attention_every_head_size and fp32 or test_cached_sampling"]
-WORKLOAD_ALL = [os.path.join(ROOT, "tests", "test_emulated_kernels.py"), "-k", "test_every_kernel_in_kernels_is_executed"]
+TESTS = os.path.join(ROOT, "tests", "test_emulated_kernels.py")
+# pytest node ids (a wrong id is an error, never an empty selection)
+WORKLOAD = [f"{TESTS}::{test}" for test in (
+    "test_model_matches_gpt2_cpu[naive-True-77-3-13-fp32]",
+    "test_model_matches_gpt2_cpu[flash-True-80-3-13-bf16]",
+    "test_vendor_paths_match_gpt2_cpu[fp32-naive-True]",        # cuBLASLt's epilogues: residual_forward adds dbias
+    "test_flash_attention_every_head_size[16-2-37-2-fp32]",
+    "test_flash_attention_every_head_size[32-1-70-2-fp32]",
+    "test_flash_attention_every_head_size[64-1-33-1-fp32]",
+    "test_flash_attention_every_head_size[128-1-19-1-fp32]",
+    "test_cached_sampling_forward_matches_gpt2_cpu",
+    "test_training_steps_match_gpt2_cpu",
+)]
+SANITIZER_GLOBAL_NORM_GRID = 5         # blocks of global_norm_squared (odd, and fewer than the data's groups)
+OPTIMIZER_N = 1001                     # values: 1001 % 8 = 1 (the scalar tail), 1001 % 256 = 233 (idle threads)
 
 
-def run(mode, workload):
-    """Run the workload under `mode`'s sanitizer; returns (ok, output tail)."""
+def all_kernels():
+    """The `extern "C" __global__` kernel names of kernels/*.cu."""
+    names = set()
+    for path in glob.glob(os.path.join(ROOT, "kernels", "*.cu")):
+        with open(path) as f:
+            names.update(build.kernel_names(f.read()))
+    return names
+
+
+# ----------------------------------------------------------------------------
+# inside the sanitizer's interpreter
+
+def optimizer_check(precision, n=OPTIMIZER_N, seed=0):
+    """gpt2_cuda.global_norm and gpt2_cuda.adamw_update on n values of `precision` against NumPy
+    in float64 (the update of kernels/adamw.cu's header); in bf16 with fp32 master weights, so
+    the new params are the master values stochastically rounded. True when all agree."""
+    import gpt2_cuda
+    from llmc import cuda
+    from llmc.check import check_tensor
+    from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+    cp, bf16 = cuda.cupy(), precision == "bf16"
+    to_floatX = float32_to_bfloat16_bits if bf16 else (lambda x: x)
+    from_floatX = bfloat16_bits_to_float32 if bf16 else (lambda x: x)
+    rng = np.random.default_rng(seed)
+    p = from_floatX(to_floatX(rng.standard_normal(n).astype(np.float32)))      # (n,) values floatX holds
+    g = from_floatX(to_floatX(rng.standard_normal(n).astype(np.float32)))
+    m = (0.01 * rng.standard_normal(n)).astype(np.float32)
+    v = (1e-4 * rng.random(n)).astype(np.float32)
+
+    out, partial = cp.empty(1, np.float32), cp.empty(gpt2_cuda.GLOBAL_NORM_GRID, np.float32)
+    grads = cp.asarray(to_floatX(g))
+    gpt2_cuda.global_norm(out, partial, grads, n)
+    ok = check_tensor(out.get(), [np.sqrt(np.sum(g.astype(np.float64) ** 2))], f"{precision} global norm", 0, 1e-5)
+
+    lr, beta1, beta2, eps, weight_decay, grad_scale, t = 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, 3
+    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    params, d_m, d_v = cp.asarray(to_floatX(p)), cp.asarray(m), cp.asarray(v)
+    master = cp.asarray(p) if bf16 else None
+    gpt2_cuda.adamw_update(params, master, grads, d_m, d_v, n, lr, beta1, beta2, bc1, bc2, eps, weight_decay,
+                           grad_scale, seed=12345)
+    g64 = grad_scale * g.astype(np.float64)
+    m_ref = beta1 * m + (1 - beta1) * g64
+    v_ref = beta2 * v + (1 - beta2) * g64 ** 2
+    p_ref = p - lr * ((m_ref / bc1) / (np.sqrt(v_ref / bc2) + eps) + weight_decay * p)
+    ok &= check_tensor(d_m.get(), m_ref, f"{precision} adamw m", 1e-8, 1e-5)
+    ok &= check_tensor(d_v.get(), v_ref, f"{precision} adamw v", 1e-10, 1e-5)
+    if bf16:
+        ok &= check_tensor(master.get(), p_ref, "bf16 adamw master params", 1e-6, 1e-5)
+        # stochastic rounding lands on one of the two bf16 neighbours: within one ulp, 2^-7 relative
+        ok &= check_tensor(from_floatX(params.get()), p_ref, "bf16 adamw params", 0, 2.0 ** -7)
+    else:
+        ok &= check_tensor(params.get(), p_ref, "fp32 adamw params", 1e-6, 1e-5)
+    return bool(ok)
+
+
+def inside(executed_path):
+    """Run WORKLOAD and optimizer_check, recording the kernels launched; write their names to
+    executed_path. Returns the exit code: 0 when every check passed."""
+    import pytest
+
+    import gpt2_cuda
+    from llmc import cuda
+    executed = set()
+    launch = build.Kernel.launch
+
+    def recording_launch(self, *args):
+        executed.add(self.name)
+        return launch(self, *args)
+    build.Kernel.launch = recording_launch
+    gpt2_cuda.GLOBAL_NORM_GRID = SANITIZER_GLOBAL_NORM_GRID
+    # --capture=sys: a sanitizer's report is written to file descriptor 2 and ends the process
+    # at once, so pytest must not be holding that descriptor's output
+    ok = pytest.main(["-q", "-p", "no:cacheprovider", "--capture=sys", *WORKLOAD]) == 0
+    cuda.use_device("cpu")
+    for precision in ("fp32", "bf16"):
+        ok = optimizer_check(precision) and ok
+    with open(executed_path, "w") as f:
+        f.write("\n".join(sorted(executed)))
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------
+# the runs
+
+def run(mode):
+    """Run the workload in `mode`'s sanitizer (a python linked with it); returns (ok, kernels
+    launched, output tail)."""
     python = build.sanitizer_python(mode)
-    result = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workload], cwd=ROOT,
-                            env=build.sanitizer_environment(mode), capture_output=True, text=True)
-    return result.returncode == 0, f"exit code {result.returncode}\n" + (result.stdout + result.stderr)[-6000:]
+    with tempfile.TemporaryDirectory() as tmp:
+        executed_path = os.path.join(tmp, "executed")
+        result = subprocess.run([python, os.path.abspath(__file__), "--inside", executed_path], cwd=ROOT,
+                                env=build.sanitizer_environment(mode), capture_output=True, text=True)
+        executed = set()
+        if os.path.isfile(executed_path):
+            with open(executed_path) as f:
+                executed = set(f.read().split())
+    output = f"exit code {result.returncode}\n" + (result.stdout + result.stderr)[-6000:]
+    return result.returncode == 0, executed, output
+
+
+USAGE = "usage: python dev/sanitize_kernels.py [--only tsan|asan]"
 
 
 def main(argv=None):
-    workload = WORKLOAD_ALL if "--all" in (sys.argv[1:] if argv is None else argv) else WORKLOAD
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--inside"] and len(argv) == 2:
+        return inside(argv[1])
+    modes = list(SANITIZERS)
+    if len(argv) == 2 and argv[0] == "--only" and argv[1] in SANITIZERS:
+        modes = [argv[1]]
+    elif argv:
+        print(f"error: unknown arguments {' '.join(argv)} ({USAGE})", file=sys.stderr)
+        return 2
+    kernels = all_kernels()
     failed = False
-    for mode, label in SANITIZERS.items():
+    for mode in modes:
+        label = SANITIZERS[mode]
+        start = time.time()
         try:
-            ok, output = run(mode, workload)
+            ok, executed, output = run(mode)
         except build.EmulatorError as e:
             print(f"error: {label}: {e}", file=sys.stderr)
             return 1
-        print(f"{label}: {'OK' if ok else 'FAILED'}")
+        missing = kernels - executed
+        seconds = time.time() - start
+        if ok and not missing:
+            print(f"{label}: OK, {len(kernels)} kernels in {seconds:.0f} s")
+            continue
+        failed = True
+        print(f"{label}: FAILED after {seconds:.0f} s")
         if not ok:
             print(output)
-            failed = True
+        else:
+            print(f"{label}: kernels that the run did not launch: {', '.join(sorted(missing))}")
     return 1 if failed else 0
 
 

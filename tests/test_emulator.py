@@ -10,7 +10,10 @@ rounds exactly as llmc.formats.float32_to_bfloat16_bits; atomics from many block
 add up exactly; launch arguments are checked against the C signature; a captured stream replays.
 cuBLAS: gemmEx and gemmStridedBatchedEx against NumPy for every op pair, in fp32 and bf16, with
 padded leading dimensions whose padding holds NaN (never read), beta = 0 never reading C, and a
-leading dimension too small refused or a wrong one giving a wrong product.
+leading dimension too small refused or a wrong one giving a wrong product. Planted bugs on
+scratch copies of kernels/ (slow: sanitizer builds, see dev/sanitize_kernels.py): an out-of-bounds
+write in cast.cu and in adamw.cu caught by AddressSanitizer, a missing __syncthreads in the block
+reduction (run by global_norm.cu) by ThreadSanitizer, a wrong shuffle mask by the emulator itself.
 
 Run: python -m pytest -q tests/test_emulator.py   (the first run compiles ~20 s, then a few seconds)
 """
@@ -364,6 +367,14 @@ if kernel == "cast_floatX_to_float":        # out = inp, n floats of 2.5
     out, inp = cp.empty(n, np.float32), cp.asarray(np.full(n, 2.5, np.float32))
     library.kernel(kernel)((n // block + 1,), (block,), (out, inp, np.uint64(n)))
     print("sum", float(out.get().sum()))
+elif kernel == "adamw_update":              # one step from m = v = 0 on gradients of 1: p -= lr
+    params, grads = cp.asarray(np.ones(n, np.float32)), cp.asarray(np.ones(n, np.float32))
+    m, v = cp.asarray(np.zeros(n, np.float32)), cp.asarray(np.zeros(n, np.float32))
+    # learning rate, beta1, beta2, their corrections, eps, weight decay, grad scale
+    scalars = [np.float32(x) for x in (0.25, 0.5, 0.75, 0.5, 0.25, 0.0, 0.0, 1.0)]
+    library.kernel(kernel)((n // block + 1,), (block,), (params, np.uint64(0), grads, m, v, np.uint64(n), *scalars,
+                                                         np.uint32(7)))
+    print("params", sorted(set(params.get().tolist())))
 else:                                       # global_norm_finalize over n partials of 1.0
     out, partial = cp.empty(1, np.float32), cp.asarray(np.ones(n, np.float32))
     library.kernel(kernel)((1,), (block,), (out, partial, np.int32(n)))
@@ -394,6 +405,8 @@ def run_sanitized(mode, path, kernel, n, block):
 
 OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = (float)inp[i];",
                  "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = (float)inp[i];")
+ADAMW_OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        const float grad",
+                       "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        const float grad")
 MISSING_BARRIER = ("        warp_sums[warp] = value;\n    }\n    __syncthreads();", "        warp_sums[warp] = value;\n    }")
 WRONG_MASK = ("value += __shfl_xor_sync(FULL_WARP_MASK, value, offset);",
               "value += __shfl_xor_sync(0x0000ffffu, value, offset);")
@@ -408,6 +421,18 @@ def test_out_of_bounds_write_is_caught_by_addresssanitizer(tmp_path, planted):
         assert rc == build.SANITIZER_EXIT_CODE and "heap-buffer-overflow" in out, out[-3000:]
     else:
         assert rc == 0 and "sum 2502.5" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True])
+def test_adamw_out_of_bounds_is_caught_by_addresssanitizer(tmp_path, planted):
+    # grads[n] is read (then m, v and params[n] written) by thread n of the 4 blocks of 256
+    path = scratch_copy(tmp_path, "adamw", ADAMW_OUT_OF_BOUNDS if planted else None)
+    rc, out = run_sanitized("asan", path, "adamw_update", 1001, 256)
+    if planted:
+        assert rc == build.SANITIZER_EXIT_CODE and "heap-buffer-overflow" in out, out[-3000:]
+    else:   # m = 0.5, v = 0.25, mhat / sqrt(vhat) = (0.5 / 0.5) / sqrt(0.25 / 0.25) = 1: p = 1 - 0.25, exactly
+        assert rc == 0 and "params [0.75]" in out, out[-3000:]
 
 
 @pytest.mark.slow

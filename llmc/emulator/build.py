@@ -281,7 +281,7 @@ def sanitizer_python(mode):
     include = sysconfig.get_path("include")
     libdir = sysconfig.get_config_var("LIBDIR")
     version = sysconfig.get_config_var("LDVERSION") or sysconfig.get_python_version()
-    flags = [*SANITIZER_LINK_FLAGS[mode], "-g", f"-I{include}", source, f"-L{libdir}", f"-lpython{version}",
+    flags = [*SANITIZER_LINK_FLAGS[mode], "-g", "-rdynamic", f"-I{include}", source, f"-L{libdir}", f"-lpython{version}",
              "-ldl", "-lm", f"-Wl,-rpath,{libdir}"]
     with open(source, "rb") as f:
         key = hashlib.sha256(f.read() + " ".join(flags + [compiler_version()]).encode()).hexdigest()[:16]

@@ -11,8 +11,9 @@ one after another on the same stack, a plain function call each. If every unfini
 and no group can complete, the block is deadlocked (a barrier some threads skip, a mask naming
 a lane that left): the launch stops and says which threads wait where.
 
-With LLMC_EMU_OS_THREADS (the sanitizer builds), each CUDA thread of a block is an OS thread,
-the same waits are a condition variable, and blocks run one after another.
+With LLMC_EMU_OS_THREADS (the sanitizer builds), each CUDA thread of a block is an OS thread (of
+a pool that persists across launches), the same waits sleep on a futex, and blocks run one after
+another.
 
 Errors (a broken warp rule, a deadlock) stop the launch; llmc_emu_launch returns 1 and
 llmc_emu_error() holds the message. In OS-thread mode they print it and abort.
@@ -585,26 +586,69 @@ static void run_grid(long num_blocks) {
 // ----------------------------------------------------------------------------
 // OS-thread mode (sanitizer builds): a block's CUDA threads are OS threads, blocks one at a time
 //
+// The OS threads are a pool that lives as long as the process, in the sanitizer's python
+// (shim/sanitizer_python.cpp, llmc_emu_run_threads), shared by every kernel library: pool thread
+// k runs threadIdx k (linear) of every block, so a launch creates no thread once the pool has
+// grown to the largest block. A thread that waits (at __syncthreads, in a warp call) sleeps on a
+// futex: a spinning waiter would take the core from the threads it waits for (a block of 1024
+// threads on 2 cores).
+//
 // The shim's own bookkeeping must not order the kernel's memory accesses, or ThreadSanitizer
 // would miss a missing barrier: a mutex around every shuffle would make all threads of the block
-// happen-after each other. So the bookkeeping runs under a spin lock of relaxed atomics in code
-// that ThreadSanitizer does not instrument (NO_TSAN), threads wait by spinning, and only what CUDA
-// orders is told to ThreadSanitizer: __syncthreads orders the whole block, __syncwarp the lanes of
-// its mask (release before the wait, acquire after it). A shuffle orders nothing.
-
+// happen-after each other. So the bookkeeping runs under a lock of atomics and futexes (system
+// calls that ThreadSanitizer does not see) in code that it does not instrument (NO_TSAN), and only
+// what CUDA orders is told to ThreadSanitizer:
+// - __syncthreads orders the whole block: each thread releases into the barrier's sync object
+//   before it waits and acquires from it after. Consecutive barriers alternate between two
+//   objects, so a thread already at the next barrier cannot add its later accesses to the object
+//   a slow thread has yet to acquire from (the next barrier cannot complete without that thread).
+//   An exited thread counts as arrived at the next barrier, and so releases into its object.
+// - __syncwarp orders the lanes of its mask, in the same way per warp (exact when the lanes of a
+//   warp make the same sequence of __syncwarp calls, as full-warp masks do).
+// - a shuffle orders nothing.
+// - each thread of a block starts after everything before it (the caller's writes, the blocks
+//   before) and the launch returns after all of them; neither orders the block's threads among
+//   themselves.
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 extern "C" char __start_llmc_emu_shared[] __attribute__((weak));
 extern "C" char __stop_llmc_emu_shared[] __attribute__((weak));
+// body(k, context) for k = 0 .. n-1, each on its own OS thread, all at once (shim/sanitizer_python.cpp)
+extern "C" void llmc_emu_run_threads(int n, void (*body)(int, void*), void* context) __attribute__((weak));
 
 static Block& os_block = *new Block();
-static int spin;                                 // the bookkeeping's lock: relaxed atomics only
-static char block_sync, warp_sync[MAX_THREADS_PER_BLOCK / WARP];   // ThreadSanitizer's sync objects
+static uint3 os_block_index;                     // blockIdx of the block in flight
+static int bookkeeping;                          // the bookkeeping's lock: 0 free, 1 held, 2 held and waited for
+static char start_sync, end_sync, barrier_sync[2], warp_sync[MAX_THREADS_PER_BLOCK / WARP][2];   // ThreadSanitizer's
 static thread_local CudaThread* this_thread;
+static thread_local int barriers_passed, syncwarps_passed;   // which of the two sync objects is next
+static_assert(sizeof(Wait) == sizeof(int), "a thread's wait state is a futex word");
 
-NO_TSAN static void lock() {
-    while (__atomic_exchange_n(&spin, 1, __ATOMIC_RELAXED)) sched_yield();
+NO_TSAN static void futex_wait(int* word, int value) {
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
 }
-NO_TSAN static void unlock() { __atomic_store_n(&spin, 0, __ATOMIC_RELAXED); }
+NO_TSAN static void futex_wake(int* word, int count) {
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, count, nullptr, nullptr, 0);
+}
+NO_TSAN static void sleep_while(int* word, int value) {
+    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == value) futex_wait(word, value);
+}
+
+// a futex mutex (Drepper, "Futexes Are Tricky", mutex 2)
+NO_TSAN static void lock() {
+    int c = 0;
+    if (__atomic_compare_exchange_n(&bookkeeping, &c, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return;
+    if (c != 2) c = __atomic_exchange_n(&bookkeeping, 2, __ATOMIC_ACQUIRE);
+    while (c != 0) {
+        futex_wait(&bookkeeping, 2);
+        c = __atomic_exchange_n(&bookkeeping, 2, __ATOMIC_ACQUIRE);
+    }
+}
+NO_TSAN static void unlock() {
+    if (__atomic_exchange_n(&bookkeeping, 0, __ATOMIC_RELEASE) == 2) futex_wake(&bookkeeping, 1);
+}
 
 [[noreturn]] void fail(const char* format, ...) {
     va_list ap;
@@ -615,79 +659,100 @@ NO_TSAN static void unlock() { __atomic_store_n(&spin, 0, __ATOMIC_RELAXED); }
     abort();
 }
 
-static void no_wake(CudaThread&) {}              // the waiting thread sees its state change
+// the waiting threads made RUNNING under the lock are woken after it is released, so that a woken
+// thread does not find the lock still held by its waker
+static thread_local int to_wake[MAX_THREADS_PER_BLOCK], num_to_wake;
+NO_TSAN static void wake(CudaThread& u) { to_wake[num_to_wake++] = u.linear; }
+NO_TSAN static void unlock_and_wake() {
+    unlock();
+    CudaThread* threads = os_block.threads.data();   // (std::vector's code is not inlined into NO_TSAN code)
+    for (int i = 0; i < num_to_wake; i++) futex_wake((int*)&threads[to_wake[i]].wait, 1);
+    num_to_wake = 0;
+}
 
-// with the lock held, after a thread starts waiting or finishes
+// with the lock held, after a thread starts waiting or finishes. The threads that wait are those
+// at the barrier and those whose bit is set in their warp's arrivals.
 NO_TSAN static void check_deadlock(Block& b) {
-    int waiting = 0;
-    for (CudaThread& u : b.threads) waiting += u.wait == AT_BARRIER || u.wait == AT_WARP_CALL;
+    int waiting = b.at_barrier;
+    for (int w = 0; w < (b.n + WARP - 1) / WARP; w++) waiting += __builtin_popcount(b.warp_arrived[w]);
     if (b.live > 0 && waiting == b.live) {
         fail("deadlock: every unfinished thread waits and no wait can complete: %s", describe_waits(b).c_str());
     }
 }
 
-NO_TSAN static void wait_while(CudaThread& t, Wait state) {
-    while (__atomic_load_n(&t.wait, __ATOMIC_RELAXED) == state) sched_yield();
-}
-
 NO_TSAN unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
     CudaThread& t = *this_thread;
-    if (op == WARP_SYNC) happens_before(&warp_sync[t.linear / WARP]);
+    char* sync = &warp_sync[t.linear / WARP][syncwarps_passed % 2];
+    if (op == WARP_SYNC) happens_before(sync);
     lock();
     bool completed = false;
-    if (!warp_arrive(os_block, t, op, mask, value, source, what, &completed, no_wake)) {
+    if (!warp_arrive(os_block, t, op, mask, value, source, what, &completed, wake)) {
         fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
         abort();
     }
     if (!completed) check_deadlock(os_block);
-    unlock();
-    wait_while(t, AT_WARP_CALL);
-    if (op == WARP_SYNC) happens_after(&warp_sync[t.linear / WARP]);
+    unlock_and_wake();
+    sleep_while((int*)&t.wait, AT_WARP_CALL);
+    if (op == WARP_SYNC) {
+        happens_after(sync);
+        syncwarps_passed++;
+    }
     return t.result;
 }
 
 NO_TSAN void sync_threads() {
     CudaThread& t = *this_thread;
-    happens_before(&block_sync);
+    char* sync = &barrier_sync[barriers_passed % 2];
+    happens_before(sync);
     lock();
     t.wait = AT_BARRIER;
     os_block.at_barrier++;
-    barrier_release_if_complete(os_block, &t, no_wake);
+    barrier_release_if_complete(os_block, &t, wake);
     if (t.wait == AT_BARRIER) check_deadlock(os_block);
-    unlock();
-    wait_while(t, AT_BARRIER);
-    happens_after(&block_sync);
+    unlock_and_wake();
+    sleep_while((int*)&t.wait, AT_BARRIER);
+    happens_after(sync);
+    barriers_passed++;
 }
 
 NO_TSAN static void finish(CudaThread& t) {
-    happens_before(&block_sync);                 // exited threads count as arrived at later barriers
+    happens_before(&barrier_sync[barriers_passed % 2]);   // arrived at the next barrier, for good
     lock();
     t.wait = FINISHED;
     os_block.live--;
-    barrier_release_if_complete(os_block, &t, no_wake);
+    barrier_release_if_complete(os_block, &t, wake);
     check_deadlock(os_block);
-    unlock();
+    unlock_and_wake();
+    happens_before(&end_sync);                   // after its last look at the block (std::vector's code is instrumented)
 }
 
-static void run_grid(long num_blocks) {
+// CUDA thread k of the block in flight, on pool thread k
+NO_TSAN static void run_cuda_thread(int k, void*) {
+    happens_after(&start_sync);
+    CudaThread& t = os_block.threads[k];
+    this_thread = &t;
+    threadIdx = t.idx;
+    blockIdx = os_block_index;
+    barriers_passed = syncwarps_passed = 0;
+    launch_now->body(launch_now->args);
+    finish(t);
+}
+
+NO_TSAN static void run_grid(long num_blocks) {
+    if (!llmc_emu_run_threads) {
+        fputs("llmc emulator: a sanitizer build runs in the python of llmc.emulator.build.sanitizer_python "
+              "(it holds the OS threads)\n", stderr);
+        abort();
+    }
     for (long i = 0; i < num_blocks; i++) {
-        const uint3 block = block_index(i);
+        os_block_index = block_index(i);
         if (__start_llmc_emu_shared != __stop_llmc_emu_shared) {
             memset(__start_llmc_emu_shared, 0xff, __stop_llmc_emu_shared - __start_llmc_emu_shared);
         }
         init_block(os_block, blockDim);
-        std::vector<std::thread> threads;
-        for (int k = 0; k < os_block.n; k++) {
-            threads.emplace_back([k, block] {
-                CudaThread& t = os_block.threads[k];
-                this_thread = &t;
-                threadIdx = t.idx;
-                blockIdx = block;
-                launch_now->body(launch_now->args);
-                finish(t);
-            });
-        }
-        for (std::thread& thread : threads) thread.join();
+        happens_before(&start_sync);
+        llmc_emu_run_threads(os_block.n, run_cuda_thread, nullptr);
+        happens_after(&end_sync);
     }
 }
 #endif
