@@ -10,7 +10,8 @@ libraries with their exact calling contracts. llmc.cuda picks this package with
 use_device("cpu"); the trainers never import it.
 
 What it is not: a GPU. It says nothing about timing, the GPU's weaker memory model (a race that
-fibers happen to order never shows; the ThreadSanitizer build is for that), tensor-core or
-cuBLAS/cuDNN numerics (the vendor libraries are emulated in fp32 NumPy), bank conflicts or
-register pressure.
+fibers happen to order never shows; the ThreadSanitizer build is for that, and it sees races
+between the threads of a block only: blocks run one after another), tensor-core or cuBLAS/cuDNN
+numerics (the vendor libraries are emulated in fp32 NumPy), bank conflicts, register pressure,
+occupancy or the GPU's memory limits, or NCCL over a real interconnect.
 """
