@@ -4,7 +4,7 @@ LayerNorm, followed from gpt2_cpu.layernorm_forward to kernels/layernorm.cu to i
 gpt2_cuda.layernorm_forward, and the check that compares the two).
 
 What it is: the tutorial's experiments, all on the CPU:
-  1. the launcher gpt2_cuda.layernorm_forward called on NumPy arrays with llmc.cuda.launch replaced
+  1. the launcher gpt2_cuda.layernorm_forward called on device arrays with llmc.cuda.launch replaced
      by a recorder: the grid, the block, the scalar types it passes, and the checks it makes;
   2. the memory traffic of one warp-wide load for three ways of mapping threads to a row
      (coalescing; figure from_numpy_to_cuda_lanes.png), and the parallelism each offers on an H100;
@@ -69,7 +69,7 @@ BROKEN_MEAN = 10.0                     # the one-pass kernel under the check: ro
 # 1. the launcher, with the launch recorded instead of run
 
 def record_launch(launcher, *args):
-    """Call a gpt2_cuda launcher on NumPy arrays with llmc.cuda.launch replaced by a recorder.
+    """Call a gpt2_cuda launcher on device arrays with llmc.cuda.launch replaced by a recorder.
     Returns the one launch it made: (file, precision, kernel name, grid, block, args)."""
     calls = []
     real = cuda.launch
@@ -82,11 +82,17 @@ def record_launch(launcher, *args):
     return calls[0]
 
 
+def zeros(n, dtype):
+    """A zeroed device array of the emulated device (the launchers take device arrays: they pass
+    their addresses to the kernel)."""
+    cuda.use_device("cpu")
+    return cuda.cupy().zeros(n, dtype)
+
+
 def launcher_arrays(precision, N, C):
-    """Zeroed arrays for layernorm_forward: out, mean, rstd, inp, weight, bias."""
+    """Zeroed device arrays for layernorm_forward: out, mean, rstd, inp, weight, bias."""
     X = FLOATX_DTYPES[precision]
-    return (np.zeros(N * C, X), np.zeros(N, np.float32), np.zeros(N, np.float32), np.zeros(N * C, X),
-            np.zeros(C, X), np.zeros(C, X))
+    return (zeros(N * C, X), zeros(N, np.float32), zeros(N, np.float32), zeros(N * C, X), zeros(C, X), zeros(C, X))
 
 
 def check_message(precision, N, C, **replace):
@@ -120,10 +126,10 @@ def launcher_experiment():
                         "scalars": "`" + ", ".join(f"np.{type(a).__name__}({a})" for a in args[-2:]) + "`"}
     numbers["warp_bytes"] = f"{WARP_SIZE * VECTOR_BYTES}"
     numbers["grid_d4"] = f"{warp_row_grid(4 * 64)}"
-    numbers["error_C"] = check_message("bf16", 8, 100, out=np.zeros(800, np.uint16), inp=np.zeros(800, np.uint16),
-                                       weight=np.zeros(100, np.uint16), bias=np.zeros(100, np.uint16))
-    numbers["error_dtype"] = check_message("bf16", 8, 64, inp=np.zeros(8 * 64, np.float32))
-    numbers["error_view"] = check_message("fp32", 8, 64, inp=np.zeros(8 * 64 + 1, np.float32)[1:])
+    numbers["error_C"] = check_message("bf16", 8, 100, out=zeros(800, np.uint16), inp=zeros(800, np.uint16),
+                                       weight=zeros(100, np.uint16), bias=zeros(100, np.uint16))
+    numbers["error_dtype"] = check_message("bf16", 8, 64, inp=zeros(8 * 64, np.float32))
+    numbers["error_view"] = check_message("fp32", 8, 64, inp=zeros(8 * 64 + 1, np.float32)[1:])
     return numbers
 
 
