@@ -84,9 +84,9 @@ def record_launch(launcher, *args):
 
 def zeros(n, dtype):
     """A zeroed device array of the emulated device (the launchers take device arrays: they pass
-    their addresses to the kernel)."""
-    cuda.use_device("cpu")
-    return cuda.cupy().zeros(n, dtype)
+    their addresses to the kernel). The process's device choice (llmc.cuda.use_device) is left as it is."""
+    from llmc.emulator import device
+    return device.zeros(n, dtype)
 
 
 def launcher_arrays(precision, N, C):

@@ -1,5 +1,6 @@
 """pytest configuration: the repo root on sys.path, the `gpu` and `slow` markers, and the rule
-that `gpu` tests skip (with the reason) where there is no CUDA GPU or no CuPy."""
+that `gpu` tests skip (with the reason) where there is no CUDA GPU or no CuPy, and the check that
+no test leaves llmc.cuda's device switched."""
 
 import os
 import sys
@@ -39,3 +40,16 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"gpu test: {reason}")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def device_choice_is_left_as_found():
+    """Every test leaves llmc.cuda's device ("cuda" or the emulated "cpu") as it found it: a test
+    that switches it and forgets to switch back would make later tests compile or launch for the
+    wrong device. Such a test fails here, by name, and the choice is put back."""
+    import llmc.cuda
+    before = llmc.cuda.device()
+    yield
+    after = llmc.cuda.device()
+    llmc.cuda.use_device(before)
+    assert after == before, f"the test left llmc.cuda's device as {after!r} (it was {before!r})"
