@@ -258,6 +258,9 @@ class Recorder:
 
 
 def _to_f64(x):
+    """A host or device array (fp32, or bf16 bits) as a host float64 array: a device one is copied
+    with .get(), as CuPy needs (it refuses implicit device-to-host conversion)."""
+    x = x.get() if hasattr(x, "get") else x
     return (bfloat16_bits_to_float32(x) if x.dtype == np.uint16 else x).astype(np.float64)
 
 
@@ -414,9 +417,9 @@ def test_bgradb_without_algorithm_leaves_dbias_to_the_caller(fake, refuse_by):
         dinp = poisoned(fake, (B, T, C), "fp32")
         assert matmul_backward_lt(dinp, dw, db, dev(fake, dout, "fp32"), dev(fake, inp, "fp32"), dev(fake, w, "fp32"),
                                   B, T, C, OC) is False
-        np.testing.assert_array_equal(db, db0.astype(np.float32))                       # untouched
-        np.testing.assert_allclose(dinp, dout @ w, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(dw, dw0 + step * dout.reshape(-1, OC).T @ inp.reshape(-1, C), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(db.get(), db0.astype(np.float32))                 # untouched
+        np.testing.assert_allclose(dinp.get(), dout @ w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dw.get(), dw0 + step * dout.reshape(-1, OC).T @ inp.reshape(-1, C), rtol=1e-5, atol=1e-5)
     assert [e for _, e in fake.heuristic_calls].count(EPILOGUE_BGRADB) == 1
     assert [c["epilogue"] for c in fake.calls] == [EPILOGUE_DEFAULT] * 4 and not fake.launches
 

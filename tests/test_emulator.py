@@ -8,6 +8,8 @@ a mask that omits the calling lane, names a lane that never arrives, or a shuffl
 outside its mask stops the launch with a message (a GPU would give garbage or hang); __nv_bfloat16
 rounds exactly as llmc.formats.float32_to_bfloat16_bits; atomics from many blocks on several cores
 add up exactly; launch arguments are checked against the C signature; a captured stream replays.
+Device arrays refuse what CuPy's refuse: a host array as an operand, in a fill or an assignment,
+np.add.at, a NumPy function CuPy does not have.
 cuBLAS: gemmEx and gemmStridedBatchedEx against NumPy for every op pair, in fp32 and bf16, with
 padded leading dimensions whose padding holds NaN (never read), beta = 0 never reading C, and a
 leading dimension too small refused or a wrong one giving a wrong product. Planted bugs on
@@ -138,6 +140,65 @@ def test_empty_device_memory_is_nan():
     assert np.isnan(cp.empty(7, np.float32).get()).all()
     assert np.isnan(bfloat16_bits_to_float32(cp.empty(7, np.uint16).get())).all()
     assert cp.zeros(5).data.ptr % cp.ALLOCATION_ALIGNMENT == 0
+
+
+# ----------------------------------------------------------------------------
+# the border between host and device: what CuPy refuses, the emulated arrays refuse
+# (CuPy's rules as its source states them: cupy/_core/core.pyx __array_ufunc__ and
+# __array_function__, ndarray.fill, cupy.copyto)
+
+def _host_and_device():
+    host = np.arange(4, dtype=np.float32)
+    return host, cp.asarray(host)
+
+
+REFUSED = {
+    "dev + host":              (TypeError, lambda h, d: d + h),
+    "host * dev":              (TypeError, lambda h, d: h * d),
+    "ufunc out= a device array": (TypeError, lambda h, d: np.exp(h, out=d)),
+    "np.add.at":               (TypeError, lambda h, d: np.add.at(d, [0, 0], 1.0)),
+    "np.multiply.outer":       (TypeError, lambda h, d: np.multiply.outer(d, d)),
+    "dev[...] = host":         (ValueError, lambda h, d: d.__setitem__(Ellipsis, h)),
+    "dev[1:3] = host[1:3]":    (ValueError, lambda h, d: d.__setitem__(slice(1, 3), h[1:3])),
+    "dev.fill(host)":          (ValueError, lambda h, d: d.fill(h)),
+    "np.copyto(dev, host)":    (ValueError, lambda h, d: np.copyto(d, h)),
+    "np.concatenate":          (ValueError, lambda h, d: np.concatenate([d, h])),
+    "np.where, a host mask":   (ValueError, lambda h, d: np.where(h > 1, d, 0.0)),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_host_arrays_are_not_device_operands(case):
+    error, operation = REFUSED[case]
+    host, device = _host_and_device()
+    with pytest.raises(error, match="host numpy.ndarray|ufunc calls and reductions only"):
+        operation(host, device)
+    np.testing.assert_array_equal(device.get(), host)              # refused before anything was written
+
+
+def test_what_cupy_allows_runs_and_gives_numpys_values():
+    host, device = _host_and_device()
+    np.testing.assert_array_equal((device * 2.0 + np.float32(1)).get(), host * 2 + 1)   # Python and NumPy scalars
+    np.testing.assert_array_equal((device == np.array(2.0)).get(), host == 2)   # a 0-d host array in a comparison
+    np.testing.assert_allclose(np.exp(device).get(), np.exp(host), rtol=1e-6)   # NumPy's name, CuPy's function
+    mask = np.triu(np.ones_like(cp.zeros((3, 3)), dtype=bool), 1)
+    assert isinstance(mask, cp.ndarray)
+    np.testing.assert_array_equal(mask.get(), np.triu(np.ones((3, 3), dtype=bool), 1))
+    scores = cp.zeros((3, 3))
+    np.copyto(scores, -np.inf, where=mask)                        # gpt2_cpu.causal_scores' mask
+    np.testing.assert_array_equal(scores.get(), np.where(np.triu(np.ones((3, 3)), 1) > 0, -np.inf, 0.0))
+    device[1:3] = np.array([7.0], dtype=np.float32)               # a one-element host array: CuPy fills with it
+    np.testing.assert_array_equal(device.get(), [0, 7, 7, 3])
+    total = device.sum()                                          # CuPy: a 0-d device array, read by float()
+    assert isinstance(total, cp.ndarray) and total.shape == () and float(total) == 17.0
+
+
+def test_numpy_functions_that_cupy_lacks_are_refused():
+    cupy = pytest.importorskip("cupy", reason="the emulator compares with the installed CuPy's functions")
+    assert not hasattr(cupy, "insert") and hasattr(cupy, "triu")   # the premise, in the CuPy installed
+    with pytest.raises(TypeError, match="numpy.insert on a device array: CuPy has no such function"):
+        np.insert(cp.zeros(4), 0, 1.0)
+    np.testing.assert_array_equal(np.insert(np.zeros(4), 0, 1.0), [1, 0, 0, 0, 0])   # NumPy's own, on host
 
 
 # ----------------------------------------------------------------------------

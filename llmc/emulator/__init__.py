@@ -13,5 +13,7 @@ What it is not: a GPU. It says nothing about timing, the GPU's weaker memory mod
 fibers happen to order never shows; the ThreadSanitizer build is for that, and it sees races
 between the threads of a block only: blocks run one after another), tensor-core or cuBLAS/cuDNN
 numerics (the vendor libraries are emulated in fp32 NumPy), bank conflicts, register pressure,
-occupancy or the GPU's memory limits, or NCCL over a real interconnect.
+occupancy or the GPU's memory limits, or NCCL over a real interconnect. Its arrays keep most of
+CuPy's border between host and device (device.ndarray), not all: np.asarray(dev) and
+np.add.reduce(dev) run here, and CuPy refuses both.
 """

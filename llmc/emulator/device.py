@@ -48,18 +48,80 @@ class MemoryPointer:
 
 
 class ndarray(np.ndarray):
-    """A NumPy array standing for a CuPy array on the emulated device. Views stay ndarray."""
+    """A NumPy array standing for a CuPy array on the emulated device. Views stay ndarray.
+
+    It keeps CuPy's border between host and device (cupy/_core/core.pyx: __array_ufunc__,
+    __array_function__, fill; cupy.copyto), so that code that would fail on a GPU fails here:
+      - a host numpy.ndarray as an operand of a ufunc or operator (dev + host, np.exp(host) into a
+        device out=) is a TypeError: CuPy does not copy host arrays to the device implicitly. A
+        0-d host array compared with a device array is allowed (CuPy takes its .item());
+      - a NumPy function on device arrays runs only where CuPy has the function of that name (found
+        in the CuPy installed, when one imports; np.triu -> cupy.triu), else TypeError, as NumPy
+        raises when CuPy's __array_function__ declines; a host array of more than one element
+        among its arguments is a ValueError (cupy.copyto's rule; CuPy's other functions refuse
+        them too);
+      - ufunc methods other than a call or a reduction (np.add.at, np.multiply.outer) are a
+        TypeError: CuPy's __array_ufunc__ takes only calls (its arrays have scatter_add instead);
+      - `dev[...] = host` with more than one element is a ValueError, as CuPy's fill;
+      - a reduction to one value (dev.sum(), dev.max()) is a 0-d device array, not a NumPy
+        scalar: float() and .item() read it, as on a GPU.
+    What it cannot refuse: np.asarray(dev) and np.array(dev), which CuPy refuses through
+    __array__ (NumPy never asks an ndarray subclass for that), and a NumPy reduction called as a
+    ufunc method, np.add.reduce(dev) (dev.sum() reaches __array_ufunc__ the same way)."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        what = f"numpy.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
+        if method not in ("__call__", "reduce", "accumulate"):
+            raise TypeError(f"{what} on a device array: CuPy's arrays take ufunc calls and reductions only "
+                            f"(use cupyx.scatter_add for add.at)")
+        outputs = kwargs.get("out") or ()
+        for x in _host_arrays(inputs + tuple(outputs)):
+            if not (x.ndim == 0 and ufunc.__name__ in COMPARISONS):
+                raise TypeError(f"{what}: a host numpy.ndarray {x.shape} among device operands; CuPy does not "
+                                f"copy to the device implicitly (cp.asarray it first)")
+        inputs = tuple(_host_view(x) for x in inputs)
+        if outputs:
+            kwargs["out"] = tuple(_host_view(x) for x in outputs)
+        result = getattr(ufunc, method)(*inputs, **kwargs)
+        if outputs:
+            return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        if isinstance(result, tuple):
+            return tuple(_on_device(r) for r in result)
+        return _on_device(result)
+
+    def __array_function__(self, func, types, args, kwargs):
+        name = f"{func.__module__}.{func.__name__}"
+        if not _cupy_has(func):
+            raise TypeError(f"{name} on a device array: CuPy has no such function (cupy.{name[6:]})")
+        for x in _host_arrays(tuple(args) + tuple(kwargs.values())):
+            if x.size != 1:
+                raise ValueError(f"{name}: a host numpy.ndarray {x.shape} among device arguments; CuPy does not "
+                                 f"copy to the device implicitly (cp.asarray it first)")
+        # NumPy's own code on plain views (CuPy runs its function of the same name: NumPy's helper
+        # calls inside it, np.triu's np.where on a host mask, are not ours to check)
+        result = func._implementation(*_host_views(args), **dict(zip(kwargs, _host_views(kwargs.values()))))
+        if isinstance(result, tuple):
+            return tuple(_on_device(r) for r in result)
+        return _on_device(result)
 
     @property
     def data(self):
         return MemoryPointer(self.__array_interface__["data"][0])
 
     def fill(self, value):
-        """An elementwise kernel in CuPy, so it is recorded while a stream captures."""
+        """An elementwise kernel in CuPy, so it is recorded while a stream captures. A host
+        array of more than one element is a ValueError, as CuPy's."""
+        if isinstance(value, np.ndarray) and not isinstance(value, ndarray) and value.size != 1:
+            raise ValueError(f"fill: a host numpy.ndarray {value.shape}; CuPy fills with a scalar only")
         enqueue(lambda: np.ndarray.fill(self, value))
 
     def __setitem__(self, index, value):
-        """Assignment into a device array is a CuPy kernel too: recorded while capturing."""
+        """Assignment into a device array is a CuPy kernel too: recorded while capturing. The
+        value is a scalar or a device array: CuPy fills with a host array's one element and
+        refuses a larger one (ValueError)."""
+        if isinstance(value, np.ndarray) and not isinstance(value, ndarray) and value.size != 1:
+            raise ValueError(f"dev[...] = a host numpy.ndarray {value.shape}: CuPy does not copy it implicitly "
+                             f"(cp.asarray it, or .set() a whole array)")
         enqueue(lambda: np.ndarray.__setitem__(self, index, value))
 
     def get(self, stream=None, out=None):
@@ -82,6 +144,66 @@ class ndarray(np.ndarray):
         if not self.flags.c_contiguous:
             raise RuntimeError("set: cannot copy into a non-contiguous array")
         np.copyto(self.view(np.ndarray), arr)
+
+
+# comparisons, where CuPy's __array_ufunc__ reads a 0-d host operand as a scalar (numpy#12142)
+COMPARISONS = ("greater", "greater_equal", "less", "less_equal", "equal", "not_equal")
+
+
+def _host_arrays(values):
+    """The host arrays (plain numpy.ndarray, not device ones) among `values` and the lists and
+    tuples in them."""
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            yield from _host_arrays(v)
+        elif isinstance(v, np.ndarray) and not isinstance(v, ndarray):
+            yield v
+
+
+def _host_view(x):
+    """A device array as a plain NumPy view of the same memory (anything else as it is)."""
+    return x.view(np.ndarray) if isinstance(x, ndarray) else x
+
+
+def _host_views(values):
+    """`values` (a sequence) with every device array in it, and in its lists and tuples, as a
+    plain NumPy view of the same memory."""
+    return [type(v)(_host_views(v)) if isinstance(v, (list, tuple)) else _host_view(v) for v in values]
+
+
+def _on_device(value):
+    """A ufunc's result as CuPy gives it: arrays and scalars alike are device arrays."""
+    if isinstance(value, np.ndarray):
+        return value.view(ndarray)
+    if isinstance(value, np.generic):
+        out = _allocate((), value.dtype, 0)
+        out.view(np.ndarray)[()] = value
+        return out
+    return value
+
+
+_CUPY = []                             # [module or None]: the installed CuPy, imported once
+
+
+def _cupy_has(func):
+    """Whether CuPy has NumPy's function `func` under the same module path (numpy.linalg.norm ->
+    cupy.linalg.norm), as CuPy's __array_function__ looks it up. True where no CuPy imports: then
+    the emulator cannot tell, and lets NumPy run it."""
+    if not _CUPY:
+        try:
+            import cupy
+        except Exception:              # no CuPy here, or one that cannot load: nothing to compare with
+            cupy = None
+        _CUPY.append(cupy)
+    module = _CUPY[0]
+    if module is None:
+        return True
+    try:
+        for part in func.__module__.split(".")[1:]:
+            module = getattr(module, part)
+        return getattr(module, func.__name__) is not func
+    except AttributeError:
+        return False
 
 
 class MemoryPool:
