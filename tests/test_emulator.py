@@ -7,7 +7,8 @@ NaN; warp shuffles (xor, up, down, idx, widths, partial masks) and ballots give 
 a mask that omits the calling lane, names a lane that never arrives, or a shuffle that reads a lane
 outside its mask stops the launch with a message (a GPU would give garbage or hang); __nv_bfloat16
 rounds exactly as llmc.formats.float32_to_bfloat16_bits; atomics from many blocks on several cores
-add up exactly; launch arguments are checked against the C signature; a captured stream replays.
+add up exactly; launch arguments are checked against the C signature; a captured stream replays,
+and nothing may wait for the device while it captures.
 Device arrays refuse what CuPy's refuse: a host array as an operand, in a fill or an assignment,
 np.add.at, a NumPy function CuPy does not have.
 cuBLAS: gemmEx and gemmStridedBatchedEx against NumPy for every op pair, in fp32 and bf16, with
@@ -304,6 +305,27 @@ def test_captured_stream_replays_its_launches(kernels):
         graph.launch(stream)
         graph.launch(stream)
         np.testing.assert_array_equal(x.get(), 6)       # (0 + 1) * 2 = 2, then (2 + 1) * 2
+    finally:
+        cp.Stream.null.use()
+
+
+@pytest.mark.parametrize("read", ["get", "float", "int", "bool", "item", "tolist", "stream.synchronize",
+                                  "device.synchronize", "deviceSynchronize"])
+def test_waiting_for_the_device_while_capturing_is_cudas_error(kernels, read):
+    """On a GPU the captured launch has not run, so a read would wait on work that is not there:
+    CUDA refuses it (and invalidates the capture). Here the read would give the stale 0."""
+    x = cp.zeros((), np.float32)                        # one value, so that float(x) and int(x) apply
+    stream = cp.cuda.Stream().use()
+    reads = {"get": x.get, "float": lambda: float(x), "int": lambda: int(x), "bool": lambda: bool(x),
+             "item": x.item, "tolist": x.tolist, "stream.synchronize": stream.synchronize,
+             "device.synchronize": cp.cuda.Device(0).synchronize, "deviceSynchronize": cp.cuda.runtime.deviceSynchronize}
+    try:
+        stream.begin_capture()
+        kernels.get_function("add_one")((1,), (32,), (x, np.int32(1)))
+        with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+            reads[read]()
+        stream.end_capture().launch(stream)
+        assert float(x) == 1.0                          # after the capture every read is allowed again
     finally:
         cp.Stream.null.use()
 

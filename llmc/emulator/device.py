@@ -64,7 +64,9 @@ class ndarray(np.ndarray):
         TypeError: CuPy's __array_ufunc__ takes only calls (its arrays have scatter_add instead);
       - `dev[...] = host` with more than one element is a ValueError, as CuPy's fill;
       - a reduction to one value (dev.sum(), dev.max()) is a 0-d device array, not a NumPy
-        scalar: float() and .item() read it, as on a GPU.
+        scalar: float() and .item() read it, as on a GPU;
+      - reading to the host (.get(), float(), int(), bool(), .item(), .tolist()) while the stream
+        captures is CUDA's error (refuse_while_capturing).
     What it cannot refuse: np.asarray(dev) and np.array(dev), which CuPy refuses through
     __array__ (NumPy never asks an ndarray subclass for that), and a NumPy reduction called as a
     ufunc method, np.add.reduce(dev) (dev.sum() reaches __array_ufunc__ the same way)."""
@@ -125,12 +127,30 @@ class ndarray(np.ndarray):
         enqueue(lambda: np.ndarray.__setitem__(self, index, value))
 
     def get(self, stream=None, out=None):
-        """A host (NumPy) copy, as cupy.ndarray.get()."""
+        """A host (NumPy) copy, as cupy.ndarray.get(). While a stream captures this is CUDA's
+        error (a copy to host memory waits for work that a capture has not run)."""
+        refuse_while_capturing("a device-to-host copy (.get())")
         host = np.array(self.view(np.ndarray), copy=True)
         if out is not None:
             out[...] = host
             return out
         return host
+
+    def __float__(self):
+        """float(dev): cupy reads the value with .get(), a synchronizing copy."""
+        return float(self.get())
+
+    def __int__(self):
+        return int(self.get())
+
+    def __bool__(self):
+        return bool(self.get())
+
+    def item(self, *args):
+        return self.get().item(*args)
+
+    def tolist(self):
+        return self.get().tolist()
 
     def set(self, arr, stream=None):
         """Copy the host array `arr` in, as cupy.ndarray.set(): same shape and dtype, and `self`
@@ -331,7 +351,8 @@ class Stream:
         return self
 
     def synchronize(self):
-        pass
+        if self._captured is not None:
+            refuse_while_capturing("synchronizing the capturing stream")
 
     def record(self, event=None):
         """cupy.cuda.Stream.record: an Event marking the work issued so far on this stream (done
@@ -384,6 +405,14 @@ class Graph:
 
 def get_current_stream():
     return Stream._current
+
+
+def refuse_while_capturing(what):
+    """CUDA's rule: while a stream captures, nothing may wait for device work (a synchronize, a
+    copy to host memory): the captured work has not run, so CUDA refuses and invalidates the
+    capture. The emulated device refuses the same way (on it, a read would give stale values)."""
+    if Stream._current._captured is not None:
+        raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while the stream is capturing")
 
 
 def enqueue(fn):
@@ -455,7 +484,7 @@ runtime = types.SimpleNamespace(
     getDeviceCount=lambda: EMULATED_DEVICE_COUNT,
     getDeviceProperties=_device_properties,
     memGetInfo=_host_memory,
-    deviceSynchronize=lambda: None,
+    deviceSynchronize=lambda: refuse_while_capturing("cudaDeviceSynchronize"),
     getDevice=lambda: Device.current,
     CUDARuntimeError=CUDARuntimeError,
 )
@@ -474,7 +503,7 @@ class Device:
         Device.current = self.id
 
     def synchronize(self):
-        pass
+        refuse_while_capturing("Device.synchronize")
 
     @property
     def compute_capability(self):
