@@ -72,15 +72,14 @@ class ndarray(np.ndarray):
     ufunc method, np.add.reduce(dev) (dev.sum() reaches __array_ufunc__ the same way)."""
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        what = f"numpy.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
         if method not in ("__call__", "reduce", "accumulate"):
-            raise TypeError(f"{what} on a device array: CuPy's arrays take ufunc calls and reductions only "
-                            f"(use cupyx.scatter_add for add.at)")
+            raise TypeError(f"numpy.{ufunc.__name__}.{method} on a device array: CuPy's arrays take ufunc calls "
+                            f"and reductions only (use cupyx.scatter_add for add.at)")
         outputs = kwargs.get("out") or ()
         for x in _host_arrays(inputs + tuple(outputs)):
             if not (x.ndim == 0 and ufunc.__name__ in COMPARISONS):
-                raise TypeError(f"{what}: a host numpy.ndarray {x.shape} among device operands; CuPy does not "
-                                f"copy to the device implicitly (cp.asarray it first)")
+                raise TypeError(f"numpy.{ufunc.__name__}: a host numpy.ndarray {x.shape} among device operands; "
+                                f"CuPy does not copy to the device implicitly (cp.asarray it first)")
         inputs = tuple(_host_view(x) for x in inputs)
         if outputs:
             kwargs["out"] = tuple(_host_view(x) for x in outputs)
@@ -351,8 +350,7 @@ class Stream:
         return self
 
     def synchronize(self):
-        if self._captured is not None:
-            refuse_while_capturing("synchronizing the capturing stream")
+        refuse_while_capturing("synchronizing the capturing stream", self)
 
     def record(self, event=None):
         """cupy.cuda.Stream.record: an Event marking the work issued so far on this stream (done
@@ -407,11 +405,12 @@ def get_current_stream():
     return Stream._current
 
 
-def refuse_while_capturing(what):
+def refuse_while_capturing(what, stream=None):
     """CUDA's rule: while a stream captures, nothing may wait for device work (a synchronize, a
     copy to host memory): the captured work has not run, so CUDA refuses and invalidates the
-    capture. The emulated device refuses the same way (on it, a read would give stale values)."""
-    if Stream._current._captured is not None:
+    capture. The emulated device refuses the same way (on it, a read would give stale values).
+    stream: the stream waited for (default: the current one). Raises CUDARuntimeError."""
+    if (stream or Stream._current)._captured is not None:
         raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while the stream is capturing")
 
 
