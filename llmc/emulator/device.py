@@ -140,15 +140,19 @@ class ndarray(np.ndarray):
         return float(self.get())
 
     def __int__(self):
+        """int(dev): read with .get(), as cupy's (refused while a stream captures)."""
         return int(self.get())
 
     def __bool__(self):
+        """bool(dev): read with .get(), as cupy's (refused while a stream captures)."""
         return bool(self.get())
 
     def item(self, *args):
+        """One element as a Python scalar, read with .get() (refused while a stream captures)."""
         return self.get().item(*args)
 
     def tolist(self):
+        """The values as nested Python lists, read with .get() (refused while a stream captures)."""
         return self.get().tolist()
 
     def set(self, arr, stream=None):
