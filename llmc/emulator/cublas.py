@@ -1,5 +1,7 @@
-"""llmc/emulator/cublas.py: the cuBLAS calls of llmc.cuda.gemm on the emulated device, with the
-same functions and arguments as cupy_backends.cuda.libs.cublas, on host addresses.
+"""llmc/emulator/cublas.py: cuBLAS through CuPy's bindings on the emulated device, the calls of
+llmc.cuda.gemm's CupyCublas (the binding used where nvmath-python is missing) with the same
+functions and arguments as cupy_backends.cuda.libs.cublas, on host addresses; and the GEMM itself
+(check_gemm, gemm_on_host), which llmc/emulator/nvmath_cublas.py shares.
 
 The contract is cuBLAS's, exactly: matrices are column-major; op(A) is m x k, stored as A (m x k,
 leading dimension lda >= m) for CUBLAS_OP_N or as its transpose (k x m, lda >= k) for
