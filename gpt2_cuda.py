@@ -1039,6 +1039,9 @@ def train(args):
     device, device_name, capability = cuda.select_device(comm)
     nccl = comm.connect()                          # the NCCL communicator (None for one process)
     if args.cuda_graph:                     # a graph is captured on a created stream, never the legacy one
+        reason = cuda.cuda_graph_unavailable_reason()        # refused now, not at the first capture
+        if reason:
+            raise InputError(f"--cuda-graph 1: {reason}")
         graph_stream = cp.cuda.Stream()     # (blocking: ordered after any work on the legacy stream)
         graph_stream.use()
     model = setup_model(args, capability, run.model_spec(), say=run.say, comm=comm)

@@ -19,7 +19,7 @@ model's shape it takes it as an argument (a config object, a parameter table).
     cli.py         the shared flags and the loop around the training step (validate, eval,
                    sample, checkpoint, print)
     cuda.py        CuPy plumbing: lazy import, NVRTC options, kernel cache, launch, argument
-                   checks, cuBLAS
+                   checks, cuBLAS (through nvmath-python where installed: capturable)
     cublaslt.py    cuBLASLt matmuls with fused epilogues (bias, GELU, bias gradient) through
                    nvmath-python (optional; gpt2_cuda --cublaslt 1)
     cudnn_attention.py  cuDNN's fused attention through the cudnn frontend package (optional;

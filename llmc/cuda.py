@@ -2,7 +2,8 @@
 llmc/cuda.py: the CuPy plumbing under gpt2_cuda.py (llm.c's llmc/cuda_common.h, cublas_common.h):
 CuPy imported lazily, NVRTC options, each kernels/<file>.cu compiled once per process and
 precision, the launch helper, the checks every launcher makes on its arguments, launch grids,
-the cuBLAS GEMM (a library call) and binding a process to its GPU.
+the cuBLAS GEMM (a library call, through nvmath-python's bindings where installed, because
+CuPy's refuse a CUDA graph capture) and binding a process to its GPU.
 
 With use_device("cpu") the same calls answer for the emulated CUDA device (llmc/emulator/): the
 kernels compiled by g++ and run on the CPU, cuBLAS emulated with its exact contract.
@@ -104,6 +105,7 @@ _device = "cuda"
 # vendor library -> (module on a GPU, module of the emulated device with the same calls)
 VENDOR_LIBRARIES = {
     "cublas": ("cupy_backends.cuda.libs.cublas", "llmc.emulator.cublas"),
+    "nvmath_cublas": ("nvmath.bindings.cublas", "llmc.emulator.nvmath_cublas"),
     "cublaslt": ("nvmath.bindings.cublasLt", "llmc.emulator.cublaslt"),
     "cudnn": ("cudnn", "llmc.emulator.cudnn"),
     "nccl": ("cupy.cuda.nccl", "llmc.emulator.nccl"),
@@ -135,7 +137,7 @@ def cupy():
 
 
 def library(name):
-    """The vendor library `name` ("cublas", "cublaslt", "cudnn", "nccl") of the device: the real
+    """The vendor library `name` ("cublas", "nvmath_cublas", "cublaslt", "cudnn", "nccl") of the device: the real
     Python module on a GPU, its emulation (same functions, same arguments, host addresses) on the
     CPU. Raises KeyError for an unknown name, ImportError where the module is missing."""
     import importlib
@@ -360,15 +362,111 @@ def compute_type(precision, tf32):
     return CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "fp32" and tf32 else CUBLAS_COMPUTE_32F
 
 
+# Two Python bindings reach the same cuBLAS, and they differ in the one thing --cuda-graph 1 needs:
+# whether a GEMM may be issued while the stream captures a CUDA graph. cuBLAS allows it; CuPy's
+# bindings do not (CupyCublas says why). One binding serves every GEMM of a process, eager and
+# captured alike, so that a graph replays exactly the library calls of the eager run before it.
+
+class CupyCublas:
+    """cuBLAS through CuPy's bindings (cupy_backends.cuda.libs.cublas) on CuPy's handle for the
+    device. Not capturable: CuPy 14 sets the handle's stream to the current one before every BLAS
+    call (_setStream, cupy_backends/cuda/libs/cublas.pyx at v14.2.0, lines 666-668), and its
+    setStream raises NotImplementedError('calling cuBLAS API during stream capture is currently
+    unsupported') while that stream captures (lines 642-655; cupy/cupy#6290): the first GEMM of a
+    capture would fail. `why_not`: why nvmath-python's bindings could not be used (one line)."""
+    capturable = False
+
+    def __init__(self, lib, why_not):
+        self.lib, self.why_not = lib, why_not
+
+    def handle(self):
+        """CuPy's handle for the current device, in host pointer mode (set per call: CuPy's own
+        linear algebra shares the handle)."""
+        handle = cupy().cuda.device.get_cublas_handle()
+        self.lib.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+        return handle
+
+    def gemm_ex(self, *args):
+        """cublasGemmEx on the current stream; args as cuBLAS's after the handle."""
+        self.lib.gemmEx(self.handle(), *args)
+
+    def gemm_strided_batched_ex(self, *args):
+        """cublasGemmStridedBatchedEx on the current stream; args as cuBLAS's after the handle."""
+        self.lib.gemmStridedBatchedEx(self.handle(), *args)
+
+
+class NvmathCublas:
+    """cuBLAS through nvmath-python's bindings (nvmath.bindings.cublas: thin wrappers of the C
+    API, which check nothing of CuPy's kind) on a cuBLAS handle of our own. Capturable: a handle
+    keeps the stream it was last given, so cublasSetStream runs only when the current stream
+    changes, which is never inside a capture (gpt2_micro_batch runs each micro-batch once eagerly
+    on the stream before capturing it); inside one the GEMMs are only recorded into the graph.
+    Raises RuntimeError for a GEMM captured on a stream the handle was not set to before the
+    capture (it would run on the handle's old stream, outside the graph)."""
+    capturable = True
+    why_not = None
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.handle = lib.create()
+        lib.set_pointer_mode(self.handle, CUBLAS_POINTER_MODE_HOST)
+        self.stream = None                 # the cudaStream_t the handle is set to (None: its default)
+
+    def use_current_stream(self):
+        """Set the handle to the current stream if it is on another one (never during a capture)."""
+        stream = cupy().cuda.get_current_stream()
+        if stream.ptr != self.stream:
+            if stream.is_capturing():
+                raise RuntimeError("gemm: the cuBLAS handle is set to another stream than the capturing one, "
+                                   "and is not set during a capture: run the work once eagerly on this stream first")
+            self.lib.set_stream(self.handle, stream.ptr)
+            self.stream = stream.ptr
+
+    def gemm_ex(self, *args):
+        """cublasGemmEx on the current stream; args as cuBLAS's after the handle."""
+        self.use_current_stream()
+        self.lib.gemm_ex(self.handle, *args)
+
+    def gemm_strided_batched_ex(self, *args):
+        """cublasGemmStridedBatchedEx on the current stream; args as cuBLAS's after the handle."""
+        self.use_current_stream()
+        self.lib.gemm_strided_batched_ex(self.handle, *args)
+
+
+_CUBLAS = {}       # device -> the NvmathCublas or CupyCublas every gemm of this process uses
+
+
+def cublas_bindings():
+    """The cuBLAS bindings of this process's GEMMs, chosen at the first call per device (after
+    select_device: a cuBLAS handle belongs to the current GPU): nvmath-python's where they import
+    and create a handle, else CuPy's, which cannot be captured into a CUDA graph."""
+    if _device not in _CUBLAS:
+        try:
+            _CUBLAS[_device] = NvmathCublas(library("nvmath_cublas"))
+        except Exception as e:             # not installed, or its cuBLAS or the driver fails to load
+            why_not = f"{type(e).__name__}: {e}".splitlines()[0]
+            _CUBLAS[_device] = CupyCublas(library("cublas"), why_not)
+    return _CUBLAS[_device]
+
+
+def cuda_graph_unavailable_reason():
+    """None if a GEMM can be captured into a CUDA graph (--cuda-graph 1), else one line saying why
+    not and what to do."""
+    bindings = cublas_bindings()
+    if bindings.capturable:
+        return None
+    return (f"CUDA graphs need nvmath-python's cuBLAS bindings, since CuPy's refuse cuBLAS calls while a stream "
+            f"captures, and they are unavailable ({bindings.why_not}): install nvmath-python, or use --cuda-graph 0")
+
+
 def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,
          batch=1, stride_a=0, stride_b=0, stride_c=0, tf32=False):
     """Library call: C (m,n) = op(A) (m,k) @ op(B) (k,n) [+ C], column-major, one or `batch`
     strided products. A, B, C are floatX CuPy arrays whose first elements start the matrices; all
     three have the same precision; fp32 accumulation (compute_type: TF32 inputs when tf32 is
     set in fp32 mode). alpha = 1, beta = 1 if accumulate else 0, both
-    host floats (pointer mode host)."""
-    cp = cupy()
-    cublas = library("cublas")
+    host floats (pointer mode host). Issued on the current stream through cublas_bindings(), so
+    that it can be captured into a CUDA graph where nvmath-python is installed."""
     precision = precision_of(C)
     for arr, name in ((A, "A"), (B, "B")):
         if precision_of(arr) != precision:
@@ -377,14 +475,13 @@ def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,
     compute = compute_type(precision, tf32)
     alpha = np.ones(1, np.float32)
     beta = np.full(1, 1.0 if accumulate else 0.0, np.float32)
-    handle = cp.cuda.device.get_cublas_handle()     # CuPy binds it to the current stream per call
-    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    cublas = cublas_bindings()
     if batch == 1:
-        cublas.gemmEx(handle, transa, transb, m, n, k, alpha.ctypes.data,
-                      A.data.ptr, data_type, lda, B.data.ptr, data_type, ldb,
-                      beta.ctypes.data, C.data.ptr, data_type, ldc, compute, CUBLAS_GEMM_DEFAULT)
+        cublas.gemm_ex(transa, transb, m, n, k, alpha.ctypes.data,
+                       A.data.ptr, data_type, lda, B.data.ptr, data_type, ldb,
+                       beta.ctypes.data, C.data.ptr, data_type, ldc, compute, CUBLAS_GEMM_DEFAULT)
     else:
-        cublas.gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha.ctypes.data,
-                                    A.data.ptr, data_type, lda, stride_a, B.data.ptr, data_type, ldb, stride_b,
-                                    beta.ctypes.data, C.data.ptr, data_type, ldc, stride_c,
-                                    batch, compute, CUBLAS_GEMM_DEFAULT)
+        cublas.gemm_strided_batched_ex(transa, transb, m, n, k, alpha.ctypes.data,
+                                       A.data.ptr, data_type, lda, stride_a, B.data.ptr, data_type, ldb, stride_b,
+                                       beta.ctypes.data, C.data.ptr, data_type, ldc, stride_c,
+                                       batch, compute, CUBLAS_GEMM_DEFAULT)

@@ -37,7 +37,8 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py"):
     a("--cublaslt", type=int, default=0, choices=(0, 1),
       help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused")
     a("--cuda-graph", type=int, default=0, choices=(0, 1),
-      help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch")
+      help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch "
+           "(needs nvmath-python: CuPy's cuBLAS refuses calls during a capture)")
     a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
     a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
     a("--device", default="cuda", choices=cuda.DEVICES,

@@ -354,13 +354,13 @@ def _float32(x):
 def test_matmul_forward_adds_the_bias_after_a_beta_0_gemm(emulated_gpu, monkeypatch, precision, OC):
     # no broadcast copy of the bias into out and no beta = 1 GEMM reading it back: the GEMM
     # overwrites out (poisoned first), then one add_bias launch (vectorized or not by OC)
-    cp, cublas = emulated_gpu, llmc.cuda.library("cublas")
-    betas, gemm_ex = [], cublas.gemmEx
+    cp, cublas = emulated_gpu, llmc.cuda.cublas_bindings()                # the bindings every gemm goes through
+    betas, gemm_ex = [], cublas.gemm_ex
 
     def recording_gemm(*args):
-        betas.append(ctypes.c_float.from_address(args[13]).value)       # beta: a host pointer (pointer mode host)
+        betas.append(ctypes.c_float.from_address(args[12]).value)       # beta: a host pointer (pointer mode host)
         return gemm_ex(*args)
-    monkeypatch.setattr(cublas, "gemmEx", recording_gemm)
+    monkeypatch.setattr(cublas, "gemm_ex", recording_gemm)
     launches = record_launches(monkeypatch)
     B, T, C = 2, 3, 8
     rng = np.random.default_rng(OC)

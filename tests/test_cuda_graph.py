@@ -1,22 +1,34 @@
 """gpt2_cuda.py's CUDA graph of a micro-batch (--cuda-graph 1), without a GPU: the real kernels of
 kernels/*.cu on the emulated CUDA device (llmc/emulator/), whose stream capture is CUDA's: while a
-created stream captures, every device operation (kernel launch, cuBLAS call, fill, add, a
-broadcast copy `out[...] = bias`) is recorded with its arguments as they are at capture time, and
-not run; launching the graph replays the recording (llmc/emulator/device.py, Stream and Graph).
+created stream captures, every device operation (kernel launch, cuBLAS or cuBLASLt call, fill,
+add, a broadcast copy `out[...] = bias`) is recorded with its arguments as they are at capture
+time, and not run; launching the graph replays the recording (llmc/emulator/device.py, Stream and
+Graph). Its cuBLAS is as capturable as the real one's bindings: CuPy 14's refuse any call while
+the stream captures (NotImplementedError, cupy_backends/cuda/libs/cublas.pyx v14.2.0, 642-668),
+nvmath-python's record it on the handle's stream (llmc/emulator/cublas.py, nvmath_cublas.py).
 Scalars are recorded by value and buffers by reference, exactly what a CUDA graph holds (kernel
 parameters and device pointers), so a launch argument that should change from one micro-batch to
 the next but was captured once makes the replayed run differ from the eager one, and the tests fail.
 Checked: training steps with the graph equal eager steps bitwise (parameters, AdamW moments, the
-accumulated losses) in fp32 and bf16 on the naive attention path; the first micro-batch of a
+accumulated losses) in fp32 and bf16 on the naive attention path, with cuBLAS and with cuBLASLt
+(--cublaslt 1); CuPy's cuBLAS refuses calls and cuBLAS products (dev @ dev) during a capture with
+CuPy's exact error, nvmath's cuBLAS runs on its handle's stream (recorded when that stream
+captures), llmc.cuda.gemm sets that stream outside captures only, and without nvmath-python
+--cuda-graph 1 is refused with one `error:` line before training starts; the first micro-batch of a
 (B,T,loss_scale) runs eagerly before its capture (first-time library work stays outside it), one
 capture per key, replays after; an error inside the capture propagates as itself, not as the
 "capture invalidated" of ending it; a reallocation drops the graphs (they point into the old
 buffers); and a whole training run with --cuda-graph 1 prints the same losses as --cuda-graph 0.
-What a GPU must still show: that CuPy's stream capture accepts cuBLAS, our kernels and (for
---attention cudnn) cuDNN's execution, and the speed-up.
+What a GPU must still show: that CuPy's stream capture accepts cuBLAS through nvmath-python
+(cublasSetStream before the capture, the default workspace inside it), cuBLASLt, our kernels and
+(for --attention cudnn) cuDNN's execution, and the speed-up.
 Run: pytest tests/test_cuda_graph.py   (~1 minute on 2 cores once the emulated device's kernels are
 built, see tests/test_emulated_kernels.py)
 """
+
+import importlib
+import inspect
+import sys
 
 import numpy as np
 import pytest
@@ -24,6 +36,8 @@ import pytest
 import gpt2_cpu
 import gpt2_cuda
 import llmc.cuda
+import llmc.matmul
+from llmc import cublaslt
 from emulated_gpu import TINY, _train_losses, _write_shards
 from llmc.emulator import device
 
@@ -63,8 +77,8 @@ def _capturing():
     return device.get_current_stream().is_capturing()
 
 
-def _model(precision):
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True)
+def _model(precision, matmul=None):
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True, matmul=matmul)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     return model
 
@@ -91,12 +105,18 @@ def _batches(B, T, n, seed):
 
 
 # bf16 over two steps (the second replays the graph on the parameters the first step's AdamW
-# updated in place), fp32 over one: each step's global norm costs seconds on the emulated device
-@pytest.mark.parametrize("precision,steps", [("fp32", 1), ("bf16", 2)])
-def test_graph_steps_equal_eager_steps_bitwise(capture, precision, steps):
+# updated in place), fp32 over one: each step's global norm costs seconds on the emulated device.
+# cuBLASLt (--cublaslt 1): its products take the stream as an argument, and the bias and GELU
+# pointers of its shared descriptors change from layer to layer: a graph must hold each call's own.
+@pytest.mark.parametrize("precision,steps,backend", [("fp32", 1, "cublas"), ("bf16", 2, "cublas"),
+                                                     ("bf16", 1, "cublaslt")])
+def test_graph_steps_equal_eager_steps_bitwise(capture, precision, steps, backend):
     batches = _batches(2, 16, 3, seed=5)
     batches[1][0][0, :6] = 7                                    # repeated tokens: fewer segments than B*T
-    eager, graphed = _model(precision), _model(precision)
+    if backend == "cublaslt":
+        cublaslt.clear_cache()
+    matmul = {"cublas": llmc.matmul.Cublas, "cublaslt": llmc.matmul.CublasLt}[backend]
+    eager, graphed = _model(precision, matmul()), _model(precision, matmul())
     eager_sums = _train(eager, batches, cuda_graph=False, steps=steps)
     assert capture.captures == 0
     graph_sums = _train(graphed, batches, cuda_graph=True, steps=steps)
@@ -192,6 +212,161 @@ def test_training_run_with_cuda_graph_prints_the_same_losses(capture, tmp_path, 
     capsys.readouterr()
     assert len(logs[0]) == 2 and logs[1] == logs[0]
     assert capture.captures == 1 and capture.replays == 2 * 2 - 1  # 2 steps of 2 micro-batches, the first eager
+
+
+# ----------------------------------------------------------------------------
+# cuBLAS under capture: CuPy's bindings refuse it, nvmath-python's record it
+
+CUPY_CAPTURE_REFUSAL = "calling cuBLAS API during stream capture is currently unsupported"   # CuPy 14.2's text
+
+
+def _column_major_operands(m, n, k, seed):
+    """fp32 device A (m,k), B (k,n), C (m,n) for a column-major GEMM, as row-major arrays of their
+    transposes (A^T (k,m) etc.), and the expected C^T = (A B)^T = B^T A^T in float64."""
+    rng = np.random.default_rng(seed)
+    at, bt = rng.standard_normal((k, m)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+    ct = device.full((n, m), np.nan, np.float32)
+    return device.asarray(at), device.asarray(bt), ct, bt.astype(np.float64) @ at.astype(np.float64)
+
+
+def _gemm_args(m, n, k, at, bt, ct, alpha, beta, batch=None):
+    """cublasGemmEx's arguments after the handle (op N N, fp32); with batch, those of
+    cublasGemmStridedBatchedEx (strides 0: the same product `batch` times)."""
+    f32, N = llmc.cuda.CUDA_R_32F, llmc.cuda.CUBLAS_OP_N
+    stride, count = ((), ()) if batch is None else ((0,), (batch,))
+    return (N, N, m, n, k, alpha.ctypes.data, at.data.ptr, f32, m, *stride, bt.data.ptr, f32, k, *stride,
+            beta.ctypes.data, ct.data.ptr, f32, m, *stride, *count, llmc.cuda.CUBLAS_COMPUTE_32F,
+            llmc.cuda.CUBLAS_GEMM_DEFAULT)
+
+
+def test_cupy_cublas_refuses_every_call_while_the_stream_captures(capture):
+    # CuPy 14's gemmEx and gemmStridedBatchedEx set the handle's stream first, and setStream
+    # raises while that stream captures (cupy_backends/cuda/libs/cublas.pyx v14.2.0, 642-668)
+    cublas = llmc.cuda.library("cublas")
+    handle = device.get_cublas_handle()
+    m, n, k = 3, 2, 4
+    at, bt, ct, expected = _column_major_operands(m, n, k, seed=1)
+    alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    cublas.gemmEx(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta))             # not capturing: computed
+    np.testing.assert_allclose(ct.get(), expected, rtol=1e-5)
+    stream = device.get_current_stream()
+    stream.begin_capture()
+    with pytest.raises(NotImplementedError) as refused:
+        cublas.gemmEx(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta))
+    assert str(refused.value) == CUPY_CAPTURE_REFUSAL
+    with pytest.raises(NotImplementedError, match=CUPY_CAPTURE_REFUSAL):
+        cublas.gemmStridedBatchedEx(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta, batch=1))
+    # CuPy's own products of floating arrays are cuBLAS calls too (cupy/_core/_routines_linalg.pyx)
+    a = device.asarray(np.ones((2, 3), np.float32))
+    for product in (lambda: a @ a.T, lambda: np.matmul(a, a.T), lambda: np.dot(a, a.T), lambda: np.inner(a, a),
+                    lambda: np.tensordot(a, a.T, 1), lambda: np.vdot(a, a)):
+        with pytest.raises(NotImplementedError, match=CUPY_CAPTURE_REFUSAL):
+            product()
+    ints = device.asarray(np.ones((2, 3), np.int32))
+    assert (ints @ ints.T).shape == (2, 2)                      # integer products are CuPy's own kernels
+    assert stream.end_capture().work == []                     # nothing was recorded
+
+
+def test_nvmath_cublas_runs_on_its_handles_stream(capture):
+    # nvmath's bindings check nothing: a GEMM goes on the stream the handle was last set to,
+    # recorded if that stream captures, run at once if it does not (and then missing from the
+    # graph), and on the legacy stream during a blocking capture it fails as CUDA does
+    nv = llmc.cuda.library("nvmath_cublas")
+    handle = nv.create()
+    nv.set_pointer_mode(handle, nv.PointerMode.HOST)
+    m, n, k = 4, 3, 5
+    at, bt, ct, expected = _column_major_operands(m, n, k, seed=2)
+    alpha, beta = np.full(1, 2.0, np.float32), np.zeros(1, np.float32)
+    stream = device.get_current_stream()
+    nv.set_stream(handle, stream.ptr)
+    assert nv.get_stream(handle) == stream.ptr
+    stream.begin_capture()
+    nv.gemm_ex(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta))
+    alpha[0] = 3.0                                             # host scalars are read at the call, as cuBLAS
+    graph = stream.end_capture()
+    assert np.isnan(ct.get()).all()                            # recorded, not run
+    graph.launch(stream)
+    np.testing.assert_allclose(ct.get(), 2.0 * expected, rtol=1e-5)
+
+    other = device.Stream()
+    nv.set_stream(handle, other.ptr)
+    ct.fill(np.nan)
+    stream.begin_capture()
+    nv.gemm_ex(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta))                # on `other`: runs now
+    assert stream.end_capture().work == []
+    np.testing.assert_allclose(ct.get(), 3.0 * expected, rtol=1e-5)
+
+    nv.set_stream(handle, 0)
+    stream.begin_capture()
+    with pytest.raises(nv.cuBLASError, match="cudaErrorStreamCaptureImplicit") as failed:
+        nv.gemm_ex(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta))
+    assert failed.value.status == nv.Status.EXECUTION_FAILED
+    stream.end_capture()
+    nv.destroy(handle)
+
+
+def test_emulated_nvmath_cublas_has_nvmaths_calls_and_enums():
+    nv = pytest.importorskip("nvmath.bindings.cublas", reason="nvmath-python not installed")
+    emulated = importlib.import_module("llmc.emulator.nvmath_cublas")
+    for name in ("create", "destroy", "get_version", "set_stream", "get_stream", "set_pointer_mode", "get_pointer_mode",
+                 "gemm_ex", "gemm_strided_batched_ex"):
+        assert inspect.signature(getattr(emulated, name)) == inspect.signature(getattr(nv, name)), name
+    for enum_name in ("Status", "Operation", "PointerMode", "ComputeType", "GemmAlgo"):
+        for member in getattr(emulated, enum_name):
+            assert member == getattr(getattr(nv, enum_name), member.name), f"{enum_name}.{member.name}"
+    assert issubclass(nv.cuBLASError, Exception) and issubclass(emulated.cuBLASError, Exception)
+
+
+def test_gemm_sets_the_handles_stream_before_the_capture_only(capture, monkeypatch):
+    monkeypatch.setattr(llmc.cuda, "_CUBLAS", {})
+    bindings = llmc.cuda.cublas_bindings()
+    assert isinstance(bindings, llmc.cuda.NvmathCublas) and llmc.cuda.cuda_graph_unavailable_reason() is None
+    set_streams = []
+    set_stream = bindings.lib.set_stream
+    monkeypatch.setattr(bindings.lib, "set_stream", lambda h, s: (set_streams.append(s), set_stream(h, s)))
+    m, n, k = 2, 2, 3
+    at, bt, ct, expected = _column_major_operands(m, n, k, seed=3)
+    stream = device.get_current_stream()
+    llmc.cuda.gemm(0, 0, m, n, k, at, m, bt, k, ct, m)
+    llmc.cuda.gemm(0, 0, m, n, k, at, m, bt, k, ct, m)
+    assert set_streams == [stream.ptr]                         # once: the handle keeps its stream
+    stream.begin_capture()
+    llmc.cuda.gemm(0, 0, m, n, k, at, m, bt, k, ct, m, accumulate=True)
+    assert len(stream.end_capture().work) == 1 and set_streams == [stream.ptr]
+    fresh = device.Stream().use()                              # not used eagerly: the handle is elsewhere
+    fresh.begin_capture()
+    with pytest.raises(RuntimeError, match="another stream than the capturing one"):
+        llmc.cuda.gemm(0, 0, m, n, k, at, m, bt, k, ct, m)
+    fresh.end_capture()
+    np.testing.assert_allclose(ct.get(), expected, rtol=1e-5)
+
+
+def test_cuda_graph_without_nvmath_is_refused_at_startup(capture, monkeypatch, tmp_path, capsys):
+    # without nvmath-python, GEMMs go through CuPy's cuBLAS: eager micro-batches work, a captured
+    # one fails at its first GEMM as on a GPU, so --cuda-graph 1 is refused before training starts
+    monkeypatch.setitem(sys.modules, "llmc.emulator.nvmath_cublas", None)            # "not installed"
+    monkeypatch.setattr(llmc.cuda, "_CUBLAS", {})
+    assert isinstance(llmc.cuda.cublas_bindings(), llmc.cuda.CupyCublas)
+    model = _model("fp32")
+    (x, y), = _batches(1, 8, 1, seed=2)
+    gpt2_cuda.gpt2_activations(model, 1, 8)["loss_accum"].fill(0)
+    gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph=False)
+    with pytest.raises(NotImplementedError, match=CUPY_CAPTURE_REFUSAL):
+        gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph=True)
+    captures = capture.captures
+    data = _write_shards(tmp_path)
+    model_path = str(tmp_path / "tiny.bin")
+    gpt2_cpu.write_model(model_path, gpt2_cpu.gpt2_init(TINY, 42))
+    capsys.readouterr()
+    argv = ["-e", model_path, "-i", data, "-j", "", "-b", "2", "-t", "8", "-x", "1", "-v", "0", "-s", "0",
+            "--device", "cpu", "-o", str(tmp_path / "out"), "--cuda-graph", "1"]
+    assert gpt2_cuda.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --cuda-graph 1: CUDA graphs need nvmath-python's cuBLAS "
+                                               "bindings")
+    assert "unavailable (ModuleNotFoundError: " in err[0]
+    assert "--cuda-graph 0" in err[0] and capture.captures == captures                # refused before any step
 
 
 # ----------------------------------------------------------------------------

@@ -5,8 +5,9 @@
 What it is: kernels/*.cu compiled unmodified by g++ as host C++ against a shim of CUDA's device
 names (shim/), each CUDA thread a fiber, blocks spread over the cores (build.py loads and
 launches them); device.py is the cupy-like module that llmc.cuda.cupy() returns on the CPU, with
-device memory as host memory; cublas.py (and cublaslt.py, cudnn.py, nccl.py) emulate the vendor
-libraries with their exact calling contracts. llmc.cuda picks this package with
+device memory as host memory; cublas.py (CuPy's cuBLAS bindings), nvmath_cublas.py
+(nvmath-python's), cublaslt.py, cudnn.py and nccl.py emulate the vendor libraries with their exact
+calling contracts. llmc.cuda picks this package with
 use_device("cpu"); the trainers never import it.
 
 What it is not: a GPU. It says nothing about timing, the GPU's weaker memory model (a race that

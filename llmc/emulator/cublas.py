@@ -1,5 +1,7 @@
-"""llmc/emulator/cublas.py: the cuBLAS calls of llmc.cuda.gemm on the emulated device, with the
-same functions and arguments as cupy_backends.cuda.libs.cublas, on host addresses.
+"""llmc/emulator/cublas.py: cuBLAS through CuPy's bindings on the emulated device, the calls of
+llmc.cuda.gemm's CupyCublas (the binding used where nvmath-python is missing) with the same
+functions and arguments as cupy_backends.cuda.libs.cublas, on host addresses; and the GEMM itself
+(check_gemm, gemm_on_host), which llmc/emulator/nvmath_cublas.py shares.
 
 The contract is cuBLAS's, exactly: matrices are column-major; op(A) is m x k, stored as A (m x k,
 leading dimension lda >= m) for CUBLAS_OP_N or as its transpose (k x m, lda >= k) for
@@ -15,6 +17,14 @@ Numerics: inputs (fp32, or bf16 converted exactly) are multiplied in fp32 by Num
 accumulation, in the BLAS's order, not cuBLAS's); CUBLAS_COMPUTE_32F_FAST_TF32 first rounds fp32
 inputs to TF32 (10 mantissa bits, to nearest even); a bf16 C is rounded to nearest even.
 
+Streams, as CuPy 14.2 binds them (cupy_backends/cuda/libs/cublas.pyx at v14.2.0): every BLAS
+call first sets the handle's stream to the current CuPy stream (_setStream, lines 666-668), and
+setStream raises NotImplementedError('calling cuBLAS API during stream capture is currently
+unsupported') when that stream captures (lines 642-655; cupy/cupy#6290). So here too a gemmEx
+or gemmStridedBatchedEx issued while the current stream captures raises that, before anything
+else, and records nothing. cuBLAS itself can be captured: llmc/emulator/nvmath_cublas.py
+(nvmath-python's bindings, which check nothing of the kind) is the capturable path.
+
 What it is not: cuBLAS's numerics (its summation order and tensor-core rounding differ), its
 speed, or its other calls.
 """
@@ -23,7 +33,7 @@ import ctypes
 
 import numpy as np
 
-from llmc.emulator.device import enqueue
+from llmc.emulator.device import enqueue, get_current_stream, stream_at, stream_is_capturing
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 # enums (cublas_api.h, library_types.h), the values llmc.cuda uses
@@ -43,7 +53,11 @@ DATA_TYPES = {CUDA_R_32F: np.dtype(np.float32), CUDA_R_16BF: np.dtype(np.uint16)
 COMPUTE_TYPES = (CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32)
 TF32_DROPPED_BITS = 13                 # fp32 has 23 mantissa bits, TF32 10
 
+# CuPy's refusal, word for word (cupy_backends/cuda/libs/cublas.pyx v14.2.0, setStream)
+CAPTURE_UNSUPPORTED = "calling cuBLAS API during stream capture is currently unsupported"
+
 _POINTER_MODE = {}                     # handle -> pointer mode
+_STREAM = {}                           # handle -> cudaStream_t its calls run on (0: the legacy stream)
 
 
 class CUBLASError(RuntimeError):
@@ -64,7 +78,24 @@ def getPointerMode(handle):
     return _POINTER_MODE.get(handle, CUBLAS_POINTER_MODE_HOST)
 
 
-def _scalar(ptr):
+def setStream(handle, stream):
+    """The stream the handle's calls run on. Raises NotImplementedError while that stream
+    captures, as CuPy 14's setStream (it checks cudaStreamIsCapturing first)."""
+    if stream_is_capturing(stream):
+        raise NotImplementedError(CAPTURE_UNSUPPORTED)
+    _STREAM[handle] = stream
+
+
+def getStream(handle):
+    return _STREAM.get(handle, 0)
+
+
+def _setStream(handle):
+    """CuPy's first step of every BLAS call: the handle onto the current stream."""
+    setStream(handle, get_current_stream().ptr)
+
+
+def read_scalar(ptr):
     """The fp32 scalar at host (or, the same here, device) address ptr."""
     return ctypes.c_float.from_address(ptr).value
 
@@ -98,7 +129,10 @@ def _to_float32(x, dtype, tf32):
     return x
 
 
-def _check(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, compute, batch=1):
+def check_gemm(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, compute, batch=1):
+    """cuBLAS's argument checks of a GEMM: raises CUBLASError with the status cuBLAS returns for an
+    unknown op, a negative size, a leading dimension below the stored rows, an unknown or mixed
+    data type, or an unsupported compute type. Returns the stored rows of A and B."""
     for label, op in (("transa", transa), ("transb", transb)):
         if op not in (CUBLAS_OP_N, CUBLAS_OP_T):
             raise CUBLASError(CUBLAS_STATUS_INVALID_VALUE, f"{name}: {label}={op} (N=0 and T=1 are emulated)")
@@ -122,8 +156,8 @@ def _check(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, co
     return a_rows, b_rows
 
 
-def _gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, tf32, batch=1,
-          stride_a=0, stride_b=0, stride_c=0):
+def gemm_on_host(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, tf32, batch=1,
+                 stride_a=0, stride_b=0, stride_c=0):
     """`batch` column-major products C_i (m,n) = alpha op(A_i) (m,k) op(B_i) (k,n) + beta C_i on
     host addresses A, B, C (matrix i at i*stride elements); alpha, beta are floats. Computed on
     row-major views of cuBLAS's memory, which hold the transposes: C^T = op(B)^T op(A)^T, written
@@ -133,8 +167,8 @@ def _gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, t
     if batch > 1 and abs(stride_c) < (n - 1) * ldc + m:        # C_i overlap: write them in order, as cuBLAS
         size = dtype.itemsize
         for i in range(batch):
-            _gemm(transa, transb, m, n, k, alpha, A + i * stride_a * size, lda, B + i * stride_b * size, ldb,
-                  beta, C + i * stride_c * size, ldc, dtype, tf32)
+            gemm_on_host(transa, transb, m, n, k, alpha, A + i * stride_a * size, lda, B + i * stride_b * size,
+                         ldb, beta, C + i * stride_c * size, ldc, dtype, tf32)
         return
     ct = _matrices(C, dtype, m, n, ldc, batch, stride_c, writeable=True)         # (batch,n,m) = C^T
     direct = dtype == np.float32 and not tf32 and alpha == 1.0 and beta == 0.0
@@ -163,27 +197,31 @@ def _gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, t
 def _scalars(handle, name, alpha, beta):
     if getPointerMode(handle) != CUBLAS_POINTER_MODE_HOST:
         raise CUBLASError(CUBLAS_STATUS_NOT_SUPPORTED, f"{name}: device pointer mode is not emulated")
-    return _scalar(alpha), _scalar(beta)
+    return read_scalar(alpha), read_scalar(beta)
 
 
 def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
            computeType, algo):
-    """C (m,n) = alpha op(A) (m,k) op(B) (k,n) + beta C, column-major, on host addresses."""
-    _check("gemmEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType)
+    """C (m,n) = alpha op(A) (m,k) op(B) (k,n) + beta C, column-major, on host addresses, on the
+    current stream (refused while it captures, see the module docstring)."""
+    _setStream(handle)
+    check_gemm("gemmEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType)
     a, b = _scalars(handle, "gemmEx", alpha, beta)             # read now, as cuBLAS does
     tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32
-    enqueue(lambda: _gemm(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, DATA_TYPES[Ctype], tf32))
+    enqueue(lambda: gemm_on_host(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, DATA_TYPES[Ctype], tf32),
+            stream_at(getStream(handle)))
 
 
 def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB,
                          beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
     """gemmEx repeated for batchCount products; matrix i of A starts i*strideA elements after A
     (likewise B, C)."""
-    _check("gemmStridedBatchedEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType,
-           batchCount)
+    _setStream(handle)
+    check_gemm("gemmStridedBatchedEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType,
+               batchCount)
     a, b = _scalars(handle, "gemmStridedBatchedEx", alpha, beta)
     dtype = DATA_TYPES[Ctype]
     tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32
 
-    enqueue(lambda: _gemm(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, dtype, tf32, batchCount,
-                          strideA, strideB, strideC))
+    enqueue(lambda: gemm_on_host(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, dtype, tf32, batchCount,
+                                 strideA, strideB, strideC), stream_at(getStream(handle)))

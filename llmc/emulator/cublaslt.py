@@ -26,6 +26,10 @@ COMPUTE_32F_FAST_TF32); alpha op(A) op(B) + beta C is summed in float64 and roun
 float32 (cuBLASLt's fp32 accumulation, with its summation error left out); the bias is added in
 float32; the result is rounded once to D's type (bf16: nearest even).
 
+Streams: matmul is issued on the stream it is given (llmc/emulator/device.py enqueue): run at
+once, or recorded while that stream captures, with the descriptor's attributes, the layouts and
+alpha, beta as they were at the call (a graph keeps the bias and aux pointers it captured).
+
 What it deliberately is not: cuBLASLt's algorithms, tiling or summation order (one "algorithm",
 no workspace), batched or row-major layouts, FP8, or another epilogue (the heuristic answers
 NOT_SUPPORTED). Pointers are not checked against allocations: a pointer must lie in host memory
@@ -41,6 +45,7 @@ import itertools
 
 import numpy as np
 
+from llmc.emulator.device import enqueue, stream_at
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 # ----------------------------------------------------------------------------
@@ -359,12 +364,14 @@ def matmul(light_handle, compute_desc, alpha, a, adesc, b, bdesc, beta, c, cdesc
            workspace_size_in_bytes, stream):
     """D = epilogue(alpha op(A) op(B) + beta C) on host memory, as the module docstring says.
     `algo` points at an algorithm the heuristic chose for this descriptor and these layouts; every
-    matrix pointer must have the alignment that the heuristic's preference promised. The stream
-    is accepted and ignored (the emulated device runs each call to completion)."""
+    matrix pointer must have the alignment that the heuristic's preference promised. Issued on
+    `stream` (a cudaStream_t): run now, or recorded while it captures. Everything but the matrices'
+    values is read when the call is made (the descriptor's attributes and pointers, alpha, beta),
+    as a captured graph keeps them: a later change of the descriptor does not reach it."""
     _get(light_handle, "handle")
-    attrs = _get(compute_desc, "desc")["attrs"]
-    layouts = [_get(x, "layout") for x in (adesc, bdesc, cdesc, ddesc)]
-    m, n, k, epilogue = _check_problem(attrs, layouts)
+    attrs = dict(_get(compute_desc, "desc")["attrs"])
+    layouts = [dict(_get(x, "layout")) for x in (adesc, bdesc, cdesc, ddesc)]
+    _, _, _, epilogue = _check_problem(attrs, layouts)
     chosen = _ALGORITHMS.get(int(_host(algo, 8).view(np.uint64)[0]))
     _require(chosen is not None and chosen["desc"] == compute_desc and chosen["layouts"] == (adesc, bdesc, cdesc, ddesc),
              "the algorithm was not chosen by the heuristic for this descriptor and layouts")
@@ -372,10 +379,16 @@ def matmul(light_handle, compute_desc, alpha, a, adesc, b, bdesc, beta, c, cdesc
     for ptr, pref, name in ((a, P.MIN_ALIGNMENT_A_BYTES, "A"), (b, P.MIN_ALIGNMENT_B_BYTES, "B"),
                             (c, P.MIN_ALIGNMENT_C_BYTES, "C"), (d, P.MIN_ALIGNMENT_D_BYTES, "D")):
         _require(ptr % max(1, chosen["prefs"][pref]) == 0, f"{name} at {ptr:#x} is not {chosen['prefs'][pref]}-byte aligned")
-    la, lb, lc, ld_ = layouts
     alpha_value = _read_value(alpha, 4, np.float32)
     beta_value = _read_value(beta, 4, np.float32)
+    enqueue(lambda: _matmul_on_host(attrs, layouts, epilogue, alpha_value, a, b, beta_value, c, d),
+            stream_at(stream))
 
+
+def _matmul_on_host(attrs, layouts, epilogue, alpha_value, a, b, beta_value, c, d):
+    """The arithmetic of matmul, with the attributes, layouts and scalars it read at its call."""
+    la, lb, lc, ld_ = layouts
+    m, n = ld_["rows"], ld_["cols"]
     A, B = _matrix(a, la), _matrix(b, lb)
     if attrs[MatmulDescAttribute.COMPUTE_TYPE] == COMPUTE_32F_FAST_TF32:
         A, B = _tf32(A), _tf32(B)

@@ -9,6 +9,8 @@ NaN instead of a lucky zero. RawModule compiles a kernel source with g++ through
 llmc.emulator.build and its functions launch with CuPy's (grid, block, args). There is one
 stream; work runs when it is issued, except while a stream is capturing: then kernel launches,
 cp.add and the emulated vendor-library calls are recorded (enqueue) and a Graph replays them.
+Streams are known by their cudaStream_t (.ptr, stream_at), which the vendor libraries take;
+work on the legacy stream while a blocking stream captures is CUDA's error, as on a GPU.
 
 What it is not: CuPy. No asynchrony, no second device, no unified-memory semantics; only the
 calls listed below.
@@ -66,7 +68,10 @@ class ndarray(np.ndarray):
       - a reduction to one value (dev.sum(), dev.max()) is a 0-d device array, not a NumPy
         scalar: float() and .item() read it, as on a GPU;
       - reading to the host (.get(), float(), int(), bool(), .item(), .tolist()) while the stream
-        captures is CUDA's error (refuse_while_capturing).
+        captures is CUDA's error (refuse_while_capturing);
+      - a product that CuPy computes with cuBLAS (dev @ dev, np.matmul, np.dot, np.vdot, np.inner,
+        np.tensordot on floating or complex operands) while the stream captures raises CuPy's
+        NotImplementedError (llmc/emulator/cublas.py, setStream).
     What it cannot refuse: np.asarray(dev) and np.array(dev), which CuPy refuses through
     __array__ (NumPy never asks an ndarray subclass for that), and a NumPy reduction called as a
     ufunc method, np.add.reduce(dev) (dev.sum() reaches __array_ufunc__ the same way)."""
@@ -80,6 +85,8 @@ class ndarray(np.ndarray):
             if not (x.ndim == 0 and ufunc.__name__ in COMPARISONS):
                 raise TypeError(f"numpy.{ufunc.__name__}: a host numpy.ndarray {x.shape} among device operands; "
                                 f"CuPy does not copy to the device implicitly (cp.asarray it first)")
+        if method == "__call__":
+            _cupy_cublas_call(ufunc.__name__, inputs)
         inputs = tuple(_host_view(x) for x in inputs)
         if outputs:
             kwargs["out"] = tuple(_host_view(x) for x in outputs)
@@ -98,6 +105,8 @@ class ndarray(np.ndarray):
             if x.size != 1:
                 raise ValueError(f"{name}: a host numpy.ndarray {x.shape} among device arguments; CuPy does not "
                                  f"copy to the device implicitly (cp.asarray it first)")
+        if func.__module__ == "numpy":
+            _cupy_cublas_call(func.__name__, args)
         # NumPy's own code on plain views (CuPy runs its function of the same name: NumPy's helper
         # calls inside it, np.triu's np.where on a host mask, are not ours to check)
         result = func._implementation(*_host_views(args), **dict(zip(kwargs, _host_views(kwargs.values()))))
@@ -171,6 +180,24 @@ class ndarray(np.ndarray):
 
 # comparisons, where CuPy's __array_ufunc__ reads a 0-d host operand as a scalar (numpy#12142)
 COMPARISONS = ("greater", "greater_equal", "less", "less_equal", "equal", "not_equal")
+
+# CuPy's products that call cuBLAS for floating and complex operands (cupy/_core/_routines_linalg.pyx
+# at v14.2.0: matmul, and dot and tensordot_core under cupy/linalg/_product.py's dot, vdot, inner,
+# tensordot); integer products are CuPy's own kernels, and a product with a 0-d or empty operand
+# calls no library (a multiply, or a fill with zeros)
+CUBLAS_PRODUCTS = ("matmul", "dot", "vdot", "inner", "tensordot")
+CUBLAS_KINDS = "fc"
+
+
+def _cupy_cublas_call(name, operands):
+    """What CuPy's product `name` does first on device operands when it calls cuBLAS: set its
+    handle to the current stream, which CuPy 14 refuses while the stream captures
+    (NotImplementedError, llmc/emulator/cublas.py setStream). Other names and operands: nothing."""
+    arrays = [x for x in operands if isinstance(x, np.ndarray)]
+    if (name in CUBLAS_PRODUCTS and arrays and all(x.ndim and x.size for x in arrays)
+            and np.result_type(*arrays).kind in CUBLAS_KINDS):
+        from llmc.emulator import cublas          # imports this module: imported on first use
+        cublas.setStream(get_cublas_handle(), Stream._current.ptr)
 
 
 def _host_arrays(values):
@@ -340,14 +367,17 @@ def add(x1, x2, out=None):
 # streams, capture and graphs
 
 class Stream:
-    """A CUDA stream. Work runs when issued; while capturing, enqueue() records it instead."""
+    """A CUDA stream. Work runs when issued; while capturing, enqueue() records it instead.
+    .ptr is its cudaStream_t (0 for the legacy stream), which stream_at() maps back to it."""
 
     null = None
     _current = None
 
     def __init__(self, null=False, non_blocking=False, ptr=0):
         self.ptr = 0 if null else id(self)
+        self.non_blocking = non_blocking
         self._captured = None
+        _STREAMS[self.ptr] = self
 
     def use(self):
         Stream._current = self
@@ -387,8 +417,34 @@ class Stream:
         Stream._current = self._previous
 
 
+_STREAMS = weakref.WeakValueDictionary()          # cudaStream_t -> the live Stream
 Stream.null = Stream(null=True)
 Stream._current = Stream.null
+
+
+def stream_at(ptr):
+    """The live Stream whose cudaStream_t is ptr (0: the legacy stream). Raises CUDARuntimeError
+    for another value, as CUDA does for a destroyed or foreign stream."""
+    stream = _STREAMS.get(ptr)
+    if stream is None:
+        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no live stream {ptr:#x}")
+    return stream
+
+
+def _blocking_capture():
+    """Whether a created stream without non_blocking is capturing: the legacy stream then may
+    not be used (it synchronizes implicitly with every blocking stream)."""
+    return any(s._captured is not None and not s.non_blocking for s in list(_STREAMS.values()))
+
+
+def stream_is_capturing(ptr):
+    """cudaStreamIsCapturing (CuPy's runtime.streamIsCapturing): whether the stream ptr is
+    capturing. Asked of the legacy stream while a blocking stream captures, CUDA answers
+    cudaErrorStreamCaptureImplicit (CUDARuntimeError here)."""
+    stream = stream_at(ptr)
+    if stream.ptr == 0 and _blocking_capture():
+        raise CUDARuntimeError("cudaErrorStreamCaptureImplicit: the legacy stream while a blocking stream captures")
+    return stream._captured is not None
 
 
 class Graph:
@@ -418,14 +474,19 @@ def refuse_while_capturing(what, stream=None):
         raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while the stream is capturing")
 
 
-def enqueue(fn):
-    """Issue the device work `fn` (a function of no arguments) on the current stream: run it now,
-    or record it while the stream captures. Every emulated device operation goes through here."""
-    captured = Stream._current._captured
-    if captured is not None:
-        captured.append(fn)
-    else:
-        fn()
+def enqueue(fn, stream=None):
+    """Issue the device work `fn` (a function of no arguments) on `stream` (default: the current
+    one): run it now, or record it while that stream captures. Every emulated device operation
+    goes through here. Work on the legacy stream while a blocking stream captures is CUDA's
+    cudaErrorStreamCaptureImplicit (CUDARuntimeError)."""
+    stream = Stream._current if stream is None else stream
+    if stream._captured is not None:
+        stream._captured.append(fn)
+        return
+    if stream.ptr == 0 and _blocking_capture():
+        raise CUDARuntimeError("cudaErrorStreamCaptureImplicit: work issued on the legacy stream while a blocking "
+                               "stream captures")
+    fn()
 
 
 class Event:
@@ -488,6 +549,7 @@ runtime = types.SimpleNamespace(
     getDeviceProperties=_device_properties,
     memGetInfo=_host_memory,
     deviceSynchronize=lambda: refuse_while_capturing("cudaDeviceSynchronize"),
+    streamIsCapturing=stream_is_capturing,
     getDevice=lambda: Device.current,
     CUDARuntimeError=CUDARuntimeError,
 )
