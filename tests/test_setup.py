@@ -235,8 +235,12 @@ def test_first_gpu_run_plan_has_every_part():
         texts = [" ".join(c[1:]) for c in cmds]
         assert sum("--check" in t for t in texts) == 8
         assert sum("--attention cudnn" in t for t in texts) == 2
-        assert "-m pytest -m gpu -v -rs tests" in texts and "gpt2_cuda.py -x 50 -v 25 -s 50" in texts
-        assert any(t.startswith("dev/bench.py -b 16") for t in texts)
+        assert "-m pytest -m gpu -v -rs --continue-on-collection-errors tests" in texts
+        assert "gpt2_cuda.py -x 50 -v 25 -s 50" in texts
+        ours = texts.index("dev/bench.py --only cupy -b 16 --steps 10 --warmup 3")
+        twin = next(i for i, t in enumerate(texts) if t.startswith("dev/bench.py --only torch -b 16"))
+        assert max(i for i, t in enumerate(texts[:ours]) if "--check" in t) == ours - 1   # right after the checks
+        assert ours < texts.index("-m pytest -m gpu -v -rs --continue-on-collection-errors tests") < twin
     assert rgt.QUICK_DEADLINE_S <= 600 - 30                 # a running command is cut at the deadline too
 
 
