@@ -47,7 +47,7 @@ from llmc.attention import NaiveAttention, attention_path, resolve_attention
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, run_main, sample_from_prompt
 from llmc.comm import Comm
-from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK,
+from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, VECTOR_BYTES,
                        PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE, KernelCompileError, ceil_div, check_launch,
                        elementwise_grid, require, vector_size, warp_row_grid)
 from llmc.cuda_check import run_check
@@ -415,6 +415,37 @@ class GPT2:
         self.has_targets = False
 
 
+# Per-layer buffers whose layers start on a VECTOR_BYTES boundary, each padded up to it: one layer of
+# lse (L,B,NH,T) fp32 is B*NH*T floats, whole 16-byte vectors only when B*NH*T is a multiple of 4 (not
+# for d48's NH = 25 at an odd B*T), and cuDNN reads each layer's lse as its stats tensor.
+LAYER_ALIGNED_BUFFERS = ("lse",)
+
+
+def layer_stride(name, shape, itemsize):
+    """Elements from layer l of buffer `name` (shape (L, ...), elements of itemsize bytes) to
+    layer l+1: one layer's elements, rounded up to whole VECTOR_BYTES for LAYER_ALIGNED_BUFFERS."""
+    per_layer = math.prod(shape[1:])
+    if name not in LAYER_ALIGNED_BUFFERS:
+        return per_layer
+    vector = VECTOR_BYTES // itemsize
+    return ceil_div(per_layer, vector) * vector
+
+
+def buffer_elements(name, shape, itemsize):
+    """Elements the buffer of activation `name` needs for `shape` (with LAYER_ALIGNED_BUFFERS' padding)."""
+    return shape[0] * layer_stride(name, shape, itemsize) if name in LAYER_ALIGNED_BUFFERS else math.prod(shape)
+
+
+def carve(buf, name, shape):
+    """The view of activation `name` of `shape` in its buffer: the first elements, or for
+    LAYER_ALIGNED_BUFFERS layer l at element l * layer_stride, so that every layer's (contiguous)
+    slice starts as aligned as the buffer (CuPy allocates on 256 bytes). No copy."""
+    if name not in LAYER_ALIGNED_BUFFERS:
+        return prefix(buf, shape)
+    L, stride = shape[0], layer_stride(name, shape, buf.itemsize)
+    return buf[:L * stride].reshape(L, stride)[:, :math.prod(shape[1:])].reshape(shape)   # (L,stride) -> (L,...)
+
+
 def gpt2_allocate(model, *sizes):
     """Allocate every activation buffer, once (before training), big enough for each micro-batch
     size (B,T) in `sizes`: a buffer gets the largest of its sizes over their activation_shapes
@@ -427,7 +458,8 @@ def gpt2_allocate(model, *sizes):
     tables = [activation_shapes(model.config, B, T, model.recompute, model.attention) for B, T in sizes]
     model.buffers = model.views = None                                # free the old set first
     model.graphs = {}                                                 # they point into the old buffers
-    model.buffers = {name: cp.zeros(max(math.prod(table[i][1]) for table in tables), dtype=dtypes[kind])
+    model.buffers = {name: cp.zeros(max(buffer_elements(name, table[i][1], dtypes[kind].itemsize) for table in tables),
+                                    dtype=dtypes[kind])
                      for i, (name, _, kind) in enumerate(tables[0])}
     model.allocated = sizes
     model.views = {}
@@ -441,14 +473,16 @@ def gpt2_allocate(model, *sizes):
 
 def gpt2_activations(model, B, T):
     """Named views of the activation buffers shaped for (B,T) (cached): the first elements of each
-    buffer, and of the buffers the roles of activation_aliases live in. If nothing is allocated,
+    buffer (lse's layers each 16-byte aligned: carve), and of the buffers the roles of
+    activation_aliases live in. If nothing is allocated,
     or some buffer is too small for (B,T), everything is reallocated for (B,T) and the sizes
     allocated before (views fetched earlier are then stale: fetch them again)."""
     if (B, T) not in model.views:
         table = activation_shapes(model.config, B, T, model.recompute, model.attention)
-        if model.buffers is None or any(math.prod(shape) > model.buffers[name].size for name, shape, _ in table):
+        if model.buffers is None or any(buffer_elements(name, shape, model.buffers[name].itemsize) > model.buffers[name].size
+                                        for name, shape, _ in table):
             gpt2_allocate(model, *model.allocated, (B, T))
-        views = {name: prefix(model.buffers[name], shape) for name, shape, _ in table}
+        views = {name: carve(model.buffers[name], name, shape) for name, shape, _ in table}
         views.update({name: prefix(model.buffers[buffer], shape)
                       for name, buffer, shape in activation_aliases(model.config, B, T, model.attention)})
         model.views[(B, T)] = views

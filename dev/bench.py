@@ -10,7 +10,11 @@ not fit is reported as such). Each step is timed on the host from its start to t
 loss, which waits for the GPU. Reported: median ms/step, tokens/s, MFU (llmc.mfu.mfu: llm.c's
 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), the device memory in use at the end
 (total - free: the CUDA context, the allocator's pool, library workspaces), and the ratio of the
-two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph) are passed through.
+two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph, --cublaslt) are passed
+through; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
+Every B of ours is timed before the twin's, and each (trainer, B) prints its line as soon as it is
+done: a worker that fails (a traceback, an error) is one line saying so, and the rest still run, so
+a bench that is cut short or fails at its end keeps the numbers it has (exit status 1 if any failed).
 Then, for gpt2_cuda.py, a breakdown of one step by kernel (CUDA events around every launch,
 cuBLAS call and cuDNN call; the events themselves cost a little), largest first. It ends with
 one line per configuration, in a fixed form that later runs can be compared with:
@@ -23,11 +27,12 @@ convergence test (the batch is random tokens; only speed is measured).
 
 Run it (`make bench`):
     python dev/bench.py
-prints the table (trainer, B, ms/step, tok/s, MFU, memory GiB), the breakdowns and the
-summary lines.
+prints one line per (trainer, B) as it completes (trainer, B, ms/step, tok/s, MFU, memory GiB),
+then the table of them all, the breakdowns and the summary lines.
 Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py --only cupy -b 16          # one trainer, one B
     python dev/bench.py --attention flash --cuda-graph 1
+    python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
 """
 
@@ -53,7 +58,7 @@ import llmc.cuda  # noqa: E402
 import llmc.mfu  # noqa: E402
 from llmc import comm  # noqa: E402
 
-TRAINERS = {"cupy": "gpt2_cuda.py (CuPy)", "torch": "PyTorch twin (compile)"}
+TRAINERS = {"cupy": "gpt2_cuda.py (CuPy)", "torch": "PyTorch twin"}     # timed in this order
 OOM_EXIT = 3                      # a worker's exit status when its B does not fit
 FIRST_PROBE_BATCH = 8
 PROBE_STEPS = 2                   # steps a probe runs: the first allocates everything, the second reuses it
@@ -85,7 +90,19 @@ def device_memory_and_name(trainer):
     return total - free, props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
 
 
-def cupy_model(model_name, B, T, attention):
+def cupy_matmul(use_cublaslt):
+    """The linear layers' backend of the bench's model: cuBLAS, or cuBLASLt (--cublaslt 1; raises
+    RuntimeError where it is unavailable, so that the bench never times cuBLAS under its name)."""
+    if not use_cublaslt:
+        return gpt2_cuda.Cublas()
+    from llmc import cublaslt
+    reason = cublaslt.unavailable_reason()
+    if reason:
+        raise RuntimeError(f"cuBLASLt unavailable ({reason})")
+    return gpt2_cuda.CublasLt()
+
+
+def cupy_model(model_name, B, T, attention, use_cublaslt=False):
     """gpt2_cuda.py's model in bf16 with its buffers for (B,T), on a created stream (a CUDA graph
     cannot be captured on the legacy default stream), and the fixed batch."""
     cupy = llmc.cuda.cupy()
@@ -96,7 +113,8 @@ def cupy_model(model_name, B, T, attention):
     path, fallback = llmc.attention.resolve_attention(attention, "bf16", cfg.channels // cfg.num_heads)
     if fallback:
         print(f"dev/bench.py: {fallback}", file=sys.stderr)
-    model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True, attention=path)
+    model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True, attention=path,
+                           matmul=cupy_matmul(use_cublaslt))
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
     llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), model.precision)
     gpt2_cuda.gpt2_allocate(model, (B, T))
@@ -119,10 +137,10 @@ def cupy_step(model, x, y, step, cuda_graph):
     return loss
 
 
-def cupy_steps(model_name, B, T, num_steps, attention="naive", cuda_graph=False):
+def cupy_steps(model_name, B, T, num_steps, attention="naive", cuda_graph=False, use_cublaslt=False):
     """Train gpt2_cuda.py's model num_steps steps on one fixed batch; return (seconds per step,
     losses, config, the model, the batch)."""
-    model, cfg, (x, y) = cupy_model(model_name, B, T, attention)
+    model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt)
     times, losses = [], []
     for step in range(1, num_steps + 1):
         t0 = time.perf_counter()
@@ -223,12 +241,12 @@ def worker(args):
     try:
         if args.worker == "cupy":
             times, losses, cfg, model, (x, y) = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps,
-                                                           args.attention, bool(args.cuda_graph))
+                                                           args.attention, bool(args.cuda_graph), bool(args.cublaslt))
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1)
         else:
             times, losses, cfg = torch_steps(args.model, args.batch_size, args.seq_len, num_steps,
-                                             compile_model=not args.probe)
+                                             compile_model=bool(args.compile) and not args.probe)
     except Exception as e:                                  # noqa: BLE001: classify, then re-raise
         if is_out_of_memory(e):
             print(f"B={args.batch_size}: out of memory ({type(e).__name__})", file=sys.stderr)
@@ -251,18 +269,29 @@ def worker(args):
 # ----------------------------------------------------------------------------
 # the driver: find B, time, print the table
 
+class WorkerFailed(RuntimeError):
+    """A worker ended without a result (not out of memory); the message is one line: its exit
+    status and its last line of output."""
+
+
+def worker_command(trainer, B, args, probe):
+    """The command line of one worker: this file with --worker and the bench's options."""
+    return [sys.executable, os.path.abspath(__file__), "--worker", trainer, "-b", str(B), "-t", str(args.seq_len),
+            "-e", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--attention", args.attention, "--cuda-graph", str(args.cuda_graph), "--cublaslt", str(args.cublaslt),
+            "--compile", str(args.compile)] + (["--probe"] if probe else [])
+
+
 def run_worker(trainer, B, args, probe):
-    """Run a worker subprocess. Returns its result dict, or None if B ran out of memory."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "-b", str(B), "-t", str(args.seq_len),
-           "-e", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--attention", args.attention, "--cuda-graph", str(args.cuda_graph)] + (["--probe"] if probe else [])
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    """Run a worker subprocess. Returns its result dict, or None if B ran out of memory; raises
+    WorkerFailed if it ended otherwise without a result."""
+    r = subprocess.run(worker_command(trainer, B, args, probe), capture_output=True, text=True)
     if r.returncode == OOM_EXIT:
         return None
     lines = [line for line in r.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if r.returncode != 0 or not lines:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"{TRAINERS[trainer]} at B={B} failed (exit {r.returncode}):\n  " + "\n  ".join(tail))
+        tail = (r.stderr or r.stdout).strip().splitlines()
+        raise WorkerFailed(f"exit {r.returncode}: " + (tail[-1].strip() if tail else "no output"))
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
@@ -281,31 +310,50 @@ def largest_batch(trainer, args):
             B //= 2
         best = B if B >= 1 else None
     if best is None:
-        raise RuntimeError(f"{TRAINERS[trainer]}: not even B=1 fits in memory")
+        raise WorkerFailed("not even B=1 fits in memory")
     return best
 
 
+TABLE_HEADER = f"{'trainer':26s} {'B':>4s} {'ms/step':>9s} {'tok/s':>10s} {'MFU':>7s} {'memory GiB':>11s}"
+
+
+def table_row(trainer, B, r):
+    """One (trainer, B) row of the table; r: the worker's result dict, None (B did not fit) or a
+    WorkerFailed (its one line)."""
+    if r is None:
+        return f"{TRAINERS[trainer]:26s} {B:4d} {'does not fit in memory':>40s}"
+    if isinstance(r, WorkerFailed):
+        return f"{TRAINERS[trainer]:26s} {B:4d} FAILED: {r}"
+    util = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    return (f"{TRAINERS[trainer]:26s} {r['B']:4d} {r['ms_median']:9.1f} {r['tok_s']:10.0f} {util:>7s} "
+            f"{r['memory_bytes'] / 2**30:11.2f}")
+
+
+def options_line(args):
+    """What was timed, for the heading of the table."""
+    return (f"GPT-2 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
+            f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
+            f"{'cuBLASLt' if args.cublaslt else 'cuBLAS'}; twin: torch.compile {args.compile}")
+
+
 def print_table(runs, args):
-    """runs: [(B, {trainer: result or None})] -> the table (a result of None: B did not fit)."""
-    device = next(r["device"] for _, results in runs for r in results.values() if r)
-    print(f"\nGPT-2 124M ({args.model}), T={args.seq_len}, bf16 on {device}, "
-          f"median of {args.steps} steps after {args.warmup} warm-up; ours: {args.attention} attention, "
-          f"CUDA graph {args.cuda_graph}")
-    print(f"{'trainer':26s} {'B':>4s} {'ms/step':>9s} {'tok/s':>10s} {'MFU':>7s} {'memory GiB':>11s}")
-    for B, results in runs:
-        for trainer, r in results.items():
-            if r is None:
-                print(f"{TRAINERS[trainer]:26s} {B:4d} {'does not fit in memory':>40s}")
-                continue
-            util = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-            print(f"{TRAINERS[trainer]:26s} {r['B']:4d} {r['ms_median']:9.1f} {r['tok_s']:10.0f} {util:>7s} "
-                  f"{r['memory_bytes'] / 2**30:11.2f}")
+    """runs: [(B, {trainer: result, None or WorkerFailed})] -> the table of every line again, in the
+    order they were timed."""
+    device = next((r["device"] for _, results in runs for r in results.values() if isinstance(r, dict)), "n/a")
+    print(f"\n{options_line(args)}, on {device}")
+    print(TABLE_HEADER)
+    for trainer in TRAINERS:
+        for B, results in runs:
+            if trainer in results:
+                print(table_row(trainer, B, results[trainer]))
 
 
 def summary_line(model, T, B, ours, torch):
-    """The fixed-form line of one configuration; ours/torch: a worker's result dict or None."""
+    """The fixed-form line of one configuration; ours/torch: a worker's result dict, or anything
+    else (None, a WorkerFailed) where there is none."""
     def fmt(r, key, scale, digits):
         return "n/a" if r is None or r.get(key) is None else f"{r[key] * scale:.{digits}f}"
+    ours, torch = (r if isinstance(r, dict) else None for r in (ours, torch))
     ratio = f"{ours['tok_s'] / torch['tok_s']:.3f}" if ours and torch else "n/a"
     return (f"bench: model={model} T={T} B={B} precision=bf16 ours={fmt(ours, 'tok_s', 1, 0)} "
             f"torch={fmt(torch, 'tok_s', 1, 0)} ratio={ratio} mfu={fmt(ours, 'mfu', 100, 1)} "
@@ -323,6 +371,10 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=512, help="largest B the search tries")
     p.add_argument("--attention", default="naive", choices=llmc.attention.ATTENTION_PATHS, help="gpt2_cuda.py's attention")
     p.add_argument("--cuda-graph", type=int, default=0, choices=(0, 1), help="gpt2_cuda.py: 1 replays a CUDA graph")
+    p.add_argument("--cublaslt", type=int, default=0, choices=(0, 1),
+                   help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable)")
+    p.add_argument("--compile", type=int, default=1, choices=(0, 1),
+                   help="the PyTorch twin: 1 torch.compile (needs a C compiler), 0 eager")
     p.add_argument("--breakdown-top", type=int, default=20, help="rows of the per-kernel breakdown")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, autotuning)")
@@ -351,37 +403,47 @@ def main(argv=None):
             print(f"skipping the PyTorch twin: {e}", file=sys.stderr)
             trainers = tuple(t for t in trainers if t != "torch")
     sizes = [args.batch_size] if args.batch_size else [int(b) for b in args.batch_sizes.split(",")]
-    runs = []                                                    # [(B, {trainer: result or None})]
-    try:
-        if args.search:
-            sizes += [B for B in (largest_batch(trainer, args) for trainer in trainers) if B not in sizes]
+    if args.search:
+        for trainer in trainers:
+            try:
+                B = largest_batch(trainer, args)
+            except WorkerFailed as e:
+                print(f"dev/bench.py: the search for {TRAINERS[trainer]}'s largest B failed: {e}", flush=True)
+                continue
+            sizes += [B] if B not in sizes else []
+    results = {B: {} for B in sizes}                            # B -> {trainer: result, None or WorkerFailed}
+    print(options_line(args) + "\n" + TABLE_HEADER, flush=True)
+    for trainer in trainers:                                     # all of ours first, then the twin
         for B in sizes:
-            results = {}
-            for trainer in trainers:
-                print(f"timing {TRAINERS[trainer]} at B={B} ...", flush=True)
-                results[trainer] = run_worker(trainer, B, args, probe=False)    # None: out of memory
-            runs.append((B, results))
-    except RuntimeError as e:
-        print(f"dev/bench.py: {e}", file=sys.stderr)
-        return 1
-    if not any(r for _, results in runs for r in results.values()):
-        print("dev/bench.py: nothing was timed (no B fit in memory)", file=sys.stderr)
+            try:
+                results[B][trainer] = run_worker(trainer, B, args, probe=False)    # None: out of memory
+            except WorkerFailed as e:
+                results[B][trainer] = e
+            print(table_row(trainer, B, results[B][trainer]), flush=True)
+    runs = [(B, results[B]) for B in sizes]
+    failed = sum(isinstance(r, WorkerFailed) for _, rs in runs for r in rs.values())
+    if not any(isinstance(r, dict) for _, rs in runs for r in rs.values()):
+        print(f"dev/bench.py: nothing was timed ({failed} failed, the others did not fit in memory)", file=sys.stderr)
         return 1
     print_table(runs, args)
-    for B, results in runs:
-        ours = results.get("cupy")
-        if ours and ours.get("breakdown"):
+    for B, rs in runs:
+        ours = rs.get("cupy")
+        if isinstance(ours, dict) and ours.get("breakdown"):
             print(f"\ngpt2_cuda.py at B={B}: one step by kernel (CUDA events; eager, {args.attention} attention)")
             print("\n".join(format_breakdown([tuple(r) for r in ours["breakdown"]], ours["ms_median"],
                                              args.breakdown_top)))
     print()
-    for B, results in runs:
-        print(summary_line(args.model, args.seq_len, B, results.get("cupy"), results.get("torch")))
+    for B, rs in runs:
+        print(summary_line(args.model, args.seq_len, B, rs.get("cupy"), rs.get("torch")), flush=True)
     if args.json:
+        runs_json = [(B, {t: str(r) if isinstance(r, WorkerFailed) else r for t, r in rs.items()}) for B, rs in runs]
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "T": args.seq_len, "attention": args.attention,
-                       "cuda_graph": args.cuda_graph, "runs": runs}, f, indent=1)
-    return 0
+                       "cuda_graph": args.cuda_graph, "cublaslt": args.cublaslt, "compile": args.compile,
+                       "runs": runs_json}, f, indent=1)
+    if failed:
+        print(f"dev/bench.py: {failed} worker(s) failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -11,11 +11,15 @@ one log shows everything:
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0 --attention flash
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention flash
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention cudnn
+    python dev/bench.py --only cupy -b 16 --steps 10 --warmup 3   # ours at B=16: the first number, early
     python gpt2_cuda.py -x 50 -v 25 -s 50                         # 50 steps on Shakespeare
-    python -m pytest -m gpu -v -rs tests                          # every test marked gpu
-    python dev/bench.py -b 16                                     # ours and the PyTorch twin, B=16
+    python -m pytest -m gpu -v -rs --continue-on-collection-errors tests   # every test marked gpu
+    python dev/bench.py --only torch -b 16                        # the PyTorch twin at B=16
     python gpt2_cuda.py --check -e d12 -b 1 -t 1024 --precision bf16 --attention <naive, flash, cudnn>
---quick gives the bench fewer steps and every command a shorter limit, so that the whole run ends
+The bench of ours comes right after the checks, before the long test run, so that a run cut short
+still brings back a number; a test module that fails to import is one error among the results,
+not the end of the test run (--continue-on-collection-errors).
+--quick gives the twin fewer steps and every command a shorter limit, so that the whole run ends
 inside --deadline seconds (default 540 with --quick: one device command of at most 10 minutes);
 a command that would start after the deadline is recorded as NOT RUN. The wheels are installed
 into /tmp/llmc-site, which is put first on the commands' PYTHONPATH.
@@ -38,7 +42,8 @@ in gpt2_cuda.py --check; this only runs them and keeps the record.
 kernels compiled by g++ and run on the CPU, `gpt2_cuda.py --device cpu`): every gpt2_cuda.py
 command gets `--device cpu` and the d2 model at small shapes in place of d12 (the emulated device
 runs a 124M --check in hours, not seconds), `pytest -m gpu` becomes the emulated kernel tests,
-and the bench (timings mean nothing there) becomes dev/bench_emulator.py. Its log is named
+the bench of ours (timings mean nothing there) becomes dev/bench_emulator.py, and the twin's bench
+a few CPU steps of the twin (dev/torch_reference.py). Its log is named
 `_test-gpu-emulated.log`. It checks the runner, the commands and the kernels' results; it says
 nothing of a GPU's numerics, speed or memory.
 
@@ -84,7 +89,8 @@ QUICK_DEADLINE_S = 540                  # one device command may run 600 s; 60 s
 # measures them (dev/results/README.md): the first --check compiles every kernel (NVRTC) and each
 # builds the 124M reference with gpt2_cpu.py on the host; the bench compiles the twin (torch.compile).
 LIMITS_S = {"wheels": (120, 60), "data": (300, 120), "check": (300, 40), "check-long": (300, 50),
-            "train": (300, 60), "pytest": (1800, 200), "bench": (1800, 180)}
+            "train": (300, 60), "pytest": (1800, 200), "bench": (600, 90), "twin": (1800, 180)}
+BENCH_STEPS = ["--steps", "10", "--warmup", "3"]      # ours' bench: a few steps, so that it comes back early
 PACKAGES = ["numpy", "cupy-cuda13x", "cupy-cuda12x", "torch", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12",
             "nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvmath-python", "tiktoken", "pytest"]
 CUDNN_FALLBACK = re.compile(r"cuDNN attention unavailable \((.*)\): using (\w+) attention")
@@ -96,7 +102,7 @@ def commands():
 
 
 def quick_commands():
-    """The commands of a --quick run: the same list, the bench at fewer steps."""
+    """The commands of a --quick run: the same list, the twin's bench at fewer steps."""
     return preparation() + _commands(quick=True)
 
 
@@ -106,29 +112,34 @@ def emulated_commands(quick):
 
 
 def _commands(quick, emulated=False):
-    """The checks, the training run, the tests and the bench. emulated: the same list for the
-    emulated device (EMULATED_SHAPES in place of the GPU shapes, `--device cpu`, the emulated
-    kernel tests in place of `pytest -m gpu`, dev/bench_emulator.py in place of the bench)."""
+    """The checks, the bench of ours, the training run, the tests, the twin's bench and the long
+    checks. emulated: the same list for the emulated device (EMULATED_SHAPES in place of the GPU
+    shapes, `--device cpu`, the emulated kernel tests in place of `pytest -m gpu`,
+    dev/bench_emulator.py in place of our bench and a few CPU steps of the twin in place of its)."""
     python = sys.executable
     shapes = EMULATED_SHAPES if emulated else GPU_SHAPES
     trainer = [python, "gpt2_cuda.py"] + (["--device", "cpu"] if emulated else [])
     fp32, bf16 = ["--precision", "fp32", "-f", "0"], ["--precision", "bf16"]
     check, long = ["--check"] + shapes["check"], ["--check"] + shapes["check-long"]
     if emulated:
-        tests = [python, "-m", "pytest", "-q", "-rs", "-m", "not slow", "tests/test_emulated_kernels.py"]
-        bench = [python, "dev/bench_emulator.py"]
+        tests = [python, "-m", "pytest", "-q", "-rs", "--continue-on-collection-errors", "-m", "not slow",
+                 "tests/test_emulated_kernels.py"]
+        bench = [python, "dev/bench_emulator.py"] + (["-e", "d2", "-b", "2", "--repeats", "1"] if quick else [])
+        twin = [python, "dev/torch_reference.py", "-e", "d2", "-b", "2", "-t", "32", "-x", "4"]
     else:
-        tests = [python, "-m", "pytest", "-m", "gpu", "-v", "-rs", "tests"]
-        bench = [python, "dev/bench.py", "-b", "16"] + (["--steps", "10", "--warmup", "3"] if quick else [])
+        tests = [python, "-m", "pytest", "-m", "gpu", "-v", "-rs", "--continue-on-collection-errors", "tests"]
+        bench = [python, "dev/bench.py", "--only", "cupy", "-b", "16"] + BENCH_STEPS
+        twin = [python, "dev/bench.py", "--only", "torch", "-b", "16"] + (BENCH_STEPS if quick else [])
     return [
         trainer + check + fp32,
         trainer + check + bf16,
         trainer + check + fp32 + ["--attention", "flash"],
         trainer + check + bf16 + ["--attention", "flash"],
         trainer + check + bf16 + ["--attention", "cudnn"],
+        bench,
         trainer + shapes["train"],
         tests,
-        bench,
+        twin,
     ] + [trainer + long + bf16 + ["--attention", path] for path in ("naive", "flash", "cudnn")]
 
 
@@ -137,8 +148,9 @@ def kind_of(cmd):
     text = " ".join(cmd)
     if "pip install" in text or (len(cmd) > 2 and cmd[1:3] == ["-m", "pip"]):
         return "wheels"
-    for key, marker in (("data", "tinyshakespeare.py"), ("pytest", "pytest"), ("bench", "bench.py"),
-                        ("bench", "bench_emulator.py"), ("check-long", "-b 1 -t"), ("check", "--check")):
+    for key, marker in (("data", "tinyshakespeare.py"), ("pytest", "pytest"), ("twin", "--only torch"),
+                        ("twin", "torch_reference.py"), ("bench", "bench.py"), ("bench", "bench_emulator.py"),
+                        ("check-long", "-b 1 -t"), ("check", "--check")):
         if marker in text:
             return key
     return "train"

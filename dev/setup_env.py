@@ -338,9 +338,13 @@ GPU_WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manyli
                        "manylinux2014_x86_64", "manylinux1_x86_64"]
 # What the GPU machine (Python 3.12, CUDA 13, see dev/results/README.md) lacks for the optional
 # paths: the cuDNN frontend (its nvidia-cutlass-dsl dependency is not needed to import it) and
-# nvmath-python (its CUDA-13 dependencies cuda-bindings, cuda-core, cuda-toolkit's cuBLAS are there;
-# nvidia-cudss-cu13 and cutensor-cu13 serve solvers and tensor contractions that llmc does not use).
-GPU_WHEELS = ["nvidia-cudnn-frontend==1.32.0", "nvmath-python==1.0.0"]
+# nvmath-python with what its metadata requires (cuda-bindings, cuda-core<2,>=0.5.0,
+# cuda-pathfinder<2,>=1.5.1, numpy): neither torch 2.11 nor cupy-cuda13x 14.2 brings cuda-core, and
+# cupy's cuda-pathfinder (==1.*,>=1.3.4) may be older than nvmath's; numpy and the CUDA 13 cuBLAS are
+# there (nvidia-cudss-cu13 and cutensor-cu13 of nvmath's [cu13] serve solvers and tensor contractions
+# that llmc does not use).
+NVMATH_WHEELS = ["nvmath-python==1.0.0", "cuda-core==1.2.2", "cuda-bindings==13.5.0", "cuda-pathfinder==1.9.0"]
+GPU_WHEELS = ["nvidia-cudnn-frontend==1.32.0"] + NVMATH_WHEELS
 
 
 def gpu_wheels(dest=WHEEL_DIR):

@@ -124,11 +124,27 @@ def bindings():
 
 def unavailable_reason():
     """None if nvmath-python imports and loads a cuBLASLt with the epilogues we use, else one line
-    saying what is missing: the pip package, the library (or the CUDA driver), or the version."""
+    saying what is missing: nvmath-python, or the dependency it lacks (its metadata's cuda-core,
+    cuda-bindings, cuda-pathfinder: neither torch nor CuPy brings cuda-core), the library (or the
+    CUDA driver), or the version."""
+    import importlib.util
+    dependencies = {"cuda-core": "cuda.core", "cuda-bindings": "cuda.bindings", "cuda-pathfinder": "cuda.pathfinder"}
+
+    def present(module):
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):      # a parent package missing, or one in sys.modules without a spec
+            return False
     try:
         lt = bindings()
     except ImportError as e:
-        return f"nvmath-python is not installed ({e}): pip install \"{NVMATH_PIP_PACKAGE}\" (optional, GPU only)"
+        if not present("nvmath"):
+            return f"nvmath-python is not installed ({e}): pip install \"{NVMATH_PIP_PACKAGE}\" (optional, GPU only)"
+        missing = [name for name, module in dependencies.items() if not present(module)]
+        if missing:
+            return (f"nvmath-python is installed but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                    f"missing ({e}): pip install {' '.join(missing)} (a machine without network: make gpu-wheels)")
+        return f"nvmath-python fails to import: {type(e).__name__}: {e}".splitlines()[0]
     except Exception as e:                 # installed but broken, e.g. a cuda-bindings it does not support
         return f"nvmath-python fails to import: {type(e).__name__}: {e}".splitlines()[0]
     try:

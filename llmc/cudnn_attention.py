@@ -31,12 +31,20 @@ Importing this module imports neither `cudnn` nor CuPy; nothing here runs withou
 unavailable_reason and the layout helpers.
 
 Install: pip install nvidia-cudnn-frontend nvidia-cudnn-cu12   (nvidia-cudnn-cu13 for CUDA 13)
+The frontend looks for libcudnn in LD_LIBRARY_PATH and this interpreter's site-packages only; a
+libcudnn that torch finds elsewhere on sys.path (find_cudnn_library) is loaded for it, and the first
+use on a GPU prints one line saying which library was found.
 Tests:   pytest tests/test_cudnn_attention.py   (the emulated device's cudnn without a GPU; GPU tests on one)
 Legend: B batch, T time, C channels, NH heads, HS = C // NH head size.
 """
 
+import ctypes
+import glob
 import math
+import os
 import re
+import sys
+import sysconfig
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +68,18 @@ HEAD_SIZE_MULTIPLE = 8                   # 16-byte rows of bf16
 MAX_HEAD_SIZE = 128                      # the SDPA backward's limit on Ampere (Hopper: 256)
 # llm.c: the deterministic backward, so that two runs give the same gradients bit for bit
 DETERMINISTIC_BACKWARD = True
+# Where libcudnn is looked for (the frontend's cudnn/__init__.py, _dlopen_cudnn, 1.32): these names
+# in each LD_LIBRARY_PATH folder, then nvidia/<folder>/lib/<glob> of the interpreter's purelib only;
+# torch (torch/__init__.py, _preload_cuda_deps) globs nvidia/cudnn/lib/ in every sys.path entry.
+CUDNN_LIBRARY_NAMES = ("libcudnn.so.9", "libcudnn.so")
+CUDNN_WHEEL_FOLDERS = ("cudnn", "cudnn_jit")    # nvidia-cudnn-cu12 / -cu13, and cuDNN's JIT wheel
+CUDNN_LIBRARY_GLOB = "libcudnn.so.*[0-9]"
+FOUND_BY_FRONTEND = "the frontend loads it itself"
+FOUND_ON_SYS_PATH = "on sys.path, as torch finds it; loaded here for the frontend"
 
 GRAPHS = {}        # (direction, B, T, NH, HS, training) -> AttentionGraph, built once
 _RESOURCES = {}    # "handle": the cuDNN handle, "workspace": a CuPy uint8 array, "retired": the replaced ones
+_LIBRARY = {}      # "cudnn": the line load_cudnn_library said, once per process
 
 
 @dataclass
@@ -76,8 +93,47 @@ class AttentionGraph:
 
 def cudnn_module():
     """The cudnn module of the device (imported on first use): the frontend package on a GPU,
-    llmc/emulator/cudnn.py (the same calls on host memory) on the emulated device."""
+    llmc/emulator/cudnn.py (the same calls on host memory) on the emulated device. On a GPU the
+    first call finds libcudnn first (load_cudnn_library) and prints one line saying which."""
+    if cuda.device() == "cuda" and "cudnn" not in _LIBRARY:
+        _LIBRARY["cudnn"] = load_cudnn_library()
+        print(f"cuDNN attention: {_LIBRARY['cudnn']}")
     return cuda.library("cudnn")
+
+
+def find_cudnn_library(env=None, purelib=None, search_path=None):
+    """(path of libcudnn, how it was found), or (None, None). The frontend's own search first,
+    LD_LIBRARY_PATH's CUDNN_LIBRARY_NAMES, then purelib/nvidia/{cudnn,cudnn_jit}/lib (purelib: this
+    interpreter's, sysconfig); then torch's, nvidia/{cudnn,cudnn_jit}/lib in each entry of search_path
+    (default sys.path), where torch's nvidia-cudnn-cu13 sits when it is not in purelib (a venv with
+    --system-site-packages, a pip --target folder on PYTHONPATH, the user site). env: default os.environ."""
+    env = os.environ if env is None else env
+    for folder in filter(None, env.get("LD_LIBRARY_PATH", "").split(os.pathsep)):
+        for name in CUDNN_LIBRARY_NAMES:
+            if os.path.exists(os.path.join(folder, name)):
+                return os.path.join(folder, name), f"LD_LIBRARY_PATH; {FOUND_BY_FRONTEND}"
+    roots = [(purelib or sysconfig.get_path("purelib"), f"site-packages; {FOUND_BY_FRONTEND}")]
+    roots += [(entry, FOUND_ON_SYS_PATH) for entry in (sys.path if search_path is None else search_path) if entry]
+    for root, how in roots:
+        for folder in CUDNN_WHEEL_FOLDERS:
+            found = sorted(glob.glob(os.path.join(root, "nvidia", folder, "lib", CUDNN_LIBRARY_GLOB)))
+            if found:
+                return found[0], how
+    return None, None
+
+
+def load_cudnn_library(env=None, purelib=None, search_path=None):
+    """Make libcudnn loadable by the frontend, and say which was found (one line). Where only
+    torch's search finds it, it is loaded here with RTLD_GLOBAL: the frontend's last resort,
+    dlopen("libcudnn.so.9"), then gets this library, as the dynamic linker matches a loaded
+    library's soname. Raises OSError where that library does not load."""
+    path, how = find_cudnn_library(env, purelib, search_path)
+    if path is None:
+        return ("no libcudnn in LD_LIBRARY_PATH, site-packages or on sys.path: the frontend tries the "
+                "system's libcudnn.so.9")
+    if how == FOUND_ON_SYS_PATH:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return f"libcudnn {path} ({how})"
 
 
 def _first_line(error):

@@ -583,13 +583,26 @@ def exchange_id(p, make_id):
 # the process group the trainer uses: rank, size, host reductions, the NCCL communicator
 
 def nccl_id_to_bytes(unique_id):
-    """cupy.cuda.nccl.get_unique_id()'s tuple of 128 C chars (signed) -> 128 bytes."""
+    """cupy.cuda.nccl.get_unique_id()'s id -> its 128 bytes: CuPy 14 gives bytes already, CuPy 13 a
+    tuple of 128 C chars (signed)."""
+    if isinstance(unique_id, bytes):
+        return unique_id
     return bytes(b & 0xFF for b in unique_id)
 
 
 def nccl_id_from_bytes(data):
-    """128 bytes -> the tuple of signed chars NcclCommunicator takes."""
+    """128 bytes -> CuPy 13's form of the id: the tuple of signed chars its NcclCommunicator takes."""
     return tuple(b - 256 if b > 127 else b for b in data)
+
+
+def nccl_communicator(nccl, size, unique_id, rank):
+    """nccl.NcclCommunicator(size, id, rank) (library call: ncclCommInitRank) with the id (128 bytes)
+    in the installed CuPy's form: bytes for CuPy 14 (`bytes commId`), and where CuPy refuses them
+    with a TypeError (CuPy 13's `tuple commId`, checked before NCCL is called) the tuple of signed chars."""
+    try:
+        return nccl.NcclCommunicator(size, unique_id, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(size, nccl_id_from_bytes(unique_id), rank)
 
 
 class ProcessGroup:
@@ -667,7 +680,7 @@ class NcclGroupComm(NcclComm):
     def __init__(self, rank, size, unique_id):
         from llmc import cuda
         self.nccl = cuda.library("nccl")
-        self.communicator = self.nccl.NcclCommunicator(size, nccl_id_from_bytes(unique_id), rank)
+        self.communicator = nccl_communicator(self.nccl, size, unique_id, rank)
         self.rank, self.size = rank, size
 
     def host_sum(self, arr):

@@ -14,6 +14,7 @@ which also runs the model on that path.
 Run: pytest tests/test_attention_paths.py   (a few seconds once the emulated kernels are built)
 """
 
+import dataclasses
 import math
 import sys
 import types
@@ -143,3 +144,43 @@ def test_attention_lse_is_the_log_sum_exp():
     for b, h, t in [(0, 0, 0), (1, 2, 4), (0, 1, 3)]:
         scores = [q[b, h, t] @ k[b, h, j] / math.sqrt(HS) for j in range(t + 1)]   # keys 0..t only
         assert lse[b, h, t] == pytest.approx(math.log(sum(math.exp(s) for s in scores)), rel=1e-12)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 5), (1, 1023), (5, 63)])
+@pytest.mark.parametrize("path", ["flash", "cudnn"])
+def test_every_layers_lse_starts_16_byte_aligned_at_d48(emulated_gpu, B, T, path):
+    """d48 (GPT-2 1.5B): NH = 25, so one layer's lse is B*25*T floats, a multiple of 16 bytes only
+    when B*T is a multiple of 4. Every layer's slice must still start 16-byte aligned (cuDNN's stats
+    tensor, the kernels' fp32 loads): the buffer and its views as gpt2_allocate and
+    gpt2_activations carve them, for the table's lse shape (no d48 model is built)."""
+    cfg = model_config("d48")
+    L, NH = cfg.num_layers, cfg.num_heads
+    assert (L, NH) == (48, 25)
+    table = gpt2_cuda.activation_shapes(cfg, B, T, 1, llmc.attention.attention_path(path))
+    (shape,) = [shape for name, shape, _ in table if name == "lse"]
+    assert shape == (L, B, NH, T)
+    itemsize = np.dtype(np.float32).itemsize
+    buf = emulated_gpu.zeros(gpt2_cuda.buffer_elements("lse", shape, itemsize), dtype=np.float32)
+    lse = gpt2_cuda.carve(buf, "lse", shape)
+    assert lse.shape == shape
+    starts = [lse[l].data.ptr - buf.data.ptr for l in range(L)]
+    assert all((buf.data.ptr + start) % 16 == 0 for start in starts), starts[:3]
+    assert all(lse[l].flags.c_contiguous and lse[l].shape == (B, NH, T) for l in range(L))
+    per_layer = B * NH * T * itemsize
+    assert all(b - a >= per_layer for a, b in zip(starts, starts[1:]))      # the layers do not overlap
+    assert starts[-1] + per_layer <= buf.nbytes
+    for l in range(L):                                                      # each layer writes its own slice
+        lse[l][...] = float(l + 1)
+    assert sorted(set(buf.get().tolist())) == [0.0] + [float(l + 1) for l in range(L)]
+    assert (lse.get() == np.arange(1, L + 1, dtype=np.float32)[:, None, None, None]).all()
+
+
+@pytest.mark.parametrize("path", ["flash", "cudnn"])
+def test_model_activations_carve_aligned_lse_layers_for_25_heads(emulated_gpu, path):
+    """The same through gpt2_allocate and gpt2_activations of a small model with d48's 25 heads
+    (HS 16) at B*T = 3: each layer's lse view, as the attention launchers get it, 16-byte aligned."""
+    cfg = dataclasses.replace(TINY, num_heads=25, channels=25 * 16)
+    model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=False, recompute=True, attention=path)
+    A = gpt2_cuda.gpt2_activations(model, 1, 3)
+    assert A["lse"].shape == (cfg.num_layers, 1, 25, 3)
+    assert [A["lse"][l].data.ptr % 16 for l in range(cfg.num_layers)] == [0] * cfg.num_layers

@@ -1,10 +1,13 @@
 """dev/bench.py's host side, without a GPU: the fixed-form summary line that runs are compared by
 (its exact text for hand-made results, and n/a where a trainer did not run or B did not fit), the
-per-kernel breakdown's aggregation and table, and the one-line exit without a GPU. The timings
-themselves need a GPU (`make bench`).
+per-kernel breakdown's aggregation and table, the one-line exit without a GPU, and the driver
+around the workers with their subprocesses faked (each line printed as it completes, ours before
+the twin, a failed worker one line among the others, --cublaslt and --compile passed on). The
+timings themselves need a GPU (`make bench`).
 Run: pytest tests/test_bench.py   (a second)
 """
 
+import json
 import os
 import re
 import subprocess
@@ -56,3 +59,91 @@ def test_no_gpu_is_one_line_exit_2():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "bench.py")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("dev/bench.py: no CUDA GPU found")
+
+
+# ----------------------------------------------------------------------------
+# the driver with its workers' subprocesses faked: what a GPU machine would see
+
+def fake_result(trainer, B):
+    return {"trainer": trainer, "B": B, "T": 1024, "ms_median": 100.0 + B, "ms_all": [100.0 + B], "tok_s": 1000.0 * B,
+            "mfu": None, "memory_bytes": 2**30, "device": "fake GPU", "losses": [11.0], "breakdown": None}
+
+
+class FakeWorkers:
+    """Stands in for subprocess.run of the workers: each (trainer, B) answers a result line, a
+    planted failure (exit 1, a traceback's last line) or an exception raised in the driver."""
+
+    def __init__(self, planted=None):
+        self.planted, self.calls = planted or {}, []
+
+    def __call__(self, cmd, **kwargs):
+        args = bench.parse_args(cmd[2:])                          # the worker parses what it is given
+        key = (args.worker, args.batch_size)
+        self.calls.append((key, cmd))
+        planted = self.planted.get(key)
+        if isinstance(planted, BaseException):
+            raise planted
+        if planted:
+            return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=f"Traceback ...\n{planted}\n")
+        return subprocess.CompletedProcess(cmd, 0, stdout=bench.RESULT_PREFIX + json.dumps(fake_result(*key)) + "\n",
+                                           stderr="")
+
+
+@pytest.fixture
+def workers(monkeypatch):
+    """bench.main with a GPU and a CUDA PyTorch pretended, and its workers' subprocesses faked."""
+    import torch
+    monkeypatch.setattr(bench.llmc.cuda, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def install(planted=None):
+        fake = FakeWorkers(planted)
+        monkeypatch.setattr(bench.subprocess, "run", fake)
+        return fake
+    return install
+
+
+def test_a_failed_worker_is_one_line_and_the_others_still_run(workers, capsys):
+    fake = workers({("cupy", 32): "RuntimeError: planted failure"})
+    status = bench.main(["--batch-sizes", "16,32"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert [key for key, _ in fake.calls] == [("cupy", 16), ("cupy", 32), ("torch", 16), ("torch", 32)]
+    rows = [line for line in out.splitlines() if line.startswith(tuple(bench.TRAINERS.values()))]
+    assert len(rows) == 8                                          # as each completes, then the table again
+    assert rows[:4] == rows[4:]
+    assert rows[1].split()[2:] == ["32", "FAILED:", "exit", "1:", "RuntimeError:", "planted", "failure"]
+    assert rows[0].split()[2:4] == ["16", "116.0"] and rows[3].split()[2:4] == ["32", "132.0"]
+    summary = [line for line in out.splitlines() if line.startswith("bench:")]
+    assert summary == [bench.summary_line("d12", 1024, 16, fake_result("cupy", 16), fake_result("torch", 16)),
+                       bench.summary_line("d12", 1024, 32, None, fake_result("torch", 32))]
+    assert "ours=n/a torch=32000 ratio=n/a" in summary[1]
+
+
+def test_lines_already_done_are_printed_when_a_later_worker_never_returns(workers, capsys):
+    """The bench cut at its time limit (here: the twin's worker interrupted) keeps ours' lines."""
+    workers({("torch", 16): KeyboardInterrupt()})
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--batch-sizes", "16,32"])
+    rows = [line.split()[:4] for line in capsys.readouterr().out.splitlines() if line.startswith("gpt2_cuda.py")]
+    assert rows == [["gpt2_cuda.py", "(CuPy)", "16", "116.0"], ["gpt2_cuda.py", "(CuPy)", "32", "132.0"]]
+
+
+def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
+    fake = workers()
+    assert bench.main(["-b", "16", "--cublaslt", "1", "--compile", "0"]) == 0
+    for (trainer, B), cmd in fake.calls:
+        args = bench.parse_args(cmd[2:])
+        assert (args.cublaslt, args.compile, args.worker, args.batch_size) == (1, 0, trainer, 16)
+    assert "cuBLASLt; twin: torch.compile 0" in capsys.readouterr().out
+    assert bench.parse_args([]).compile == 1 and bench.parse_args([]).cublaslt == 0
+
+
+def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypatch):
+    from llmc import cublaslt
+    monkeypatch.setattr(cublaslt, "unavailable_reason", lambda: "nvmath-python is not installed")
+    with pytest.raises(RuntimeError, match=r"cuBLASLt unavailable \(nvmath-python is not installed\)"):
+        bench.cupy_matmul(True)
+    assert type(bench.cupy_matmul(False)).__name__ == "Cublas"
+    monkeypatch.setattr(cublaslt, "unavailable_reason", lambda: None)
+    assert type(bench.cupy_matmul(True)).__name__ == "CublasLt"

@@ -26,6 +26,7 @@ Run: python -m pytest -q tests/test_cublaslt.py   (part 1: about a second)
 
 import ctypes
 import math
+import sys
 import types
 
 import numpy as np
@@ -135,6 +136,44 @@ def test_unavailable_reason_one_liners(monkeypatch):
     assert "older than 111103" in cublaslt.unavailable_reason()
     monkeypatch.setattr(cublaslt, "bindings", lambda: types.SimpleNamespace(get_version=lambda: 120905))
     assert cublaslt.unavailable_reason() is None
+
+
+def fake_nvmath(root, imports):
+    """A package `nvmath` under root whose bindings.cublasLt import runs `imports` first (as the real
+    nvmath/__init__.py imports cuda.core, cuda.bindings and cuda.pathfinder)."""
+    (root / "nvmath" / "bindings").mkdir(parents=True)
+    (root / "nvmath" / "__init__.py").write_text(imports + "\n")
+    (root / "nvmath" / "bindings" / "__init__.py").write_text("")
+    (root / "nvmath" / "bindings" / "cublasLt.py").write_text("def get_version():\n    return 130000\n")
+
+
+@pytest.fixture
+def real_import(monkeypatch):
+    """unavailable_reason importing the GPU's module (nvmath.bindings.cublasLt), with sys.path and
+    sys.modules restored afterwards."""
+    monkeypatch.setattr(llmc.cuda, "_device", "cuda")
+    for name in [m for m in sys.modules if m == "nvmath" or m.startswith(("nvmath.", "cuda.core", "cuda.bindings"))]:
+        monkeypatch.delitem(sys.modules, name)
+    yield monkeypatch
+    for name in [m for m in sys.modules if m == "nvmath" or m.startswith("nvmath.")]:
+        del sys.modules[name]
+
+
+def test_unavailable_reason_names_nvmaths_missing_dependency(real_import, tmp_path):
+    """nvmath-python without cuda-core (which neither torch nor cupy-cuda13x brings): the reason
+    names cuda-core, not nvmath-python."""
+    fake_nvmath(tmp_path, "from cuda.core import Stream")
+    (tmp_path / "cuda" / "bindings").mkdir(parents=True)                # cuda.bindings is there
+    (tmp_path / "cuda" / "bindings" / "__init__.py").write_text("")
+    real_import.syspath_prepend(str(tmp_path))
+    reason = cublaslt.unavailable_reason()
+    assert reason.startswith("nvmath-python is installed but cuda-core is missing"), reason
+    assert "not installed" not in reason and "cuda-bindings" not in reason and "\n" not in reason
+
+
+def test_unavailable_reason_without_nvmath_says_so(real_import):
+    real_import.setitem(sys.modules, "nvmath", None)                   # hidden, also where it is installed
+    assert cublaslt.unavailable_reason().startswith("nvmath-python is not installed")
 
 
 def test_unavailable_reason_here_is_none_or_one_line():

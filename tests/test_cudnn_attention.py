@@ -229,6 +229,56 @@ def test_unavailable_reason_library_not_loadable_and_ok(monkeypatch):
         assert ca.unavailable_reason("bf16", 64) is None
 
 
+def fake_library(path):
+    """An empty file named like libcudnn at path (folders made)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "wb").close()
+    return str(path)
+
+
+def test_find_cudnn_library_frontend_order_then_torchs(tmp_path):
+    """LD_LIBRARY_PATH, then the interpreter's purelib (both the frontend's own search), then each
+    sys.path entry's nvidia/cudnn/lib, where torch finds its nvidia-cudnn-cu13."""
+    ld = fake_library(tmp_path / "ld" / "libcudnn.so.9")
+    site = fake_library(tmp_path / "purelib" / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9")
+    torchs = fake_library(tmp_path / "system" / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9")
+    env = {"LD_LIBRARY_PATH": os.pathsep.join(["", str(tmp_path / "nothing"), str(tmp_path / "ld")])}
+    search = ["", str(tmp_path / "empty"), str(tmp_path / "system")]
+    assert ca.find_cudnn_library(env, str(tmp_path / "purelib"), search) == (ld, f"LD_LIBRARY_PATH; {ca.FOUND_BY_FRONTEND}")
+    assert ca.find_cudnn_library({}, str(tmp_path / "purelib"), search) == (site, f"site-packages; {ca.FOUND_BY_FRONTEND}")
+    assert ca.find_cudnn_library({}, str(tmp_path / "venv"), search) == (torchs, ca.FOUND_ON_SYS_PATH)
+    assert ca.find_cudnn_library({}, str(tmp_path / "venv"), search[:2]) == (None, None)
+    jit = fake_library(tmp_path / "jit" / "nvidia" / "cudnn_jit" / "lib" / "libcudnn.so.9")
+    assert ca.find_cudnn_library({}, str(tmp_path / "venv"), [str(tmp_path / "jit")]) == (jit, ca.FOUND_ON_SYS_PATH)
+    line = ca.load_cudnn_library({}, str(tmp_path / "venv"), [])
+    assert line.startswith("no libcudnn in LD_LIBRARY_PATH, site-packages or on sys.path") and "\n" not in line
+
+
+def test_a_libcudnn_found_only_on_sys_path_is_what_the_frontend_then_loads(tmp_path):
+    """A stand-in libcudnn.so.9 (soname libcudnn.so.9, cudnnGetVersion() = 91234) in a sys.path entry
+    outside purelib: dlopen("libcudnn.so.9"), the frontend's last resort, fails without
+    load_cudnn_library and gets this library after it (each in a fresh process)."""
+    folder = tmp_path / "system" / "nvidia" / "cudnn" / "lib"
+    folder.mkdir(parents=True)
+    source = tmp_path / "fake_cudnn.c"
+    source.write_text("unsigned long cudnnGetVersion(void) { return 91234; }\n")
+    built = subprocess.run(["g++", "-x", "c", "-shared", "-fPIC", "-Wl,-soname,libcudnn.so.9", "-o",
+                            str(folder / "libcudnn.so.9"), str(source)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    frontend_dlopen = ("import ctypes; lib = ctypes.CDLL('libcudnn.so.9'); "
+                       "lib.cudnnGetVersion.restype = ctypes.c_ulong; print(lib.cudnnGetVersion())")
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    before = subprocess.run([sys.executable, "-c", frontend_dlopen], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert before.returncode != 0 and "libcudnn.so.9" in before.stderr
+    after = subprocess.run([sys.executable, "-c", "from llmc import cudnn_attention as ca; "
+                            f"print(ca.load_cudnn_library({{}}, {str(tmp_path / 'venv')!r}, [{str(tmp_path / 'system')!r}])); "
+                            + frontend_dlopen], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert after.returncode == 0, after.stderr
+    said, version = after.stdout.splitlines()
+    assert said == f"libcudnn {folder / 'libcudnn.so.9'} ({ca.FOUND_ON_SYS_PATH})" and version == "91234"
+
+
 # ----------------------------------------------------------------------------
 # part 1b: the graphs
 

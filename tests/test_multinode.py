@@ -118,10 +118,52 @@ def test_check_distinct_gpus():
 
 
 def test_nccl_id_round_trip():
-    """CuPy's get_unique_id gives signed chars; NcclCommunicator takes them back."""
+    """CuPy 13's get_unique_id gives signed chars, CuPy 14's bytes; both come back as the same bytes."""
     data = os.urandom(multinode.NCCL_UNIQUE_ID_BYTES)
     signed = multinode.nccl_id_from_bytes(data)
     assert all(-128 <= b <= 127 for b in signed) and multinode.nccl_id_to_bytes(signed) == data
+    assert multinode.nccl_id_to_bytes(data) == data
+
+
+@pytest.fixture
+def emulated_nccl(monkeypatch):
+    """The emulated NCCL (llmc.cuda.library("nccl") on the emulated device)."""
+    from llmc import cuda
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    return cuda.library("nccl")
+
+
+@pytest.mark.parametrize("id_type", [bytes, tuple])
+def test_emulated_nccl_takes_only_the_installed_cupys_id_form(emulated_nccl, monkeypatch, id_type):
+    """CuPy 14's nccl.pyx: get_unique_id() -> bytes, NcclCommunicator(int, bytes commId, int); CuPy 13's
+    a tuple of 128 signed chars. Cython refuses the other type with a TypeError naming both."""
+    monkeypatch.setattr(emulated_nccl, "ID_TYPE", id_type)
+    uid = emulated_nccl.get_unique_id()
+    assert type(uid) is id_type and len(uid) == multinode.NCCL_UNIQUE_ID_BYTES
+    other = tuple(multinode.nccl_id_from_bytes(uid)) if id_type is bytes else multinode.nccl_id_to_bytes(uid)
+    expected = f"Argument 'commId' has incorrect type (expected {id_type.__name__}, got {type(other).__name__})"
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        emulated_nccl.NcclCommunicator(1, other, 0)
+    emulated_nccl.NcclCommunicator(1, uid, 0).destroy()
+
+
+def test_emulated_nccl_follows_the_installed_cupy(emulated_nccl):
+    """Installed CuPy 14 (or none: the version the project installs) -> bytes; CuPy 13 -> tuple."""
+    assert emulated_nccl.id_type_of_cupy("14.2.0") is bytes and emulated_nccl.id_type_of_cupy(None) is bytes
+    assert emulated_nccl.id_type_of_cupy("13.6.0") is tuple
+
+
+@pytest.mark.parametrize("id_type", [bytes, tuple])
+def test_tcp_fs_group_joins_nccl_with_either_cupys_id(emulated_nccl, monkeypatch, id_type):
+    """-pm tcp | fs carry the id as bytes; NcclGroupComm hands it to CuPy 13 or 14 in its own form."""
+    monkeypatch.setattr(emulated_nccl, "ID_TYPE", id_type)
+    uid = multinode.nccl_id_to_bytes(emulated_nccl.get_unique_id())
+    import numpy as np
+    group = multinode.NcclGroupComm(0, 1, uid)
+    try:
+        assert group.host_sum(np.array([1.5, -2.0])).tolist() == [1.5, -2.0]
+    finally:
+        group.communicator.destroy()
 
 
 # ----------------------------------------------------------------------------

@@ -235,8 +235,12 @@ def test_first_gpu_run_plan_has_every_part():
         texts = [" ".join(c[1:]) for c in cmds]
         assert sum("--check" in t for t in texts) == 8
         assert sum("--attention cudnn" in t for t in texts) == 2
-        assert "-m pytest -m gpu -v -rs tests" in texts and "gpt2_cuda.py -x 50 -v 25 -s 50" in texts
-        assert any(t.startswith("dev/bench.py -b 16") for t in texts)
+        assert "-m pytest -m gpu -v -rs --continue-on-collection-errors tests" in texts
+        assert "gpt2_cuda.py -x 50 -v 25 -s 50" in texts
+        ours = texts.index("dev/bench.py --only cupy -b 16 --steps 10 --warmup 3")
+        twin = next(i for i, t in enumerate(texts) if t.startswith("dev/bench.py --only torch -b 16"))
+        assert max(i for i, t in enumerate(texts[:ours]) if "--check" in t) == ours - 1   # right after the checks
+        assert ours < texts.index("-m pytest -m gpu -v -rs --continue-on-collection-errors tests") < twin
     assert rgt.QUICK_DEADLINE_S <= 600 - 30                 # a running command is cut at the deadline too
 
 
@@ -291,3 +295,20 @@ def test_quick_run_keeps_going_and_stops_at_its_deadline(tmp_path, monkeypatch):
     summary = (tmp_path / name).read_text().split("# summary")[1].splitlines()
     verdicts = [line.split()[1] for line in summary[1:5]]
     assert verdicts == ["PASS", "FAIL", "TIMEOUT", "NOT"], summary
+
+
+def test_gpu_wheels_carry_what_nvmath_requires():
+    """nvmath-python 1.0.0's Requires-Dist (its wheel's METADATA, Linux, no extras) is met by the
+    carried wheels, with numpy from the machine; the cuda-pathfinder also meets cupy-cuda13x 14.2's
+    own requirement, since the carried one shadows the machine's (first on PYTHONPATH)."""
+    from packaging.requirements import Requirement
+    pins = {Requirement(w).name: Requirement(w).specifier for w in setup_env.GPU_WHEELS}
+    assert all(len(spec) == 1 and next(iter(spec)).operator == "==" for spec in pins.values())
+    carried = {name: next(iter(spec)).version for name, spec in pins.items()}
+    assert carried["nvmath-python"] == "1.0.0"
+    nvmath_requires = ["cuda-bindings", "cuda-core<2,>=0.5.0", "cuda-pathfinder<2.0,>=1.5.1", "numpy<3,>=1.25"]
+    on_the_machine = {"numpy"}
+    for text in nvmath_requires + ["cuda-pathfinder==1.*,>=1.3.4"]:          # the last: cupy-cuda13x 14.2.0's
+        req = Requirement(text)
+        assert req.name in on_the_machine or req.specifier.contains(carried[req.name]), text
+    assert carried["cuda-bindings"].split(".")[0] == "13"                   # the GPU machine's CUDA major

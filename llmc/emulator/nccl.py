@@ -4,6 +4,8 @@ llmc/comm.py calls: get_unique_id, NcclCommunicator(size, uid, rank) and its all
 reduceScatter and allGather on host addresses, with the same arguments (integer buffer
 addresses, element counts, NCCL's datatype and op codes, a stream). llmc.cuda.library("nccl")
 returns this module on the emulated device and CuPy's on a GPU, so llmc/comm.py runs unchanged.
+The unique id has the installed CuPy's form (ID_TYPE): bytes from CuPy 14 on, CuPy 13's tuple of
+signed chars before; NcclCommunicator refuses the other form with the TypeError CuPy raises.
 
 Who the ranks are: under mpiexec with more than one process (llmc.comm.launched_size() > 1),
 one MPI process each (mpi4py; the communicator is COMM_WORLD split in NCCL rank order); without
@@ -48,6 +50,7 @@ from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 # constants (nccl.h's ncclDataType_t and ncclRedOp_t, as cupy.cuda.nccl names them)
 
 NCCL_UNIQUE_ID_BYTES = 128
+CUPY_BYTES_ID_MAJOR = 14               # the first CuPy whose unique id is bytes (before: a tuple of ints)
 NCCL_FLOAT16, NCCL_HALF = 6, 6
 NCCL_FLOAT32, NCCL_FLOAT = 7, 7
 NCCL_FLOAT64, NCCL_DOUBLE = 8, 8
@@ -78,10 +81,31 @@ class NcclAborted(NcclError, threading.BrokenBarrierError):
         super().__init__(NCCL_REMOTE_ERROR, why)
 
 
+def id_type_of_cupy(version):
+    """The Python type of an NCCL unique id in CuPy `version` ("14.2.0"; None: no CuPy installed,
+    taken as the CuPy the project installs): bytes from CuPy 14 on (nccl.pyx v14.2.0: get_unique_id
+    returns bytes, `NcclCommunicator(int ndev, bytes commId, int rank)`), before that a tuple of 128
+    signed chars (`tuple commId`)."""
+    return bytes if version is None or int(version.split(".")[0]) >= CUPY_BYTES_ID_MAJOR else tuple
+
+
+def installed_cupy_version():
+    """The version of the installed CuPy wheel (cupy, cupy-cuda12x, cupy-cuda13x, ...), read from
+    its metadata without importing it; None if there is none."""
+    from importlib import metadata
+    for name in metadata.packages_distributions().get("cupy", []):
+        return metadata.version(name)
+    return None
+
+
+ID_TYPE = id_type_of_cupy(installed_cupy_version())    # the form the installed CuPy gives and takes
+
+
 def get_unique_id():
-    """A new communicator id: 128 random bytes, as a tuple of ints (what CuPy returns), to be
-    sent to every rank (llmc/comm.py broadcasts it over MPI)."""
-    return tuple(os.urandom(NCCL_UNIQUE_ID_BYTES))
+    """A new communicator id of 128 random bytes, in the installed CuPy's form (ID_TYPE): bytes, or
+    CuPy 13's tuple of signed chars. It is sent to every rank (llmc/comm.py broadcasts it over MPI)."""
+    data = os.urandom(NCCL_UNIQUE_ID_BYTES)
+    return data if ID_TYPE is bytes else tuple(b - 256 if b > 127 else b for b in data)
 
 
 # ----------------------------------------------------------------------------
@@ -280,6 +304,9 @@ class NcclCommunicator:
 
     def __init__(self, ndev, commId, rank):                       # noqa: N803 (CuPy's names)
         from llmc.comm import launched_size
+        if type(commId) is not ID_TYPE:                            # Cython's check of the typed argument
+            raise TypeError(f"Argument 'commId' has incorrect type (expected {ID_TYPE.__name__}, "
+                            f"got {type(commId).__name__})")
         if not 0 <= rank < ndev:
             raise NcclError(NCCL_INVALID_ARGUMENT, f"rank {rank} of {ndev}")
         self._rank, self._size = rank, ndev
