@@ -140,6 +140,10 @@ def cupy_step(model, x, y, step, cuda_graph):
 def cupy_steps(model_name, B, T, num_steps, attention="naive", cuda_graph=False, use_cublaslt=False):
     """Train gpt2_cuda.py's model num_steps steps on one fixed batch; return (seconds per step,
     losses, config, the model, the batch)."""
+    if cuda_graph:
+        reason = llmc.cuda.cuda_graph_unavailable_reason()
+        if reason:                                                # the worker's one failure line
+            raise RuntimeError(f"--cuda-graph 1: {reason}")
     model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt)
     times, losses = [], []
     for step in range(1, num_steps + 1):

@@ -147,3 +147,13 @@ def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypa
     assert type(bench.cupy_matmul(False)).__name__ == "Cublas"
     monkeypatch.setattr(cublaslt, "unavailable_reason", lambda: None)
     assert type(bench.cupy_matmul(True)).__name__ == "CublasLt"
+
+
+def test_cuda_graph_without_nvmath_fails_the_worker_before_the_model_is_built(monkeypatch):
+    """Without nvmath's cuBLAS bindings a captured GEMM would die mid-capture in CuPy's setStream;
+    the worker fails at once with the reason instead (its one line in the table)."""
+    import llmc.cuda
+    monkeypatch.setattr(llmc.cuda, "cuda_graph_unavailable_reason", lambda: "nvmath-python is missing")
+    monkeypatch.setattr(bench, "cupy_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(RuntimeError, match=r"^--cuda-graph 1: nvmath-python is missing$"):
+        bench.cupy_steps("d2", 1, 8, 1, cuda_graph=True)
