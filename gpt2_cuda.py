@@ -1167,7 +1167,11 @@ def main(argv=None):
               "CUDA thread a fiber on the CPU): slow, and its timings and MFU say nothing about a GPU")
     reason = cuda.cuda_unavailable_reason()
     if reason:
-        print(f"gpt2_cuda.py: no CUDA GPU found ({reason}); use gpt2_cpu.py", file=sys.stderr)
+        if args.device == "cpu":
+            print(f"gpt2_cuda.py --device cpu: the emulated device cannot run ({reason})", file=sys.stderr)
+        else:
+            print(f"gpt2_cuda.py: no CUDA GPU found ({reason}); add --device cpu to run the same kernels on the "
+                  f"emulated device (slowly), or use gpt2_cpu.py", file=sys.stderr)
         return 2
     def check(args):
         _, _, capability = cuda.select_device(Comm())

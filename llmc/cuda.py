@@ -69,8 +69,20 @@ def cuda_unavailable_reason():
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:                 # no driver, driver too old, no device
+        if not nvidia_driver_present():    # CUDA then says "driver version is insufficient", which misleads
+            return "no NVIDIA driver on this machine"
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None if count > 0 else "the CUDA runtime reports 0 devices"
+
+
+# What an installed NVIDIA kernel driver leaves behind: its proc entry and its control device.
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
+
+
+def nvidia_driver_present():
+    """True if the NVIDIA kernel driver is loaded (NVIDIA_DRIVER_FILES). Without it the CUDA
+    runtime reports cudaErrorInsufficientDriver, as if the driver were merely too old."""
+    return any(os.path.exists(path) for path in NVIDIA_DRIVER_FILES)
 
 
 # The pip names of the CUDA wheels, by CUDA major version (CUDA 13's wheels carry no -cu13 suffix).

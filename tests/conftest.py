@@ -13,16 +13,11 @@ if ROOT not in sys.path:
 
 
 def gpu_unavailable_reason():
-    """None if CuPy imports and sees at least one CUDA device, else why not."""
-    try:
-        import cupy
-    except Exception as e:  # ImportError, or a broken CUDA install
-        return f"CuPy not importable ({type(e).__name__})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        return f"no CUDA device ({type(e).__name__}: {e})"
-    return None if n > 0 else "no CUDA device"
+    """None if CuPy imports and sees at least one CUDA device, else why not: llmc.cuda's reason,
+    the one the trainers print, after "no NVIDIA GPU" on a machine without an NVIDIA driver."""
+    from llmc import cuda
+    reason = cuda.cuda_unavailable_reason()
+    return reason if reason is None or cuda.nvidia_driver_present() else f"no NVIDIA GPU ({reason})"
 
 
 def pytest_configure(config):

@@ -251,6 +251,20 @@ def test_no_gpu_prints_one_line_and_exits_2(argv):
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpt2_cuda.py: no CUDA GPU found (") and "gpt2_cpu.py" in lines[0]
+    assert "add --device cpu" in lines[0]                             # the emulated device, for a newcomer
+
+
+@NO_GPU
+def test_no_gpu_reason_names_the_missing_driver_not_an_old_one():
+    """Without an NVIDIA driver CUDA says "driver version is insufficient"; the reason says what is
+    really missing, and the gpu tests' skip reason starts "no NVIDIA GPU"."""
+    import conftest
+    if llmc.cuda.nvidia_driver_present():
+        pytest.skip("an NVIDIA driver is loaded here: the reason is CUDA's own")
+    assert llmc.cuda.cuda_unavailable_reason() in ("no NVIDIA driver on this machine",) or \
+        llmc.cuda.cuda_unavailable_reason().startswith("CuPy is not importable")
+    assert conftest.gpu_unavailable_reason().startswith("no NVIDIA GPU (")
+    assert "insufficient" not in conftest.gpu_unavailable_reason()
 
 
 def _load_run_gpu_tests():
