@@ -20,10 +20,11 @@ everything as float32.
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python gpt2_cuda.py                          # d4 on Shakespeare, gpt2_cpu.py's defaults
+    python gpt2_cuda.py --device cpu -e d2 -x 4  # no GPU: the same kernels on the emulated device
     python gpt2_cuda.py -e d12 -b 16 -t 1024 -x 200
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0
 `make test-gpu` checks every kernel and the model against gpt2_cpu.py; every gpt2_cpu.py flag works
-here; `mpirun -np 8 python gpt2_cuda.py` trains on 8 GPUs.
+here; `mpiexec -n 8 python gpt2_cuda.py` trains on 8 GPUs.
 
 Dimensions as in gpt2_cpu.py (B T C V Vp L NH HS OC maxT), plus N = B*T, the rows of a matmul.
 Gradient convention (llm.c's): a launcher *writes* (=) its input's gradient into the `dinp` it is

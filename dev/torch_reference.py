@@ -41,9 +41,17 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+try:
+    import torch
+except ModuleNotFoundError as e:       # run as a script without torch: one line (this file imports no llmc)
+    if __name__ != "__main__" or e.name != "torch":
+        raise
+    sys.exit(f"error: dev/torch_reference.py needs the pip package torch, which this Python ({sys.executable}) "
+             f"does not have: activate the project's environment first (source .venv/bin/activate; `make test` "
+             f"installs every package into it)")
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 # ----------------------------------------------------------------------------
 # constants: file magics and versions (doc/file_formats.md)

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from llmc.cli import ArgumentParser  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
+from llmc.utils import InputError, require  # noqa: E402
 
 LOG_NAME = "main.log"
 TRAIN_KEY, VAL_KEY, EVAL_KEY = "trl", "tel", "eval"
@@ -169,6 +169,7 @@ def check_output_name(path):
 
 def main(argv=None):
     args = parse_args(argv)
+    require("dev/vislog.py", "matplotlib")
     try:
         check_output_name(args.output)
         runs = []

@@ -11,10 +11,12 @@ forward for HellaSwag, sampling, saving a checkpoint).
 
 import argparse
 import codecs
+import difflib
 import math
 import os
 import re
 import sys
+import textwrap
 import traceback
 
 import numpy as np
@@ -45,8 +47,29 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         if launched_rank() in (None, 0):
-            print(f"error: {message} (see --help)", file=sys.stderr)
+            print(f"error: {message}{self.did_you_mean(message)} (see --help)", file=sys.stderr)
         sys.exit(1)
+
+    def did_you_mean(self, message):
+        """For an unrecognized flag, the closest real one ("; did you mean --learning-rate?"), if
+        any is close; else ''."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        flags = [option for action in self._actions for option in action.option_strings]
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("-"):
+                close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.75)
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with the defaults shown, wrapped at spaces only: a long path (a default data file)
+    stays whole on a line of its own instead of being cut mid-word or at a hyphen."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
 
 
 def build_parser(prog, description, lr_schedules):
@@ -55,7 +78,7 @@ def build_parser(prog, description, lr_schedules):
     so help is --help only. lr_schedules: the names -k accepts (the trainer's learning_rate_at
     implements them). gpt2_cuda.py adds its GPU flags to this parser."""
     p = ArgumentParser(prog=prog, add_help=False, description=description,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     a = p.add_argument
     a("--help", action="help", help="show this help and exit")
     a("-i", "--input-bin", default=DEFAULT_TRAIN, help="train data: file or glob of shards")
@@ -163,8 +186,9 @@ def check_args(args):
 
 
 def is_checkpoint_path(spec):
-    """-e names a file (a .bin or a path) rather than a descriptor such as d12."""
-    return spec.endswith(".bin") or os.path.sep in spec
+    """-e names a file (a .bin or a path) or a directory (refused later, naming the model in it)
+    rather than a descriptor such as d12."""
+    return spec.endswith(".bin") or os.path.sep in spec or os.path.isdir(spec)
 
 
 # ----------------------------------------------------------------------------
@@ -250,10 +274,13 @@ class TrainingRun:
             raise InputError(f"-d {self.total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
         self.grad_accum_steps = self.total_batch // tokens_per_micro
         V = config.vocab_size
-        self.train_loader = DataLoader(args.input_bin, B, T, comm.rank, comm.size, bool(args.shuffle), args.seed, V)
         self.val_loader = DataLoader(args.input_val_bin, B, T, comm.rank, comm.size, vocab_size=V) \
             if args.input_val_bin else None
-        self.num_steps = args.max_steps if args.max_steps > 0 else self.train_loader.num_tokens // self.total_batch
+        if args.eval_only:                                 # evaluates -e: the train data is never read
+            self.train_loader, self.num_steps = None, 0
+        else:
+            self.train_loader = DataLoader(args.input_bin, B, T, comm.rank, comm.size, bool(args.shuffle), args.seed, V)
+            self.num_steps = args.max_steps if args.max_steps > 0 else self.train_loader.num_tokens // self.total_batch
         if self.num_steps == 0 and not args.eval_only:
             raise InputError(f"-d {self.total_batch}: one step needs more tokens than the train data's "
                              f"{self.train_loader.num_tokens:,}, so -x -1 (one epoch) is no step at all")

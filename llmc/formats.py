@@ -15,6 +15,7 @@ of parameters (or the table) from the caller, so the dependency runs from the tr
 
 import math
 import os
+import re
 
 import numpy as np
 
@@ -103,11 +104,21 @@ def bfloat16_bits_to_float32(bits):
 # ----------------------------------------------------------------------------
 # model checkpoint: header, then every parameter in table order (fp32 version 3, bf16 version 5)
 
-def read_model_shape(path):
-    """The shape dict (MODEL_SLOTS' keys) of a model checkpoint, from its header alone.
-    Raises InputError on a missing file or a bad header."""
+def check_model_path(path):
+    """Raise InputError unless path is a file. A directory (most often a run's -o) gets the
+    newest model_<step>.bin in it named, so the fix is in the message."""
+    if os.path.isdir(path):
+        steps = sorted(name for name in os.listdir(path) if re.fullmatch(r"model_\d{8}\.bin", name))
+        hint = f": its newest model is -e {os.path.join(path, steps[-1])}" if steps else " (it holds no model_<step>.bin)"
+        raise InputError(f"{path}: -e names a directory, not a model checkpoint{hint}")
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such model checkpoint")
+
+
+def read_model_shape(path):
+    """The shape dict (MODEL_SLOTS' keys) of a model checkpoint, from its header alone.
+    Raises InputError on a missing file, a directory or a bad header."""
+    check_model_path(path)
     with open(path, "rb") as f:
         h = read_header(f, path, MODEL_MAGIC, tuple(MODEL_DTYPES), "model checkpoint")
     return {name: int(h[slot]) for name, slot in MODEL_SLOTS.items()}
@@ -120,8 +131,7 @@ def read_model_file(path, num_parameters_of):
     The dimensions are checked for consistency and against the file's size before anything is
     allocated, and every parameter must be finite. Raises InputError on a missing file, bad header,
     impossible shape, wrong size or a NaN/inf parameter."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such model checkpoint")
+    check_model_path(path)
     with open(path, "rb") as f:
         h = read_header(f, path, MODEL_MAGIC, tuple(MODEL_DTYPES), "model checkpoint")
         shape = {name: int(h[slot]) for name, slot in MODEL_SLOTS.items()}

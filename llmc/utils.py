@@ -18,6 +18,30 @@ class InputError(Exception):
 
 TMP_SUFFIX = ".tmp"                    # atomic_write writes `<path>.tmp<pid>`, then renames
 
+# The pip package that provides each third-party module a tool may need (where the names differ,
+# the pip name is the one to install).
+PIP_PACKAGES = {"matplotlib": "matplotlib", "tiktoken": "tiktoken", "torch": "torch", "transformers": "transformers",
+                "safetensors": "safetensors", "mpi4py": "mpi4py", "tqdm": "tqdm"}
+
+
+def require(tool, *modules):
+    """Import the third-party `modules` a command-line tool needs before it does anything; for the
+    first one that is missing, print one `error:` line naming its pip package and the project's
+    virtual environment (`make` installs into .venv, which a newcomer may not have activated), and
+    exit 1. Returns nothing; the tool then imports the modules as usual."""
+    import importlib
+    import sys
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            if (e.name or module).split(".")[0] != module.split(".")[0]:
+                raise                                          # the package is there but broken: its own error
+            print(f"error: {tool} needs the pip package {PIP_PACKAGES.get(module, module)}, which this Python "
+                  f"({sys.executable}) does not have: activate the project's environment first "
+                  f"(source .venv/bin/activate; `make test` installs every package into it)", file=sys.stderr)
+            sys.exit(1)
+
 
 def atomic_write(path, write_fn):
     """Write a file through `write_fn(f)` to the temporary name `<path>.tmp<pid>`, fsync, then

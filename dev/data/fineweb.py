@@ -27,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
+from llmc.utils import require  # noqa: E402
 from sharding import shard_flags, shard_hf_dataset  # noqa: E402
 
 FINEWEB_SHARD_SIZE = 10**8          # tokens per shard, as in llm.c (200 MB of uint16)
@@ -46,6 +47,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require("dev/data/fineweb.py", "tiktoken")
     dataset, subset, dirname, name = DATASETS[args.edu]
     return shard_hf_dataset(dataset, subset, args.output_dir or os.path.join(DEFAULT_DATA_DIR, dirname), name, args)
 

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from llmc.evalloader import NUM_COMPLETIONS, write_eval_file  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.tokenizer import gpt2_encoding  # noqa: E402
-from llmc.utils import InputError, atomic_write  # noqa: E402
+from llmc.utils import InputError, atomic_write, require  # noqa: E402
 
 HELLASWAG_VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_DIR = os.path.join(DEFAULT_DATA_DIR, "hellaswag")
@@ -109,6 +109,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require("dev/data/hellaswag.py", "tiktoken")
     try:
         jsonl = args.input
         if jsonl is None:

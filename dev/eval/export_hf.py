@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpt2_cpu import LN_EPS, read_model  # noqa: E402
 from llmc.tokenizer import GPT2_EOT  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
-from llmc.utils import InputError, atomic_write  # noqa: E402
+from llmc.utils import InputError, atomic_write, require  # noqa: E402
 
 HF_PREFIX = "transformer."          # GPT2LMHeadModel keeps the transformer under this name
 HF_WEIGHTS = "model.safetensors"
@@ -108,6 +108,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require("dev/eval/export_hf.py", "safetensors")
     try:
         model = read_model(args.input)
         export_hf(model, args.output_dir)

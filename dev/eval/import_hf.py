@@ -39,7 +39,7 @@ from export_hf import (HF_CONFIG, HF_GELU_TANH, HF_GLOBAL_TENSORS, HF_LAYER_TENS
                        HF_WEIGHTS)
 from gpt2_cpu import GPT2, LN_EPS, MODEL_DESCRIPTORS, MODEL_SIZES, GPT2Config, padded_vocab, write_model  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
+from llmc.utils import InputError, require  # noqa: E402
 
 HF_TORCH_WEIGHTS = "pytorch_model.bin"
 REACH_TIMEOUT_S = 10
@@ -201,6 +201,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require("dev/eval/import_hf.py", "safetensors")
     try:
         model = import_hf(args.input)
         cfg = model.config
