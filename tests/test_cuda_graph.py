@@ -42,9 +42,9 @@ def capture(monkeypatch):
     stream captures and graph launches counted, and the current stream restored after (train()
     makes its own the current one)."""
     monkeypatch.setattr(llmc.cuda, "_device", "cpu")
-    monkeypatch.setattr(device.Stream, "_current", device.Stream._current)
+    monkeypatch.setattr(device.cuda.Stream, "_current", device.cuda.Stream._current)
     counts = Counts()
-    begin_capture, launch = device.Stream.begin_capture, device.Graph.launch
+    begin_capture, launch = device.cuda.Stream.begin_capture, device.cuda.Graph.launch
 
     def counted_begin_capture(self, *args, **kwargs):
         counts.captures += 1
@@ -53,14 +53,14 @@ def capture(monkeypatch):
     def counted_launch(self, *args, **kwargs):
         counts.replays += 1
         return launch(self, *args, **kwargs)
-    monkeypatch.setattr(device.Stream, "begin_capture", counted_begin_capture)
-    monkeypatch.setattr(device.Graph, "launch", counted_launch)
-    device.Stream().use()
+    monkeypatch.setattr(device.cuda.Stream, "begin_capture", counted_begin_capture)
+    monkeypatch.setattr(device.cuda.Graph, "launch", counted_launch)
+    device.cuda.Stream().use()
     return counts
 
 
 def _capturing():
-    return device.get_current_stream().is_capturing()
+    return device.cuda.get_current_stream().is_capturing()
 
 
 def _model(precision):
@@ -146,12 +146,12 @@ def test_first_micro_batch_runs_eagerly_before_the_capture(capture, monkeypatch)
 def test_an_error_inside_the_capture_propagates_as_itself(capture, monkeypatch):
     # CUDA invalidates a capture in which something failed, and ending it then raises too: the
     # error the user sees must be the first one
-    end_capture = device.Stream.end_capture
+    end_capture = device.cuda.Stream.end_capture
 
     def end_capture_after_error(self):
         end_capture(self)
         raise RuntimeError("cudaErrorStreamCaptureInvalidated: capture invalidated")
-    monkeypatch.setattr(device.Stream, "end_capture", end_capture_after_error)
+    monkeypatch.setattr(device.cuda.Stream, "end_capture", end_capture_after_error)
     emulated_gemm = llmc.cuda.gemm
 
     def failing_gemm(*args, **kwargs):
