@@ -173,14 +173,15 @@ def check_call(path, n_positional, keywords, types_=None):
     sig, ctypes_, source = found
     sig = _without_self(sig)
     try:
-        bound = sig.bind(*range(n_positional), **{k: None for k in keywords})
+        sig.bind(*range(n_positional), **{k: None for k in keywords})
     except TypeError as e:
         return [f"cupy.{path}{sig} ({source}) refuses {n_positional} positional argument(s) and "
                 f"keywords {sorted(keywords)}: {e}"]
     errors = []
-    names = list(bound.arguments)
+    positional = [p.name for p in sig.parameters.values()
+                  if p.kind not in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)]
     for where, value_type in types_ or ():
-        name = names[where] if isinstance(where, int) else where
+        name = positional[min(where, len(positional) - 1)] if isinstance(where, int) else where   # *args: the last
         ok = _accepts(ctypes_.get(name), value_type)
         if ok is False:
             errors.append(f"cupy.{path}: {name} is declared `{ctypes_[name]} {name}` ({source}), "
@@ -308,11 +309,17 @@ def recorded_calls(monkeypatch):
     """A list collecting (CuPy path, positional argument types, {keyword: type}) of every call the
     project's code (not the emulator's own) makes on the emulator's CuPy namespace."""
     calls = []
-    for path, owner, name in _emulator_callables():
-        original = getattr(owner, name) if name != "__init__" else owner.__init__
-        monkeypatch.setattr(owner, name, _recorder(calls, path if name != "__init__" else path, original,
-                                                   method=inspect.isclass(owner)))
+    for path, owner, name in _emulator_callables() + _inherited_array_methods():
+        monkeypatch.setattr(owner, name, _recorder(calls, path, getattr(owner, name), method=inspect.isclass(owner)))
     return calls
+
+
+def _inherited_array_methods():
+    """("ndarray.<name>", device.ndarray, name) of the methods the emulator's arrays inherit from
+    NumPy's and CuPy's arrays also have (reshape, view, astype, ...)."""
+    return [(f"ndarray.{m}", device.ndarray, m) for m in dir(cupy.ndarray) if not m.startswith("_")
+            and m not in vars(device.ndarray) and callable(getattr(np.ndarray, m, None))
+            and not inspect.isclass(getattr(np.ndarray, m))]
 
 
 def _recorder(calls, path, original, method):
@@ -323,7 +330,7 @@ def _recorder(calls, path, original, method):
 
     def recording(*args, **kwargs):
         caller = sys._getframe(1).f_code.co_filename
-        if not caller.startswith(EMULATOR_DIR):
+        if caller.startswith(ROOT + os.sep) and not caller.startswith(EMULATOR_DIR):
             positional = args[1:] if method else args
             calls.append((path, tuple(type(a) for a in positional), {k: type(v) for k, v in kwargs.items()}))
         return original(*args, **kwargs)
@@ -344,9 +351,9 @@ def test_every_call_on_the_emulated_device_binds_to_cupys_signature(recorded_cal
     assert gpt2_cuda.main(argv) == 0
     capsys.readouterr()
     paths = {path for path, _, _ in recorded_calls}
-    # the run reached the parts of CuPy it must: allocation, kernels, streams and graphs
+    # the run reached the parts of CuPy it must: allocation, kernels, streams, graphs, array methods
     assert {"zeros", "RawModule", "RawKernel.__call__", "cuda.get_current_stream", "cuda.Stream.begin_capture",
-            "cuda.Graph.launch"} <= paths, sorted(paths)
+            "cuda.Graph.launch", "ndarray.get", "ndarray.set", "ndarray.reshape"} <= paths, " ".join(sorted(paths))
     errors = []
     for path, positional, keywords in set((p, a, tuple(sorted(k.items()))) for p, a, k in recorded_calls):
         keywords = dict(keywords)
@@ -452,3 +459,18 @@ def _wider(ours, theirs):
         if p.kind == kinds.VAR_POSITIONAL and not their_var_pos:
             problems.append(f"takes *{p.name}, CuPy takes at most {len(their_positional)} positional arguments")
     return problems
+
+
+def test_the_emulated_kernel_call_refuses_what_cupys_cython_signature_refuses():
+    # Function.__call__(self, tuple grid, tuple block, args, size_t shared_mem=0, ...): a list grid
+    # or a float shared_mem is Cython's TypeError on a GPU, and the emulated device's too
+    kernel = device.RawKernel.__new__(device.RawKernel)
+    kernel.name = "any"
+    with pytest.raises(TypeError, match="grid"):
+        kernel([1], (32,), ())
+    with pytest.raises(TypeError, match="block"):
+        kernel((1,), 32, ())
+    with pytest.raises(TypeError, match="shared_mem"):
+        kernel((1,), (32,), (), shared_mem=0.0)
+    assert check_call("RawKernel.__call__", 3, {}, [(0, list)]) and not check_call("RawKernel.__call__", 3, {},
+                                                                                     [(0, tuple), (1, tuple)])

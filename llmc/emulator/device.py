@@ -663,6 +663,14 @@ class RawKernel:
         return raw
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        """grid, block: tuples of 1 to 3 ints; shared_mem: dynamic shared memory bytes, an int. A
+        list grid or a float shared_mem is a TypeError, as Cython's `tuple grid` and `size_t
+        shared_mem` in CuPy's Function.__call__ (cupy/cuda/function.pyx)."""
+        for name, value in (("grid", grid), ("block", block)):
+            if not isinstance(value, tuple):
+                raise TypeError(f"Argument '{name}' has incorrect type (expected tuple, got {type(value).__name__})")
+        if not hasattr(shared_mem, "__index__"):
+            raise TypeError(f"shared_mem: 'size_t' from a {type(shared_mem).__name__}: CuPy needs an integer")
         if not 0 <= shared_mem <= MAX_DYNAMIC_SHARED_BYTES:
             raise ValueError(f"kernel {self.name}: {shared_mem} bytes of dynamic shared memory, a block may have "
                              f"at most {MAX_DYNAMIC_SHARED_BYTES}")
