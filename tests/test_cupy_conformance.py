@@ -3,7 +3,7 @@ tests/test_cupy_conformance.py: the emulated device against the CuPy installed h
 installs cupy-cuda12x, which imports without a GPU). Three checks:
 
   1. every CuPy name the project writes on the device (`cp.X`, `cupy.X`, `cuda.cupy().X` in
-     gpt2_cuda.py, llmc/, dev/, dev/cuda/, doc/; read from the code) exists in CuPy, and each call
+     *_cuda.py, llmc/, dev/, dev/cuda/, doc/; read from the code) exists in CuPy, and each call
      binds to CuPy's signature (positional count, keyword names);
   2. every call the project makes on the emulated device's CuPy namespace during a short training
      run (bf16, a CUDA graph, a checkpoint, the memory log; recorded) binds to CuPy's signature, and
@@ -23,6 +23,7 @@ from CuPy's source with its file. What this cannot see is listed in llmc/emulato
 """
 
 import ast
+import glob
 import inspect
 import os
 import re
@@ -46,7 +47,7 @@ except Exception as e:                 # not installed, or a CUDA library that c
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMULATOR_DIR = os.path.join(ROOT, "llmc", "emulator")
-SOURCES = ("gpt2_cuda.py", "llmc/*.py", "dev/*.py", "dev/cuda/*.py", "doc/*.py")
+SOURCES = ("*_cuda.py", "llmc/*.py", "dev/*.py", "dev/cuda/*.py", "doc/*.py")
 CUPY_NAMES = ("cp", "cupy")            # the names the project gives CuPy's module (or llmc.cuda.cupy())
 
 # Signatures CuPy exposes neither to inspect nor in its docstring, from CuPy's source at v14.2.0
@@ -193,7 +194,6 @@ def check_call(path, n_positional, keywords, types_=None):
 # 1. the names the project writes: read from the code
 
 def _source_files():
-    import glob
     return sorted(f for pattern in SOURCES for f in glob.glob(os.path.join(ROOT, pattern)))
 
 
@@ -323,10 +323,9 @@ def _inherited_array_methods():
 
 
 def _recorder(calls, path, original, method):
-    """`original` wrapped to append (path, positional types, keyword types) when called from
-    outside llmc/emulator/ (the emulator calling itself is not the project calling CuPy)."""
-    if isinstance(original, (staticmethod, classmethod, property)):
-        return original
+    """`original` wrapped to append (path, positional types, keyword types) when called from the
+    project's own files: not from llmc/emulator/ (the emulator calling itself is not the project
+    calling CuPy), not from NumPy (its functions calling the arrays' methods)."""
 
     def recording(*args, **kwargs):
         caller = sys._getframe(1).f_code.co_filename

@@ -11,7 +11,9 @@ stream; work runs when it is issued, except while a stream is capturing: then ke
 cp.add and the emulated vendor-library calls are recorded (enqueue) and a Graph replays them.
 
 What it is not: CuPy. No asynchrony, no second device, no unified-memory semantics; only the
-calls listed below.
+calls listed below. Each public name is CuPy's, at CuPy's place (cp.cuda.Stream, not cp.Stream),
+with a signature that accepts no call CuPy refuses, except the emulator's own machinery named in
+EMULATOR_OWN (tests/test_cupy_conformance.py checks both against the CuPy installed).
 
     python -c "from llmc.emulator import device as cp; print(cp.zeros(3).data.ptr % 256)"   # 0
 """
