@@ -1,6 +1,6 @@
 """
 tests/test_cupy_conformance.py: the emulated device against the CuPy installed here (`make test`
-installs cupy-cuda12x, which imports without a GPU). Three checks:
+installs cupy-cuda12x, which imports without a GPU). Four checks:
 
   1. every CuPy name the project writes on the device (`cp.X`, `cupy.X`, `cuda.cupy().X` in
      *_cuda.py, llmc/, dev/, dev/cuda/, doc/; read from the code) exists in CuPy, and each call
@@ -12,12 +12,16 @@ installs cupy-cuda12x, which imports without a GPU). Three checks:
   3. every public name the emulator offers (llmc/emulator/device.py, its `cuda` namespace, its
      classes and its ndarray) exists in CuPy at the same place, and every emulator function accepts
      no call that CuPy's refuses (no keyword CuPy lacks, no positional parameter that is
-     keyword-only in CuPy).
+     keyword-only in CuPy);
+  4. the emulated cuBLAS and NCCL (llmc/emulator/cublas.py, nccl.py: CuPy's modules
+     cupy_backends.cuda.libs.cublas / .nccl on a GPU) accept no call CuPy's refuses, and every call
+     the code writes on them (gemmEx, NcclCommunicator.allReduce, ...) binds to CuPy's signature.
 
 CuPy's signatures: inspect.signature where it works (Python functions and classes); else the
 first lines of the docstring, which CuPy builds with Cython's embedsignature ("memcpyAsync(intptr_t
-dst, intptr_t src, size_t size, int kind, intptr_t stream)"); else SOURCE_SIGNATURES below, copied
-from CuPy's source with its file. What this cannot see is listed in llmc/emulator/__init__.py.
+dst, intptr_t src, size_t size, int kind, intptr_t stream)"; for cuBLAS and NCCL read from the
+extension module's file, which does not load without libcublas / libnccl); else SOURCE_SIGNATURES
+below, copied from CuPy's source with its file. What this cannot see is listed in llmc/emulator/__init__.py.
 
     python -m pytest -q tests/test_cupy_conformance.py      # a few seconds with a warm .emulator-cache/
 """
@@ -473,3 +477,116 @@ def test_the_emulated_kernel_call_refuses_what_cupys_cython_signature_refuses():
         kernel((1,), (32,), (), shared_mem=0.0)
     assert check_call("RawKernel.__call__", 3, {}, [(0, list)]) and not check_call("RawKernel.__call__", 3, {},
                                                                                      [(0, tuple), (1, tuple)])
+
+
+# ----------------------------------------------------------------------------
+# 4. the emulated vendor libraries that are CuPy's modules: cuBLAS and NCCL
+#
+# cupy_backends.cuda.libs.cublas and .nccl do not load without libcublas / libnccl, but their
+# Cython docstrings (embedsignature) are strings in the extension modules: read from the files.
+
+EMULATED_CUPY_LIBRARIES = {"llmc.emulator.cublas": "cupy_backends.cuda.libs.cublas",
+                           "llmc.emulator.nccl": "cupy_backends.cuda.libs.nccl"}
+# a signature line at the start of a docstring, "name(params)" or "Class.method(params) -> type"
+EMBEDDED_SIGNATURE = re.compile(rb"(?<=\x00)([A-Za-z_][\w.]*)(\((?:[^()\n\x00]|\([^()\n\x00]*\))*\))(?: -> [^\n\x00]+)?(?=[\n\x00])")
+
+
+def embedded_signatures(module_name):
+    """{"gemmEx": "(intptr_t handle, ...)", "NcclCommunicator.allReduce": "(self, ...)"}: the
+    Cython signatures in the extension module's file, read without importing it."""
+    import importlib.util
+    with open(importlib.util.find_spec(module_name).origin, "rb") as f:
+        data = f.read()
+    signatures = {}
+    for m in EMBEDDED_SIGNATURE.finditer(data):
+        signatures.setdefault(m.group(1).decode("ascii"), m.group(2).decode("ascii"))
+    return signatures
+
+
+@pytest.mark.parametrize("emulated_name", sorted(EMULATED_CUPY_LIBRARIES))
+def test_every_emulated_library_function_accepts_only_calls_cupy_accepts(emulated_name):
+    import importlib
+    emulated = importlib.import_module(emulated_name)
+    signatures = embedded_signatures(EMULATED_CUPY_LIBRARIES[emulated_name])
+    assert "get_version" in signatures or "getVersion" in signatures      # the reading works
+    errors, checked = [], []
+    for name, value in vars(emulated).items():
+        if name.startswith("_") or getattr(value, "__module__", None) != emulated_name:
+            continue
+        targets = [(name, value)] if inspect.isfunction(value) else [] if not inspect.isclass(value) else [
+            (name, value.__init__)] * (name in signatures) + [
+            (f"{name}.{m}", f) for m, f in vars(value).items() if inspect.isfunction(f) and not m.startswith("_")]
+        for key, function in targets:
+            if key not in signatures:
+                errors.append(f"{emulated_name}.{key}: {EMULATED_CUPY_LIBRARIES[emulated_name]} has no {key}")
+                continue
+            theirs = _parse_signature(signatures[key])[0]
+            errors += [f"{emulated_name}.{key}{inspect.signature(function)}, CuPy {key}{signatures[key]}: {e}"
+                       for e in _wider(_without_self(inspect.signature(function)), _without_self(theirs))]
+            checked.append(key)
+    assert checked and not errors, "\n".join(errors)
+
+
+LIBRARY_MODULES = {"cublas": "cupy_backends.cuda.libs.cublas", "nccl": "cupy_backends.cuda.libs.nccl"}
+
+
+def _library_bindings(scope):
+    """{"cublas": (module, ""), "self.communicator": (module, "NcclCommunicator."), ...}: the names
+    that a class or function `scope` binds to llmc.cuda.library("cublas" | "nccl") and to an NCCL
+    communicator made from one."""
+    bound = {}
+    assignments = [n for n in ast.walk(scope) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)]
+    for node in assignments:
+        func = node.value.func
+        if (ast.unparse(func).split(".")[-1] == "library" and node.value.args
+                and isinstance(node.value.args[0], ast.Constant) and node.value.args[0].value in LIBRARY_MODULES):
+            for target in node.targets:
+                bound[ast.unparse(target)] = (LIBRARY_MODULES[node.value.args[0].value], "")
+    for node in assignments:
+        func = node.value.func
+        if isinstance(func, ast.Attribute) and func.attr == "NcclCommunicator" and ast.unparse(func.value) in bound:
+            for target in node.targets:
+                bound[ast.unparse(target)] = (bound[ast.unparse(func.value)][0], "NcclCommunicator.")
+    return bound
+
+
+def library_calls():
+    """[(file:line, CuPy module, name, positional count, keywords)] of the calls the project's code
+    makes on cuBLAS, NCCL and an NCCL communicator, found through the names each class or function
+    binds to llmc.cuda.library(...) (calls with *args or **kwargs left out)."""
+    calls = []
+    for path in _source_files():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for scope in tree.body:
+            if not isinstance(scope, (ast.ClassDef, ast.FunctionDef)):
+                continue
+            bound = _library_bindings(scope)
+            for node in ast.walk(scope):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                receiver = ast.unparse(node.func.value)
+                if receiver in bound and not any(isinstance(a, ast.Starred) for a in node.args) and all(
+                        k.arg for k in node.keywords):
+                    module, prefix = bound[receiver]
+                    calls.append((f"{os.path.relpath(path, ROOT)}:{node.lineno}", module, prefix + node.func.attr,
+                                  len(node.args), [k.arg for k in node.keywords]))
+    return calls
+
+
+def test_every_cublas_and_nccl_call_the_code_writes_binds_to_cupys_signature():
+    calls = library_calls()
+    assert {"gemmEx", "gemmStridedBatchedEx", "NcclCommunicator", "NcclCommunicator.allReduce"} <= {
+        name for _, _, name, _, _ in calls}
+    errors = []
+    for where, module, name, n_positional, keywords in calls:
+        signatures = embedded_signatures(module)
+        if name not in signatures:
+            errors.append(f"{where}: {module} has no {name}")
+            continue
+        try:
+            _without_self(_parse_signature(signatures[name])[0]).bind(*range(n_positional), **dict.fromkeys(keywords))
+        except TypeError as e:
+            errors.append(f"{where}: {module}.{name}{signatures[name]} refuses {n_positional} positional "
+                          f"argument(s) and keywords {keywords}: {e}")
+    assert not errors, "\n".join(errors)

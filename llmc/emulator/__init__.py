@@ -18,16 +18,22 @@ CuPy's border between host and device (device.ndarray), not all: np.asarray(dev)
 np.add.reduce(dev) run here, and CuPy refuses both.
 
 Checked against the CuPy installed (tests/test_cupy_conformance.py): every CuPy name the project
-writes exists in CuPy and its calls bind to CuPy's signature; the calls of a short emulated
-training run bind too, with the argument types CuPy's Cython signatures declare; every public name
-of device.py (but its own machinery, device.EMULATOR_OWN, which CuPy lacks) is CuPy's, at the same
-place, and accepts no call CuPy refuses. What that check still cannot see: the behaviour of a call
-whose signature matches (values, dtype promotion and casting rules, broadcasting, which dtypes a
-function takes, the errors CuPy raises inside a call, synchronization); argument types where CuPy
-declares none (untyped Cython parameters, Python annotations, extension classes such as Event);
-attributes set on instances (Stream.ptr, Device.id, ndarray.data.ptr); NumPy's methods that
-device.ndarray inherits and CuPy's ndarray also has (reshape, view, sum: names checked, calls not
-recorded); dunder protocols (x in dev, operator.index(dev)); calls made only on a GPU path that the
-recorded run does not take, beyond their name and argument count; and the vendor libraries
-(cublas.py, cublaslt.py, cudnn.py, nccl.py), which that test does not cover.
+writes exists in CuPy and its calls bind to CuPy's signature; the calls of a short emulated bf16
+training run (CUDA graph, checkpoint) bind too, with the argument types CuPy's Cython signatures
+declare; every public name of device.py (but its own machinery, device.EMULATOR_OWN, which CuPy
+lacks) is CuPy's, at the same place, with CuPy's defaults, and accepts no call CuPy refuses; the
+emulated cuBLAS and NCCL accept no call CuPy's refuse. What that check still cannot see:
+  - the behaviour of a call whose signature matches: values, dtype promotion and casting rules,
+    broadcasting, which dtypes a function takes, the errors CuPy raises inside a call;
+  - argument types where CuPy declares none (untyped Cython parameters, Python annotations,
+    extension classes such as Event), and in every call that the recorded run does not make (other
+    precisions, multi-GPU, cuDNN and cuBLASLt paths, dev/cuda timing): those are checked from the
+    code for their names and argument counts only;
+  - operators and NumPy functions on device arrays (dev + x, np.exp(dev)), and dunder protocols
+    (x in dev, operator.index(dev)); attributes set on instances (Stream.ptr, Device.id);
+  - calls CuPy accepts and the emulator refuses or lacks (order="F", RawModule(backend=...),
+    cp.cuda.runtime.memsetAsync): the emulator may be narrower than CuPy, never wider;
+  - for the emulated cuBLAS and NCCL, the argument types (a tuple of ints handed to CuPy 14's
+    NcclCommunicator(int ndev, bytes commId, ...) passes), their constants and error classes;
+  - cuBLASLt (nvmath-python) and the cuDNN frontend, which are not CuPy.
 """
