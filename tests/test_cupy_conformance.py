@@ -67,8 +67,9 @@ SOURCE_SIGNATURES = {
 
 # Cython's C types and the Python values it converts to them (None is refused by C types, allowed
 # for Python object types unless declared `not None`)
-INTEGER_TYPES = ("int", "intptr_t", "size_t", "Py_ssize_t", "ptrdiff_t", "long", "unsigned", "int64_t",
-                 "uint64_t", "int32_t", "uint32_t")
+INTEGER_TYPES = ("intptr_t", "uintptr_t", "size_t", "Py_ssize_t", "ptrdiff_t", "int64_t", "uint64_t", "int32_t",
+                 "uint32_t")
+C_INTEGER_WORDS = {"int", "long", "short", "unsigned", "signed"}           # "int", "long long", "unsigned int"
 FLOAT_TYPES = ("double", "float")
 OBJECT_TYPES = {"str": str, "tuple": tuple, "list": list, "dict": dict, "bytes": bytes}
 
@@ -76,7 +77,7 @@ OBJECT_TYPES = {"str": str, "tuple": tuple, "list": list, "dict": dict, "bytes":
 def _accepts(cython_type, value_type):
     """Whether Cython converts a value of Python type `value_type` to `cython_type`; None where the
     type is one this check does not model (an extension class, an untyped parameter)."""
-    if cython_type in INTEGER_TYPES:
+    if cython_type in INTEGER_TYPES or (cython_type and set(cython_type.split()) <= C_INTEGER_WORDS):
         return hasattr(value_type, "__index__")
     if cython_type in FLOAT_TYPES:
         return hasattr(value_type, "__float__") or hasattr(value_type, "__index__")
@@ -88,23 +89,37 @@ def _accepts(cython_type, value_type):
 
 
 def _parse_signature(text):
-    """(inspect.Signature, {parameter: Cython type}) of a signature's text "(a, int b=0, *, c=None)";
-    None where it does not parse."""
+    """(inspect.Signature, {parameter: Cython type}) of a signature's text "(a, int b=0, /, *,
+    c=None, **kw)"; None where it does not parse. Defaults are read as present, not by value."""
+    P = inspect.Parameter
     text = text.replace("\\*", "*")
-    params, ctypes_ = [], {}
+    params, ctypes_, kind = [], {}, P.POSITIONAL_OR_KEYWORD
     for part in _split_params(text[text.index("(") + 1:text.rindex(")")]):
         name_part, _, default = part.partition("=")
         words = name_part.replace(" not None", "").split()
-        if words[-1].lstrip("*") and len(words) > 1:
-            ctypes_[words[-1].lstrip("*")] = " ".join(words[:-1])
-        params.append(words[-1] + ("=None" if default else ""))
+        name = words[-1]
+        if name == "/":
+            params = [p.replace(kind=P.POSITIONAL_ONLY) for p in params]
+            continue
+        if name == "*":
+            kind = P.KEYWORD_ONLY
+            continue
+        if name.startswith("**"):
+            params.append(P(name[2:], P.VAR_KEYWORD))
+            continue
+        if name.startswith("*"):
+            params.append(P(name[1:], P.VAR_POSITIONAL))
+            kind = P.KEYWORD_ONLY
+            continue
+        if len(words) > 1:
+            ctypes_[name] = " ".join(words[:-1])
+        if not name.isidentifier():
+            return None
+        params.append(P(name, kind, default=None if default else P.empty))
     try:
-        tree = ast.parse(f"def f({', '.join(params)}): pass")
-    except SyntaxError:
+        return inspect.Signature(params), ctypes_
+    except ValueError:                 # e.g. a parameter without a default after one with
         return None
-    namespace = {}
-    exec(compile(tree, "<signature>", "exec"), namespace)
-    return inspect.signature(namespace["f"]), ctypes_
 
 
 def _split_params(text):
