@@ -357,6 +357,9 @@ def _recorder(calls, path, original, method):
 
 def test_every_call_on_the_emulated_device_binds_to_cupys_signature(recorded_calls, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(llmc.cuda, "_device", llmc.cuda.device())      # restored after the test
+    # modules loaded by an earlier test would hide RawModule and get_function from the recording
+    monkeypatch.setattr(llmc.cuda, "_MODULES", {})
+    monkeypatch.setattr(llmc.cuda, "_FUNCTIONS", {})
     config = gpt2_cpu.GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128, num_layers=1,
                                  num_heads=2, channels=32)
     model, data = str(tmp_path / "tiny.bin"), str(tmp_path / "train.bin")
