@@ -413,6 +413,7 @@ def test_the_emulators_own_names_are_not_cupys():
     # the emulator's machinery (EMULATOR_OWN) may not hide a name CuPy has: that one must behave as CuPy's
     clashes = [n for n in device.EMULATOR_OWN if hasattr(cupy, n) or hasattr(cupy.cuda, n)]
     assert not clashes
+    assert all(hasattr(device, n) for n in device.EMULATOR_OWN)             # no stale entry
 
 
 def test_the_names_a_cupy_user_writes_are_offered():
