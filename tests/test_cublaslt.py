@@ -400,7 +400,7 @@ def test_forward_through_fake(fake, precision, B, T, C, OC, with_bias, with_gelu
     assert (call["alpha"], call["beta"]) == (1.0, 0.0)
     assert call["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F and call["scale"] == CUDA_R_32F
     assert call["stream"] == fake.cupy.cuda.get_current_stream().ptr and call["workspace_size"] == cublaslt.WORKSPACE_BYTES
-    assert call["workspace"] == cublaslt._CONTEXT["workspace"].ctypes.data
+    assert call["workspace"] == cublaslt._CONTEXT["workspace"].data.ptr
 
 
 @PRECISIONS

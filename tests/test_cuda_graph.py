@@ -56,9 +56,9 @@ def capture(monkeypatch):
     stream captures and graph launches counted, and the current stream restored after (train()
     makes its own the current one)."""
     monkeypatch.setattr(llmc.cuda, "_device", "cpu")
-    monkeypatch.setattr(device.Stream, "_current", device.Stream._current)
+    monkeypatch.setattr(device.cuda.Stream, "_current", device.cuda.Stream._current)
     counts = Counts()
-    begin_capture, launch = device.Stream.begin_capture, device.Graph.launch
+    begin_capture, launch = device.cuda.Stream.begin_capture, device.cuda.Graph.launch
 
     def counted_begin_capture(self, *args, **kwargs):
         counts.captures += 1
@@ -67,14 +67,14 @@ def capture(monkeypatch):
     def counted_launch(self, *args, **kwargs):
         counts.replays += 1
         return launch(self, *args, **kwargs)
-    monkeypatch.setattr(device.Stream, "begin_capture", counted_begin_capture)
-    monkeypatch.setattr(device.Graph, "launch", counted_launch)
-    device.Stream().use()
+    monkeypatch.setattr(device.cuda.Stream, "begin_capture", counted_begin_capture)
+    monkeypatch.setattr(device.cuda.Graph, "launch", counted_launch)
+    device.cuda.Stream().use()
     return counts
 
 
 def _capturing():
-    return device.get_current_stream().is_capturing()
+    return device.cuda.get_current_stream().is_capturing()
 
 
 def _model(precision, matmul=None):
@@ -166,12 +166,12 @@ def test_first_micro_batch_runs_eagerly_before_the_capture(capture, monkeypatch)
 def test_an_error_inside_the_capture_propagates_as_itself(capture, monkeypatch):
     # CUDA invalidates a capture in which something failed, and ending it then raises too: the
     # error the user sees must be the first one
-    end_capture = device.Stream.end_capture
+    end_capture = device.cuda.Stream.end_capture
 
     def end_capture_after_error(self):
         end_capture(self)
         raise RuntimeError("cudaErrorStreamCaptureInvalidated: capture invalidated")
-    monkeypatch.setattr(device.Stream, "end_capture", end_capture_after_error)
+    monkeypatch.setattr(device.cuda.Stream, "end_capture", end_capture_after_error)
     emulated_gemm = llmc.cuda.gemm
 
     def failing_gemm(*args, **kwargs):
@@ -243,14 +243,14 @@ def test_cupy_cublas_refuses_every_call_while_the_stream_captures(capture):
     # CuPy 14's gemmEx and gemmStridedBatchedEx set the handle's stream first, and setStream
     # raises while that stream captures (cupy_backends/cuda/libs/cublas.pyx v14.2.0, 642-668)
     cublas = llmc.cuda.library("cublas")
-    handle = device.get_cublas_handle()
+    handle = device.cuda.device.get_cublas_handle()
     m, n, k = 3, 2, 4
     at, bt, ct, expected = _column_major_operands(m, n, k, seed=1)
     alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     cublas.gemmEx(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta))             # not capturing: computed
     np.testing.assert_allclose(ct.get(), expected, rtol=1e-5)
-    stream = device.get_current_stream()
+    stream = device.cuda.get_current_stream()
     stream.begin_capture()
     with pytest.raises(NotImplementedError) as refused:
         cublas.gemmEx(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta))
@@ -278,7 +278,7 @@ def test_nvmath_cublas_runs_on_its_handles_stream(capture):
     m, n, k = 4, 3, 5
     at, bt, ct, expected = _column_major_operands(m, n, k, seed=2)
     alpha, beta = np.full(1, 2.0, np.float32), np.zeros(1, np.float32)
-    stream = device.get_current_stream()
+    stream = device.cuda.get_current_stream()
     nv.set_stream(handle, stream.ptr)
     assert nv.get_stream(handle) == stream.ptr
     stream.begin_capture()
@@ -289,7 +289,7 @@ def test_nvmath_cublas_runs_on_its_handles_stream(capture):
     graph.launch(stream)
     np.testing.assert_allclose(ct.get(), 2.0 * expected, rtol=1e-5)
 
-    other = device.Stream()
+    other = device.cuda.Stream()
     nv.set_stream(handle, other.ptr)
     ct.fill(np.nan)
     stream.begin_capture()
@@ -327,14 +327,14 @@ def test_gemm_sets_the_handles_stream_before_the_capture_only(capture, monkeypat
     monkeypatch.setattr(bindings.lib, "set_stream", lambda h, s: (set_streams.append(s), set_stream(h, s)))
     m, n, k = 2, 2, 3
     at, bt, ct, expected = _column_major_operands(m, n, k, seed=3)
-    stream = device.get_current_stream()
+    stream = device.cuda.get_current_stream()
     llmc.cuda.gemm(0, 0, m, n, k, at, m, bt, k, ct, m)
     llmc.cuda.gemm(0, 0, m, n, k, at, m, bt, k, ct, m)
     assert set_streams == [stream.ptr]                         # once: the handle keeps its stream
     stream.begin_capture()
     llmc.cuda.gemm(0, 0, m, n, k, at, m, bt, k, ct, m, accumulate=True)
     assert len(stream.end_capture().work) == 1 and set_streams == [stream.ptr]
-    fresh = device.Stream().use()                              # not used eagerly: the handle is elsewhere
+    fresh = device.cuda.Stream().use()                              # not used eagerly: the handle is elsewhere
     fresh.begin_capture()
     with pytest.raises(RuntimeError, match="another stream than the capturing one"):
         llmc.cuda.gemm(0, 0, m, n, k, at, m, bt, k, ct, m)

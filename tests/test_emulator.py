@@ -306,7 +306,7 @@ def test_captured_stream_replays_its_launches(kernels):
         graph.launch(stream)
         np.testing.assert_array_equal(x.get(), 6)       # (0 + 1) * 2 = 2, then (2 + 1) * 2
     finally:
-        cp.Stream.null.use()
+        cp.cuda.Stream.null.use()
 
 
 @pytest.mark.parametrize("read", ["get", "float", "int", "bool", "item", "tolist", "stream.synchronize",
@@ -327,7 +327,7 @@ def test_waiting_for_the_device_while_capturing_is_cudas_error(kernels, read):
         stream.end_capture().launch(stream)
         assert float(x) == 1.0                          # after the capture every read is allowed again
     finally:
-        cp.Stream.null.use()
+        cp.cuda.Stream.null.use()
 
 
 # ----------------------------------------------------------------------------

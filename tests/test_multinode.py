@@ -149,8 +149,8 @@ def test_emulated_nccl_takes_only_the_installed_cupys_id_form(emulated_nccl, mon
 
 def test_emulated_nccl_follows_the_installed_cupy(emulated_nccl):
     """Installed CuPy 14 (or none: the version the project installs) -> bytes; CuPy 13 -> tuple."""
-    assert emulated_nccl.id_type_of_cupy("14.2.0") is bytes and emulated_nccl.id_type_of_cupy(None) is bytes
-    assert emulated_nccl.id_type_of_cupy("13.6.0") is tuple
+    assert emulated_nccl._id_type_of_cupy("14.2.0") is bytes and emulated_nccl._id_type_of_cupy(None) is bytes
+    assert emulated_nccl._id_type_of_cupy("13.6.0") is tuple
 
 
 @pytest.mark.parametrize("id_type", [bytes, tuple])

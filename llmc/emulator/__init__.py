@@ -17,4 +17,24 @@ numerics (the vendor libraries are emulated in fp32 NumPy), bank conflicts, regi
 occupancy or the GPU's memory limits, or NCCL over a real interconnect. Its arrays keep most of
 CuPy's border between host and device (device.ndarray), not all: np.asarray(dev) and
 np.add.reduce(dev) run here, and CuPy refuses both.
+
+Checked against the CuPy installed (tests/test_cupy_conformance.py): every CuPy name the project
+writes exists in CuPy and its calls bind to CuPy's signature; the calls of a short emulated bf16
+training run (CUDA graph, checkpoint) bind too, with the argument types CuPy's Cython signatures
+declare; every public name of device.py (but its own machinery, device.EMULATOR_OWN, which CuPy
+lacks) is CuPy's, at the same place, with CuPy's defaults, and accepts no call CuPy refuses; the
+emulated cuBLAS and NCCL accept no call CuPy's refuse. What that check still cannot see:
+  - the behaviour of a call whose signature matches: values, dtype promotion and casting rules,
+    broadcasting, which dtypes a function takes, the errors CuPy raises inside a call;
+  - argument types where CuPy declares none (untyped Cython parameters, Python annotations,
+    extension classes such as Event), and in every call that the recorded run does not make (other
+    precisions, multi-GPU, cuDNN and cuBLASLt paths, dev/cuda timing): those are checked from the
+    code for their names and argument counts only;
+  - operators and NumPy functions on device arrays (dev + x, np.exp(dev)), and dunder protocols
+    (x in dev, operator.index(dev)); attributes set on instances (Stream.ptr, Device.id);
+  - calls CuPy accepts and the emulator refuses or lacks (order="F", RawModule(backend=...),
+    cp.cuda.runtime.memsetAsync): the emulator may be narrower than CuPy, never wider;
+  - for the emulated cuBLAS and NCCL, the argument types (a tuple of ints handed to CuPy 14's
+    NcclCommunicator(int ndev, bytes commId, ...) passes), their constants and error classes;
+  - cuBLASLt (nvmath-python) and the cuDNN frontend, which are not CuPy.
 """

@@ -1,7 +1,7 @@
 """llmc/emulator/cublas.py: cuBLAS through CuPy's bindings on the emulated device, the calls of
 llmc.cuda.gemm's CupyCublas (the binding used where nvmath-python is missing) with the same
 functions and arguments as cupy_backends.cuda.libs.cublas, on host addresses; and the GEMM itself
-(check_gemm, gemm_on_host), which llmc/emulator/nvmath_cublas.py shares.
+(_check_gemm, _gemm_on_host), which llmc/emulator/nvmath_cublas.py shares.
 
 The contract is cuBLAS's, exactly: matrices are column-major; op(A) is m x k, stored as A (m x k,
 leading dimension lda >= m) for CUBLAS_OP_N or as its transpose (k x m, lda >= k) for
@@ -33,7 +33,7 @@ import ctypes
 
 import numpy as np
 
-from llmc.emulator.device import enqueue, get_current_stream, stream_at, stream_is_capturing
+from llmc.emulator.device import cuda, enqueue, stream_at, stream_is_capturing
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 # enums (cublas_api.h, library_types.h), the values llmc.cuda uses
@@ -92,10 +92,10 @@ def getStream(handle):
 
 def _setStream(handle):
     """CuPy's first step of every BLAS call: the handle onto the current stream."""
-    setStream(handle, get_current_stream().ptr)
+    setStream(handle, cuda.get_current_stream().ptr)
 
 
-def read_scalar(ptr):
+def _read_scalar(ptr):
     """The fp32 scalar at host (or, the same here, device) address ptr."""
     return ctypes.c_float.from_address(ptr).value
 
@@ -129,7 +129,7 @@ def _to_float32(x, dtype, tf32):
     return x
 
 
-def check_gemm(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, compute, batch=1):
+def _check_gemm(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, compute, batch=1):
     """cuBLAS's argument checks of a GEMM: raises CUBLASError with the status cuBLAS returns for an
     unknown op, a negative size, a leading dimension below the stored rows, an unknown or mixed
     data type, or an unsupported compute type. Returns the stored rows of A and B."""
@@ -156,7 +156,7 @@ def check_gemm(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc
     return a_rows, b_rows
 
 
-def gemm_on_host(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, tf32, batch=1,
+def _gemm_on_host(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtype, tf32, batch=1,
                  stride_a=0, stride_b=0, stride_c=0):
     """`batch` column-major products C_i (m,n) = alpha op(A_i) (m,k) op(B_i) (k,n) + beta C_i on
     host addresses A, B, C (matrix i at i*stride elements); alpha, beta are floats. Computed on
@@ -167,7 +167,7 @@ def gemm_on_host(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, d
     if batch > 1 and abs(stride_c) < (n - 1) * ldc + m:        # C_i overlap: write them in order, as cuBLAS
         size = dtype.itemsize
         for i in range(batch):
-            gemm_on_host(transa, transb, m, n, k, alpha, A + i * stride_a * size, lda, B + i * stride_b * size,
+            _gemm_on_host(transa, transb, m, n, k, alpha, A + i * stride_a * size, lda, B + i * stride_b * size,
                          ldb, beta, C + i * stride_c * size, ldc, dtype, tf32)
         return
     ct = _matrices(C, dtype, m, n, ldc, batch, stride_c, writeable=True)         # (batch,n,m) = C^T
@@ -197,7 +197,7 @@ def gemm_on_host(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, d
 def _scalars(handle, name, alpha, beta):
     if getPointerMode(handle) != CUBLAS_POINTER_MODE_HOST:
         raise CUBLASError(CUBLAS_STATUS_NOT_SUPPORTED, f"{name}: device pointer mode is not emulated")
-    return read_scalar(alpha), read_scalar(beta)
+    return _read_scalar(alpha), _read_scalar(beta)
 
 
 def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
@@ -205,10 +205,10 @@ def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb,
     """C (m,n) = alpha op(A) (m,k) op(B) (k,n) + beta C, column-major, on host addresses, on the
     current stream (refused while it captures, see the module docstring)."""
     _setStream(handle)
-    check_gemm("gemmEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType)
+    _check_gemm("gemmEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType)
     a, b = _scalars(handle, "gemmEx", alpha, beta)             # read now, as cuBLAS does
     tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32
-    enqueue(lambda: gemm_on_host(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, DATA_TYPES[Ctype], tf32),
+    enqueue(lambda: _gemm_on_host(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, DATA_TYPES[Ctype], tf32),
             stream_at(getStream(handle)))
 
 
@@ -217,11 +217,11 @@ def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, 
     """gemmEx repeated for batchCount products; matrix i of A starts i*strideA elements after A
     (likewise B, C)."""
     _setStream(handle)
-    check_gemm("gemmStridedBatchedEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType,
+    _check_gemm("gemmStridedBatchedEx", transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, computeType,
                batchCount)
     a, b = _scalars(handle, "gemmStridedBatchedEx", alpha, beta)
     dtype = DATA_TYPES[Ctype]
     tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32
 
-    enqueue(lambda: gemm_on_host(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, dtype, tf32, batchCount,
+    enqueue(lambda: _gemm_on_host(transa, transb, m, n, k, a, A, lda, B, ldb, b, C, ldc, dtype, tf32, batchCount,
                                  strideA, strideB, strideC), stream_at(getStream(handle)))

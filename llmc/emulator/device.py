@@ -13,7 +13,9 @@ Streams are known by their cudaStream_t (.ptr, stream_at), which the vendor libr
 work on the legacy stream while a blocking stream captures is CUDA's error, as on a GPU.
 
 What it is not: CuPy. No asynchrony, no second device, no unified-memory semantics; only the
-calls listed below.
+calls listed below. Each public name is CuPy's, at CuPy's place (cp.cuda.Stream, not cp.Stream),
+with a signature that accepts no call CuPy refuses, except the emulator's own machinery named in
+EMULATOR_OWN (tests/test_cupy_conformance.py checks both against the CuPy installed).
 
     python -c "from llmc.emulator import device as cp; print(cp.zeros(3).data.ptr % 256)"   # 0
 """
@@ -24,6 +26,8 @@ import types
 import weakref
 
 import numpy as np
+# the NumPy names CuPy re-exports (cupy.float32 is numpy.float32), so that a CuPy user's cp.float32 works
+from numpy import bool_, dtype, float16, float32, float64, int8, int16, int32, int64, uint8, uint16, uint32, uint64
 
 from llmc.emulator import build
 
@@ -38,15 +42,24 @@ DEVICE_NAME = "emulated CUDA device (CPU)"
 BUILD_MODE = os.environ.get("LLMC_EMULATOR_MODE", "fibers")
 EXACT_ALLOCATIONS = BUILD_MODE == "asan"
 
+# The emulator's own machinery and settings, which CuPy does not have (tests/test_cupy_conformance.py
+# checks that every other public name here is CuPy's, at the same place, and that none of these is)
+EMULATOR_OWN = ("EMULATOR_OWN", "ALLOCATION_ALIGNMENT", "UNINITIALIZED_BYTE", "MAX_DYNAMIC_SHARED_BYTES",
+                "EMULATED_COMPUTE_CAPABILITY", "DEVICE_NAME", "BUILD_MODE", "EXACT_ALLOCATIONS", "COMPARISONS",
+                "EMULATED_DEVICE_COUNT", "CUDA_ERRORS", "DYNAMIC_SHARED_PATTERN", "static_dynamic_shared",
+                "enqueue", "refuse_while_capturing", "stream_at", "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS")
+
 
 # ----------------------------------------------------------------------------
 # arrays
 
 class MemoryPointer:
-    """CuPy's arr.data: .ptr is the address of the array's first element (here a host address)."""
+    """cupy.cuda.MemoryPointer(mem, offset), CuPy's arr.data: .ptr is mem.ptr + offset, the address
+    of the array's first element (here a host address)."""
 
-    def __init__(self, ptr):
-        self.ptr = ptr
+    def __init__(self, mem, offset):
+        self.mem = mem
+        self.ptr = mem.ptr + offset
 
 
 class ndarray(np.ndarray):
@@ -116,7 +129,7 @@ class ndarray(np.ndarray):
 
     @property
     def data(self):
-        return MemoryPointer(self.__array_interface__["data"][0])
+        return cuda.MemoryPointer(types.SimpleNamespace(ptr=self.__array_interface__["data"][0]), 0)
 
     def fill(self, value):
         """An elementwise kernel in CuPy, so it is recorded while a stream captures. A host
@@ -156,9 +169,10 @@ class ndarray(np.ndarray):
         """bool(dev): read with .get(), as cupy's (refused while a stream captures)."""
         return bool(self.get())
 
-    def item(self, *args):
-        """One element as a Python scalar, read with .get() (refused while a stream captures)."""
-        return self.get().item(*args)
+    def item(self):
+        """The one element as a Python scalar, read with .get() (refused while a stream captures).
+        CuPy's item() takes no index."""
+        return self.get().item()
 
     def tolist(self):
         """The values as nested Python lists, read with .get() (refused while a stream captures)."""
@@ -176,6 +190,18 @@ class ndarray(np.ndarray):
         if not self.flags.c_contiguous:
             raise RuntimeError("set: cannot copy into a non-contiguous array")
         np.copyto(self.view(np.ndarray), arr)
+
+    # NumPy's, not CuPy's: an AttributeError here as on a GPU
+    ctypes = property(lambda self: _not_cupys("ctypes"))
+    getfield = property(lambda self: _not_cupys("getfield"))
+    resize = property(lambda self: _not_cupys("resize"))
+    setfield = property(lambda self: _not_cupys("setfield"))
+    setflags = property(lambda self: _not_cupys("setflags"))
+    to_device = property(lambda self: _not_cupys("to_device"))
+
+
+def _not_cupys(name):
+    raise AttributeError(f"'ndarray' object has no attribute '{name}' (numpy.ndarray has it, cupy.ndarray does not)")
 
 
 # comparisons, where CuPy's __array_ufunc__ reads a 0-d host operand as a scalar (numpy#12142)
@@ -197,7 +223,7 @@ def _cupy_cublas_call(name, operands):
     if (name in CUBLAS_PRODUCTS and arrays and all(x.ndim and x.size for x in arrays)
             and np.result_type(*arrays).kind in CUBLAS_KINDS):
         from llmc.emulator import cublas          # imports this module: imported on first use
-        cublas.setStream(get_cublas_handle(), Stream._current.ptr)
+        cublas.setStream(cuda.device.get_cublas_handle(), cuda.Stream._current.ptr)
 
 
 def _host_arrays(values):
@@ -286,8 +312,11 @@ def get_default_pinned_memory_pool():
     return _POOL
 
 
-def _allocate(shape, dtype, fill_byte):
-    """A device array of `shape`, `dtype` whose first byte is ALLOCATION_ALIGNMENT-aligned."""
+def _allocate(shape, dtype, fill_byte, order="C"):
+    """A device array of `shape`, `dtype` whose first byte is ALLOCATION_ALIGNMENT-aligned. Only
+    row-major (order "C") arrays: NotImplementedError for another order, rather than a wrong layout."""
+    if order != "C":
+        raise NotImplementedError(f"order={order!r}: the emulated device allocates row-major (order 'C') arrays only")
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -304,33 +333,43 @@ def _allocate(shape, dtype, fill_byte):
     return buffer.view(dtype).reshape(shape).view(ndarray)
 
 
-def empty(shape, dtype=np.float32, order="C"):
-    """Uninitialized device memory: every byte 0xff (NaN in fp32 and bf16)."""
-    return _allocate(shape, dtype, UNINITIALIZED_BYTE)
+def empty(shape, dtype=float, order="C"):
+    """Uninitialized device memory: every byte 0xff (NaN in fp32 and bf16). The default dtype is
+    float64, as CuPy's (and NumPy's)."""
+    return _allocate(shape, dtype, UNINITIALIZED_BYTE, order)
 
 
-def zeros(shape, dtype=np.float32, order="C"):
-    return _allocate(shape, dtype, 0)
+def zeros(shape, dtype=float, order="C"):
+    return _allocate(shape, dtype, 0, order)
 
 
-def ones(shape, dtype=np.float32):
-    out = _allocate(shape, dtype, 0)
+def ones(shape, dtype=float, order="C"):
+    out = _allocate(shape, dtype, 0, order)
     out.view(np.ndarray)[...] = 1
     return out
 
 
-def full(shape, fill_value, dtype=np.float32):
-    out = _allocate(shape, dtype, 0)
+def full(shape, fill_value, dtype=None, order="C"):
+    """CuPy's (and NumPy's) default dtype is fill_value's: float64 for a Python float."""
+    out = _allocate(shape, np.array(fill_value).dtype if dtype is None else dtype, 0, order)
     out.view(np.ndarray)[...] = fill_value
     return out
 
 
 def zeros_like(a, dtype=None):
-    return zeros(a.shape, dtype or a.dtype)
+    return zeros(a.shape, a.dtype if dtype is None else dtype)
 
 
-def empty_like(a, dtype=None):
-    return empty(a.shape, dtype or a.dtype)
+def empty_like(prototype, dtype=None):
+    return empty(prototype.shape, prototype.dtype if dtype is None else dtype)
+
+
+def ones_like(a, dtype=None):
+    return ones(a.shape, a.dtype if dtype is None else dtype)
+
+
+def full_like(a, fill_value, dtype=None):
+    return full(a.shape, fill_value, a.dtype if dtype is None else dtype)
 
 
 def asarray(a, dtype=None):
@@ -343,7 +382,10 @@ def asarray(a, dtype=None):
     return out
 
 
-array = asarray
+def array(obj, dtype=None):
+    """A device copy of `obj` (a host array, a list or a device array), as cupy.array."""
+    host = obj.get() if isinstance(obj, ndarray) else np.asarray(obj)
+    return asarray(np.array(host, dtype=dtype))
 
 
 def asnumpy(a, stream=None):
@@ -351,11 +393,11 @@ def asnumpy(a, stream=None):
     return a.get() if isinstance(a, ndarray) else np.asarray(a)
 
 
-def arange(*args, dtype=None):
-    return asarray(np.arange(*args, dtype=dtype))
+def arange(start, stop=None, step=1, dtype=None):
+    return asarray(np.arange(start, stop, step, dtype=dtype))
 
 
-def add(x1, x2, out=None):
+def add(x1, x2, /, out=None):
     """cupy.add: an elementwise kernel, so it is recorded while a stream captures."""
     if out is None:
         out = empty(np.broadcast_shapes(np.shape(x1), np.shape(x2)), np.result_type(x1, x2))
@@ -373,14 +415,14 @@ class Stream:
     null = None
     _current = None
 
-    def __init__(self, null=False, non_blocking=False, ptr=0):
+    def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
         self.ptr = 0 if null else id(self)
         self.non_blocking = non_blocking
         self._captured = None
         _STREAMS[self.ptr] = self
 
     def use(self):
-        Stream._current = self
+        cuda.Stream._current = self
         return self
 
     def synchronize(self):
@@ -389,7 +431,7 @@ class Stream:
     def record(self, event=None):
         """cupy.cuda.Stream.record: an Event marking the work issued so far on this stream (done
         already: work runs when issued). Returns the event."""
-        event = Event() if event is None else event
+        event = cuda.Event() if event is None else event
         event.record(self)
         return event
 
@@ -406,15 +448,15 @@ class Stream:
     def end_capture(self):
         if self._captured is None:
             raise RuntimeError("end_capture: this stream is not capturing")
-        graph, self._captured = Graph(self._captured), None
+        graph, self._captured = cuda.Graph(self._captured), None
         return graph
 
     def __enter__(self):
-        self._previous = Stream._current
+        self._previous = cuda.Stream._current
         return self.use()
 
     def __exit__(self, *exc):
-        Stream._current = self._previous
+        cuda.Stream._current = self._previous
 
 
 _STREAMS = weakref.WeakValueDictionary()          # cudaStream_t -> the live Stream
@@ -427,7 +469,7 @@ def stream_at(ptr):
     for another value, as CUDA does for a destroyed or foreign stream."""
     stream = _STREAMS.get(ptr)
     if stream is None:
-        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no live stream {ptr:#x}")
+        raise _cuda_error(400, f"no live stream {ptr:#x}")
     return stream
 
 
@@ -437,13 +479,13 @@ def _blocking_capture():
     return any(s._captured is not None and not s.non_blocking for s in list(_STREAMS.values()))
 
 
-def stream_is_capturing(ptr):
+def stream_is_capturing(stream):
     """cudaStreamIsCapturing (CuPy's runtime.streamIsCapturing): whether the stream ptr is
-    capturing. Asked of the legacy stream while a blocking stream captures, CUDA answers
+    capturing (stream: a cudaStream_t, as CuPy's parameter is named). Asked of the legacy stream while a blocking stream captures, CUDA answers
     cudaErrorStreamCaptureImplicit (CUDARuntimeError here)."""
-    stream = stream_at(ptr)
+    stream = stream_at(stream)
     if stream.ptr == 0 and _blocking_capture():
-        raise CUDARuntimeError("cudaErrorStreamCaptureImplicit: the legacy stream while a blocking stream captures")
+        raise _cuda_error(906, "the legacy stream asked while a blocking stream captures")
     return stream._captured is not None
 
 
@@ -462,7 +504,7 @@ class Graph:
 
 
 def get_current_stream():
-    return Stream._current
+    return cuda.Stream._current
 
 
 def refuse_while_capturing(what, stream=None):
@@ -470,8 +512,8 @@ def refuse_while_capturing(what, stream=None):
     copy to host memory): the captured work has not run, so CUDA refuses and invalidates the
     capture. The emulated device refuses the same way (on it, a read would give stale values).
     stream: the stream waited for (default: the current one). Raises CUDARuntimeError."""
-    if (stream or Stream._current)._captured is not None:
-        raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while the stream is capturing")
+    if (stream or cuda.Stream._current)._captured is not None:
+        raise _cuda_error(900, f"{what} while the stream is capturing")
 
 
 def enqueue(fn, stream=None):
@@ -479,20 +521,19 @@ def enqueue(fn, stream=None):
     one): run it now, or record it while that stream captures. Every emulated device operation
     goes through here. Work on the legacy stream while a blocking stream captures is CUDA's
     cudaErrorStreamCaptureImplicit (CUDARuntimeError)."""
-    stream = Stream._current if stream is None else stream
+    stream = cuda.Stream._current if stream is None else stream
     if stream._captured is not None:
         stream._captured.append(fn)
         return
     if stream.ptr == 0 and _blocking_capture():
-        raise CUDARuntimeError("cudaErrorStreamCaptureImplicit: work issued on the legacy stream while a blocking "
-                               "stream captures")
+        raise _cuda_error(906, "work issued on the legacy stream while a blocking stream captures")
     fn()
 
 
 class Event:
     """cupy.cuda.Event: record() notes the host time; elapsed time between two, in ms."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.time = None
 
     def record(self, stream=None):
@@ -503,15 +544,36 @@ class Event:
         pass
 
 
-def get_elapsed_time(start, end):
-    return (end.time - start.time) * 1e3
+def get_elapsed_time(start_event, end_event):
+    return (end_event.time - start_event.time) * 1e3
 
 
 # ----------------------------------------------------------------------------
 # the runtime: one device
 
+# the CUDA errors the emulated device raises: status -> (name, CUDA's description), cuda_runtime_api.h
+CUDA_ERRORS = {101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
+               400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
+               900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
+               906: ("cudaErrorStreamCaptureImplicit",
+                     "operation would make the legacy stream depend on a capturing blocking stream")}
+
+
 class CUDARuntimeError(RuntimeError):
-    pass
+    """cupy.cuda.runtime.CUDARuntimeError(status): "name: description" of a CUDA error status (one
+    of CUDA_ERRORS); the emulator adds what it refused as a note (shown in the traceback)."""
+
+    def __init__(self, status):
+        self.status = status
+        name, description = CUDA_ERRORS[status]
+        super().__init__(f"{name}: {description}")
+
+
+def _cuda_error(status, what):
+    """CUDARuntimeError(status) with `what` as its note, and in its message after CUDA's text."""
+    error = cuda.runtime.CUDARuntimeError(status)
+    error.args = (f"{error.args[0]} ({what})",)
+    return error
 
 
 def _host_memory():
@@ -525,8 +587,8 @@ def _host_memory():
         return total, total
 
 
-def _device_properties(index):
-    _check_device(index)
+def _device_properties(device):
+    _check_device(device)
     major, minor = EMULATED_COMPUTE_CAPABILITY
     return {"name": DEVICE_NAME.encode(), "major": major, "minor": minor, "totalGlobalMem": _host_memory()[1],
             "multiProcessorCount": os.cpu_count() or 1, "warpSize": 32, "maxThreadsPerBlock": 1024,
@@ -540,8 +602,7 @@ EMULATED_DEVICE_COUNT = 8
 
 def _check_device(index):
     if not 0 <= index < EMULATED_DEVICE_COUNT:
-        raise CUDARuntimeError(f"cudaErrorInvalidDevice: the emulated node has devices 0..{EMULATED_DEVICE_COUNT - 1}, "
-                               f"not {index}")
+        raise _cuda_error(101, f"the emulated node has devices 0..{EMULATED_DEVICE_COUNT - 1}, not {index}")
 
 
 runtime = types.SimpleNamespace(
@@ -550,7 +611,7 @@ runtime = types.SimpleNamespace(
     memGetInfo=_host_memory,
     deviceSynchronize=lambda: refuse_while_capturing("cudaDeviceSynchronize"),
     streamIsCapturing=stream_is_capturing,
-    getDevice=lambda: Device.current,
+    getDevice=lambda: cuda.Device._current,
     CUDARuntimeError=CUDARuntimeError,
 )
 
@@ -558,14 +619,15 @@ runtime = types.SimpleNamespace(
 class Device:
     """cupy.cuda.Device(i), i < EMULATED_DEVICE_COUNT; every device is the same host memory."""
 
-    current = 0                        # the device of this process (cudaGetDevice)
+    _current = 0                       # the device of this process (cudaGetDevice)
 
-    def __init__(self, index=0):
-        _check_device(index)
-        self.id = index
+    def __init__(self, device=None):
+        device = cuda.Device._current if device is None else device
+        _check_device(device)
+        self.id = device
 
     def use(self):
-        Device.current = self.id
+        cuda.Device._current = self.id
 
     def synchronize(self):
         refuse_while_capturing("Device.synchronize")
@@ -589,16 +651,21 @@ def get_cublas_handle():
     return _CUBLAS_HANDLE
 
 
-def alloc_pinned_memory(nbytes):
-    """Page-locked host memory stands for ordinary host memory here: a bytearray."""
-    return bytearray(nbytes)
+def alloc_pinned_memory(size):
+    """Page-locked host memory stands for ordinary host memory here: a bytearray of `size` bytes."""
+    return bytearray(size)
 
 
 class CompileException(Exception):
-    """g++ rejected a kernel source (cupy.cuda.compiler.CompileException)."""
+    """g++ rejected a kernel source: cupy.cuda.compiler.CompileException(msg, source, name, options,
+    backend), whose get_message() is the compiler's log."""
+
+    def __init__(self, msg, source, name, options, backend="nvrtc"):
+        super().__init__(msg)
+        self.msg, self.source, self.name, self.options, self.backend = msg, source, name, options, backend
 
     def get_message(self):
-        return str(self)
+        return self.msg
 
 
 # ----------------------------------------------------------------------------
@@ -622,7 +689,7 @@ class RawModule:
     disk), its kernels fetched by get_function(name) and called as kernel(grid, block, args).
     Options: -D and -I are used; the rest (e.g. --std=c++17) are NVRTC's and ignored."""
 
-    def __init__(self, code=None, options=(), path=None, name_expressions=None, **kwargs):
+    def __init__(self, code=None, *, path=None, options=(), name_expressions=None):
         if code is None:
             raise ValueError("the emulated device compiles kernel sources: pass code=")
         self.code = code
@@ -638,12 +705,11 @@ class RawModule:
         try:
             self.library = build.Library(path, defines, include_dirs, BUILD_MODE)
         except build.EmulatorError as e:
-            raise CompileException(str(e)) from None
+            raise cuda.compiler.CompileException(str(e), self.code, path, self.options, "g++") from None
 
     def get_function(self, name):
         self.compile()
-        kernel = self.library.kernel(name)
-        return RawKernel(kernel)
+        return RawKernel._of(self.library.kernel(name))
 
 
 class RawKernel:
@@ -651,11 +717,26 @@ class RawKernel:
     captures, with its arguments as they are now (the captured graph replays the same pointers
     and scalars, as CUDA's does)."""
 
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.name = kernel.name
+    def __init__(self, code, name, options=()):
+        compiled = RawModule(code=code, options=options).get_function(name)
+        self.kernel, self.name = compiled.kernel, name
+
+    @classmethod
+    def _of(cls, kernel):
+        """The RawKernel of `kernel`, a function of a compiled build.Library (RawModule.get_function)."""
+        raw = cls.__new__(cls)
+        raw.kernel, raw.name = kernel, kernel.name
+        return raw
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        """grid, block: tuples of 1 to 3 ints; shared_mem: dynamic shared memory bytes, an int. A
+        list grid or a float shared_mem is a TypeError, as Cython's `tuple grid` and `size_t
+        shared_mem` in CuPy's Function.__call__ (cupy/cuda/function.pyx)."""
+        for name, value in (("grid", grid), ("block", block)):
+            if not isinstance(value, tuple):
+                raise TypeError(f"Argument '{name}' has incorrect type (expected tuple, got {type(value).__name__})")
+        if not hasattr(shared_mem, "__index__"):
+            raise TypeError(f"shared_mem: 'size_t' from a {type(shared_mem).__name__}: CuPy needs an integer")
         if not 0 <= shared_mem <= MAX_DYNAMIC_SHARED_BYTES:
             raise ValueError(f"kernel {self.name}: {shared_mem} bytes of dynamic shared memory, a block may have "
                              f"at most {MAX_DYNAMIC_SHARED_BYTES}")
@@ -676,4 +757,9 @@ cuda = types.SimpleNamespace(
     compiler=types.SimpleNamespace(CompileException=CompileException),
     alloc_pinned_memory=alloc_pinned_memory,
     MemoryPointer=MemoryPointer,
+    MemoryPool=MemoryPool,
 )
+
+# CuPy has these under cupy.cuda only (a CuPy user's cp.Stream is an AttributeError): here too
+del Stream, Event, Graph, Device, MemoryPointer, MemoryPool, CUDARuntimeError, CompileException, runtime
+del get_current_stream, get_elapsed_time, get_cublas_handle, alloc_pinned_memory

@@ -81,7 +81,7 @@ class NcclAborted(NcclError, threading.BrokenBarrierError):
         super().__init__(NCCL_REMOTE_ERROR, why)
 
 
-def id_type_of_cupy(version):
+def _id_type_of_cupy(version):
     """The Python type of an NCCL unique id in CuPy `version` ("14.2.0"; None: no CuPy installed,
     taken as the CuPy the project installs): bytes from CuPy 14 on (nccl.pyx v14.2.0: get_unique_id
     returns bytes, `NcclCommunicator(int ndev, bytes commId, int rank)`), before that a tuple of 128
@@ -89,7 +89,7 @@ def id_type_of_cupy(version):
     return bytes if version is None or int(version.split(".")[0]) >= CUPY_BYTES_ID_MAJOR else tuple
 
 
-def installed_cupy_version():
+def _installed_cupy_version():
     """The version of the installed CuPy wheel (cupy, cupy-cuda12x, cupy-cuda13x, ...), read from
     its metadata without importing it; None if there is none."""
     from importlib import metadata
@@ -98,7 +98,7 @@ def installed_cupy_version():
     return None
 
 
-ID_TYPE = id_type_of_cupy(installed_cupy_version())    # the form the installed CuPy gives and takes
+ID_TYPE = _id_type_of_cupy(_installed_cupy_version())    # the form the installed CuPy gives and takes
 
 
 def get_unique_id():

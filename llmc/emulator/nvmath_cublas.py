@@ -7,7 +7,7 @@ Why a second cuBLAS binding: CuPy's (llmc/emulator/cublas.py) sets the handle's 
 every call and refuses while that stream captures; nvmath's are thin wrappers of the C API that
 check nothing of the kind, so a call made while the stream captures is recorded into the graph,
 as cuBLAS itself allows. The library and its numerics are the same: the GEMM contract, the
-argument checks and the arithmetic are llmc/emulator/cublas.py's (check_gemm, gemm_on_host).
+argument checks and the arithmetic are llmc/emulator/cublas.py's (_check_gemm, _gemm_on_host).
 
 The handle, as cuBLAS's: created with the legacy stream (0) and host pointer mode; every call
 runs on the stream last given to set_stream, not on the caller's current stream. So a GEMM on a
@@ -28,7 +28,7 @@ import enum
 import itertools
 
 from llmc.emulator import cublas
-from llmc.emulator.device import CUDARuntimeError, enqueue, stream_at
+from llmc.emulator.device import cuda, enqueue, stream_at
 
 VERSION = 120400                        # cublasGetVersion() of the CUDA 12.4 documentation followed here
 
@@ -130,7 +130,7 @@ def _issue(state, name, work):
     blocking capture comes back as the failed launch cuBLAS reports."""
     try:
         enqueue(work, stream_at(state["stream"]))
-    except CUDARuntimeError as e:
+    except cuda.runtime.CUDARuntimeError as e:
         raise cuBLASError(Status.EXECUTION_FAILED, f"{name}: {e}") from None
 
 
@@ -138,12 +138,12 @@ def _prepare(handle, name, alpha, beta, *checked):
     """The handle's state and the host scalars alpha, beta, after cuBLAS's argument checks."""
     state = _handle(handle)
     try:
-        cublas.check_gemm(name, *checked)
+        cublas._check_gemm(name, *checked)
     except cublas.CUBLASError as e:
         raise cuBLASError(e.status, str(e)) from None
     if state["pointer_mode"] != PointerMode.HOST:
         raise cuBLASError(Status.NOT_SUPPORTED, f"{name}: device pointer mode is not emulated")
-    return state, cublas.read_scalar(alpha), cublas.read_scalar(beta)
+    return state, cublas._read_scalar(alpha), cublas._read_scalar(beta)
 
 
 def gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c, ctype, ldc, compute_type,
@@ -154,7 +154,7 @@ def gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb
                                               btype, ldb, ctype, ldc, compute_type)
     tf32 = compute_type == ComputeType.COMPUTE_32F_FAST_TF32
     dtype = cublas.DATA_TYPES[ctype]
-    _issue(state, "gemm_ex", lambda: cublas.gemm_on_host(transa, transb, m, n, k, alpha_value, a, lda, b, ldb,
+    _issue(state, "gemm_ex", lambda: cublas._gemm_on_host(transa, transb, m, n, k, alpha_value, a, lda, b, ldb,
                                                          beta_value, c, ldc, dtype, tf32))
 
 
@@ -167,5 +167,5 @@ def gemm_strided_batched_ex(handle, transa, transb, m, n, k, alpha, a, atype, ld
     tf32 = compute_type == ComputeType.COMPUTE_32F_FAST_TF32
     dtype = cublas.DATA_TYPES[ctype]
     _issue(state, "gemm_strided_batched_ex",
-           lambda: cublas.gemm_on_host(transa, transb, m, n, k, alpha_value, a, lda, b, ldb, beta_value, c, ldc,
+           lambda: cublas._gemm_on_host(transa, transb, m, n, k, alpha_value, a, lda, b, ldb, beta_value, c, ldc,
                                        dtype, tf32, batch_count, stride_a, stride_b, stride_c))
