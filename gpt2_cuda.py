@@ -949,15 +949,17 @@ def sampling_forward(model):
 
 def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, process_rank=0, num_processes=1,
                           outliers=None):
-    """Write the checkpoint of `step` (llmc.checkpoint.save_checkpoint) from the device: fp32
-    parameters (the master weights when there are some, which are also written to the state
-    file so the exact fp32 values resume), AdamW's m and v, the stochastic-rounding RNG. Returns
-    the DONE_<step> path for the caller to write last. With ZeRO-1 over several ranks each
-    rank's state file holds its shard of m, v and master weights (S floats each, as llm.c's),
-    and the model file the bf16 parameters upcast (download_parameters: no rank has all the
-    master weights), which are the exact values the run computes with."""
+    """Write the checkpoint of `step` (llmc.checkpoint.save_checkpoint) from the device: the model
+    file holds the parameters the run computes with (floatX upcast to fp32, exact; in bf16 the
+    stochastically rounded values, as llm.c's model file holds its bf16 parameters), the state
+    file AdamW's m and v, the fp32 master weights when there are some, and the
+    stochastic-rounding RNG: together every value the next step reads, so a resume is bit for
+    bit. Returns the DONE_<step> path for the caller to write last. With ZeRO-1 over several
+    ranks each rank's state file holds its shard of m, v and master weights (S floats each, as
+    llm.c's)."""
     master = model.master.get() if model.master is not None else None
-    return save_checkpoint(out_dir, step, model.config, download_parameters(model), model.m.get(), model.v.get(),
+    return save_checkpoint(out_dir, step, model.config, download_parameters(model, master=False), model.m.get(),
+                           model.v.get(),
                            loader, sample_rng_state, process_rank, num_processes, master_weights=master,
                            rng_state_last_update=model.rng_state_last_update, outliers=outliers,
                            zero_stage=model.zero_stage)
@@ -966,15 +968,16 @@ def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, proces
 def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_processes):
     """Resume from the checkpoint of `step` in out_dir (written by either trainer): parameters,
     AdamW's m and v, the loader position, the stochastic-rounding RNG. Returns (step,
-    sample_rng_state, state_path, the outlier detectors' state or None). bf16 parameters are the master weights rounded to nearest: at
-    most 1 bf16 ulp from the stochastically rounded values the run had (llm.c re-derives those
-    with the last update's seed). With ZeRO-1 over several ranks (the same -z and number of
-    ranks as the run that wrote it, else InputError) the parameters are the model file's, exactly
-    the run's bf16 values, and this rank's master weights its state file's shard: the run
-    resumes bit for bit."""
+    sample_rng_state, state_path, the outlier detectors' state or None). With master weights in
+    both the model and the state (bf16, -w 1) the floatX parameters are the model file's, exactly
+    the run's stochastically rounded values, and the master weights the state file's (this rank's
+    shard with ZeRO-1, whose -z and number of ranks must be the run's, else InputError): the run
+    resumes bit for bit. Otherwise the parameters are llmc.checkpoint's choice (the master
+    weights of a gpt2_cpu or fp32 run), rounded to floatX."""
     st = load_checkpoint(out_dir, step, process_rank, num_processes, lambda shape: model.num_parameters,
                          model.shard.size, model.zero_stage)
-    upload_parameters(model, st["params"])
+    exact = model.master is not None and st["master_weights"] is not None
+    upload_parameters(model, st["model_params"] if exact else st["params"])
     if model.master is not None and st["master_weights"] is not None:
         model.master.set(np.ascontiguousarray(st["master_weights"], dtype=np.float32))   # exact: this rank's shard
     model.m.set(np.ascontiguousarray(st["m"], dtype=np.float32))

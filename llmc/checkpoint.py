@@ -199,15 +199,16 @@ def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_o
     """Read the checkpoint of `step` in out_dir for this rank. num_parameters_of(shape) as in
     llmc.formats.read_model_file; state_num_parameters: the floats of m, v, master weights in
     the state file (default: the model's; with zero_stage 1, this rank's shard). Returns
-    read_state's dict plus "shape" (the model file's shape dict), "params" (fp32, the whole
-    model: the master weights when the state has all of them, which are the exact values the
-    run had, else the model file's) and "state_path". Raises InputError."""
+    read_state's dict plus "shape" (the model file's shape dict), "model_params" (the model
+    file's fp32 parameters), "params" (fp32, the whole model: the master weights when the state
+    has all of them, which are the exact fp32 values the run had, else the model file's) and
+    "state_path". Raises InputError."""
     model_path, state_path, _ = checkpoint_paths(out_dir, step, process_rank)
     shape, params = read_model_file(model_path, num_parameters_of)
     st = read_state(state_path, state_num_parameters or params.size, process_rank, num_processes, zero_stage)
     if st["step"] != step:
         raise InputError(f"{state_path}: corrupt state file: step {st['step']} in the file of step {step}")
-    st["shape"], st["state_path"] = shape, state_path
+    st["shape"], st["state_path"], st["model_params"] = shape, state_path, params
     master = st["master_weights"]
     st["params"] = master if master is not None and master.size == params.size else params
     return st

@@ -34,6 +34,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -832,18 +833,41 @@ def test_emulated_bf16_training_writes_master_weights(emulated_training, tmp_pat
     saved = gpt2_cpu.read_model(os.path.join(out, "model_00000002.bin"))
     st = checkpoint.read_state(os.path.join(out, "state_00000002_00000.bin"), saved.num_parameters, 0, 1)
     assert st["master_weights"] is not None
-    np.testing.assert_array_equal(st["master_weights"], saved.params)  # the model file holds the master weights
+    # the model file holds the bf16 values the run computes with (as llm.c's), upcast: exactly
+    # representable in bf16, and not the master weights, which the state file holds
+    np.testing.assert_array_equal(float32_to_bfloat16_bits(saved.params).astype(np.uint32) << 16,
+                                  saved.params.view(np.uint32))
+    assert not np.array_equal(st["master_weights"], saved.params)
     assert st["rng_state_last_update"] != 0 and st["step"] == 2
-    # resuming restores all of it: master weights, bf16 params rounded from them, m, v, RNG, loader
+    # resuming restores all of it exactly: master weights, the stochastically rounded bf16
+    # parameters, m, v, RNG, loader
     model = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True)
     loader = dataloader.DataLoader(data, 2, 16)
     step, sample_state, _, _ = gpt2_cuda.load_model_checkpoint(out, 2, model, loader, 0, 1)
     assert step == 2 and sample_state == st["sample_rng_state"] and loader.current_sample_idx == 2
     np.testing.assert_array_equal(model.master.get(), st["master_weights"])
-    np.testing.assert_array_equal(model.params.get(), float32_to_bfloat16_bits(st["master_weights"]))
+    np.testing.assert_array_equal(model.params.get(), float32_to_bfloat16_bits(saved.params))
     np.testing.assert_array_equal(model.m.get(), st["m"])
     np.testing.assert_array_equal(model.v.get(), st["v"])
     assert model.update_rng.state == st["rng_state_last_update"] != gpt2_cuda.UPDATE_SEED
+
+
+def test_emulated_bf16_resume_equals_the_straight_run_byte_for_byte(emulated_training, tmp_path):
+    """bf16 with master weights (the GPU default): a run resumed from its step-2 checkpoint prints
+    the straight run's losses and writes the straight run's files, byte for byte."""
+    data, model = _write_shards(tmp_path), _tiny_checkpoint(tmp_path)
+    common = ["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "16", "-v", "0", "-s", "0", "-l", "1e-2",
+              "-x", "4", "-n", "2", "--precision", "bf16"] + EMULATED
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert gpt2_cuda.main(common + ["-o", straight]) == 0
+    shutil.copytree(straight, resumed)
+    for name in ("DONE_00000004", "model_00000004.bin", "state_00000004_00000.bin", "config_00000004.json"):
+        os.remove(os.path.join(resumed, name))                           # as if it had stopped at step 2
+    assert gpt2_cuda.main(common + ["-y", "1", "-o", resumed]) == 0
+    assert _train_losses(os.path.join(resumed, "main.log")) == _train_losses(os.path.join(straight, "main.log"))
+    for name in ("model_00000004.bin", "state_00000004_00000.bin"):
+        with open(os.path.join(straight, name), "rb") as a, open(os.path.join(resumed, name), "rb") as b:
+            assert a.read() == b.read(), name
 
 
 # ----------------------------------------------------------------------------

@@ -358,13 +358,13 @@ def test_zero1_on_two_processes_equals_zero0_bitwise_bf16(runs):
     assert all(st["zero_stage"] == 1 and st["m"].size == S < TINY_N for st in shards)
     for key in ("m", "v", "master_weights"):
         np.testing.assert_array_equal(_gathered(shards, key), whole[0][key], err_msg=key)
-    # the model file: -z 0's holds the master weights, -z 1's the bf16 parameters upcast (no rank
-    # has all the master weights), each the master weight stochastically rounded (1 bf16 ulp)
+    # the model file holds the bf16 parameters upcast, -z 0's and -z 1's alike (the values the run
+    # computes with), each its master weight stochastically rounded (1 bf16 ulp)
     params = gpt2_cpu.read_model(_model_file(z1, STEPS)).params
     bits = float32_to_bfloat16_bits(params)
     np.testing.assert_array_equal(bfloat16_bits_to_float32(bits), params)
-    master = gpt2_cpu.read_model(_model_file(z0, STEPS)).params
-    np.testing.assert_array_equal(master, whole[0]["master_weights"])
+    np.testing.assert_array_equal(gpt2_cpu.read_model(_model_file(z0, STEPS)).params, params)
+    master = whole[0]["master_weights"]
     ulps = bits.astype(np.int32) - float32_to_bfloat16_bits(master).astype(np.int32)
     assert set(np.unique(ulps).tolist()) <= {-1, 0, 1}
     path = checkpoint.checkpoint_paths(str(z1), STEPS, 0)[1]
