@@ -37,11 +37,9 @@ is accumulated explicitly in gpt2_backward.
 """
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -607,27 +605,22 @@ def adamw_update(p, g, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, 
 
 
 def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-    """AdamW over the model: adamw_update on slices of the flat buffers, weight decay on
-    DECAYED_PARAMETERS only. For speed only (the same arithmetic per element): slices of
-    ADAMW_CHUNK floats stay in cache, and one thread per core shares them (NumPy frees the GIL)."""
+    """AdamW over the model: adamw_update on each parameter tensor's part of the flat buffers,
+    weight decay on DECAYED_PARAMETERS only. A tensor is updated ADAMW_CHUNK floats at a time, so
+    that the temporaries of adamw_update stay in cache (the same arithmetic per element). A plain
+    loop in one thread, so that a debugger's breakpoint in adamw_update stops."""
     if model.m is None:
         model.m = np.zeros_like(model.params)
         model.v = np.zeros_like(model.params)
-    chunks, offset = [], 0                                    # (slice, weight decay) in file order
+    offset = 0
     for name, shape in model.param_shapes:
         n = math.prod(shape)
         wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
-        chunks += [(slice(s, min(s + ADAMW_CHUNK, offset + n)), wd) for s in range(offset, offset + n, ADAMW_CHUNK)]
-        offset += n
-
-    def work(worker, num_workers):
-        for part, wd in chunks[worker::num_workers]:
+        for start in range(offset, offset + n, ADAMW_CHUNK):
+            part = slice(start, min(start + ADAMW_CHUNK, offset + n))
             adamw_update(model.params[part], model.grads[part], model.m[part], model.v[part],
                          learning_rate, beta1, beta2, eps, wd, t, grad_scale)
-
-    num_workers = min(os.cpu_count() or 1, len(chunks))
-    with ThreadPoolExecutor(num_workers) as pool:
-        list(pool.map(work, range(num_workers), [num_workers] * num_workers))
+        offset += n
 
 
 # ----------------------------------------------------------------------------

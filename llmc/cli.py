@@ -10,6 +10,7 @@ forward for HellaSwag, sampling, saving a checkpoint).
 """
 
 import argparse
+import bdb
 import codecs
 import difflib
 import math
@@ -117,6 +118,7 @@ def build_parser(prog, description, lr_schedules):
     a("--temperature", type=float, default=1.0, help="sampling temperature (>= 0; 0: the most likely token)")
     a("--top-k", type=int, default=0, help="sample among the k most likely tokens only (0: all)")
     a("--sample-seed", type=int, default=SAMPLE_SEED, help="seed of the sampler's xorshift RNG (nonzero)")
+    a("--traceback", action="store_true", help="an internal error prints its full traceback (also: LLMC_TRACEBACK=1)")
     newcomer_defaults(p)
     return p
 
@@ -498,14 +500,30 @@ def error_line(e, expected):
     return f"error: {'' if rank is None else f'rank {rank}: '}{' '.join(text.splitlines())}"
 
 
+TRACEBACK_ENV = "LLMC_TRACEBACK"       # =1: an internal error prints its full traceback too
+
+
+def debugger_attached():
+    """Whether a debugger traces this process (pdb, and the debuggers of IDEs, set a trace
+    function; Python 3.12's sys.monitoring has a tool id for debuggers)."""
+    monitoring = getattr(sys, "monitoring", None)
+    return sys.gettrace() is not None or (monitoring is not None and
+                                          monitoring.get_tool(monitoring.DEBUGGER_ID) is not None)
+
+
 def run_main(fn, args, errors=(InputError,)):
     """Run fn(args) as a command and return the exit code: fn's own if it returns an int (e.g.
     gpt2_cuda.py --check), else 0; 1 with one `error:` line on stderr for bad input (any of
     `errors`), a failed write (OSError: disk full, permissions; atomic_write leaves no temporary
     file), or any other exception (error_line); 130 on Ctrl-C. Under mpiexec any of these on one
-    rank ends every rank within seconds (MPI_Abort), so no rank waits forever in a collective."""
+    rank ends every rank within seconds (MPI_Abort), so no rank waits forever in a collective.
+    For a learner's debugging: pdb's `q` (bdb.BdbQuit) passes through, and so does an internal
+    error while a debugger is attached (pdb's post-mortem then stops where it was raised);
+    `--traceback` or LLMC_TRACEBACK=1 prints an internal error's full traceback before its line.
+    Bad input stays one line."""
     if hasattr(sys.stdout, "reconfigure"):                 # a terminal that cannot show a sampled
         sys.stdout.reconfigure(errors="replace")           # character gets '?', not an error
+    expected = errors + (OSError,)
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # non-finite values are checked, not warned
             result = fn(args)
@@ -513,8 +531,14 @@ def run_main(fn, args, errors=(InputError,)):
         print("interrupted", file=sys.stderr)
         abort_all_ranks(130)
         return 130
+    except bdb.BdbQuit:                                     # pdb's q: the debugger ends the program
+        raise
     except Exception as e:                                  # noqa: BLE001: every exception is one line
-        print(error_line(e, errors + (OSError,)), file=sys.stderr)
+        if not isinstance(e, expected) and debugger_attached():
+            raise                                           # to the debugger's post-mortem
+        if not isinstance(e, expected) and (getattr(args, "traceback", False) or os.environ.get(TRACEBACK_ENV) == "1"):
+            traceback.print_exc()
+        print(error_line(e, expected), file=sys.stderr)
         abort_all_ranks(1)
         return 1
     finally:
