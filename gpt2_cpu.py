@@ -245,11 +245,10 @@ def split_heads(qkv, NH):
 
 
 def causal_scores(q, keys, pos=0):
-    """The scaled scores q k^T / sqrt(HS) of T queries q (B,NH,T,HS) at positions pos..pos+T-1
-    against the keys (B,NH,n,HS) of positions 0..n-1 -> (B,NH,T,n), a key after its query set to
-    -inf (the causal mask), so its probability is exactly 0 (and so is its gradient). NumPy
-    functions of the inputs only: given CuPy arrays they run on the GPU (NEP 13 and 18), which is
-    how gpt2_cuda.py's sampler runs this attention."""
+    """The scaled scores q k^T / sqrt(HS) of T queries q (B,NH,T,HS) against the keys (B,NH,n,HS)
+    -> (B,NH,T,n), a key after its query set to -inf (the causal mask), so its probability is
+    exactly 0 (and so is its gradient). In training n = T and query t sits at position t; the
+    sampler's queries sit at positions pos..pos+T-1 after pos cached keys (n = pos+T)."""
     HS = q.shape[3]
     scores = (q @ keys.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(HS))   # (B,NH,T,HS) @ (B,NH,HS,n)
     future = np.triu(np.ones_like(scores[0, 0], dtype=bool), pos + 1)   # (T,n): key j > position pos+t
@@ -282,11 +281,11 @@ def attention_forward(qkv, NH):
 
 def attention_backward(dout, qkv, att, NH):
     """Return dqkv (B,T,3C) from dout (B,T,C), the forward's qkv (B,T,3C) and att (B,NH,T,T).
-    Undoing the forward in reverse:
+    Undoing the forward (causal_softmax, then att @ v) in reverse:
         out = att @ v          =>  datt = dout @ v^T,  dv = att^T @ dout
-        att = softmax(preatt)  =>  dpreatt = att * (datt - sum_j(datt * att))   (softmax Jacobian)
-        preatt = s q k^T       =>  dq = s dpreatt @ k,  dk = s dpreatt^T @ q,  s = 1/sqrt(HS)
-    Masked entries have att == 0, so dpreatt is 0 there without an explicit mask."""
+        att = softmax(scores)  =>  dscores = att * (datt - sum_j(datt * att))   (softmax Jacobian)
+        scores = s q k^T       =>  dq = s dscores @ k,  dk = s dscores^T @ q,  s = 1/sqrt(HS)
+    Masked entries have att == 0, so dscores is 0 there without an explicit mask."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     HS = C // NH
@@ -295,9 +294,9 @@ def attention_backward(dout, qkv, att, NH):
     dout_h = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B,NH,T,HS)
     datt = dout_h @ v.transpose(0, 1, 3, 2)                   # (B,NH,T,HS) @ (B,NH,HS,T) -> (B,NH,T,T)
     dv = att.transpose(0, 1, 3, 2) @ dout_h                   # (B,NH,T,T) @ (B,NH,T,HS) -> (B,NH,T,HS)
-    dpreatt = att * (datt - (datt * att).sum(axis=-1, keepdims=True))
-    dq = (dpreatt @ k) * scale                                # (B,NH,T,T) @ (B,NH,T,HS)
-    dk = (dpreatt.transpose(0, 1, 3, 2) @ q) * scale
+    dscores = att * (datt - (datt * att).sum(axis=-1, keepdims=True))
+    dq = (dscores @ k) * scale                                # (B,NH,T,T) @ (B,NH,T,HS)
+    dk = (dscores.transpose(0, 1, 3, 2) @ q) * scale
     dqkv = np.stack([dq, dk, dv], axis=2)                     # (B,NH,3,T,HS)
     return dqkv.transpose(0, 3, 2, 1, 4).reshape(B, T, C3)    # -> (B,T,3,NH,HS) -> (B,T,3C)
 
@@ -429,17 +428,16 @@ def check_inputs(config, inputs, targets=None, pos=0):
             raise InputError(f"{name} id out of range [0, {V}): {ids.min()}..{ids.max()}")
 
 
-def block_forward(residual, p, attend):
+def block_forward(residual, p, NH):
     """One transformer block (GPT-2's pre-LayerNorm block, Radford et al. 2019) on the residual
-    stream residual (B,T,C) with layer l's parameters p (layer_params). attend(qkv (B,T,3C)) ->
-    (atty (B,T,C), att or None) is the attention: attention_forward's for training, the KV-cached
-    one for sampling. Returns the block's activations, name -> array, in forward order (the names
-    of activation_shapes); "residual3" is the next block's input."""
+    stream residual (B,T,C) with layer l's parameters p (layer_params) and NH heads. Returns the
+    block's activations, name -> array, in forward order (the names of activation_shapes);
+    "residual3" is the next block's input."""
     a = {}
     # forward pass 1: attention block
     a["ln1"], a["ln1_mean"], a["ln1_rstd"] = layernorm_forward(residual, p["ln1w"], p["ln1b"])
     a["qkv"] = matmul_forward(a["ln1"], p["qkvw"], p["qkvb"])                 # (B,T,3C)
-    a["atty"], a["att"] = attend(a["qkv"])                                    # (B,T,C), (B,NH,T,T)
+    a["atty"], a["att"] = attention_forward(a["qkv"], NH)                     # (B,T,C), (B,NH,T,T)
     a["attproj"] = matmul_forward(a["atty"], p["attprojw"], p["attprojb"])
     a["residual2"] = residual_forward(residual, a["attproj"])
     # forward pass 2: MLP block
@@ -451,43 +449,26 @@ def block_forward(residual, p, attend):
     return a
 
 
-def gpt2_forward(model, inputs, targets=None, cache=None):
-    """Forward pass. inputs (B,T) int token ids; targets (B,T) or None; cache a KVCache or None.
-    Returns logits (B,T,Vp). With targets it also computes probs and the per-position losses,
-    and sets model.mean_loss. Every activation is kept in model.acts for the backward pass.
-    With a cache (the sampler's, kv_cache_new) the tokens sit at positions cache.length..
-    cache.length+T-1: attention reads the earlier positions' keys and values from the cache and
-    appends the new ones (attention_forward_cached), no activation is kept, and only the last
-    position's logits (B,Vp) are computed and returned.
-    Raises InputError if the positions pass maxT or a token id (input or target) is out of range."""
+def gpt2_forward(model, inputs, targets=None):
+    """Forward pass. inputs (B,T) int token ids; targets (B,T) or None. Returns logits (B,T,Vp).
+    With targets it also computes probs and the per-position losses, and sets model.mean_loss.
+    Every activation is kept in model.acts for the backward pass. (The sampler's forward, with a
+    KV cache, is gpt2_forward_cached.)
+    Raises InputError if T passes maxT or a token id (input or target) is out of range."""
     cfg = model.config
     B, T = inputs.shape
     L, NH, V = cfg.num_layers, cfg.num_heads, cfg.vocab_size
-    pos = 0 if cache is None else cache.length
-    check_inputs(cfg, inputs, targets, pos)
-    P = model.P
-
-    def attend(l):                         # layer l's attention: the T positions, or them against the cache
-        if cache is None:
-            return lambda qkv: attention_forward(qkv, NH)
-        return lambda qkv: (attention_forward_cached(qkv, cache.k[l], cache.v[l], pos, NH), None)
-
-    residual = encoder_forward(inputs, P["wte"], P["wpe"][pos:])              # (B,T,C), positions pos..pos+T-1
-    A = model.activations(B, T) if cache is None else None                   # the sampler keeps none
-    if A is not None:
-        A["encoded"][...] = residual
-    for l in range(L):
-        block = block_forward(residual, layer_params(P, l), attend(l))
-        if A is not None:
-            for name, value in block.items():
-                A[name][l] = value                                            # kept for the backward
-        residual = block["residual3"]                                         # the next layer's input
-    # forward pass 3: final LayerNorm, classifier tied to wte, softmax, cross-entropy
-    if cache is not None:                  # the sampler: the last position only
-        lnf, _, _ = layernorm_forward(residual[:, T - 1:], P["lnfw"], P["lnfb"])  # (B,1,C)
-        cache.length = pos + T
-        return matmul_forward(lnf, P["wte"], None)[:, 0]                      # (B,1,C) @ (C,Vp) -> (B,Vp)
+    check_inputs(cfg, inputs, targets)
+    P, A = model.P, model.activations(B, T)
     model.inputs, model.targets = inputs, targets
+    A["encoded"][...] = encoder_forward(inputs, P["wte"], P["wpe"])          # (B,T,C)
+    residual = A["encoded"]
+    for l in range(L):
+        block = block_forward(residual, layer_params(P, l), NH)
+        for name, value in block.items():
+            A[name][l] = value                                                # kept for the backward
+        residual = A["residual3"][l]                                          # the next layer's input
+    # forward pass 3: final LayerNorm, classifier tied to wte, softmax, cross-entropy
     A["lnf"][...], A["lnf_mean"][...], A["lnf_rstd"][...] = layernorm_forward(residual, P["lnfw"], P["lnfb"])
     A["logits"][...] = matmul_forward(A["lnf"], P["wte"], None)             # (B,T,C) @ (C,Vp) -> (B,T,Vp)
     if targets is not None:
@@ -671,7 +652,7 @@ def learning_rate_at(step, schedule, learning_rate, warmup_iters, train_num_batc
 
 @dataclass
 class KVCache:
-    """The keys and values of the positions run so far, per layer, for gpt2_forward's sampler.
+    """The keys and values of the positions run so far, per layer, for gpt2_forward_cached.
     k, v (L,B,NH,maxT,HS); positions 0..length-1 are filled (the rest is scratch)."""
     k: np.ndarray
     v: np.ndarray
@@ -706,6 +687,37 @@ def attention_forward_cached(qkv, k_cache, v_cache, pos, NH):
     return out.transpose(0, 2, 1, 3).reshape(B, T, C)
 
 
+def block_forward_cached(residual, p, k_cache, v_cache, pos, NH):
+    """block_forward for the sampler: the T new positions pos..pos+T-1 of residual (B,T,C), the
+    attention reading and extending layer l's KV cache (attention_forward_cached); nothing is
+    kept for a backward. Returns the block's output, the next block's input (B,T,C)."""
+    ln1, _, _ = layernorm_forward(residual, p["ln1w"], p["ln1b"])
+    qkv = matmul_forward(ln1, p["qkvw"], p["qkvb"])                           # (B,T,3C)
+    atty = attention_forward_cached(qkv, k_cache, v_cache, pos, NH)           # (B,T,C)
+    residual2 = residual_forward(residual, matmul_forward(atty, p["attprojw"], p["attprojb"]))
+    ln2, _, _ = layernorm_forward(residual2, p["ln2w"], p["ln2b"])
+    fch_gelu = gelu_forward(matmul_forward(ln2, p["fcw"], p["fcb"]))          # (B,T,4C)
+    return residual_forward(residual2, matmul_forward(fch_gelu, p["fcprojw"], p["fcprojb"]))
+
+
+def gpt2_forward_cached(model, inputs, cache):
+    """The sampler's forward pass: inputs (B,T) int token ids at positions cache.length..
+    cache.length+T-1, whose keys and values are appended to cache (a KVCache, kv_cache_new) while
+    each attends to the cached ones before it. Returns the logits (B,Vp) of the last position
+    only (the next token's); keeps no activation.
+    Raises InputError if the positions pass maxT or a token id is out of range."""
+    cfg = model.config
+    B, T = inputs.shape
+    pos, P = cache.length, model.P
+    check_inputs(cfg, inputs, None, pos)
+    residual = encoder_forward(inputs, P["wte"], P["wpe"][pos:])              # (B,T,C), positions pos..pos+T-1
+    for l in range(cfg.num_layers):
+        residual = block_forward_cached(residual, layer_params(P, l), cache.k[l], cache.v[l], pos, cfg.num_heads)
+    lnf, _, _ = layernorm_forward(residual[:, T - 1:], P["lnfw"], P["lnfb"])  # (B,1,C): the last position
+    cache.length = pos + T
+    return matmul_forward(lnf, P["wte"], None)[:, 0]                          # (B,1,C) @ (C,Vp) -> (B,Vp)
+
+
 @dataclass(frozen=True)
 class SamplingForward:
     """generate's forwards on one model, B=1: full(x (1,window)) -> logits (1,window,Vp);
@@ -720,9 +732,9 @@ class SamplingForward:
 
 
 def sampling_forward(model):
-    """generate's forwards on this (NumPy) model: gpt2_forward, without and with a KV cache."""
+    """generate's forwards on this (NumPy) model: gpt2_forward, and gpt2_forward_cached with a KV cache."""
     return SamplingForward(full=lambda x: gpt2_forward(model, x),
-                           cached=lambda x, cache: gpt2_forward(model, x, cache=cache),
+                           cached=lambda x, cache: gpt2_forward_cached(model, x, cache),
                            new_cache=lambda: kv_cache_new(model.config, 1, model.params.dtype))
 
 

@@ -520,22 +520,15 @@ def as_float32(host):
     return bfloat16_bits_to_float32(host) if host.dtype == np.uint16 else np.asarray(host, dtype=np.float32)
 
 
-def gpt2_forward(model, inputs, targets=None, cache=None):
+def gpt2_forward(model, inputs, targets=None):
     """Forward pass, gpt2_cpu.gpt2_forward's: inputs (B,T) int token ids (host numpy); targets (B,T)
-    or None; cache a KVCache (kv_cache_new) or None. Returns the logits (B,T,Vp) floatX on the
-    device (a view into the `logits` buffer: valid until the next forward or backward, which
-    overwrites it with dlogits). With targets, the per-position losses (B,T) fp32 are computed too
-    (gpt2_mean_loss reads their mean). With a cache (the sampler's) the tokens sit at positions
-    cache.length..cache.length+T-1 and attend to the cached keys and values (CachedAttention, which
-    appends theirs); the last position's logits (B,Vp) come back, float32 on the host.
-    Raises InputError if the positions pass maxT or a token id is out of range."""
-    pos = 0 if cache is None else cache.length
-    B, T = upload_batch(model, inputs, targets, pos)
-    logits = forward_launches(model, B, T, targets is not None, cache)
-    if cache is None:
-        return logits
-    cache.length = pos + T
-    return as_float32(logits[:, T - 1].get())                                       # (B,Vp) to the host
+    or None. Returns the logits (B,T,Vp) floatX on the device (a view into the `logits` buffer:
+    valid until the next forward or backward, which overwrites it with dlogits). With targets, the
+    per-position losses (B,T) fp32 are computed too (gpt2_mean_loss reads their mean). (The
+    sampler's forward, with a KV cache, is gpt2_forward_cached.)
+    Raises InputError if T passes maxT or a token id is out of range."""
+    B, T = upload_batch(model, inputs, targets)
+    return forward_launches(model, B, T, targets is not None)
 
 
 def upload_batch(model, inputs, targets, pos=0):
@@ -555,18 +548,16 @@ def upload_batch(model, inputs, targets, pos=0):
     return B, T
 
 
-def forward_launches(model, B, T, with_loss, cache=None):
+def forward_launches(model, B, T, with_loss):
     """The device half of gpt2_forward: every launch of the forward pass, reading the token ids
     (and targets) upload_batch put on the device. Launches only: no host work, no synchronization,
     the same arguments every call for a given (B,T), so that a CUDA graph can capture it
-    (gpt2_micro_batch). With a cache: positions cache.length.., the sampler's attention
-    (CachedAttention). Returns the logits view (B,T,Vp)."""
+    (gpt2_micro_batch). Returns the logits view (B,T,Vp)."""
     cfg = model.config
     C, L, V, Vp = cfg.channels, cfg.num_layers, cfg.vocab_size, cfg.padded_vocab_size
     P, A = model.P, gpt2_activations(model, B, T)
-    pos = 0 if cache is None else cache.length
-    attention = model.attention if cache is None else CachedAttention(cache, pos)
-    encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"][pos:], B, T, C)  # (B,T,C), positions pos..
+    attention = model.attention
+    encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"], B, T, C)       # (B,T,C)
     # layer 0's ln1: every later LayerNorm is fused into the residual addition before it (block_forward)
     layernorm_forward(layer_activation(A, "ln1", 0, model.recompute), A["ln1_mean"][0], A["ln1_rstd"][0],
                       A["encoded"], P["ln1w"][0], P["ln1b"][0], B, T, C)
@@ -876,8 +867,8 @@ def gpt2_global_grad_norm(model, comm):
 # is given: given forwards that run this model, the CUDA trainer samples exactly as the CPU one.
 # Two forwards, as in gpt2_cpu: `full`, gpt2_forward on a fixed window of min(maxT, len(prompt) +
 # new tokens) tokens (train() allocates its (1, window) activations up front), and `cached`,
-# gpt2_forward with a KV cache, which runs only the new tokens (generate's default). The cached
-# forward runs the training forward's blocks in the same activation buffers; its attention is
+# gpt2_forward_cached with a KV cache, which runs only the new tokens (generate's default). The
+# cached forward runs the training forward's blocks in the same activation buffers; its attention is
 # gpt2_cpu.attention_forward_cached itself, NumPy code run on CuPy arrays (cuBLAS matmuls, CuPy's
 # elementwise kernels) in fp32 rather than a kernel of ours, against the KV cache (fp32
 # (L,1,NH,maxT,HS) keys and values from CuPy's memory pool, once per sample).
@@ -935,12 +926,35 @@ class CachedAttention:
                                  B, T, C, NH)
 
 
+def gpt2_forward_cached(model, inputs, cache):
+    """gpt2_cpu.gpt2_forward_cached on the device: inputs (B,T) int token ids (host numpy) at
+    positions cache.length..cache.length+T-1, attending to the cached keys and values and
+    appending theirs (CachedAttention); the training forward's blocks and buffers otherwise.
+    Returns the last position's logits (B,Vp), float32 on the host.
+    Raises InputError if the positions pass maxT or a token id is out of range."""
+    cfg = model.config
+    C, L, Vp = cfg.channels, cfg.num_layers, cfg.padded_vocab_size
+    pos = cache.length
+    B, T = upload_batch(model, inputs, None, pos)
+    P, A = model.P, gpt2_activations(model, B, T)
+    attention = CachedAttention(cache, pos)
+    encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"][pos:], B, T, C)  # (B,T,C), positions pos..
+    layernorm_forward(layer_activation(A, "ln1", 0, model.recompute), A["ln1_mean"][0], A["ln1_rstd"][0],
+                      A["encoded"], P["ln1w"][0], P["ln1b"][0], B, T, C)
+    for l in range(L):
+        block_forward(model, A, l, B, T, attention)
+    logits = prefix(A["logits"], (B, T, Vp))
+    model.matmul.forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)           # (B,T,C) @ (C,Vp) -> (B,T,Vp)
+    cache.length = pos + T
+    return as_float32(logits[:, T - 1].get())                                       # (B,Vp) to the host
+
+
 def sampling_forward(model):
     """gpt2_cpu.generate's forwards on this model (a gpt2_cpu.SamplingForward), for token ids on
     the host: full(x (1,window)) -> HostLogits (1,window,Vp) from gpt2_forward without targets;
-    cached(x (1,T), cache) -> logits (1,Vp) float32 on the host from gpt2_forward with the cache."""
+    cached(x (1,T), cache) -> logits (1,Vp) float32 on the host from gpt2_forward_cached."""
     return SamplingForward(full=lambda x: HostLogits(gpt2_forward(model, x)),
-                           cached=lambda x, cache: gpt2_forward(model, x, cache=cache),
+                           cached=lambda x, cache: gpt2_forward_cached(model, x, cache),
                            new_cache=lambda: kv_cache_new(model.config, 1))
 
 

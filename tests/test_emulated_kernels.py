@@ -226,8 +226,8 @@ def run_sampling(precision="fp32"):
     cpu = gpt2_cpu.gpt2_init(cfg, 42)
     ref = gpt2_cpu.gpt2_forward(cpu, x)[:, -1]                               # (1,Vp)
     cache = gpt2_cuda.kv_cache_new(cfg, 1)
-    gpt2_cuda.gpt2_forward(model, x[:, :6], cache=cache)
-    logits = gpt2_cuda.gpt2_forward(model, x[:, 6:], cache=cache)          # positions 6..10 against the cache
+    gpt2_cuda.gpt2_forward_cached(model, x[:, :6], cache)
+    logits = gpt2_cuda.gpt2_forward_cached(model, x[:, 6:], cache)          # positions 6..10 against the cache
     return check_tensor(logits[:, :cfg.vocab_size], ref[:, :cfg.vocab_size], "cached logits", 1e-4, 1e-3)
 
 

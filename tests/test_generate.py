@@ -1,5 +1,5 @@
 """Tests of generation with a KV cache (issue 12, "Fast generation"): gpt2_cpu's
-attention_forward_cached, gpt2_forward with a KV cache and generate, and gpt2_cuda's counterparts run
+attention_forward_cached, gpt2_forward_cached (the forward with a KV cache) and generate, and gpt2_cuda's counterparts run
 on the emulated CUDA device (tests/emulated_gpu.py's fixture: the real kernels on the CPU).
 Each test computes the same thing two ways and compares:
 - the cached attention and forward against the full ones (attention_forward, gpt2_forward), the
@@ -75,11 +75,11 @@ def test_forward_cached_matches_full_forward_at_every_step(dtype, prompt_length)
     x = np.random.default_rng(1).integers(0, TINY.vocab_size, (1, TINY.max_seq_len)).astype(np.int32)
     ref = g.gpt2_forward(model, x).copy()                  # (1,maxT,Vp): row t is the logits after x[:, :t+1]
     cache = g.kv_cache_new(TINY, 1, dtype)
-    logits = g.gpt2_forward(model, x[:, :prompt_length], cache=cache)
+    logits = g.gpt2_forward_cached(model, x[:, :prompt_length], cache)
     assert logits.shape == (1, TINY.padded_vocab_size) and cache.length == prompt_length
     assert check_against(logits, ref[:, prompt_length - 1], "prefill", LOGITS_TOLERANCE[dtype], "logits")
     for t in range(prompt_length, TINY.max_seq_len):
-        logits = g.gpt2_forward(model, x[:, t:t + 1], cache=cache)
+        logits = g.gpt2_forward_cached(model, x[:, t:t + 1], cache)
         assert check_against(logits, ref[:, t], f"position {t}", LOGITS_TOLERANCE[dtype], "logits", verbose=False)
     assert cache.length == TINY.max_seq_len
 
@@ -87,11 +87,11 @@ def test_forward_cached_matches_full_forward_at_every_step(dtype, prompt_length)
 def test_forward_cached_rejects_overflow_and_bad_tokens():
     model = g.gpt2_init(TINY, 0)
     cache = g.kv_cache_new(TINY, 1)
-    g.gpt2_forward(model, np.zeros((1, TINY.max_seq_len), np.int32), cache=cache)
+    g.gpt2_forward_cached(model, np.zeros((1, TINY.max_seq_len), np.int32), cache)
     with pytest.raises(InputError, match="max_seq_len"):
-        g.gpt2_forward(model, np.zeros((1, 1), np.int32), cache=cache)       # a full cache takes no more
+        g.gpt2_forward_cached(model, np.zeros((1, 1), np.int32), cache)       # a full cache takes no more
     with pytest.raises(InputError, match="out of range"):
-        g.gpt2_forward(model, np.full((1, 1), TINY.vocab_size, np.int32), cache=g.kv_cache_new(TINY, 1))
+        g.gpt2_forward_cached(model, np.full((1, 1), TINY.vocab_size, np.int32), g.kv_cache_new(TINY, 1))
 
 
 @pytest.mark.parametrize("config,prompt,n,temperature,top_k", [
@@ -164,15 +164,15 @@ def test_emulated_forward_cached_matches_gpt2_cpu(emulated_gpu, precision, group
     x = np.random.default_rng(2).integers(0, SLIDE.vocab_size, (1, SLIDE.max_seq_len)).astype(np.int32)
     cache, cpu_cache = gpt2_cuda.kv_cache_new(SLIDE, 1), g.kv_cache_new(SLIDE, 1)
     for start, stop in [(0, 3)] + [(t, t + 1) for t in range(3, SLIDE.max_seq_len)]:
-        logits = gpt2_cuda.gpt2_forward(model, x[:, start:stop], cache=cache)
-        ref = g.gpt2_forward(cpu, x[:, start:stop], cache=cpu_cache)
+        logits = gpt2_cuda.gpt2_forward_cached(model, x[:, start:stop], cache)
+        ref = g.gpt2_forward_cached(cpu, x[:, start:stop], cpu_cache)
         assert isinstance(logits, np.ndarray) and logits.dtype == np.float32 and logits.shape == ref.shape
         assert check_against(logits, ref, f"positions {start}..{stop - 1}", group, "logits")
     assert cache.length == cpu_cache.length == SLIDE.max_seq_len
     assert check_against(cache.k.get(), cpu_cache.k, "k cache", group, "logits")
     assert check_against(cache.v.get(), cpu_cache.v, "v cache", group, "logits")
     with pytest.raises(InputError, match="max_seq_len"):
-        gpt2_cuda.gpt2_forward(model, x[:, :1], cache=cache)
+        gpt2_cuda.gpt2_forward_cached(model, x[:, :1], cache)
 
 
 @pytest.mark.parametrize("prompt,n", [([3, 4, 5], 14), ([1], 9)])
@@ -182,13 +182,12 @@ def test_emulated_generate_with_cache_matches_gpt2_cpu(emulated_gpu, monkeypatch
     cpu = sampling_model(SLIDE)
     model = gpu_model(cpu, "fp32")
     calls = []
-    forward = gpt2_cuda.gpt2_forward
+    forward = gpt2_cuda.gpt2_forward_cached
 
-    def counting(model, x, targets=None, cache=None):
-        if cache is not None:
-            calls.append(x.shape[1])
-        return forward(model, x, targets, cache)
-    monkeypatch.setattr(gpt2_cuda, "gpt2_forward", counting)
+    def counting(model, x, cache):
+        calls.append(x.shape[1])
+        return forward(model, x, cache)
+    monkeypatch.setattr(gpt2_cuda, "gpt2_forward_cached", counting)
     ids = g.generate(model, prompt, n, g.SamplerRNG(11), 0.9, 40, forward=gpt2_cuda.sampling_forward(model))
     assert len(calls) == n and calls[0] == len(prompt) and calls[1] == 1
     assert ids == g.generate(cpu, prompt, n, g.SamplerRNG(11), 0.9, 40)
