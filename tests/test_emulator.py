@@ -23,6 +23,7 @@ Run: python -m pytest -q tests/test_emulator.py   (the first run compiles ~20 s,
 
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -537,3 +538,56 @@ def test_wrong_shuffle_mask_is_caught_by_the_emulator(tmp_path, planted):
     else:
         launch()
         assert out.get()[0] == np.sqrt(np.float32(300))
+
+
+# ----------------------------------------------------------------------------
+# the kernel cache under concurrency and damage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_KERNEL = '''extern "C" __global__ void add_one(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { x[i] += 1.0f; }
+}
+'''
+BUILD_AND_LAUNCH = """
+import ctypes, sys
+sys.path.insert(0, {root!r})
+from llmc.emulator import build
+library = build.kernel_library({kernel!r}, "fp32")
+getattr(library.library, "llmc_emu_launch_add_one")          # the kernel is in the library
+print("ok", library.path)
+"""
+
+
+def _build_in_subprocesses(tmp_path, cache, n):
+    kernel = tmp_path / "tiny_kernel.cu"
+    kernel.write_text(TINY_KERNEL)
+    env = dict(os.environ, LLMC_EMULATOR_CACHE=str(cache))
+    code = BUILD_AND_LAUNCH.format(root=ROOT, kernel=str(kernel))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(n)]
+    return [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
+
+
+def test_concurrent_builds_into_an_empty_cache_all_get_a_whole_library(tmp_path):
+    """Four processes build one kernel into an empty cache at once: one compiles, the others
+    wait for it (a lock per library), and every one loads a library that has the kernel."""
+    results = _build_in_subprocesses(tmp_path, tmp_path / "cache", 4)
+    assert all(code == 0 and out.startswith("ok ") for code, out, _ in results), results
+    assert len({out.split()[1] for _, out, _ in results}) == 1
+    leftovers = [n for n in os.listdir(tmp_path / "cache") if n.startswith("tmp")]
+    assert leftovers == []                                    # every temporary renamed or removed
+
+
+def test_a_truncated_cached_library_is_rebuilt_with_a_note(tmp_path):
+    cache = tmp_path / "cache"
+    (code, out, err), = _build_in_subprocesses(tmp_path, cache, 1)
+    assert code == 0, err
+    so = out.split()[1]
+    with open(so, "r+b") as f:                                # a crash mid-copy, a full disk: half a library
+        f.truncate(os.path.getsize(so) // 2)
+    (code, out, err), = _build_in_subprocesses(tmp_path, cache, 1)
+    assert code == 0 and out.startswith("ok "), err
+    assert "is damaged" in err and "rebuilding it" in err
+    (code, out, err), = _build_in_subprocesses(tmp_path, cache, 1)
+    assert code == 0 and err == ""                            # whole again: no note

@@ -18,10 +18,12 @@ sanitizer runtime first, see dev/sanitize_kernels.py).
 """
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -131,20 +133,69 @@ def library_path(path, defines, include_dirs, mode="fibers"):
     digest.update(" ".join(flags + (compiler_version(), os.path.abspath(path))).encode())
     stem = os.path.splitext(os.path.basename(path))[0]
     base = os.path.join(CACHE_DIR, f"{stem}-{mode}-{digest.hexdigest()[:16]}")
-    if os.path.isfile(base + ".so"):
-        return base + ".so"
     os.makedirs(CACHE_DIR, exist_ok=True)
-    with open(base + ".cpp", "w") as f:
-        f.write(unit_source(os.path.abspath(path), kernel_names(source)))
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
-    os.close(fd)
-    result = subprocess.run([CXX, *flags, base + ".cpp", "-o", tmp], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise EmulatorError(f"{path}: g++ failed to compile it for the emulated device "
-                            f"({' '.join(defines)}):\n{result.stderr[-4000:]}")
-    os.replace(tmp, base + ".so")
+    with open(base + ".lock", "a") as lock:              # one builder per library; the others wait, then load
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        problem = cached_library_problem(base)
+        if problem is None:
+            return base + ".so"
+        if problem != "not built yet":
+            print(f"note: the emulated device's cached {os.path.basename(base)}.so is damaged ({problem}): "
+                  f"rebuilding it", file=sys.stderr)
+        build_library(base, path, source, flags, defines)
     return base + ".so"
+
+
+def file_digest(path):
+    """(size in bytes, sha256 hex) of a file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def cached_library_problem(base):
+    """None if base.so is in the cache whole: its size and sha256 are those recorded in base.sha256
+    when it was built (a truncated or overwritten library would crash dlopen or the launch, with
+    SIGBUS if it changes while mapped). Else what is wrong, in a few words."""
+    if not os.path.isfile(base + ".so") or not os.path.isfile(base + ".sha256"):
+        return "not built yet"                     # (a library from before the checksums: built again)
+    try:
+        with open(base + ".sha256") as f:
+            recorded = f.read().split()
+        size, digest = file_digest(base + ".so")
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if recorded != [str(size), digest]:
+        return f"{size} bytes with sha256 {digest[:12]}..., not the recorded {' '.join(recorded)[:40]}"
+    return None
+
+
+def build_library(base, path, source, flags, defines):
+    """Compile the generated unit of `path` into base.so. Every file is written under a private
+    temporary name and renamed into place (the unit base.cpp, kept for reading; the library; then
+    its size and checksum, base.sha256, last), so a process that reads the cache never sees a
+    half-written file. The caller holds base.lock. Raises EmulatorError with g++'s log."""
+    unit_fd, unit_tmp = tempfile.mkstemp(suffix=".cpp", dir=CACHE_DIR)
+    so_fd, so_tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
+    os.close(so_fd)
+    try:
+        with os.fdopen(unit_fd, "w") as f:
+            f.write(unit_source(os.path.abspath(path), kernel_names(source)))
+        result = subprocess.run([CXX, *flags, unit_tmp, "-o", so_tmp], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise EmulatorError(f"{path}: g++ failed to compile it for the emulated device "
+                                f"({' '.join(defines)}):\n{result.stderr[-4000:]}")
+        size, digest = file_digest(so_tmp)
+        os.replace(unit_tmp, base + ".cpp")
+        os.replace(so_tmp, base + ".so")
+        record_fd, record_tmp = tempfile.mkstemp(suffix=".sha256", dir=CACHE_DIR)
+        with os.fdopen(record_fd, "w") as f:
+            f.write(f"{size} {digest}\n")
+        os.replace(record_tmp, base + ".sha256")
+    finally:
+        for tmp in (unit_tmp, so_tmp):
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def shared_arrays(path):
