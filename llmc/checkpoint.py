@@ -30,10 +30,12 @@ STATE_SLOT_MASTER_WEIGHTS = 4          # 1 if fp32 master weights follow v
 STATE_SLOT_SHUFFLE = 5                 # 1 if the loader's permutation state follows
 STATE_SLOT_OUTLIERS = 6                # this project's: 1 if the outlier detectors' state follows (llmc/outlier.py)
 STATE_SLOT_ZERO_STAGE = 7              # this project's: 1 if m, v (and master weights) are this rank's ZeRO-1 shard
+STATE_SLOT_SHUFFLE_HAS_UINT32 = 8      # this project's: 1 if the shuffle RNG holds a buffered 32-bit half (next field)
 STATE_SLOT_STEP = 10
 # uint64 fields: header.view("<u8")[k] covers int32 slots 2k and 2k+1
 STATE_U64_SAMPLE_RNG = 10              # slots 20-21: the sampler's xorshift state
 STATE_U64_RNG_LAST_UPDATE = 11         # slots 22-23: the stochastic-rounding RNG at the last update
+STATE_U64_SHUFFLE_UINTEGER = 12        # slots 24-25, this project's: PCG64's buffered 32-bit half (uinteger)
 STATE_U64_SHARD = 15                   # slots 30-31: the loader's current shard index
 STATE_U64_SAMPLE = 16                  # slots 32-33: the loader's sample index within the shard
 UINT64_MASK = (1 << 64) - 1
@@ -86,7 +88,10 @@ def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rn
     fp32 master weights (with zero_stage 1 all three are this rank's shard, as in llm.c's -z 1
     state files: llmc.zero.zero_shard), then, if the loader shuffles, its permutation state: as in llm.c, uint64
     shard count, int32 shard order, uint64 sample count, int32 sample order; then, where llm.c
-    puts its Mersenne-Twister state, ours: the PCG64 state as 4 uint64 (state hi/lo, inc hi/lo).
+    puts its Mersenne-Twister state, ours: the PCG64 state as 4 uint64 (state hi/lo, inc hi/lo),
+    and in the header (slot 8, slots 24-25) the 32-bit half of a 64-bit draw that PCG64 keeps
+    for its next 32-bit draw (numpy's has_uint32, uinteger): without it a run resumed between two
+    reshuffles would permute differently.
     Last, if given, `outliers`: the loss and grad-norm outlier detectors' state, float64 (llm.c
     keeps none and stops reading before it)."""
     ls = loader.state()
@@ -99,6 +104,9 @@ def write_state(path, step, process_rank, num_processes, m, v, loader, sample_rn
     as_u64[STATE_U64_RNG_LAST_UPDATE] = rng_state_last_update
     as_u64[STATE_U64_SHARD] = ls["shard"]
     as_u64[STATE_U64_SAMPLE] = ls["sample"]
+    if loader.shuffle:
+        header[STATE_SLOT_SHUFFLE_HAS_UINT32] = ls["rng"]["has_uint32"]
+        as_u64[STATE_U64_SHUFFLE_UINTEGER] = ls["rng"]["uinteger"]
 
     def write(f):
         f.write(header.tobytes())
@@ -155,8 +163,11 @@ def read_state(path, num_parameters, process_rank, num_processes, zero_stage=0):
             w = [int(x) for x in read_exact(f, path, 4, "<u8", "shuffle RNG state")]
             if w[3] % 2 == 0:                  # PCG64's increment is always odd
                 raise InputError(f"{path}: corrupt shuffle RNG state: an even PCG64 increment")
+            has_uint32, uinteger = int(h[STATE_SLOT_SHUFFLE_HAS_UINT32]), int(u64[STATE_U64_SHUFFLE_UINTEGER])
+            if has_uint32 not in (0, 1) or uinteger >= 1 << 32:
+                raise InputError(f"{path}: corrupt shuffle RNG state: buffered half {has_uint32}, {uinteger}")
             loader["rng"] = {"bit_generator": "PCG64", "state": {"state": (w[0] << 64) | w[1], "inc": (w[2] << 64) | w[3]},
-                             "has_uint32": 0, "uinteger": 0}
+                             "has_uint32": has_uint32, "uinteger": uinteger}
         out["outliers"] = (read_exact(f, path, OUTLIER_DETECTORS_FLOATS, "<f8", "outlier detectors")
                            if h[STATE_SLOT_OUTLIERS] else None)
         if f.read(1):
