@@ -26,7 +26,7 @@ from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, config_path, late
                              move_previous_run_aside, read_run_config, rotate_checkpoints, write_done_marker,
                              write_run_config)
 from llmc.comm import abort_all_ranks, launched_size
-from llmc.dataloader import DataLoader
+from llmc.dataloader import DataLoader, data_fingerprint
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
 from llmc.logger import Logger
 from llmc.sampler import SAMPLE_SEED
@@ -105,6 +105,8 @@ def build_parser(prog, description, lr_schedules):
     a("-nk", "--checkpoints-keep", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
     a("-nm", "--major-checkpoint-every", type=int, default=0, help="checkpoints at multiples of M steps are never deleted (0: none)")
     a("-y", "--resume", type=int, default=0, choices=(0, 1), help="1: resume from the newest complete checkpoint in -o")
+    a("--resume-unchecked", action="store_true",
+      help="with -y 1: resume a checkpoint whose config_<step>.json is missing (llm.c's own), its flags unchecked")
     a("-a", "--overfit-single-batch", type=int, default=0, choices=(0, 1), help="1: train on the first batch only")
     a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
     a("--shuffle", type=int, default=0, choices=(0, 1), help="1: shuffle the train shards and batches (seeded)")
@@ -185,6 +187,14 @@ def check_args(args):
     for ok, message in checks:
         if not ok:
             raise InputError(message)
+
+
+def same_kind(saved, now):
+    """Whether a config_<step>.json value can be compared with this run's: both numbers (JSON
+    keeps 1e-3 and 3 apart, bool counts as a number), or both of one other type."""
+    def number(x):
+        return isinstance(x, (int, float))
+    return number(saved) == number(now) and (number(now) or type(saved) is type(now))
 
 
 def is_checkpoint_path(spec):
@@ -306,22 +316,34 @@ class TrainingRun:
         config = {flag: getattr(self.args, dest) for flag, dest in RESULT_FLAGS + DEVICE_RESULT_FLAGS
                   if hasattr(self.args, dest)}
         config.update({"-d": self.total_batch, "-x": self.num_steps, "processes": self.comm.size,
-                       "-i": f"{self.train_loader.num_tokens} tokens in {len(self.train_loader.files)} shard(s)"})
+                       "-i": f"{self.train_loader.num_tokens} tokens in {len(self.train_loader.files)} shard(s), "
+                             f"content {data_fingerprint(self.train_loader.files)}"})
         return config
 
     def check_resumed_config(self):
         """Resuming: refuse, listing every difference, a run whose flags would change the result
         from the checkpoint's (config_<step>.json): any of RESULT_FLAGS (DEVICE_RESULT_FLAGS when
-        both runs have them), the number of processes, the train data, or a
-        smaller -x (the schedule's length). -v, -s, -g, -n, -nk, -nm, -h and a larger -x change
-        nothing that was trained. A checkpoint without the file (llm.c's) is not checked, with a
-        note. Raises InputError."""
+        both runs have them), the number of processes, the train data (its token and shard counts
+        and a fingerprint of its content), or a smaller -x (the schedule's length). -v, -s, -g, -n,
+        -nk, -nm, -h and a larger -x change nothing that was trained. A checkpoint without the file
+        (llm.c's) is refused unless --resume-unchecked says to go on without the check; a file
+        that lacks a key every run writes, or holds a value of another type, is refused as
+        damaged. Raises InputError."""
         path = config_path(self.args.output_dir, self.resume_step)
         saved = read_run_config(path)
         if saved is None:
-            self.say(f"note: {path} is missing: the flags cannot be checked against the checkpoint's")
+            if not self.args.resume_unchecked:
+                raise InputError(f"{path} is missing, so this run's flags cannot be checked against the checkpoint's: "
+                                 f"pass --resume-unchecked to resume anyway (as for llm.c's own checkpoints)")
+            self.say(f"note: {path} is missing: resuming with the flags unchecked (--resume-unchecked)")
             return
         now = self.run_config()
+        required = [flag for flag, _ in RESULT_FLAGS] + ["-d", "-x", "processes", "-i"]   # written by every run
+        damaged = [key for key in required if key not in saved] + [
+            key for key in now if key in saved and not same_kind(saved[key], now[key])]
+        if damaged:
+            raise InputError(f"{path}: damaged run configuration ({', '.join(damaged)} missing or of the wrong type): "
+                             f"restore it, or pass --resume-unchecked to resume without the check")
         changed = [key for key in now if key in saved and saved[key] != now[key] and
                    not (key == "-x" and now[key] >= saved[key])]
         if changed:

@@ -21,6 +21,7 @@ outlier test's 136-step runs)
 """
 
 import errno
+import json
 import math
 import os
 import re
@@ -858,3 +859,39 @@ def test_shuffled_resume_before_a_reshuffle_keeps_the_batch_order(small_model, t
     assert losses(r_out) == losses(s_out)[19:]
     for name in ("model_00000024.bin", "state_00000024_00000.bin"):
         assert (straight / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("{}", "damaged run configuration"),                                  # emptied: not a way around the check
+    ('{"-b": "2"}', "damaged run configuration"),                         # a value of the wrong type
+    (None, "is missing, so this run's flags cannot be checked"),          # gone (llm.c's checkpoints have none)
+])
+def test_a_missing_or_damaged_run_configuration_is_refused(data, small_model, tmp_path, capsys, damage, said):
+    out = tmp_path / "run"
+    flags = common(small_model, data, **{"-x": "4", "-n": "2", "-v": "0", "-o": str(out)})
+    code, _, err = in_process(flags[:-2] + ["-x", "2", "-o", str(out)], capsys)
+    assert code == 0, err
+    config = out / "config_00000002.json"
+    if damage is None:
+        config.unlink()
+    else:
+        saved = json.loads(config.read_text())
+        config.write_text(damage if damage == "{}" else json.dumps({**saved, **json.loads(damage)}))
+    code, _, err = in_process(flags + ["-y", "1", "-b", "4"], capsys)     # another -b: must not slip through
+    assert one_line(code, err) and said in err[0] and "--resume-unchecked" in err[0], err
+    if damage is None:                                                    # the explicit way on, with a note
+        code, stdout, err = in_process(flags + ["-y", "1", "--resume-unchecked"], capsys)
+        assert code == 0 and "flags unchecked" in stdout, err
+
+
+def test_resume_on_other_train_data_of_the_same_size_is_refused(small_model, tmp_path, capsys):
+    rng = np.random.default_rng(8)
+    first, second = tmp_path / "first.bin", tmp_path / "second.bin"
+    formats.write_shard(str(first), rng.integers(0, SMALL.vocab_size, 4000))
+    formats.write_shard(str(second), rng.integers(0, SMALL.vocab_size, 4000))  # the same token count
+    out = str(tmp_path / "run")
+    code, _, err = in_process(common(small_model, str(first), **{"-x": "2", "-n": "2", "-v": "0", "-o": out}), capsys)
+    assert code == 0, err
+    code, _, err = in_process(common(small_model, str(second), **{"-x": "4", "-n": "2", "-v": "0", "-o": out,
+                                                                    "-y": "1"}), capsys)
+    assert one_line(code, err) and "-i (4000 tokens in 1 shard(s), content" in err[0], err
