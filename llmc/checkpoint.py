@@ -18,7 +18,7 @@ import re
 import numpy as np
 
 from llmc.formats import make_header, read_exact, read_header, read_model_file, write_model_file
-from llmc.outlier import OUTLIER_STATE_FLOATS
+from llmc.outlier import OUTLIER_STATE_FLOATS, outlier_state_problem
 from llmc.utils import InputError, atomic_write
 
 STATE_MAGIC = 20240527
@@ -174,6 +174,12 @@ def read_state(path, num_parameters, process_rank, num_processes, zero_stage=0):
             raise InputError(f"{path}: trailing bytes: the state file does not match a model of {num_parameters} parameters")
     if not (np.isfinite(out["m"]).all() and np.isfinite(out["v"]).all() and (out["v"] >= 0).all()):
         raise InputError(f"{path}: corrupt state file: AdamW moments are not finite")
+    if out["sample_rng_state"] == 0:                   # xorshift never leaves 0: every sample would be token 0
+        raise InputError(f"{path}: corrupt state file: the sampler's RNG state is 0")
+    for name, detector in zip(("loss", "grad-norm"), np.split(out["outliers"], 2) if out["outliers"] is not None else ()):
+        problem = outlier_state_problem(detector)
+        if problem:
+            raise InputError(f"{path}: corrupt state file: the {name} outlier window's {problem}")
     loader["source"] = path
     out["loader"] = loader
     return out

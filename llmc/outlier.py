@@ -57,6 +57,21 @@ class OutlierDetector:
 OUTLIER_STATE_FLOATS = 4 + OUTLIER_WINDOW
 
 
+def outlier_state_problem(state):
+    """None if `state` (OUTLIER_STATE_FLOATS float64, a state file's) is one OutlierDetector.state()
+    can give: count an integer in [0, OUTLIER_WINDOW], index an integer in [0, OUTLIER_WINDOW),
+    every value finite (a NaN in the window would make every later z-score NaN, and a step's
+    skip silently never happen). Else what is wrong, in a few words."""
+    count, index = state[0], state[1]
+    if not (count == int(count) and 0 <= count <= OUTLIER_WINDOW):
+        return f"count {count} is not an integer in [0, {OUTLIER_WINDOW}]"
+    if not (index == int(index) and 0 <= index < OUTLIER_WINDOW):
+        return f"index {index} is not an integer in [0, {OUTLIER_WINDOW})"
+    if not np.isfinite(state).all():
+        return "a value is not finite"
+    return None
+
+
 def skip_reason(zloss, zgrad, loss_threshold, grad_threshold):
     """Why the update of this step is skipped (-sl / -sg, 0: off), or None: llm.c's rule, the loss
     checked first. NaN z-scores (window not yet full) never skip."""

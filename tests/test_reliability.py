@@ -895,3 +895,28 @@ def test_resume_on_other_train_data_of_the_same_size_is_refused(small_model, tmp
     code, _, err = in_process(common(small_model, str(second), **{"-x": "4", "-n": "2", "-v": "0", "-o": out,
                                                                     "-y": "1"}), capsys)
     assert one_line(code, err) and "-i (4000 tokens in 1 shard(s), content" in err[0], err
+
+
+@pytest.mark.parametrize("corrupt, said", [
+    ("sampler", "the sampler's RNG state is 0"),
+    ("nan", "the loss outlier window's a value is not finite"),
+    ("count", "the grad-norm outlier window's count 999.0 is not an integer"),
+])
+def test_a_state_files_values_are_checked_not_only_its_sizes(data, small_model, tmp_path, capsys, corrupt, said):
+    out = tmp_path / "run"
+    flags = common(small_model, data, **{"-x": "4", "-n": "2", "-v": "0", "-o": str(out)})
+    code, _, err = in_process(flags[:-2] + ["-x", "2", "-o", str(out)], capsys)
+    assert code == 0, err
+    state = out / "state_00000002_00000.bin"
+    raw = bytearray(state.read_bytes())
+    outliers_at = len(raw) - checkpoint.OUTLIER_DETECTORS_FLOATS * 8          # the two detectors close the file
+    if corrupt == "sampler":
+        raw[checkpoint.STATE_U64_SAMPLE_RNG * 8:checkpoint.STATE_U64_SAMPLE_RNG * 8 + 8] = bytes(8)
+    elif corrupt == "nan":
+        raw[outliers_at + 4 * 8:outliers_at + 5 * 8] = np.array([np.nan]).tobytes()  # the loss window's first value
+    else:
+        grad_at = outliers_at + checkpoint.OUTLIER_DETECTORS_FLOATS // 2 * 8
+        raw[grad_at:grad_at + 8] = np.array([999.0]).tobytes()                    # the grad-norm window's count
+    state.write_bytes(bytes(raw))
+    code, _, err = in_process(flags + ["-y", "1"], capsys)
+    assert one_line(code, err) and said in err[0], err
