@@ -820,7 +820,11 @@ def train(args):
         run.train_loader.restore(st["loader"])
         sample_rng.state, start_step, outliers = st["sample_rng_state"], st["step"], st["outliers"]
         run.say(f"resumed from {st['state_path']} at step {start_step}")
+    def sample(prompt, n):
+        return generate(model, prompt, n, sample_rng)
+
     if not run.start(start_step, outliers):
+        run.sample_after_the_last_checkpoint(sample)
         return model
 
     def save(step):
@@ -830,8 +834,7 @@ def train(args):
                                sample_rng.state, comm.rank, comm.size, outliers=run.outlier_state())
 
     for step in range(start_step, run.num_steps + 1):
-        if run.between_steps(step, batch_loss, forward_losses,
-                             lambda prompt, n: generate(model, prompt, n, sample_rng), save):
+        if run.between_steps(step, batch_loss, forward_losses, sample, save):
             break
         # the training step
         t0 = time.perf_counter()

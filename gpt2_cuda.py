@@ -1130,11 +1130,12 @@ def train(args):
         start_step, sample_rng.state, state_path, outliers = load_model_checkpoint(
             args.output_dir, run.resume_step, model, run.train_loader, comm.rank, comm.size)
         run.say(f"resumed from {state_path} at step {start_step}")
-    if not run.start(start_step, outliers):
-        return model
-
     def sample(prompt, n):
         return generate(model, prompt, n, sample_rng, forward=sampling_forward(model))
+
+    if not run.start(start_step, outliers):
+        run.sample_after_the_last_checkpoint(sample)
+        return model
 
     def save(step):
         return save_model_checkpoint(args.output_dir, step, model, run.train_loader, sample_rng.state,

@@ -481,6 +481,16 @@ class TrainingRun:
             self.sample(generate)
         return last_step
 
+    def sample_after_the_last_checkpoint(self, generate):
+        """A resume that finds its checkpoint at -x (start() returned False): a run that ends off
+        the -s grid draws its last sample after its last checkpoint, so a run killed between the
+        two never printed it. Print it now: drawn from the checkpoint's sampler state, it is the
+        sample that run would have printed (printed again if it got that far)."""
+        args = self.args
+        if self.sampling and self.start_step == self.num_steps and self.num_steps % args.sample_every:
+            self.say(f"the run's last sample, which follows its step-{self.num_steps} checkpoint:")
+            self.sample(generate)
+
     def sample(self, generate):
         """Print one sample of -g tokens from <|endoftext|> (decoded, or token ids without a
         tokenizer). generate(prompt ids, n) -> ids."""

@@ -920,3 +920,17 @@ def test_a_state_files_values_are_checked_not_only_its_sizes(data, small_model, 
     state.write_bytes(bytes(raw))
     code, _, err = in_process(flags + ["-y", "1"], capsys)
     assert one_line(code, err) and said in err[0], err
+
+
+def test_a_run_killed_before_its_last_off_grid_sample_prints_it_on_resume(data, small_model, tmp_path, capsys):
+    """-x 5 with -s 3: the last sample follows the step-5 checkpoint. A run killed between the two
+    (here: the checkpoint is there, the sample never printed) prints that same sample on resume."""
+    flags = common(small_model, data, **{"-s": "3", "-n": "5", "-g": "6", "-v": "0", "--tokenizer": "none",
+                                          "-x": "5", "-o": str(tmp_path / "run")})
+    code, first, err = in_process(flags, capsys)
+    assert code == 0, err
+    last_sample = first.rsplit("generating:\n---\n", 1)[1].split("\n---")[0]
+    code, resumed, err = in_process(flags + ["-y", "1"], capsys)
+    assert code == 0, err
+    assert "the run's last sample, which follows its step-5 checkpoint:" in resumed
+    assert resumed.rsplit("generating:\n---\n", 1)[1].split("\n---")[0] == last_sample
