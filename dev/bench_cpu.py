@@ -25,6 +25,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2_cpu as g  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 
 def median_time(fn, repeats):
@@ -72,15 +74,34 @@ def matmul_workload(cfg, B, T, rng):
     return run
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    """The flags; a bad one is one `error:` line and exit 1 (llmc.cli.ArgumentParser)."""
+    p = ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-e", "--model", default="d12")
     p.add_argument("-b", "--batch-size", type=int, default=4)
     p.add_argument("-t", "--seq-len", type=int, default=64)
     p.add_argument("-n", "--repeats", type=int, default=5)
-    args = p.parse_args()
-    B, T = args.batch_size, args.seq_len
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """The model's config for args, or InputError for flags that cannot be benchmarked."""
     cfg = g.config_from_descriptor(args.model)
+    if args.repeats < 1:
+        raise InputError(f"-n {args.repeats}: the number of repeats must be at least 1")
+    if args.batch_size < 1 or not 1 <= args.seq_len <= cfg.max_seq_len:
+        raise InputError(f"-b {args.batch_size} -t {args.seq_len}: B must be positive and T in [1, {cfg.max_seq_len}]")
+    return cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        cfg = check_args(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
     model = g.gpt2_init(cfg, seed=0)
     x = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
@@ -130,4 +151,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

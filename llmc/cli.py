@@ -169,7 +169,12 @@ def check_args(args):
         (args.checkpoint_every >= 0 and args.checkpoints_keep >= 0 and args.major_checkpoint_every >= 0,
          "-n, -nk and -nm must be >= 0"),
         (args.checkpoint_every == 0 or args.output_dir, f"-n {args.checkpoint_every} needs -o DIR to write the checkpoints in"),
-        (not args.resume or args.output_dir or args.generate, "-y 1 needs -o DIR to find the checkpoint in"),
+        (not args.resume or args.output_dir, "-y 1 needs -o DIR to find the checkpoint in"),
+        (args.generate or (args.temperature == 1.0 and args.top_k == 0),
+         f"--temperature {args.temperature} --top-k {args.top_k}: they shape --generate's sampling only (the "
+         f"samples of a training run, -s, draw from the model's distribution, as llm.c's)"),
+        (not args.eval_only or args.input_val_bin or args.hellaswag,
+         "--eval-only with -j '' and -h 0: nothing to evaluate (give validation data with -j, or -h 1)"),
         (args.val_every >= 0 and args.sample_every >= 0 and args.gen_tokens >= 0, "-v, -s and -g must be >= 0"),
         (args.val_max_steps > 0 or args.val_max_steps == -1, f"-m {args.val_max_steps}: must be positive, or -1 for the whole split"),
         (args.batch_size * args.seq_len <= INT32_MAX,
@@ -308,6 +313,21 @@ class TrainingRun:
                 self.tokenizer = Tokenizer(args.tokenizer)
             except InputError as e:
                 self.say(f"note: {e}; samples will print token ids")
+            self.check_sampling_vocabulary(config.vocab_size)
+
+    def check_sampling_vocabulary(self, V):
+        """Before the first step, not at the first sample: the model's vocabulary V must be the
+        tokenizer's (a sampled id it lacks could not be decoded), and the samples' first token,
+        <|endoftext|>, must be inside V. Raises InputError naming the fix."""
+        tokens = len(self.tokenizer.token_bytes) if self.tokenizer else None
+        if tokens is not None and tokens != V:
+            raise InputError(f"{self.args.tokenizer}: the tokenizer has {tokens:,} tokens, but the model's vocabulary "
+                             f"is V={V:,}, so its samples could not be decoded: pass the model's --tokenizer, or "
+                             f"-s 0 for no samples")
+        eot = self.tokenizer.eot_token if self.tokenizer else GPT2_EOT
+        if eot >= V:
+            raise InputError(f"samples start from <|endoftext|> (token {eot}), outside the model's vocabulary "
+                             f"V={V:,}: pass -s 0 for no samples")
 
     def run_config(self):
         """What decides the result of a run besides the model: the flags (RESULT_FLAGS, and the

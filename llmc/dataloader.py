@@ -57,7 +57,8 @@ class DataLoader:
         self.pattern, self.B, self.T = pattern, B, T
         self.process_rank, self.num_processes = process_rank, num_processes
         self.vocab_size = vocab_size
-        self.files = sorted(glob.glob(pattern))
+        # a file of exactly this name is that file, even when its name has glob characters ([1], *)
+        self.files = [pattern] if os.path.isfile(pattern) else sorted(glob.glob(pattern))
         if not self.files:
             raise InputError(f"{pattern}: no data file matches (run `make data` for the default dataset)")
         need = B * T * num_processes + 1
