@@ -13,11 +13,13 @@ import argparse
 import bdb
 import codecs
 import difflib
+import glob
 import math
 import os
 import re
 import sys
 import textwrap
+import time
 import traceback
 
 import numpy as np
@@ -209,6 +211,46 @@ def is_checkpoint_path(spec):
 
 
 # ----------------------------------------------------------------------------
+# the ranks of one job: started alike, and an error they all find is said once
+
+class AgreedError(InputError):
+    """Bad input that every rank finds alike (the flags agree, so each rank's checks of them do):
+    rank 0 says it in one line and ends the job; the other ranks stay quiet (run_main)."""
+
+
+# flags that may differ between the ranks of one job: each process's own rank (-pm tcp|fs)
+PER_RANK_DESTS = ("process_rank",)
+
+
+def agreement_config(args):
+    """What decides a rank's part of the result, to compare with rank 0's: every flag but
+    PER_RANK_DESTS (a different -x hangs the job; a different -l or -t trains silently wrong),
+    and fingerprints of the train data's and the model file's content (the same path can hold
+    other files on another node)."""
+    config = {f"--{dest.replace('_', '-')}": value for dest, value in sorted(vars(args).items())
+              if dest not in PER_RANK_DESTS}
+    files = sorted(glob.glob(args.input_bin)) if not os.path.isfile(args.input_bin) else [args.input_bin]
+    config["-i content"] = data_fingerprint(files) if files else None
+    config["-e content"] = data_fingerprint([args.model]) if os.path.isfile(args.model) else None
+    return config
+
+
+def check_ranks_agree(args, comm):
+    """Under mpiexec, before anything else: every rank's agreement_config must be rank 0's. One
+    small collective (mpi4py's allgather of the dicts); all ranks then stop at once, rank 0
+    naming every differing flag in one line (AgreedError). Without MPI: nothing to compare."""
+    if getattr(comm, "comm", None) is None or comm.size == 1:
+        return
+    everyone = comm.comm.allgather(agreement_config(args))
+    differing = sorted({key for config in everyone for key in set(config) | set(everyone[0])
+                        if config.get(key) != everyone[0].get(key)})
+    if differing:
+        ranks = [r for r, config in enumerate(everyone) if config != everyone[0]]
+        raise AgreedError(f"the ranks of this job were started with different {', '.join(differing)} (rank "
+                          f"{ranks[0]} differs from rank 0): start every rank with the same flags and files")
+
+
+# ----------------------------------------------------------------------------
 # --generate: a prompt in, sampled text streamed out
 
 def sample_from_prompt(args, generate, max_seq_len):
@@ -241,7 +283,11 @@ class TrainingRun:
     the training step and log_step() after it. Raises InputError on bad flags or files."""
 
     def __init__(self, args, comm):
-        check_args(args)
+        check_ranks_agree(args, comm)
+        try:
+            check_args(args)
+        except InputError as e:                            # the ranks agree: each found this
+            raise AgreedError(str(e)) from None
         self.args, self.comm = args, comm
         self.master = comm.rank == 0
         self.B, self.T = args.batch_size, args.seq_len
@@ -284,11 +330,11 @@ class TrainingRun:
         removes the temporary files a killed run left there)."""
         args, comm, B, T = self.args, self.comm, self.B, self.T
         if T > config.max_seq_len:
-            raise InputError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")
+            raise AgreedError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")
         tokens_per_micro = B * T * comm.size
         self.total_batch = args.total_batch_size if args.total_batch_size > 0 else tokens_per_micro
         if self.total_batch % tokens_per_micro:
-            raise InputError(f"-d {self.total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
+            raise AgreedError(f"-d {self.total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
         self.grad_accum_steps = self.total_batch // tokens_per_micro
         V = config.vocab_size
         self.val_loader = DataLoader(args.input_val_bin, B, T, comm.rank, comm.size, vocab_size=V) \
@@ -553,6 +599,7 @@ def error_line(e, expected):
 
 
 TRACEBACK_ENV = "LLMC_TRACEBACK"       # =1: an internal error prints its full traceback too
+AGREED_ERROR_WAIT_S = 10               # how long a quiet rank waits for rank 0 to end the job (then it does)
 
 
 def debugger_attached():
@@ -590,7 +637,10 @@ def run_main(fn, args, errors=(InputError,)):
             raise                                           # to the debugger's post-mortem
         if not isinstance(e, expected) and (getattr(args, "traceback", False) or os.environ.get(TRACEBACK_ENV) == "1"):
             traceback.print_exc()
-        print(error_line(e, expected), file=sys.stderr)
+        if isinstance(e, AgreedError) and launched_rank() not in (None, 0):
+            time.sleep(AGREED_ERROR_WAIT_S)                 # rank 0 says it and ends the job meanwhile
+        else:
+            print(error_line(e, expected), file=sys.stderr)
         abort_all_ranks(1)
         return 1
     finally:

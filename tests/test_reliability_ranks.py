@@ -1,0 +1,74 @@
+"""
+tests/test_reliability_ranks.py: the ranks of one mpiexec job start alike, or stop at once.
+
+Ranks started with different flags used to train together silently (-l, -t), hang (-x: rank 0
+ends, rank 1 waits in an all-reduce) or die in an MPI stack trace (-e, -v). Every rank now
+compares its flags and the content of its data and model files with rank 0's before anything
+else, and the job ends within seconds with one line from rank 0 naming what differs. An error
+every rank finds alike (a bad -d) is said once, by rank 0. Both ranks run gpt2_cpu.py, started
+with mpiexec's MPMD form (`-n 1 cmd A : -n 1 cmd B`).
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpi_marks import needs_mpi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["-e", "d2", "-t", "16", "-b", "2", "-x", "2", "-v", "0", "-s", "0"]
+JOB_TIMEOUT_S = 120
+
+
+def job(rank0_extra, rank1_extra):
+    script = os.path.join(ROOT, "gpt2_cpu.py")
+    cmd = ["mpiexec", "-n", "1", sys.executable, script] + BASE + rank0_extra + \
+          [":", "-n", "1", sys.executable, script] + BASE + rank1_extra
+    start = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=ROOT)
+    return r, time.monotonic() - start
+
+
+def error_lines(r):
+    return [line for line in r.stderr.splitlines() if line.startswith("error:")]
+
+
+@needs_mpi
+@pytest.mark.parametrize("rank0, rank1, named", [
+    (["-l", "1e-3"], ["-l", "2e-3"], "--learning-rate"),         # trained together silently
+    (["-t", "16"], ["-t", "8"], "--seq-len"),
+    (["-x", "2"], ["-x", "3"], "--max-steps"),                   # hung: rank 1 waited in an all-reduce
+    (["-e", "d2"], ["-e", "d4"], "--model"),                     # died in an MPI stack trace
+    (["-v", "0"], ["-v", "1"], "--val-every"),
+])
+def test_ranks_started_with_different_flags_stop_at_once_naming_the_flag(rank0, rank1, named):
+    r, seconds = job(rank0, rank1)
+    assert r.returncode != 0 and seconds < 60
+    lines = error_lines(r)
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: the ranks of this job were started with different")
+    assert named in lines[0] and "Traceback" not in r.stderr
+
+
+@needs_mpi
+def test_ranks_on_different_train_data_of_one_name_stop(tmp_path):
+    """The same -i path, other content (as on two nodes without a shared file system)."""
+    import numpy as np
+    from llmc import formats
+    for name, seed in (("a", 1), ("b", 2)):
+        (tmp_path / name).mkdir()
+        formats.write_shard(str(tmp_path / name / "train.bin"), np.random.default_rng(seed).integers(0, 50257, 4000))
+    r, _ = job(["-i", str(tmp_path / "a" / "train.bin"), "-j", ""], ["-i", str(tmp_path / "a" / "train.bin"), "-j", ""])
+    assert r.returncode == 0, r.stderr                                 # the same file: they agree
+    r, _ = job(["-i", str(tmp_path / "a" / "train.bin"), "-j", ""], ["-i", str(tmp_path / "b" / "train.bin"), "-j", ""])
+    lines = error_lines(r)
+    assert r.returncode != 0 and len(lines) == 1 and "--input-bin, -i content" in lines[0], r.stderr
+
+
+@needs_mpi
+def test_an_error_every_rank_finds_is_said_once_by_rank_0():
+    r, seconds = job(["-d", "100"], ["-d", "100"])
+    assert r.returncode != 0 and seconds < 60
+    assert error_lines(r) == ["error: rank 0: -d 100 is not a multiple of B*T*processes = 64"]
