@@ -7,7 +7,7 @@ llmc/logger.py: llm.c's main.log, one line per event (dev/vislog.py plots it):
 
 import os
 
-from llmc.utils import atomic_write
+from llmc.utils import InputError, atomic_write, check_regular_file
 
 
 class Logger:
@@ -21,16 +21,23 @@ class Logger:
         self.path = os.path.join(out_dir, "main.log") if out_dir else None
         if not self.path:
             return
+        check_regular_file(self.path, "the log")
         if resume_step is None or not os.path.exists(self.path):
             open(self.path, "w").close()
             return
         kept = []
-        with open(self.path) as f:
-            for line in f:
-                step = line.split(" ", 1)[0]
-                step = int(step[2:]) if step.startswith("s:") and step[2:].isdigit() else None
-                if step is not None and (step < resume_step or (step == resume_step and " trl:" not in line)):
-                    kept.append(line)
+        with open(self.path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{self.path}: not a main.log (byte {e.start} is not UTF-8): move it aside to "
+                             f"resume") from None
+        for line in text.splitlines(keepends=True):
+            step = line.split(" ", 1)[0]
+            step = int(step[2:]) if step.startswith("s:") and step[2:].isdigit() else None
+            if step is not None and (step < resume_step or (step == resume_step and " trl:" not in line)):
+                kept.append(line)
         atomic_write(self.path, lambda f: f.write("".join(kept).encode()))
 
     def _write(self, line):

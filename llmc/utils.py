@@ -90,6 +90,14 @@ LOCK_NAME = ".llmc.lock"               # the run lock file in -o (lock_directory
 _held_locks = {}                       # directory (real path) -> its open lock file, in this process
 
 
+def check_regular_file(path, what):
+    """Raise InputError if `path` exists but is not a regular file (a FIFO, a device, a
+    directory): opening a FIFO waits forever for a writer or a reader, and a device reads forever."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise InputError(f"{path}: {what} is not a regular file (a FIFO, a device or a directory): remove it, "
+                         f"or use another directory")
+
+
 def lock_directory(directory):
     """Take `directory`'s run lock: an exclusive fcntl (POSIX record) lock on directory/LOCK_NAME,
     held until this process exits. The kernel releases it when the process dies, even by kill -9,
@@ -99,6 +107,7 @@ def lock_directory(directory):
     key = os.path.realpath(directory)
     if key in _held_locks:
         return _held_locks[key]
+    check_regular_file(os.path.join(directory, LOCK_NAME), "the run lock")
     f = open(os.path.join(directory, LOCK_NAME), "a+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

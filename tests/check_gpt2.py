@@ -49,7 +49,7 @@ from llmc import formats  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.check import check_tensor  # noqa: E402
 from llmc.formats import HEADER_BYTES  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
+from llmc.utils import InputError, check_regular_file  # noqa: E402
 
 # ----------------------------------------------------------------------------
 # tolerances: the one table
@@ -172,6 +172,7 @@ def cpu_train_steps(model, x, y, steps, expected=None):
 def read_expected_losses(path, count=TRAIN_STEPS):
     """A text file of `count` finite numbers, one per line or separated by any whitespace ->
     tuple of floats. Raises InputError with a one-line message."""
+    check_regular_file(path, "the expected losses")               # a FIFO would wait forever
     try:
         with open(path, encoding="utf-8") as f:
             words = f.read().split()

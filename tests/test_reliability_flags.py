@@ -81,3 +81,39 @@ def test_a_vocabulary_the_samples_cannot_use_is_refused_before_the_first_step(ti
 def test_bench_cpu_bad_flags_are_one_line(argv, said):
     r = run(argv, script="dev/bench_cpu.py", timeout=120)
     assert one_error_line(r) and said in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name", ["main.log", ".llmc.lock"])
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_fifo_where_a_run_opens_a_file_is_refused_not_waited_on(tiny, tmp_path, name, resume):
+    out = tmp_path / "run"
+    flags = ["-e", str(tiny / "m.bin"), "-i", str(tiny / "x1.bin"), "-j", "", "-b", "2", "-t", "16", "-s", "0",
+             "-o", str(out)]
+    if resume:
+        assert run(flags + ["-x", "1", "-n", "1"]).returncode == 0
+        os.remove(out / name)
+    else:
+        out.mkdir()
+    os.mkfifo(out / name)
+    r = run(flags + ["-x", "2", "-n", "1"] + (["-y", "1"] if resume else []), timeout=60)
+    assert one_error_line(r) and f"{name}: the " in r.stderr and "is not a regular file" in r.stderr, r.stderr
+
+
+def test_a_main_log_that_is_not_text_is_one_line_on_resume(tiny, tmp_path):
+    out = tmp_path / "run"
+    flags = ["-e", str(tiny / "m.bin"), "-i", str(tiny / "x1.bin"), "-j", "", "-b", "2", "-t", "16", "-s", "0",
+             "-o", str(out), "-n", "1"]
+    assert run(flags + ["-x", "1"]).returncode == 0
+    (out / "main.log").write_bytes(b"s:0 trl:1.0\n\xff\xfe garbage\n")
+    r = run(flags + ["-x", "2", "-y", "1"])
+    assert one_error_line(r) and "main.log: not a main.log (byte 12 is not UTF-8)" in r.stderr, r.stderr
+
+
+def test_check_gpt2_losses_from_a_fifo_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "losses")
+    code = ("import sys; sys.path[:0] = [%r, %r]; import check_gpt2\n"
+            "try:\n    check_gpt2.read_expected_losses(%r)\n"
+            "except check_gpt2.InputError as e:\n    print(e)\n") % (ROOT, os.path.join(ROOT, "tests"),
+                                                                   str(tmp_path / "losses"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and "is not a regular file" in r.stdout, r.stdout + r.stderr
