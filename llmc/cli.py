@@ -347,8 +347,6 @@ class TrainingRun:
         if self.num_steps == 0 and not args.eval_only:
             raise InputError(f"-d {self.total_batch}: one step needs more tokens than the train data's "
                              f"{self.train_loader.num_tokens:,}, so -x -1 (one epoch) is no step at all")
-        if args.output_dir:
-            self.make_output_dir(args.output_dir)
         if self.resuming:
             self.check_resumed_config()
         self.examples = read_hellaswag(args.hellaswag_file, config.vocab_size) if args.hellaswag else None
@@ -360,6 +358,8 @@ class TrainingRun:
             except InputError as e:
                 self.say(f"note: {e}; samples will print token ids")
             self.check_sampling_vocabulary(config.vocab_size)
+        if args.output_dir:                                # last: a run refused above moved nothing aside
+            self.make_output_dir(args.output_dir)
 
     def check_sampling_vocabulary(self, V):
         """Before the first step, not at the first sample: the model's vocabulary V must be the

@@ -117,3 +117,13 @@ def test_check_gpt2_losses_from_a_fifo_is_refused(tmp_path):
                                                                    str(tmp_path / "losses"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0 and "is not a regular file" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_run_refused_at_start_moves_nothing_of_the_previous_run(tiny, tmp_path):
+    out = tmp_path / "run"
+    flags = ["-e", str(tiny / "m.bin"), "-i", str(tiny / "x1.bin"), "-j", "", "-b", "2", "-t", "16", "-o", str(out)]
+    assert run(flags + ["-x", "1", "-n", "1", "-s", "0"]).returncode == 0
+    before = sorted(os.listdir(out))
+    r = run(flags + ["-x", "1", "-s", "1", "--tokenizer", "none"])          # refused: <|endoftext|> outside V
+    assert one_error_line(r), r.stderr
+    assert sorted(os.listdir(out)) == before                                 # no previous_run_1/: nothing moved
