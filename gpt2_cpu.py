@@ -42,7 +42,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
+from llmc.interrupt import quiet_ctrl_c_while_importing
+quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
+
+import numpy as np  # noqa: E402
 
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt

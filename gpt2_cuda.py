@@ -37,7 +37,10 @@ import sys
 import time
 from typing import NamedTuple
 
-import numpy as np
+from llmc.interrupt import quiet_ctrl_c_while_importing
+quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
+
+import numpy as np  # noqa: E402
 
 import gpt2_cpu
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LR_SCHEDULES, KVCache, SamplerRNG,

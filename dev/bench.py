@@ -57,6 +57,7 @@ import llmc.attention  # noqa: E402
 import llmc.cuda  # noqa: E402
 import llmc.mfu  # noqa: E402
 from llmc import comm  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
 
 TRAINERS = {"cupy": "gpt2_cuda.py (CuPy)", "torch": "PyTorch twin"}     # timed in this order
 OOM_EXIT = 3                      # a worker's exit status when its B does not fit
@@ -365,7 +366,7 @@ def summary_line(model, T, B, ours, torch):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--only", choices=("both",) + tuple(TRAINERS), default="both", help="which trainer(s) to time")
     p.add_argument("-e", "--model", default="d12", help="model descriptor")
     p.add_argument("-t", "--seq-len", type=int, default=1024, help="sequence length T")

@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 import gpt2_cpu  # noqa: E402
 import gpt2_cuda  # noqa: E402
 from llmc import cuda  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.emulator import build  # noqa: E402
 
 LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY = 3e-4, 0.9, 0.95, 1e-8, 0.0
@@ -88,7 +89,7 @@ class KernelTimes:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-e", "--model", default="d4", help="model spec, as gpt2_cpu.py -e")
     p.add_argument("-b", "--batch-size", type=int, default=4, help="B")

@@ -18,13 +18,13 @@ Run:  python dev/bench_generate.py [-e d2] [-n 256,1100] [--full-tokens 64] [--s
 Prints one block per token count; numbers depend on the machine (2 CPU cores: about 2 minutes).
 """
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2_cpu as g  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.tokenizer import GPT2_EOT  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def timed_generate(model, n, seed, kv_cache, stop_after=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p = ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("-e", "--model", default="d2", help="model descriptor for a random-init gpt2_init")
     p.add_argument("-n", "--tokens", default="256,1100", help="comma-separated counts of new tokens")
     p.add_argument("--full-tokens", type=int, default=64, help="tokens timed on the full-recompute path")

@@ -54,7 +54,6 @@ without --emulated, it prints one line saying so and exits 2, writing no log. de
 run on the device machine.
 """
 
-import argparse
 import datetime
 import glob
 import importlib.metadata
@@ -70,6 +69,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from llmc import cuda  # noqa: E402  (imports CuPy only when asked: this file runs without it too)
+from llmc.cli import ArgumentParser  # noqa: E402
 
 RESULTS_DIR = os.path.join(REPO_ROOT, "dev", "results")
 WHEEL_DIR = os.path.join(REPO_ROOT, ".whl")
@@ -301,7 +301,7 @@ def run_and_tee(cmd, log, timeout_s=None, env=None, output=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p = ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--results-dir", default=os.environ.get("OUT") or RESULTS_DIR,
                    help="where the log goes (default: $OUT when set, else dev/results/)")
     p.add_argument("--quick", action="store_true", help="shorter limits and bench, to end inside --deadline")

@@ -367,8 +367,17 @@ def gpu_wheels(dest=WHEEL_DIR):
     return 0
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A bad flag is one `error:` line and exit 1, as for every tool of the project (llmc.cli's
+    parser does the same, but this file must run before numpy is installed, so it imports no llmc)."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(1)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="install what one make target needs (see the docstring)")
+    p = OneLineErrorParser(description="install what one make target needs (see the docstring)")
     p.add_argument("target", nargs="?", choices=sorted(NEEDS) + ["gpu-wheels"])
     p.add_argument("--dry-run", action="store_true", help="say what would be installed, install nothing")
     p.add_argument("--python", action="store_true", help="print the interpreter make runs commands with")

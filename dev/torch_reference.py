@@ -636,9 +636,18 @@ class Twin:
 # ----------------------------------------------------------------------------
 # command line
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A bad flag is one `error:` line and exit 1, as for every tool of the project (this file
+    imports no llmc, so it has its own)."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(1)
+
+
 def parse_args(argv=None):
     """llm.c's flags where they exist; -h is HellaSwag in llm.c, so help is --help only."""
-    p = argparse.ArgumentParser(prog="torch_reference.py", add_help=False,
+    p = OneLineErrorParser(prog="torch_reference.py", add_help=False,
                                 description="GPT-2 in PyTorch: the independent reference (twin) of gpt2_cpu.py.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument

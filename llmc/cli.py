@@ -30,6 +30,7 @@ from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, config_path, late
 from llmc.comm import abort_all_ranks, launched_size
 from llmc.dataloader import DataLoader, data_fingerprint
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
+from llmc.interrupt import restore_ctrl_c
 from llmc.logger import Logger
 from llmc.sampler import SAMPLE_SEED
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
@@ -620,6 +621,7 @@ def run_main(fn, args, errors=(InputError,)):
     error while a debugger is attached (pdb's post-mortem then stops where it was raised);
     `--traceback` or LLMC_TRACEBACK=1 prints an internal error's full traceback before its line.
     Bad input stays one line."""
+    restore_ctrl_c()                                       # from here on Ctrl-C is KeyboardInterrupt, caught below
     if hasattr(sys.stdout, "reconfigure"):                 # a terminal that cannot show a sampled
         sys.stdout.reconfigure(errors="replace")           # character gets '?', not an error
     expected = errors + (OSError,)

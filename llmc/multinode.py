@@ -31,6 +31,7 @@ prints `rank 0/2 (fs): id sha256 <64 hex digits>, GPU 0 of <host>` once per rank
 import argparse
 import atexit
 import json
+import math
 import os
 import secrets
 import select
@@ -168,18 +169,37 @@ def resolve_placement(args, env=os.environ, host=None):
         raise InputError(f"rank {rank} is local rank {local_rank} of its node but -pg is {args.gpus_per_node}: "
                          f"more processes on this node than GPUs")
     job = job_name(args.job_id, env)
+    if job is not None and (os.sep in job or job in (".", "..")):
+        raise InputError(f"-pj {job}: a job id names files: no '{os.sep}', and not '.' or '..'")
     if args.init_method == "fs" and size > 1:
         if job is None:
             raise InputError("-pm fs needs a job id to name its files (-pj ID, or $SLURM_JOB_ID under Slurm), "
                              "so that a file left by an earlier job is never read")
         if not os.path.isdir(args.fs_path):
             raise InputError(f"-pp {args.fs_path}: not a directory")
+        if not writable_directory(args.fs_path):
+            raise InputError(f"-pp {args.fs_path}: not a directory this process can write (every rank writes its "
+                             f"rendezvous file there)")
     if not 0 < args.rendezvous_port < 65536:
         raise InputError(f"--rendezvous-port {args.rendezvous_port}: not a port number")
-    if not args.rendezvous_timeout > 0:
-        raise InputError(f"--rendezvous-timeout {args.rendezvous_timeout}: must be > 0 seconds")
+    if not (args.rendezvous_timeout > 0 and math.isfinite(args.rendezvous_timeout)):
+        raise InputError(f"--rendezvous-timeout {args.rendezvous_timeout}: must be a finite number of seconds > 0 "
+                         f"(a lost process must not be waited for forever)")
     return Placement(args.init_method, rank, size, local_rank, host or socket.gethostname(), args.server_ip,
                      args.rendezvous_port, args.fs_path, job, args.rendezvous_timeout, source)
+
+
+def writable_directory(path):
+    """Whether this process can create a file in directory `path`: by trying, since permission
+    bits do not tell (root ignores them; a read-only mount or /proc refuses whatever they say)."""
+    probe = os.path.join(path, f".llmc_write_probe.{os.getpid()}")
+    try:
+        with open(probe, "x"):
+            pass
+        os.remove(probe)
+        return True
+    except OSError:
+        return False
 
 
 def check_distinct_gpus(placements):
@@ -757,7 +777,8 @@ def main(argv=None):
     of the id it holds. --fail-rank R checks the stop line: rank R fails after the rendezvous and
     the others, waiting, must stop at once. Returns the exit code (1 with one `error:` line)."""
     import hashlib
-    parser = argparse.ArgumentParser(prog="python -m llmc.multinode", description="check the tcp/fs rendezvous")
+    from llmc.cli import ArgumentParser           # llmc.cli imports this module: imported here, when run
+    parser = ArgumentParser(prog="python -m llmc.multinode", description="check the tcp/fs rendezvous")
     add_flags(parser)
     parser.add_argument("--fail-rank", type=int, default=-1, help="this rank fails after the rendezvous (-1: none)")
     parser.add_argument("--hold", type=float, default=0.0, help="seconds to wait after the rendezvous before exiting")

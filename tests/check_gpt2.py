@@ -38,15 +38,18 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from llmc.interrupt import quiet_ctrl_c_while_importing  # noqa: E402
+quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
+
+import numpy as np  # noqa: E402
+
 import gpt2_cpu  # noqa: E402  (needs the repository root on sys.path)
 from llmc import formats  # noqa: E402
-from llmc.cli import ArgumentParser  # noqa: E402
+from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.check import check_tensor  # noqa: E402
 from llmc.formats import HEADER_BYTES  # noqa: E402
 from llmc.utils import InputError, check_regular_file  # noqa: E402
@@ -256,18 +259,19 @@ def main(argv=None):
     expected.add_argument("--gpt2-124M-losses", action="store_true",
                           help="expect llm.c's test_gpt2.c losses: only for llm.c's pretrained gpt2_124M.bin "
                                "and gpt2_124M_debug_state.bin")
-    args = p.parse_args(argv)
-    try:
-        expected_losses, expected_source = None, "expected"
-        if args.losses is not None:
-            expected_losses, expected_source = read_expected_losses(args.losses), args.losses
-        elif args.gpt2_124M_losses:
-            expected_losses, expected_source = GPT2_124M_EXPECTED_LOSSES, "llm.c's GPT-2 124M"
-        ok = check(args.model, args.debug_state, "cuda" if args.cuda else "cpu", args.verbose,
-                   expected_losses, expected_source)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_main(check_command, p.parse_args(argv))
+
+
+def check_command(args):
+    """The command line's check: 0 when every check passes, 2 when one fails. Bad input and
+    unreadable files raise (run_main makes them one line and exit 1)."""
+    expected_losses, expected_source = None, "expected"
+    if args.losses is not None:
+        expected_losses, expected_source = read_expected_losses(args.losses), args.losses
+    elif args.gpt2_124M_losses:
+        expected_losses, expected_source = GPT2_124M_EXPECTED_LOSSES, "llm.c's GPT-2 124M"
+    ok = check(args.model, args.debug_state, "cuda" if args.cuda else "cpu", args.verbose,
+               expected_losses, expected_source)
     print(f"overall okay: {ok}")
     return 0 if ok else 2
 

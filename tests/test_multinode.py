@@ -95,7 +95,7 @@ def test_placement_from_flags_and_launcher():
     ({"init_method": "fs", "num_processes": 2}, {}, "-pm fs needs a job id"),
     ({"init_method": "fs", "num_processes": 2, "job_id": "j", "fs_path": "/nonexistent/dir"}, {}, "not a directory"),
     ({"rendezvous_port": 70000}, {}, "not a port number"),
-    ({"rendezvous_timeout": 0.0}, {}, "must be > 0"),
+    ({"rendezvous_timeout": 0.0}, {}, "must be a finite number of seconds > 0"),
 ])
 def test_placement_refuses_bad_flags(overrides, env, message):
     with pytest.raises(InputError, match=re.escape(message)):

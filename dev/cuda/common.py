@@ -81,6 +81,7 @@ if REPO_ROOT not in sys.path:
 
 from llmc import cuda  # noqa: E402  (imports CuPy only when called)
 from llmc.check import TOLERANCES, check_tensor  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.formats import BF16_QUIET_NAN, bfloat16_bits_to_float32, float32_to_bfloat16_bits  # noqa: E402
 
 # ----------------------------------------------------------------------------
@@ -453,7 +454,7 @@ def benchmark(progression, precision, versions, repeats, flush, limits):
 def parse_args(op, progressions, argv):
     """The flags of every op script; --help lists each version's one-line summary."""
     lines = [f"version {v.number} of {p.name}: {v.about}" for p in progressions for v in p.versions]
-    parser = argparse.ArgumentParser(prog=f"dev/cuda/{op}.py", description=f"kernel progression(s) of {op}",
+    parser = ArgumentParser(prog=f"dev/cuda/{op}.py", description=f"kernel progression(s) of {op}",
                                      epilog="\n".join(lines), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("version", nargs="?", type=int, help="run only this version (default: all)")
     parser.add_argument("-p", "--precision", default="bf16", choices=cuda.PRECISIONS,

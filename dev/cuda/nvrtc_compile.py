@@ -38,6 +38,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 sys.path.insert(0, REPO_ROOT)
 
 from llmc import cuda  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.cuda import KERNELS_DIR, PRECISION_DEFINES, kernel_compile_options  # noqa: E402
 
 PTX_ARCHS = ("compute_80", "compute_90")         # virtual: PTX, JIT-compiled by the driver
@@ -246,7 +247,7 @@ def print_compile_table(files, precisions, archs):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
+    parser = ArgumentParser(description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("files", nargs="*", help="kernel files (default: every kernels/*.cu)")
     parser.add_argument("-d", "--dev", action="store_true",

@@ -13,7 +13,6 @@ prints each script's output, then one line per op with its exit status; exits 0 
 1 if any failed, 2 (one line, nothing run) without a CUDA GPU or CuPy.
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO_ROOT)
 
 from llmc import cuda  # noqa: E402  (imports CuPy only when called)
+from llmc.cli import ArgumentParser  # noqa: E402
 
 # the progressions, in the order a forward + backward pass meets them (a new dev/cuda/<op>.py is
 # added here; tests/test_dev_cuda.py checks that each listed op has its script and .cu file)
@@ -31,7 +31,7 @@ NO_GPU_EXIT = 2
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("-p", "--precision", default="bf16", choices=cuda.PRECISIONS, help="storage precision (default bf16)")
     parser.add_argument("-r", "--repeats", type=int, default=None, help="timed runs per version (default: the scripts')")
     args = parser.parse_args(argv)

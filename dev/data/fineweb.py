@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.utils import require  # noqa: E402
 from sharding import shard_flags, shard_hf_dataset  # noqa: E402
@@ -38,7 +39,7 @@ DATASETS = {   # flag -> (Hugging Face dataset, subset, output directory, shard 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Download FineWeb 10B (or FineWeb-Edu) and write GPT-2 token shards.",
+    p = ArgumentParser(description="Download FineWeb 10B (or FineWeb-Edu) and write GPT-2 token shards.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--edu", action="store_true", help="FineWeb-Edu instead of FineWeb")
     shard_flags(p, FINEWEB_SHARD_SIZE, "where the shards go; None: data/fineweb10B, or data/edu_fineweb10B with --edu")

@@ -29,6 +29,10 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from llmc.interrupt import quiet_ctrl_c_while_importing  # noqa: E402
+quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
+
+from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.evalloader import NUM_COMPLETIONS, write_eval_file  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.tokenizer import gpt2_encoding  # noqa: E402
@@ -62,6 +66,10 @@ def render_example(record, encode, index):
         context, endings, label = record["ctx"], record["endings"], int(record["label"])
     except (KeyError, TypeError, ValueError):
         raise InputError(f"hellaswag line {index + 1}: needs 'ctx', 'endings' and an integer 'label'")
+    if not isinstance(context, str):
+        raise InputError(f"hellaswag line {index + 1}: 'ctx' must be a string, not {type(context).__name__}")
+    if not (isinstance(endings, list) and all(isinstance(ending, str) for ending in endings)):
+        raise InputError(f"hellaswag line {index + 1}: 'endings' must be a list of {NUM_COMPLETIONS} strings")
     if len(endings) != NUM_COMPLETIONS or not 0 <= label < NUM_COMPLETIONS:
         raise InputError(f"hellaswag line {index + 1}: {len(endings)} endings with label {label}; expected {NUM_COMPLETIONS}")
     return {"index": index, "label": label, "context": list(encode(context)),
@@ -69,18 +77,23 @@ def render_example(record, encode, index):
 
 
 def read_jsonl(path):
-    """The records of a jsonl file, in order. Raises InputError on a missing file or bad JSON."""
+    """The records of a jsonl file, in order. Raises InputError on a missing file, a line that
+    is not UTF-8 or not JSON; OSError when it cannot be read."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such file")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{path}: line {lineno}: not UTF-8 text: not a HellaSwag jsonl file") from None
             if not line.strip():
                 continue
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: not JSON ({e.msg})")
+                raise InputError(f"{path}: line {lineno}: not JSON ({e.msg})")
     if not records:
         raise InputError(f"{path}: no records")
     return records
@@ -98,7 +111,7 @@ def build_eval_file(jsonl_path, output_path, encode):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Download HellaSwag (val) and write the multiple-choice eval .bin.",
+    p = ArgumentParser(description="Download HellaSwag (val) and write the multiple-choice eval .bin.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-i", "--input", default=None,
                    help=f"local hellaswag_val.jsonl; None: {JSONL_NAME} beside the output, downloaded if missing")
@@ -110,19 +123,20 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     require("dev/data/hellaswag.py", "tiktoken")
-    try:
-        jsonl = args.input
-        if jsonl is None:
-            jsonl = os.path.join(os.path.dirname(os.path.abspath(args.output)), JSONL_NAME)
-            if not os.path.isfile(jsonl):
-                download(args.url, jsonl)
-        encoding = gpt2_encoding()
-        num_examples, longest = build_eval_file(jsonl, args.output, encoding.encode_ordinary)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_main(build_command, args)
+
+
+def build_command(args):
+    """Download the jsonl where needed and write the eval file; bad input or a failed write
+    raises (run_main makes it one line and exit 1)."""
+    jsonl = args.input
+    if jsonl is None:
+        jsonl = os.path.join(os.path.dirname(os.path.abspath(args.output)), JSONL_NAME)
+        if not os.path.isfile(jsonl):
+            download(args.url, jsonl)
+    encoding = gpt2_encoding()
+    num_examples, longest = build_eval_file(jsonl, args.output, encoding.encode_ordinary)
     print(f"wrote {num_examples} examples to {args.output} (longest example {longest} bytes)")
-    return 0
 
 
 if __name__ == "__main__":

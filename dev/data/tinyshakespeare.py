@@ -60,6 +60,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # dev/data/common.py
 import common  # noqa: E402
 from common import DataError, display_path  # noqa: E402
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.formats import read_shard  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.tokenizer import read_tokenizer  # noqa: E402
@@ -217,7 +218,7 @@ def build(data_dir, url):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
+    parser = ArgumentParser(description=__doc__.strip().splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where to write the files")
     parser.add_argument("--force", action="store_true", help="rebuild even if every output exists")

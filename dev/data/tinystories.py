@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.utils import require  # noqa: E402
 from sharding import shard_flags, shard_hf_dataset  # noqa: E402
@@ -36,7 +37,7 @@ TINYSTORIES_DIR = os.path.join(DEFAULT_DATA_DIR, "tinystories")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Download TinyStories and write GPT-2 token shards.",
+    p = ArgumentParser(description="Download TinyStories and write GPT-2 token shards.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     return shard_flags(p, TINYSTORIES_SHARD_SIZE, "where the shards go", TINYSTORIES_DIR).parse_args(argv)
 

@@ -31,18 +31,24 @@ import socket
 import sys
 import urllib.parse
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from llmc.interrupt import quiet_ctrl_c_while_importing  # noqa: E402
+quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
+
+import numpy as np  # noqa: E402
+
 from export_hf import (HF_CONFIG, HF_GELU_TANH, HF_GLOBAL_TENSORS, HF_LAYER_TENSORS, HF_PREFIX,  # noqa: E402
                        HF_WEIGHTS)
-from gpt2_cpu import GPT2, LN_EPS, MODEL_DESCRIPTORS, MODEL_SIZES, GPT2Config, padded_vocab, write_model  # noqa: E402
+from gpt2_cpu import (GPT2, LN_EPS, MODEL_DESCRIPTORS, MODEL_SIZES, GPT2Config, padded_vocab,  # noqa: E402
+                      parameter_shapes, write_model)
+from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.utils import InputError, require  # noqa: E402
 
 HF_TORCH_WEIGHTS = "pytorch_model.bin"
 REACH_TIMEOUT_S = 10
+HEADER_INT_MAX = 2 ** 31 - 1          # a checkpoint header slot is an int32
 OUTPUT_DTYPES = {"float32": "", "bfloat16": "_bf16"}   # write_model dtype -> file-name suffix
 
 
@@ -109,14 +115,35 @@ def load_tensors(hf_dir):
     raise InputError(f"{hf_dir}: neither {HF_WEIGHTS} nor {HF_TORCH_WEIGHTS} found")
 
 
+def header_size(hf, key, where):
+    """hf[key] as a model dimension: a positive integer that fits a checkpoint header's int32.
+    Raises InputError naming the key (KeyError if it is missing)."""
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InputError(f"{where}: {key} {value!r}: must be a positive integer")
+    if value > HEADER_INT_MAX:
+        raise InputError(f"{where}: {key} {value}: larger than a checkpoint header holds (int32)")
+    return value
+
+
+def physical_memory_bytes():
+    """This machine's RAM in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def config_from_hf(hf, where):
     """config.json dict -> our GPT2Config (Vp = V rounded up to 128). Raises InputError for
-    anything our GPT-2 does not compute the same way."""
+    anything our GPT-2 does not compute the same way, and for dimensions no checkpoint can hold
+    or this machine cannot allocate, before anything is allocated or written."""
+    if not isinstance(hf, dict):
+        raise InputError(f"{where}: not a JSON object but a {type(hf).__name__}: not a Hugging Face config")
     try:
         if hf.get("model_type", "gpt2") != "gpt2":
             raise InputError(f"{where}: model_type '{hf['model_type']}' is not gpt2")
-        C, L, NH, V = hf["n_embd"], hf["n_layer"], hf["n_head"], hf["vocab_size"]
-        maxT = hf.get("n_positions", hf.get("n_ctx"))
+        C, L, NH, V = (header_size(hf, key, where) for key in ("n_embd", "n_layer", "n_head", "vocab_size"))
+        maxT = header_size(hf, "n_positions" if "n_positions" in hf else "n_ctx", where)
+        if C % NH:
+            raise InputError(f"{where}: n_head {NH} does not divide n_embd {C}: heads split the channels evenly")
         unsupported = []
         if hf.get("activation_function", HF_GELU_TANH[0]) not in HF_GELU_TANH:
             unsupported.append(f"activation {hf['activation_function']}")
@@ -130,10 +157,16 @@ def config_from_hf(hf, where):
             unsupported.append("untied lm_head")
         if unsupported:
             raise InputError(f"{where}: not plain GPT-2: {', '.join(unsupported)}")
-        return GPT2Config(max_seq_len=int(maxT), vocab_size=int(V), padded_vocab_size=padded_vocab(int(V)),
-                          num_layers=int(L), num_heads=int(NH), channels=int(C))
+        config = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=padded_vocab(V),
+                            num_layers=L, num_heads=NH, channels=C)
     except (KeyError, TypeError) as e:
         raise InputError(f"{where}: incomplete GPT-2 config ({type(e).__name__}: {e})")
+    num_parameters = sum(math.prod(shape) for _, shape in parameter_shapes(config))
+    needed, present = 4 * num_parameters, physical_memory_bytes()          # fp32
+    if needed > present:
+        raise InputError(f"{where}: the model has {num_parameters:,} parameters, {needed / 2**30:,.1f} GiB of memory "
+                         f"in fp32; this machine has {present / 2**30:,.1f} GiB")
+    return config
 
 
 def model_from_hf(config, tensors, where):
@@ -174,10 +207,12 @@ def import_hf(source):
     if not os.path.isfile(config_path):
         raise InputError(f"{hf_dir}: no {HF_CONFIG}")
     try:
-        with open(config_path) as f:
+        with open(config_path, encoding="utf-8") as f:
             hf = json.load(f)
     except json.JSONDecodeError as e:
         raise InputError(f"{config_path}: not JSON ({e.msg})")
+    except UnicodeDecodeError:
+        raise InputError(f"{config_path}: not UTF-8 text") from None
     config = config_from_hf(hf, config_path)
     return model_from_hf(config, load_tensors(hf_dir), hf_dir)
 
@@ -190,7 +225,7 @@ def default_prefix(config):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Import a Hugging Face GPT-2 as our fp32 and bf16 checkpoint .bin files.",
+    p = ArgumentParser(description="Import a Hugging Face GPT-2 as our fp32 and bf16 checkpoint .bin files.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-i", "--input", default="gpt2", help="local Hugging Face directory, or a hub id")
     p.add_argument("-o", "--output", default=None,
@@ -202,21 +237,22 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     require("dev/eval/import_hf.py", "safetensors")
-    try:
-        model = import_hf(args.input)
-        cfg = model.config
-        print(f"GPT-2 from {args.input}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
-              f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
-        prefix = args.output or default_prefix(cfg)
-        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        for dtype, suffix in OUTPUT_DTYPES.items():
-            if args.dtype in ("both", dtype):
-                write_model(prefix + suffix + ".bin", model, dtype)
-                print(f"wrote {prefix + suffix}.bin ({'fp32' if dtype == 'float32' else 'bf16'})")
-    except (InputError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main(import_command, args)
+
+
+def import_command(args):
+    """Import args.input and write the files; a bad input or a failed write raises (run_main
+    makes it one line and exit 1)."""
+    model = import_hf(args.input)
+    cfg = model.config
+    print(f"GPT-2 from {args.input}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
+          f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
+    prefix = args.output or default_prefix(cfg)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    for dtype, suffix in OUTPUT_DTYPES.items():
+        if args.dtype in ("both", dtype):
+            write_model(prefix + suffix + ".bin", model, dtype)
+            print(f"wrote {prefix + suffix}.bin ({'fp32' if dtype == 'float32' else 'bf16'})")
 
 
 if __name__ == "__main__":

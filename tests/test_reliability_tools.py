@@ -1,0 +1,201 @@
+"""
+tests/test_reliability_tools.py: every tool keeps the one-line promise (issue "Reliability III",
+section 5): a bad flag, a bad file or bad values are one `error:` line and exit 1, never an
+argparse usage dump, a traceback or a file half-written; Ctrl-C while a program is still importing
+its packages exits 130 without a traceback; a learning rate that overflows ends the run with one
+line naming the step.
+
+The files a tool cannot read are simulated in-process (open() raising PermissionError for that
+one path), since this suite may run as root, for whom no file mode makes a file unreadable.
+"""
+
+import builtins
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "dev", "data"))
+sys.path.insert(0, os.path.join(ROOT, "dev", "eval"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import gpt2_cpu as g  # noqa: E402
+
+TINY = g.GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=1, num_heads=2, channels=16)
+# every program a user runs from the README or doc/, as (how it is started)
+TOOLS = ["gpt2_cpu.py", "gpt2_cuda.py", "tests/check_gpt2.py", "dev/data/tinyshakespeare.py",
+         "dev/data/tinystories.py", "dev/data/fineweb.py", "dev/data/hellaswag.py", "dev/eval/import_hf.py",
+         "dev/eval/export_hf.py", "dev/bench.py", "dev/bench_cpu.py", "dev/bench_emulator.py",
+         "dev/bench_generate.py", "dev/vislog.py", "dev/run_gpu_tests.py", "dev/torch_reference.py",
+         "dev/setup_env.py", "dev/cuda/nvrtc_compile.py", "dev/cuda/run_all.py", "dev/cuda/layernorm.py",
+         "-m llmc.multinode"]
+
+
+def run(argv, timeout=120, env=None):
+    """Run `python argv...` in the repository root."""
+    return subprocess.run([sys.executable] + argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                           env=env)
+
+
+def one_error_line(stderr):
+    lines = stderr.strip().splitlines()
+    return len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def unreadable(monkeypatch, path):
+    """Make open() of `path` fail as a file without read permission does."""
+    real_open = builtins.open
+
+    def guarded_open(file, *args, **kwargs):
+        if os.fspath(file) == os.fspath(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(file, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", guarded_open)
+
+
+# ----------------------------------------------------------------------------
+# a bad flag: one line, exit 1 (argparse alone prints its usage and exits 2)
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_bad_flag_is_one_line(tool):
+    r = run(tool.split() + ["--no-such-flag"])
+    named = "--no-such-flag" in r.stderr or "the following arguments are required" in r.stderr   # checked first
+    assert r.returncode == 1 and one_error_line(r.stderr) and named, (r.returncode, r.stderr)
+
+
+# ----------------------------------------------------------------------------
+# dev/eval/import_hf.py: a config.json our GPT-2 cannot be is refused before anything is written
+
+GOOD_HF_CONFIG = {"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 100,
+                  "n_positions": 32}
+
+
+@pytest.mark.parametrize("config, said", [
+    ([1, 2], "not a JSON object"),
+    ({**GOOD_HF_CONFIG, "n_layer": -1}, "n_layer -1: must be a positive integer"),
+    ({**GOOD_HF_CONFIG, "n_embd": 16.5}, "n_embd 16.5: must be a positive integer"),
+    ({**GOOD_HF_CONFIG, "n_embd": "16"}, "n_embd '16': must be a positive integer"),
+    ({**GOOD_HF_CONFIG, "n_head": True}, "n_head True: must be a positive integer"),
+    ({**GOOD_HF_CONFIG, "n_head": 3}, "n_head 3 does not divide n_embd 16"),
+    ({**GOOD_HF_CONFIG, "vocab_size": 2 ** 31}, "vocab_size 2147483648: larger than a checkpoint header holds"),
+    ({**GOOD_HF_CONFIG, "vocab_size": 2_000_000_000, "n_embd": 1024, "n_head": 16}, "GiB of memory"),
+])
+def test_import_hf_refuses_impossible_configs_before_writing(tmp_path, config, said):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    r = run(["dev/eval/import_hf.py", "-i", str(hf_dir), "-o", str(out / "m")])
+    assert r.returncode == 1 and one_error_line(r.stderr) and said in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_import_hf_unreadable_config_is_one_line(tmp_path, monkeypatch, capsys):
+    import import_hf
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(GOOD_HF_CONFIG))
+    unreadable(monkeypatch, hf_dir / "config.json")
+    assert import_hf.main(["-i", str(hf_dir), "-o", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert one_error_line(err) and "Permission denied" in err, err
+
+
+# ----------------------------------------------------------------------------
+# dev/data/hellaswag.py: unreadable, non-UTF-8 or malformed jsonl; an -o that cannot be written
+
+GOOD_RECORD = {"ctx": "A man sits", "endings": ["down.", "up.", "still.", "on a chair."], "label": 0}
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"\xff\xfe{}\n", "line 1: not UTF-8 text"),
+    (b"[1, 2]\n", "line 1: needs 'ctx', 'endings' and an integer 'label'"),
+    (json.dumps({**GOOD_RECORD, "endings": 5}).encode() + b"\n", "line 1: 'endings' must be a list of 4 strings"),
+    (json.dumps({**GOOD_RECORD, "endings": [1, 2, 3, 4]}).encode() + b"\n", "line 1: 'endings' must be a list of 4 strings"),
+    (json.dumps({**GOOD_RECORD, "ctx": 7}).encode() + b"\n", "line 1: 'ctx' must be a string"),
+    (json.dumps(GOOD_RECORD).encode() + b"\n{\"ctx\n", "line 2: not JSON"),
+])
+def test_hellaswag_malformed_jsonl_is_one_line(tmp_path, content, said):
+    jsonl = tmp_path / "h.jsonl"
+    jsonl.write_bytes(content)
+    r = run(["dev/data/hellaswag.py", "-i", str(jsonl), "-o", str(tmp_path / "out" / "h.bin")])
+    assert r.returncode == 1 and one_error_line(r.stderr) and said in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_hellaswag_an_output_that_cannot_be_written_is_one_line(tmp_path):
+    jsonl = tmp_path / "h.jsonl"
+    jsonl.write_text(json.dumps(GOOD_RECORD) + "\n")
+    (tmp_path / "afile").write_text("")
+    for output in (tmp_path / "afile" / "h.bin", "/proc/llmc_hellaswag.bin"):   # under a file; read-only /proc
+        r = run(["dev/data/hellaswag.py", "-i", str(jsonl), "-o", str(output)])
+        assert r.returncode == 1 and one_error_line(r.stderr), r.stderr
+
+
+def test_hellaswag_unreadable_jsonl_is_one_line(tmp_path, monkeypatch, capsys):
+    import hellaswag
+    jsonl = tmp_path / "h.jsonl"
+    jsonl.write_text(json.dumps(GOOD_RECORD) + "\n")
+    unreadable(monkeypatch, jsonl)
+    assert hellaswag.main(["-i", str(jsonl), "-o", str(tmp_path / "h.bin")]) == 1
+    err = capsys.readouterr().err
+    assert one_error_line(err) and "Permission denied" in err, err
+
+
+# ----------------------------------------------------------------------------
+# tests/check_gpt2.py: files it cannot read
+
+@pytest.mark.parametrize("which", ["model", "debug state"])
+def test_check_gpt2_unreadable_files_are_one_line(tmp_path, monkeypatch, capsys, which):
+    import check_gpt2
+    model = tmp_path / "m.bin"
+    g.write_model(str(model), g.gpt2_init(TINY, 0))
+    state = tmp_path / "s.bin"
+    state.write_bytes(b"\0" * 2048)
+    unreadable(monkeypatch, model if which == "model" else state)
+    assert check_gpt2.main(["-e", str(model), "-s", str(state)]) == 1
+    err = capsys.readouterr().err
+    assert one_error_line(err) and "Permission denied" in err, err
+
+
+# ----------------------------------------------------------------------------
+# python -m llmc.multinode (and the trainers' same -p flags)
+
+@pytest.mark.parametrize("argv, said", [
+    (["-pm", "tcp", "-pn", "2", "-pr", "1", "--rendezvous-timeout", "inf"], "--rendezvous-timeout inf: must be a finite"),
+    (["-pm", "fs", "-pn", "2", "-pr", "0", "-pj", "job1", "-pp", "/proc"], "-pp /proc: not a directory this process can write"),
+    (["-pm", "fs", "-pn", "2", "-pr", "0", "-pj", "a/b", "-pp", "."], "-pj a/b: a job id names files: no '/'"),
+])
+def test_multinode_bad_values_are_one_line(argv, said):
+    r = run(["-m", "llmc.multinode"] + argv, timeout=60)
+    assert r.returncode == 1 and one_error_line(r.stderr) and said in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------
+# a learning rate that overflows, and Ctrl-C during the imports
+
+def test_an_overflowing_learning_rate_is_one_line_naming_the_step(tmp_path):
+    from llmc import formats
+    import numpy as np
+    formats.write_shard(str(tmp_path / "train.bin"), np.random.default_rng(0).integers(0, 100, 3000))
+    g.write_model(str(tmp_path / "m.bin"), g.gpt2_init(TINY, 0))
+    r = run(["gpt2_cpu.py", "-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-j", "",
+             "-b", "2", "-t", "16", "-x", "3", "-l", "1e308", "-s", "0"])
+    assert r.returncode == 1 and one_error_line(r.stderr), r.stderr
+    assert "step 2: the loss is nan" in r.stderr or "step 1:" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("tool", ["gpt2_cpu.py", "gpt2_cuda.py", "tests/check_gpt2.py", "dev/eval/import_hf.py",
+                                  "dev/data/hellaswag.py"])
+def test_ctrl_c_during_the_imports_exits_130_without_a_traceback(tmp_path, tool):
+    """A stand-in numpy, first on the path, interrupts its own import as a Ctrl-C would: the
+    program must exit 130 (128 + SIGINT, the shell's convention) and print no traceback."""
+    fake = tmp_path / "numpy"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = run(tool.split() + ["--help"], timeout=60, env=env)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
