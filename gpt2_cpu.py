@@ -84,28 +84,78 @@ def padded_vocab(V):
     return (V + VOCAB_PAD_MULTIPLE - 1) // VOCAB_PAD_MULTIPLE * VOCAB_PAD_MULTIPLE
 
 
-# depth descriptor -> (L, NH, C). d12..d48 are llm.c's descriptors and the GPT-2
-# sizes; d2..d6 are small enough to train on a 2-core CPU.
+# The model descriptors of -e, llm.c's three forms (train_gpt2.cu, gpt_build_from_descriptor):
+#   "dX" (legacy) and "gpt2:dX"   a GPT-2 of depth X, maxT 1024
+#   "gpt3:cX"                     a GPT-3 of X channels, maxT 2048
+# A GPT-3 here is a GPT-2 with GPT-3's hyperparameters (Brown et al. 2020, Table 2.1), as in llm.c:
+# the same layers and the same dense causal attention in every layer; GPT-3's alternating dense and
+# locally banded sparse attention is deliberately not implemented. Both use GPT-2's tokenizer (V).
+GPT2_MAX_SEQ_LEN = 1024                # maxT of GPT-2 (Radford et al. 2019)
+GPT3_MAX_SEQ_LEN = 2048                # maxT of GPT-3 (Brown et al. 2020)
+
+# GPT-2 depth -> (L, NH, C). d12..d48 are the GPT-2 sizes; d6, d60, d72, d84 are llm.c's
+# unofficial ones (gpt2_set_hyperparameters); d2 and d4 are this project's, small enough to train
+# on a 2-core CPU.
 MODEL_DESCRIPTORS = {
     "d2": (2, 4, 128),      # 6,966,784 params, 6.4M of them the (tied) token embedding
     "d4": (4, 4, 256),      # 16,299,520 params: the default CPU run
-    "d6": (6, 6, 384),      # 30,357,504 params: nanoGPT's Shakespeare "baby GPT" shape, GPT-2 vocabulary
+    "d6": (6, 6, 384),      # 30,357,504 params: llm.c's gpt2-tiny, nanoGPT's Shakespeare "baby GPT" shape
     "d12": (12, 12, 768),   # GPT-2 124M
     "d24": (24, 16, 1024),  # GPT-2 350M
     "d36": (36, 20, 1280),  # GPT-2 774M
     "d48": (48, 25, 1600),  # GPT-2 1558M
+    "d60": (60, 30, 1920),  # llm.c's 2.7B
+    "d72": (72, 30, 2880),  # llm.c's 7.3B
+    "d84": (84, 36, 3456),  # llm.c's 12.2B
 }
 MODEL_SIZES = {"124M": "d12", "350M": "d24", "774M": "d36", "1558M": "d48"}
 
+# GPT-3 channels C -> (L, HS), NH = C // HS: llm.c's gpt3_set_hyperparameters, which names a GPT-3
+# by its width because GPT-3's depths repeat (24 layers for 350M, 760M and 1.3B).
+GPT3_DESCRIPTORS = {
+    384: (6, 64),      # llm.c's gpt3-tiny (31M)
+    768: (12, 64),     # GPT-3 Small (125M)
+    1024: (24, 64),    # GPT-3 Medium (350M)
+    1536: (24, 96),    # GPT-3 Large (760M)
+    2048: (24, 128),   # GPT-3 XL (1.3B)
+    2560: (32, 80),    # GPT-3 2.7B
+    4096: (32, 128),   # GPT-3 6.7B
+    12288: (96, 128),  # GPT-3 175B
+}
+# llm.c's table also has 5140 -> (40, 128), the 13B row of the GPT-3 paper, whose d_model 5140 is
+# not 40 heads x 128 (= 5120); 5140 / 128 is not whole, and llm.c stops on its own assert. We
+# refuse it in one line rather than guess which of the paper's numbers is the typo.
+GPT3_BROKEN = {5140: "GPT-3 13B: llm.c's head size 128 does not divide 5140 channels "
+                     "(the paper's 40 x 128 is 5120)"}
+
+
+def descriptor_forms():
+    """The accepted descriptors, in words, for an error message."""
+    depths = " ".join(d[1:] for d in MODEL_DESCRIPTORS)
+    widths = " ".join(map(str, GPT3_DESCRIPTORS))
+    return (f"a GPT-2 dX or gpt2:dX with depth X in {depths}, a GPT-3 gpt3:cX with channels X in {widths}, "
+            f"or a GPT-2 size {' '.join(MODEL_SIZES)}")
+
 
 def config_from_descriptor(name):
-    """GPT2Config for a descriptor ("d12") or a GPT-2 size ("124M"). Raises InputError."""
+    """GPT2Config for a descriptor: "d12" or "gpt2:d12" (GPT-2, by depth), "gpt3:c768" (GPT-3, by
+    channels) or a GPT-2 size ("124M"). V is GPT-2's 50257 and Vp 50304 for all of them.
+    Raises InputError for any other name, in one line that lists the accepted ones."""
     key = MODEL_SIZES.get(name, name)
-    if key not in MODEL_DESCRIPTORS:
-        known = ", ".join(list(MODEL_DESCRIPTORS) + list(MODEL_SIZES))
-        raise InputError(f"unknown model '{name}': expected a .bin file or one of {known}")
-    L, NH, C = MODEL_DESCRIPTORS[key]
-    return GPT2Config(num_layers=L, num_heads=NH, channels=C)
+    if key.startswith("gpt2:d"):
+        key = key[len("gpt2:"):]
+    if key in MODEL_DESCRIPTORS:
+        L, NH, C = MODEL_DESCRIPTORS[key]
+        return GPT2Config(max_seq_len=GPT2_MAX_SEQ_LEN, num_layers=L, num_heads=NH, channels=C)
+    width = key[len("gpt3:c"):]
+    if key.startswith("gpt3:c") and width.isdigit() and width.isascii():
+        C = int(width)
+        if C in GPT3_BROKEN:
+            raise InputError(f"model '{name}' is refused: {GPT3_BROKEN[C]}")
+        if C in GPT3_DESCRIPTORS:
+            L, HS = GPT3_DESCRIPTORS[C]
+            return GPT2Config(max_seq_len=GPT3_MAX_SEQ_LEN, num_layers=L, num_heads=C // HS, channels=C)
+    raise InputError(f"unknown model '{name}': expected a .bin file, {descriptor_forms()}")
 
 
 # ----------------------------------------------------------------------------

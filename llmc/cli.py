@@ -87,7 +87,9 @@ def build_parser(prog, description, lr_schedules):
     a("--help", action="help", help="show this help and exit")
     a("-i", "--input-bin", default=DEFAULT_TRAIN, help="train data: file or glob of shards")
     a("-j", "--input-val-bin", default=DEFAULT_VAL, help="validation data: file or glob ('' for none)")
-    a("-e", "--model", default="gpt2_124M_bf16.bin", help="checkpoint .bin to start from, or a descriptor (d2 d4 d6 d12 d24 d36 d48, 124M ...)")
+    a("-e", "--model", default="gpt2_124M_bf16.bin", help="checkpoint .bin to start from, or a descriptor as in llm.c: GPT-2 dX or gpt2:dX by depth "
+      "(X = 2 4 6 12 24 36 48 60 72 84; 124M = d12 ...), GPT-3 gpt3:cX by channels (X = 384 768 1024 "
+      "1536 2048 2560 4096 12288; maxT 2048)")
     a("-o", "--output-dir", default=None, help="directory for main.log and checkpoints")
     a("-b", "--batch-size", type=int, default=4, help="micro-batch size B (sequences)")
     a("-t", "--seq-len", type=int, default=1024, help="sequence length T (tokens)")
