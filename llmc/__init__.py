@@ -5,6 +5,7 @@ a GPU. The dependency runs one way: llmc never imports gpt2_cpu or gpt2_cuda; wh
 model's shape it takes it as an argument (a config object, a parameter table).
 
     utils.py       InputError (bad input: one line, exit 1), atomic writes, stale temporaries
+    interrupt.py   Ctrl-C while a program still imports its packages: exit 130, no traceback
     paths.py       where the default data lives (data/)
     formats.py     file headers, model and debug-state files, token shards, bf16 bit patterns
     tokenizer.py   the tokenizer file, decoding, the GPT-2 BPE (tiktoken) for encoding
