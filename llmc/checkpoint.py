@@ -235,7 +235,9 @@ def move_previous_run_aside(out_dir):
     """A fresh run into a directory that holds another run's files (RUN_FILE_NAMES: its
     checkpoints, its main.log): move them, untouched, into out_dir/previous_run_<k> (the first k
     free), so the two runs never mix and a later -y 1 resumes the new one. Returns that directory,
-    or None when there was nothing to move."""
+    or None when there was nothing to move. A move that fails half-way is undone (the files
+    already moved go back, the new directory goes), so the old run is never split in two; then
+    it raises InputError."""
     pattern = re.compile(RUN_FILE_NAMES)
     names = sorted(n for n in os.listdir(out_dir) if pattern.fullmatch(n) and os.path.isfile(os.path.join(out_dir, n)))
     if not names:
@@ -245,8 +247,17 @@ def move_previous_run_aside(out_dir):
         k += 1
     aside = os.path.join(out_dir, PREVIOUS_RUN_DIR.format(k))
     os.mkdir(aside)
-    for name in names:
-        os.replace(os.path.join(out_dir, name), os.path.join(aside, name))
+    moved = []
+    try:
+        for name in names:
+            os.replace(os.path.join(out_dir, name), os.path.join(aside, name))
+            moved.append(name)
+    except OSError as e:
+        for name in reversed(moved):                      # undo: the old run stays whole where it was
+            os.replace(os.path.join(aside, name), os.path.join(out_dir, name))
+        os.rmdir(aside)
+        raise InputError(f"-o {out_dir}: could not move the previous run's files aside ({e.strerror or e}): "
+                         f"they are left in place; free the directory or choose another -o") from None
     return aside
 
 

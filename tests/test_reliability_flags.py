@@ -127,3 +127,25 @@ def test_a_run_refused_at_start_moves_nothing_of_the_previous_run(tiny, tmp_path
     r = run(flags + ["-x", "1", "-s", "1", "--tokenizer", "none"])          # refused: <|endoftext|> outside V
     assert one_error_line(r), r.stderr
     assert sorted(os.listdir(out)) == before                                 # no previous_run_1/: nothing moved
+
+
+def test_a_move_aside_that_fails_half_way_leaves_the_old_run_whole(tmp_path, monkeypatch):
+    """The third of five moves fails (as a full or read-only disk would make it): the two files
+    already moved go back, the half-made previous_run_1/ goes, and the refusal is one line."""
+    from llmc import checkpoint
+    from llmc.utils import InputError
+    names = ["DONE_00000001", "config_00000001.json", "main.log", "model_00000001.bin", "state_00000001_00000.bin"]
+    for name in names:
+        (tmp_path / name).write_text(f"the old run's {name}")
+    real_replace, calls = os.replace, []
+
+    def failing_replace(src, dst):
+        calls.append(src)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+    monkeypatch.setattr(checkpoint.os, "replace", failing_replace)
+    with pytest.raises(InputError, match="could not move the previous run's files aside .* left in place"):
+        checkpoint.move_previous_run_aside(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == names
+    assert all((tmp_path / n).read_text() == f"the old run's {n}" for n in names)
