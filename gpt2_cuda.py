@@ -49,7 +49,7 @@ from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, L
 from llmc import cuda, gpu_cli, multinode
 from llmc.attention import NaiveAttention, attention_path, resolve_attention
 from llmc.checkpoint import load_checkpoint, save_checkpoint
-from llmc.cli import TrainingRun, run_main, sample_from_prompt
+from llmc.cli import TrainingRun, agreement_config, run_main, sample_from_prompt
 from llmc.comm import Comm
 from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, VECTOR_BYTES,
                        PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE, KernelCompileError, ceil_div, check_launch,
@@ -1089,7 +1089,7 @@ def train(args):
     NCCL all-reduce of the gradients, clip to the global norm, AdamW. Returns the model (the
     sampled ids with --generate)."""
     cp = cuda.cupy()
-    comm = multinode.init_process_group(args)     # -pm mpi|tcp|fs: rank, size, local rank
+    comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
     device, device_name, capability = cuda.select_device(comm)
     nccl = comm.connect()                          # the NCCL communicator (None for one process)

@@ -32,6 +32,7 @@ from llmc.dataloader import DataLoader, data_fingerprint
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
 from llmc.interrupt import restore_ctrl_c
 from llmc.logger import Logger
+from llmc.multinode import disagreement
 from llmc.sampler import SAMPLE_SEED
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
 from llmc.tokenizer import GPT2_EOT, Tokenizer, gpt2_encoding
@@ -221,8 +222,10 @@ class AgreedError(InputError):
     rank 0 says it in one line and ends the job; the other ranks stay quiet (run_main)."""
 
 
-# flags that may differ between the ranks of one job: each process's own rank (-pm tcp|fs)
-PER_RANK_DESTS = ("process_rank",)
+# flags that may differ between the ranks of one job (-pm tcp|fs): each process's own rank; the
+# server address (rank 0 listens on every interface of its node, whatever its -ps); the shared
+# directory's path (a mount point may differ from node to node); the GPUs of its node
+PER_RANK_DESTS = ("process_rank", "server_ip", "fs_path", "gpus_per_node")
 
 
 def agreement_config(args):
@@ -241,16 +244,14 @@ def agreement_config(args):
 def check_ranks_agree(args, comm):
     """Under mpiexec, before anything else: every rank's agreement_config must be rank 0's. One
     small collective (mpi4py's allgather of the dicts); all ranks then stop at once, rank 0
-    naming every differing flag in one line (AgreedError). Without MPI: nothing to compare."""
+    naming every differing flag in one line (AgreedError). Without MPI: nothing to compare here
+    (-pm tcp|fs compare in their rendezvous: llmc.multinode.init_process_group)."""
     if getattr(comm, "comm", None) is None or comm.size == 1:
         return
     everyone = comm.comm.allgather(agreement_config(args))
-    differing = sorted({key for config in everyone for key in set(config) | set(everyone[0])
-                        if config.get(key) != everyone[0].get(key)})
-    if differing:
-        ranks = [r for r, config in enumerate(everyone) if config != everyone[0]]
-        raise AgreedError(f"the ranks of this job were started with different {', '.join(differing)} (rank "
-                          f"{ranks[0]} differs from rank 0): start every rank with the same flags and files")
+    message = disagreement(dict(enumerate(everyone)))
+    if message:
+        raise AgreedError(message)
 
 
 # ----------------------------------------------------------------------------

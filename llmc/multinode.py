@@ -189,6 +189,24 @@ def resolve_placement(args, env=os.environ, host=None):
                      args.rendezvous_port, args.fs_path, job, args.rendezvous_timeout, source)
 
 
+def disagreement(agreements):
+    """agreements: {rank: what decides that rank's part of the result} (a dict of flags and file
+    fingerprints: llmc.cli.agreement_config), rank 0's included. None when every rank's is rank
+    0's; else the one line naming every key that differs. Values are compared as JSON, so that one
+    sent through the rendezvous (tuples become lists) equals the same value at home, and NaN
+    equals NaN."""
+    as_json = {rank: {key: json.dumps(value, sort_keys=True) for key, value in config.items()}
+               for rank, config in agreements.items()}
+    reference = as_json[0]
+    differing = sorted({key for config in as_json.values() for key in set(config) | set(reference)
+                        if config.get(key) != reference.get(key)})
+    if not differing:
+        return None
+    first = min(rank for rank, config in as_json.items() if config != reference)
+    return (f"the ranks of this job were started with different {', '.join(differing)} (rank {first} differs "
+            f"from rank 0): start every rank with the same flags and files")
+
+
 def writable_directory(path):
     """Whether this process can create a file in directory `path`: by trying, since permission
     bits do not tell (root ignores them; a read-only mount or /proc refuses whatever they say)."""
@@ -268,13 +286,14 @@ def keep_alive(sock):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def tcp_serve_id(unique_id, p):
+def tcp_serve_id(unique_id, p, agreement=None):
     """Rank 0: listen on p.port (every interface of this node, so that -ps may be any of its names
     or addresses: a host name can resolve to a loopback address on its own node), accept the N-1
-    other ranks (each says its rank, -pn, host and local rank), check them, send each the id.
-    Returns {rank: socket}, kept open.
+    other ranks (each says its rank, -pn, host, local rank and its agreement: see disagreement),
+    check them, send each the id. Returns {rank: socket}, kept open.
     Raises RendezvousError (having told every connected rank) for a port in use, a rank that never
-    arrives within p.timeout, a rank out of range, one rank claimed twice, two ranks on one GPU."""
+    arrives within p.timeout, a rank out of range, one rank claimed twice, two ranks on one GPU, or
+    ranks whose agreement differs from rank 0's."""
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # not SO_REUSEPORT: a busy port must fail
     try:
@@ -284,7 +303,7 @@ def tcp_serve_id(unique_id, p):
         server.close()
         raise RendezvousError(f"rank 0 cannot listen on port {p.port} of {p.host} ({e.strerror or e}): another job "
                               f"may hold it (pass another --rendezvous-port)") from None
-    peers, placements = {}, [(0, p.host, p.local_rank)]
+    peers, placements, agreements = {}, [(0, p.host, p.local_rank)], {0: agreement}
     deadline = time.monotonic() + p.timeout
     newcomer = None                            # the connection being checked, not yet in peers
     try:
@@ -311,9 +330,12 @@ def tcp_serve_id(unique_id, p):
                 raise RendezvousError(f"two processes claim rank {rank} (on {placement_host(placements, rank)} "
                                       f"and {host}): each -pr must be used once")
             placements.append((rank, host, hello["local_rank"]))
+            agreements[rank] = hello.get("agreement")
             peers[rank], newcomer = newcomer, None
             peers[rank].settimeout(None)
             check_distinct_gpus(placements)
+        if agreement is not None and disagreement(agreements):
+            raise RendezvousError(disagreement(agreements))
     except RendezvousError as e:
         for conn in list(peers.values()) + ([newcomer] if newcomer is not None else []):
             try:
@@ -349,9 +371,9 @@ def placement_host(placements, rank):
     return next(host for r, host, _ in placements if r == rank)
 
 
-def tcp_receive_id(p):
+def tcp_receive_id(p, agreement=None):
     """Ranks 1..N-1: connect to rank 0 at p.server:p.port (retrying until p.timeout), say who we
-    are, receive the id. Returns (id bytes, the open socket). Raises RendezvousError when rank 0
+    are (with our agreement, for rank 0 to compare), receive the id. Returns (id bytes, the open socket). Raises RendezvousError when rank 0
     cannot be reached or answers late, refuses us (saying why), or sends a short id."""
     deadline = time.monotonic() + p.timeout
     while True:
@@ -366,7 +388,7 @@ def tcp_receive_id(p):
                 raise RendezvousError(f"rank {p.rank} could not reach rank 0 at {p.server}:{p.port} within "
                                       f"{p.timeout:g} s (is rank 0 running, and is -ps its node's address?)") from None
             time.sleep(RETRY_SECONDS)
-    hello = {"rank": p.rank, "size": p.size, "host": p.host, "local_rank": p.local_rank}
+    hello = {"rank": p.rank, "size": p.size, "host": p.host, "local_rank": p.local_rank, "agreement": agreement}
     try:
         send_message(sock, MSG_HELLO, HELLO_MAGIC + json.dumps(hello).encode())
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -456,9 +478,10 @@ def fs_names(p):
     return base + ".rank", base + ".id", base + ".abort"
 
 
-def fs_serve_id(unique_id, p):
+def fs_serve_id(unique_id, p, agreement=None):
     """Rank 0: refuse a stale id file of this job name; wait until ranks 1..N-1 have claimed their
-    rank (each a `<job>.rank<R>` file); check the claims; write the id file under a temporary name
+    rank (each a `<job>.rank<R>` file, holding that rank's agreement); check the claims (and the
+    agreements against rank 0's: see disagreement); write the id file under a temporary name
     and rename it; wait until every rank has read it (its claim file gone), then remove it. On an
     error, the file carries the error instead, so the waiting ranks stop at once, and is removed
     likewise. Raises RendezvousError."""
@@ -489,6 +512,8 @@ def fs_serve_id(unique_id, p):
             check_distinct_gpus([(0, p.host, p.local_rank)] + [(r, c["host"], c["local_rank"]) for r, c in claims.items()])
         except RendezvousError as e:
             error = str(e)
+    if error is None and agreement is not None:
+        error = disagreement({0: agreement, **{r: c.get("agreement") for r, c in claims.items()}})
     message = {"nonces": {str(r): c["nonce"] for r, c in claims.items()}}
     message.update({"error": error} if error else {"id": bytes(unique_id).hex()})
     tmp = f"{id_path}.tmp{os.getpid()}"
@@ -511,7 +536,7 @@ def read_claim(path):
         return None
 
 
-def fs_receive_id(p):
+def fs_receive_id(p, agreement=None):
     """Ranks 1..N-1: claim rank p.rank (create `<job>.rank<R>` exclusively, with a random nonce),
     wait for rank 0's id file to name our nonce, read it, remove the claim (telling rank 0 we have
     it). Returns the id bytes. Raises RendezvousError for a rank claimed twice (or a claim file of
@@ -526,7 +551,8 @@ def fs_receive_id(p):
                               f"or a file left by an earlier job named {p.job}: remove it)") from None
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"size": p.size, "host": p.host, "local_rank": p.local_rank, "nonce": nonce}, f)
+            json.dump({"size": p.size, "host": p.host, "local_rank": p.local_rank, "nonce": nonce,
+                       "agreement": agreement}, f)
         deadline, stale = time.monotonic() + p.timeout, False
         while True:
             message = read_claim(id_path) if os.path.exists(id_path) else None
@@ -580,22 +606,23 @@ class FsStopLine:
         threading.Thread(target=run, name="llmc-stop-line", daemon=True).start()
 
 
-def exchange_id(p, make_id):
+def exchange_id(p, make_id, agreement=None):
     """The tcp or fs rendezvous of placement p: rank 0 calls make_id() for the id (bytes) and
-    hands it out; every rank returns (id bytes, its stop line or None for one process)."""
+    hands it out; every rank returns (id bytes, its stop line or None for one process). With an
+    agreement (a JSON-able dict), rank 0 hands out the id only if every rank's equals its own."""
     if p.size == 1:
         return bytes(make_id()), None
     if p.method == "tcp":
         if p.rank == 0:
             unique_id = bytes(make_id())
-            return unique_id, TcpStopLine(0, tcp_serve_id(unique_id, p))
-        unique_id, sock = tcp_receive_id(p)
+            return unique_id, TcpStopLine(0, tcp_serve_id(unique_id, p, agreement))
+        unique_id, sock = tcp_receive_id(p, agreement)
         return unique_id, TcpStopLine(p.rank, {0: sock})
     if p.rank == 0:
         unique_id = bytes(make_id())
-        fs_serve_id(unique_id, p)
+        fs_serve_id(unique_id, p, agreement)
     else:
-        unique_id = fs_receive_id(p)
+        unique_id = fs_receive_id(p, agreement)
     return unique_id, FsStopLine(p.rank, fs_names(p)[2])
 
 
@@ -716,10 +743,12 @@ class NcclGroupComm(NcclComm):
 # ----------------------------------------------------------------------------
 # set-up: the one call a trainer makes
 
-def init_process_group(args, env=os.environ):
+def init_process_group(args, env=os.environ, agreement_of=None):
     """The ProcessGroup of this process from the flags (add_flags) and the environment. -pm mpi:
     llmc.comm.Comm (MPI under mpiexec, else one process); tcp / fs: the rendezvous, after which the
-    stop line is wired into llmc.comm.abort_all_ranks, uncaught exceptions and a normal exit.
+    stop line is wired into llmc.comm.abort_all_ranks, uncaught exceptions and a normal exit. With
+    agreement_of (args -> a JSON-able dict: llmc.cli.agreement_config), the tcp / fs rendezvous also
+    checks that every rank's is rank 0's (under mpi, llmc.cli.check_ranks_agree does, with MPI).
     Raises InputError (RendezvousError) with one line."""
     from llmc import comm as llmc_comm
     if args.init_method == "mpi":
@@ -736,7 +765,8 @@ def init_process_group(args, env=os.environ):
     def make_id():
         from llmc import cuda
         return nccl_id_to_bytes(cuda.library("nccl").get_unique_id())
-    unique_id, stop_line = exchange_id(p, make_id)
+    agreement = agreement_of(args) if agreement_of is not None and p.size > 1 else None
+    unique_id, stop_line = exchange_id(p, make_id, agreement)
     group = ProcessGroup(p, unique_id=unique_id, stop_line=stop_line)
     if stop_line is not None:
         wire_stop_line(stop_line, group.stop_now)

@@ -72,3 +72,38 @@ def test_an_error_every_rank_finds_is_said_once_by_rank_0():
     r, seconds = job(["-d", "100"], ["-d", "100"])
     assert r.returncode != 0 and seconds < 60
     assert error_lines(r) == ["error: rank 0: -d 100 is not a multiple of B*T*processes = 64"]
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("method", ["tcp", "fs"])
+@pytest.mark.parametrize("rank0, rank1, named", [
+    (["-l", "1e-3"], ["-l", "2e-3"], "--learning-rate"),
+    (["-x", "2"], ["-x", "3"], "--max-steps"),
+])
+def test_tcp_and_fs_ranks_started_with_different_flags_stop_at_once_naming_the_flag(tmp_path, method, rank0, rank1,
+                                                                                     named):
+    """-pm tcp|fs (no MPI: Slurm's srun, or processes started by hand) on the emulated device: the
+    rendezvous carries each rank's flags and file fingerprints to rank 0, which compares them before
+    handing out the NCCL id; every rank stops within seconds, each with one line naming the flag."""
+    extra = (["-ps", "127.0.0.1", "--rendezvous-port", str(free_port())] if method == "tcp"
+             else ["-pp", str(tmp_path), "-pj", "differ"])
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                                                            "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "gpt2_cuda.py"), "--device", "cpu"] + BASE + mine
+                              + ["-pm", method, "-pn", "2", "-pr", str(r), "--rendezvous-timeout", "60"] + extra,
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, mine in enumerate((rank0, rank1))]
+    results = [p.communicate(timeout=JOB_TIMEOUT_S) + (p.returncode,) for p in procs]
+    assert time.monotonic() - start < 60
+    for rank, (out, err, code) in enumerate(results):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in err, (rank, err)
+        assert "the ranks of this job were started with different" in lines[0] and named in lines[0], (rank, err)
+    assert os.listdir(tmp_path) == []
