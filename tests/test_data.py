@@ -328,12 +328,25 @@ def test_deleted_bpe_is_restored(repo_data, tmp_path):
     assert result.returncode == 0 and "is up to date" in result.stdout, result.stdout + result.stderr
 
 
-def test_a_failed_force_rebuild_is_never_up_to_date(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def tinyshakespeare_module(monkeypatch):
+    """dev/data/tinyshakespeare.py imported in this process, with its own `common` (dev/data's;
+    dev/cuda/common.py may hold that name in sys.modules); both names are put back afterwards."""
+    names = ("common", "tinyshakespeare")
+    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    monkeypatch.syspath_prepend(os.path.dirname(SCRIPT))
+    import tinyshakespeare
+    yield tinyshakespeare
+    for name in names:
+        sys.modules.pop(name, None)
+    sys.modules.update(saved)
+
+
+def test_a_failed_force_rebuild_is_never_up_to_date(tmp_path, monkeypatch, capsys, tinyshakespeare_module):
     """--force from another text fails after the val shard, before the train shard (a full disk):
     val now comes from the new text and train from the old one. The next run must not call that
     mixed set up to date: it rebuilds, and the set is whole again (SHA256SUMS, written last)."""
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    import tinyshakespeare
+    tinyshakespeare = tinyshakespeare_module
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     if os.path.isfile(DEFAULT_BPE):             # reuse the local BPE: no network needed
