@@ -1,0 +1,333 @@
+"""
+llama3_cpu.py: Llama 3 training in pure NumPy, float32, with hand-derived gradients.
+
+This file is the lesson "what changes from GPT-2 to Llama 3". Everything Llama 3 shares with
+GPT-2 (the matmul, the causal attention core, residual additions, softmax + cross-entropy, AdamW,
+the learning-rate schedules, the sampler) is imported from gpt2_cpu.py; what is written here is
+only what differs, each new layer a forward/backward pair with its backward's math written out:
+    RMSNorm             replaces LayerNorm: no mean subtracted, no bias
+    RoPE                rotary position embedding of q and k, with Llama 3.1's frequency scaling,
+                        replaces the learned position embedding wpe
+    grouped-query attn  NKV < NH key/value heads, each shared by NH/NKV query heads (the K/V
+                        repeat and its backward); after it, attention is GPT-2's
+    SwiGLU              a gated MLP of three matrices (c_fc, c_fc2, c_proj), replaces GELU
+    untied classifier   its own (V,C) matrix wlmhead; no biases anywhere; no vocabulary padding
+The model follows llm.c's train_llama3.py (LLaMA 3.1, Meta's reference model): the same
+parameters, in the same order, with the same meaning, so its model files load here.
+
+What it deliberately is not: fast, or a loader of Meta's weights (none can be fetched here; the
+model family llama3:dX is random-init and small, with GPT-2's tokenizer and data).
+
+Run it (after `make data`): `python llama3_cpu.py` trains a small Llama 3 (llama3:d4) from scratch on
+Shakespeare, with the same flags as gpt2_cpu.py (`--help` lists them):
+    step    1/400 | loss 10.9... | norm ... | lr 3.00e-04 | ... ms | ... tok/s
+with the validation loss and a sample every 100 steps.
+
+Dimension legend (gpt2_cpu.py's, plus two):
+    B, T, C, V, L, NH, HS, OC, maxT   as in gpt2_cpu.py (Vp = V: Llama 3 pads no vocabulary)
+    NKV   number of key/value heads (grouped-query attention), NH % NKV == 0
+    H     hidden width of the SwiGLU MLP (llm.c's hidden_dim; 4C in GPT-2)
+
+Gradient convention (gpt2_cpu.py's): backward functions return the gradient of their input and
+accumulate (+=) into the parameter gradients they are given; the residual stream's gradient is
+accumulated explicitly in llama3_backward.
+"""
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_CHUNK, ADAMW_EPS, INIT_STD, LR_SCHEDULES, KVCache,
+                      SamplingForward, adamw_update, attention_forward, attention_backward, causal_softmax,
+                      check_inputs, crossentropy_forward, crossentropy_softmax_backward, generate, gpt2_grad_norm,
+                      gpt2_zero_grad, learning_rate_at, matmul_backward, matmul_forward, num_elements,
+                      residual_backward, residual_forward, softmax_forward, tensor_views)
+from llmc.utils import InputError
+
+# ----------------------------------------------------------------------------
+# constants of the math
+
+NORM_EPS = 1e-5                        # RMSNorm epsilon of Llama 3 (LlamaConfig.norm_eps)
+ROPE_THETA = 500000.0                  # RoPE base of Llama 3 (10000 in Su et al. 2021)
+# Llama 3.1's RoPE frequency scaling (Meta's reference model, llm.c's apply_scaling): rotations
+# slower than the original context are slowed ROPE_SCALE_FACTOR times more, fast ones kept, a
+# smooth blend in between (see rope_frequencies)
+ROPE_SCALE_FACTOR = 8
+ROPE_LOW_FREQ_FACTOR = 1
+ROPE_HIGH_FREQ_FACTOR = 4
+ROPE_ORIGINAL_CONTEXT = 8192           # Llama 3's context length before 3.1's extension
+FFN_DIM_MULTIPLIER = 1.3               # Llama 3 8B's SwiGLU width multiplier
+FFN_MULTIPLE_OF = 1024                 # Llama 3 8B rounds the SwiGLU width up to a multiple of this
+SWIGLU_WIDTH_RATIO = 2 / 3             # SwiGLU has 3 matrices, not 2: 2/3 of 4C keeps the count (Shazeer 2020)
+
+# ----------------------------------------------------------------------------
+# model configuration
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a Llama 3, llm.c's LLama3Config (train_llama3.cu) with GPT2Config's names:
+    the model file's header holds each field (llmc/formats.py)."""
+    max_seq_len: int = 8192                 # maxT (llm.c's block_size)
+    vocab_size: int = 128256                # V (n_vocab)
+    num_layers: int = 32                    # L (n_layer)
+    num_heads: int = 32                     # NH (n_head): query heads
+    num_kv_heads: int = 8                   # NKV (n_kv_head): key/value heads
+    channels: int = 4096                    # C (n_embd)
+    multiple_of: int = FFN_MULTIPLE_OF      # H is rounded up to a multiple of this
+    use_scaled_rope: bool = True            # Llama 3.1's RoPE frequency scaling
+    ffn_dim_multiplier: float = FFN_DIM_MULTIPLIER
+    norm_eps: float = NORM_EPS
+    rope_theta: float = ROPE_THETA
+
+    @property
+    def padded_vocab_size(self):
+        """Vp: Llama 3 pads nothing (128256 is already a multiple of 128), so Vp = V."""
+        return self.vocab_size
+
+    @property
+    def head_size(self):
+        """HS = C // NH, for query and key/value heads alike."""
+        return self.channels // self.num_heads
+
+    @property
+    def hidden_dim(self):
+        """H, the SwiGLU width, as Meta's reference computes it: 2/3 of 4C, times the multiplier,
+        rounded up to a multiple of multiple_of (14336 for Llama 3 8B's C=4096)."""
+        hidden = int(SWIGLU_WIDTH_RATIO * 4 * self.channels)
+        hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+def check_config(config):
+    """Raise InputError unless the heads divide evenly: NH % NKV == 0, C % NH == 0, HS even (RoPE
+    rotates channel pairs)."""
+    NH, NKV, C = config.num_heads, config.num_kv_heads, config.channels
+    if min(NH, NKV, C, config.num_layers, config.vocab_size, config.max_seq_len) <= 0 or NH % NKV or C % NH \
+            or (C // NH) % 2:
+        raise InputError(f"impossible Llama 3 shape: NH={NH} NKV={NKV} C={C} (need NH % NKV == 0, C % NH == 0 "
+                         f"and an even head size)")
+
+
+# descriptor -> (L, NH, NKV, C, multiple_of). Small random-init models with GPT-2's tokenizer
+# (V=50257, maxT=1024), each with two query heads per key/value head; llama3:8B is Meta's shape.
+LLAMA3_DESCRIPTORS = {
+    "llama3:d2": (2, 4, 2, 128, 32),        # H=448
+    "llama3:d4": (4, 4, 2, 256, 64),        # H=896: the default CPU run
+    "llama3:d6": (6, 6, 2, 384, 64),        # H=1344
+}
+GPT2_TOKENIZER_VOCAB = 50257
+SMALL_MAX_SEQ_LEN = 1024
+LLAMA3_8B = LlamaConfig()                   # Llama 3.1 8B: the dataclass's defaults
+DEFAULT_MODEL = "llama3:d4"
+
+
+def config_from_descriptor(name):
+    """LlamaConfig for a descriptor (llama3:d4, llama3:8B). Raises InputError."""
+    if name == "llama3:8B":
+        return LLAMA3_8B
+    if name not in LLAMA3_DESCRIPTORS:
+        raise InputError(f"unknown model '{name}': expected a .bin file or one of "
+                         f"{', '.join(list(LLAMA3_DESCRIPTORS) + ['llama3:8B'])}")
+    L, NH, NKV, C, multiple_of = LLAMA3_DESCRIPTORS[name]
+    return LlamaConfig(max_seq_len=SMALL_MAX_SEQ_LEN, vocab_size=GPT2_TOKENIZER_VOCAB, num_layers=L, num_heads=NH,
+                       num_kv_heads=NKV, channels=C, multiple_of=multiple_of)
+
+
+# ----------------------------------------------------------------------------
+# parameter and activation tables: one flat buffer, named views (gpt2_cpu.tensor_views)
+
+# train_llama3.py's tensor order. GPT-2's wpe and every bias are gone; fcw2 and wlmhead are new.
+PARAMETER_NAMES = ("wte", "ln1w", "qkvw", "attprojw", "ln2w", "fcw", "fcw2", "fcprojw", "lnfw", "wlmhead")
+# AdamW decays every matrix (train_llama3.py: p.dim() >= 2), never the RMSNorm weights
+DECAYED_PARAMETERS = ("wte", "qkvw", "attprojw", "fcw", "fcw2", "fcprojw", "wlmhead")
+RMSNORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
+RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")   # init std scaled by 1/sqrt(2L), as GPT-2's
+
+
+def qkv_channels(config):
+    """Output channels of the qkv projection: NH query heads, NKV key and NKV value heads, (NH+2NKV)*HS."""
+    return (config.num_heads + 2 * config.num_kv_heads) * config.head_size
+
+
+def parameter_shapes(config):
+    """The 10 parameter tensors in train_llama3.py's order: list of (name, shape)."""
+    V, C, L, H = config.vocab_size, config.channels, config.num_layers, config.hidden_dim
+    return [
+        ("wte", (V, C)),
+        ("ln1w", (L, C)),
+        ("qkvw", (L, qkv_channels(config), C)),
+        ("attprojw", (L, C, C)),
+        ("ln2w", (L, C)),
+        ("fcw", (L, H, C)),             # c_fc: the linear branch of SwiGLU
+        ("fcw2", (L, H, C)),            # c_fc2: the gate, through SiLU
+        ("fcprojw", (L, C, H)),
+        ("lnfw", (C,)),
+        ("wlmhead", (V, C)),            # the classifier, untied from wte
+    ]
+
+
+def activation_shapes(config, B, T):
+    """The activations of one forward pass, in forward order."""
+    C, L, NH, V, H = config.channels, config.num_layers, config.num_heads, config.vocab_size, config.hidden_dim
+    return [
+        ("encoded", (B, T, C)),
+        ("ln1", (L, B, T, C)), ("ln1_rstd", (L, B, T)),
+        ("qkv", (L, B, T, qkv_channels(config))),
+        ("qkv_att", (L, B, T, 3 * C)),  # q, k rotated, k and v repeated to NH heads: GPT-2's attention input
+        ("att", (L, B, NH, T, T)), ("atty", (L, B, T, C)),
+        ("attproj", (L, B, T, C)), ("residual2", (L, B, T, C)),
+        ("ln2", (L, B, T, C)), ("ln2_rstd", (L, B, T)),
+        ("fch", (L, B, T, H)), ("fch2", (L, B, T, H)), ("fch_swiglu", (L, B, T, H)),
+        ("fcproj", (L, B, T, C)), ("residual3", (L, B, T, C)),
+        ("lnf", (B, T, C)), ("lnf_rstd", (B, T)),
+        ("logits", (B, T, V)), ("probs", (B, T, V)), ("losses", (B, T)),
+    ]
+
+
+# ----------------------------------------------------------------------------
+# layers: the new ones, each a forward/backward pair, vectorized, any float dtype
+
+def encoder_forward(inp, wte):
+    """Token embedding only: Llama 3 has no position embedding (RoPE puts positions into q and k).
+    inp (B,T) int token ids; wte (V,C) -> out (B,T,C), out[b,t] = wte[inp[b,t]]."""
+    return wte[inp]
+
+
+def encoder_backward(dwte, dout, inp):
+    """Accumulate dwte (V,C) from dout (B,T,C): dwte[v] += the sum of dout[b,t] over every (b,t)
+    with inp[b,t] == v (gpt2_cpu.encoder_backward without its wpe)."""
+    np.add.at(dwte, inp.ravel(), dout.reshape(-1, dout.shape[-1]))
+
+
+def rmsnorm_forward(inp, weight, eps):
+    """RMSNorm over the last axis (Zhang & Sennrich 2019, eq. 4): LayerNorm without the mean and
+    the bias. inp (B,T,C); weight (C,) -> out (B,T,C), rstd (B,T)
+    out = inp * rstd * weight, rstd = 1 / sqrt(mean(inp^2) + eps)."""
+    ms = (inp * inp).mean(axis=-1)                            # (B,T) mean square
+    rstd = 1.0 / np.sqrt(ms + eps)                            # (B,T)
+    out = inp * rstd[..., None] * weight
+    return out.astype(inp.dtype, copy=False), rstd.astype(inp.dtype, copy=False)
+
+
+def rmsnorm_backward(dweight, dout, inp, weight, rstd):
+    """Return dinp (B,T,C); accumulate dweight (C,).
+    With norm = inp * rstd and dnorm = dout * weight: rstd = (mean(x^2) + eps)^(-1/2) depends on
+    every x_j of the row, d rstd / d x_j = -rstd^3 x_j / C, so per row of C values
+        dinp_j = rstd dnorm_j + sum_i dnorm_i x_i (-rstd^3 x_j / C)
+               = rstd * (dnorm_j - norm_j * mean(dnorm * norm))
+    term 1: the direct path; term 2: through rstd. LayerNorm's backward (gpt2_cpu.py) has one more
+    term, through the mean, which RMSNorm does not subtract."""
+    norm = inp * rstd[..., None]                              # (B,T,C)
+    dnorm = dout * weight                                     # (B,T,C)
+    dweight += (dout * norm).sum(axis=(0, 1))
+    dinp = dnorm - norm * (dnorm * norm).mean(axis=-1, keepdims=True)
+    return dinp * rstd[..., None]
+
+
+def rope_frequencies(HS, theta, use_scaled_rope):
+    """The HS/2 rotation frequencies of RoPE (Su et al. 2021, eq. 15), float64:
+    freq_i = theta^(-2i/HS), i = 0..HS/2-1, channel pair (2i, 2i+1) turning by t * freq_i at position t.
+    use_scaled_rope: Llama 3.1's scaling. A pair whose wavelength 2 pi / freq is shorter than
+    ROPE_ORIGINAL_CONTEXT / ROPE_HIGH_FREQ_FACTOR keeps its frequency; one longer than
+    ROPE_ORIGINAL_CONTEXT / ROPE_LOW_FREQ_FACTOR turns ROPE_SCALE_FACTOR times slower; in between
+    the two are blended with smooth = (ROPE_ORIGINAL_CONTEXT / wavelen - low) / (high - low):
+    freq' = (1 - smooth) freq / ROPE_SCALE_FACTOR + smooth freq (continuous at both ends)."""
+    freqs = theta ** -(np.arange(0, HS, 2, dtype=np.float64) / HS)       # (HS/2,)
+    if not use_scaled_rope:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = ROPE_ORIGINAL_CONTEXT / ROPE_LOW_FREQ_FACTOR
+    high_freq_wavelen = ROPE_ORIGINAL_CONTEXT / ROPE_HIGH_FREQ_FACTOR
+    smooth = (ROPE_ORIGINAL_CONTEXT / wavelen - ROPE_LOW_FREQ_FACTOR) / (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR)
+    blended = (1 - smooth) * freqs / ROPE_SCALE_FACTOR + smooth * freqs
+    return np.where(wavelen < high_freq_wavelen, freqs,
+                    np.where(wavelen > low_freq_wavelen, freqs / ROPE_SCALE_FACTOR, blended))
+
+
+def precompute_freqs_cis(HS, maxT, theta, use_scaled_rope):
+    """RoPE's tables (llm.c's precompute_freqs_cis, as cos and sin instead of complex numbers):
+    cos, sin (maxT, HS/2) float64, of the angle t * freq_i at positions t = 0..maxT-1."""
+    angle = np.outer(np.arange(maxT, dtype=np.float64), rope_frequencies(HS, theta, use_scaled_rope))
+    return np.cos(angle), np.sin(angle)
+
+
+def rope_forward(inp, cos, sin):
+    """Rotary position embedding (Su et al. 2021, eq. 34): rotate each channel pair
+    (x_2i, x_2i+1) of every head at position t by the angle t * freq_i.
+    inp (B,T,nh,HS) (nh: NH query or NKV key heads); cos, sin (T,HS/2) the rows of the T
+    positions -> out (B,T,nh,HS):
+        out_2i   = x_2i cos - x_2i+1 sin
+        out_2i+1 = x_2i sin + x_2i+1 cos
+    (the pairs are adjacent channels, as in Meta's reference and llm.c's model files)."""
+    B, T, nh, HS = inp.shape
+    x = inp.reshape(B, T, nh, HS // 2, 2)
+    xe, xo = x[..., 0], x[..., 1]                             # (B,T,nh,HS/2) each
+    c, s = cos[None, :, None, :], sin[None, :, None, :]       # (1,T,1,HS/2) broadcast over B and heads
+    out = np.stack([xe * c - xo * s, xe * s + xo * c], axis=-1)   # (B,T,nh,HS/2,2)
+    return out.reshape(B, T, nh, HS).astype(inp.dtype, copy=False)
+
+
+def rope_backward(dout, cos, sin):
+    """Return dinp (B,T,nh,HS) from dout (B,T,nh,HS). The forward multiplies each pair by the
+    rotation matrix R = [[cos, -sin], [sin, cos]]; the gradient goes back through its transpose,
+    the rotation by minus the angle:
+        dx_2i   =  dout_2i cos + dout_2i+1 sin
+        dx_2i+1 = -dout_2i sin + dout_2i+1 cos
+    RoPE has no parameters."""
+    return rope_forward(dout, cos, -sin)
+
+
+def repeat_kv_forward(inp, n_rep):
+    """Grouped-query attention's K/V repeat (Ainslie et al. 2023): every key/value head serves
+    n_rep = NH/NKV consecutive query heads. inp (B,T,NKV,HS) -> out (B,T,NKV*n_rep,HS),
+    out[:, :, h] = inp[:, :, h // n_rep]. (With NKV = NH it is a copy: multi-head attention.)"""
+    return np.repeat(inp, n_rep, axis=2)
+
+
+def repeat_kv_backward(dout, n_rep):
+    """Return dinp (B,T,NKV,HS) from dout (B,T,NKV*n_rep,HS). A kv head feeds n_rep query heads,
+    so its gradient is the sum of theirs: dinp[:, :, j] = sum_r dout[:, :, j*n_rep + r]."""
+    B, T, NH, HS = dout.shape
+    return dout.reshape(B, T, NH // n_rep, n_rep, HS).sum(axis=3)
+
+
+def silu(x):
+    """SiLU (swish), x * sigmoid(x) (Elfwing et al. 2018; Ramachandran et al. 2017)."""
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu_forward(fch, fch2):
+    """SwiGLU's gating (Shazeer 2020, FFN_SwiGLU): fch, fch2 (B,T,H), the outputs of c_fc and
+    c_fc2 -> out (B,T,H) = fch * silu(fch2)."""
+    return fch * silu(fch2)
+
+
+def swiglu_backward(dout, fch, fch2):
+    """Return (dfch, dfch2), both (B,T,H), from dout (B,T,H). With sig = sigmoid(fch2):
+        out = fch * silu(fch2)  =>  dfch  = dout * silu(fch2)
+                                    dfch2 = dout * fch * silu'(fch2),
+        silu'(x) = d(x sig(x))/dx = sig + x sig (1 - sig) = sig (1 + x (1 - sig))."""
+    sig = 1.0 / (1.0 + np.exp(-fch2))
+    dfch = dout * fch2 * sig
+    dfch2 = dout * fch * sig * (1.0 + fch2 * (1.0 - sig))
+    return dfch, dfch2
+
+
+def split_qkv(qkv, NH, NKV):
+    """(B,T,(NH+2NKV)*HS) -> q (B,T,NH,HS), k, v (B,T,NKV,HS): views, no copies (train_llama3.py's
+    split of c_attn's output: all query heads, then the key heads, then the value heads)."""
+    B, T, QKV = qkv.shape
+    HS = QKV // (NH + 2 * NKV)
+    q = qkv[..., :NH * HS].reshape(B, T, NH, HS)
+    k = qkv[..., NH * HS:(NH + NKV) * HS].reshape(B, T, NKV, HS)
+    v = qkv[..., (NH + NKV) * HS:].reshape(B, T, NKV, HS)
+    return q, k, v
+
+
+def merge_heads(*heads):
+    """Arrays (B,T,nh_i,HS) -> (B,T,sum_i nh_i*HS): split_qkv's inverse, the heads side by side."""
+    B, T = heads[0].shape[:2]
+    return np.concatenate([h.reshape(B, T, -1) for h in heads], axis=-1)

@@ -1,0 +1,157 @@
+"""llama3_cpu.py against independent references: each new layer's forward against its definition
+computed a second way and its backward against float64 central finite differences (the method of
+tests/test_layers.py: contract the output with a fixed random R, so dout = R); RoPE's scaled
+frequencies against Llama 3.1's rule written as a loop; then the whole model's backward against
+finite differences on a sample of every tensor, and against PyTorch autograd on a small Llama 3
+written here from the equations (not by calling llama3_cpu)."""
+
+import math
+
+import numpy as np
+import pytest
+
+import llama3_cpu as m
+from llmc import check
+from llmc.utils import InputError
+
+H = 1e-6            # finite-difference step (tests/test_layers.py says why these three)
+RTOL = 1e-6
+ATOL = 1e-9
+
+
+def numerical_grad(f, x, h=H, idx=None):
+    """Central finite-difference gradient of the scalar f() with respect to the array x (perturbed
+    in place); with idx (flat indices) only those elements, as a 1-D array."""
+    flat = x.reshape(-1)
+    indices = np.arange(flat.size) if idx is None else idx
+    grad = np.zeros(indices.size)
+    for j, i in enumerate(indices):
+        old = flat[i]
+        flat[i] = old + h
+        up = f()
+        flat[i] = old - h
+        down = f()
+        flat[i] = old
+        grad[j] = (up - down) / (2 * h)
+    return grad.reshape(x.shape) if idx is None else grad
+
+
+def assert_close(a, ref, label, atol=ATOL, rtol=RTOL):
+    assert check.check_tensor(a, ref, label, atol, rtol), label
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+# ---------------------------------------------------------------------------- RMSNorm
+
+@pytest.mark.parametrize("shape", [(2, 3, 8), (1, 7, 5)])
+def test_rmsnorm(rng, shape):
+    C, eps = shape[-1], 1e-5
+    x = rng.standard_normal(shape) * 2 + 0.5
+    w = rng.standard_normal(C)
+    R = rng.standard_normal(shape)
+    out, rstd = m.rmsnorm_forward(x, w, eps)
+    ref = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w      # Zhang & Sennrich 2019, eq. 4
+    assert_close(out, ref, "rmsnorm out")
+    loss = lambda: float((m.rmsnorm_forward(x, w, eps)[0] * R).sum())  # noqa: E731
+    dw = np.ones(C)                                                     # the backward accumulates
+    dx = m.rmsnorm_backward(dw, R, x, w, rstd)
+    assert_close(dx, numerical_grad(loss, x), "rmsnorm dinp")
+    assert_close(dw - 1, numerical_grad(loss, w), "rmsnorm dweight")
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+def scaled_frequencies_reference(HS, theta):
+    """Llama 3.1's frequency rule, one frequency at a time (the facts of llm.c's apply_scaling)."""
+    out = []
+    for i in range(HS // 2):
+        freq = 1.0 / theta ** (2 * i / HS)
+        wavelen = 2 * math.pi / freq
+        if wavelen < 8192 / 4:
+            out.append(freq)
+        elif wavelen > 8192 / 1:
+            out.append(freq / 8)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            out.append((1 - smooth) * freq / 8 + smooth * freq)
+    return np.array(out)
+
+
+def test_rope_frequencies_llama31():
+    HS, theta = 128, 500000.0
+    plain = m.rope_frequencies(HS, theta, use_scaled_rope=False)
+    np.testing.assert_allclose(plain, theta ** -(np.arange(0, HS, 2) / HS), rtol=1e-15)
+    scaled = m.rope_frequencies(HS, theta, use_scaled_rope=True)
+    np.testing.assert_allclose(scaled, scaled_frequencies_reference(HS, theta), rtol=1e-15)
+    wavelen = 2 * math.pi / plain
+    assert scaled[0] == plain[0] == 1.0                       # the fastest rotation is kept
+    np.testing.assert_array_equal(scaled[wavelen > 8192], plain[wavelen > 8192] / 8)
+    middle = (wavelen >= 2048) & (wavelen <= 8192)
+    assert middle.sum() > 0 and np.all(scaled[middle] < plain[middle]) and np.all(scaled[middle] > plain[middle] / 8)
+
+
+def test_rope_tables():
+    cos, sin = m.precompute_freqs_cis(8, 5, 10000.0, False)
+    freqs = 10000.0 ** -(np.arange(0, 8, 2) / 8)
+    angle = np.arange(5)[:, None] * freqs[None, :]
+    assert cos.shape == sin.shape == (5, 4)
+    np.testing.assert_allclose(cos, np.cos(angle), rtol=1e-15)
+    np.testing.assert_allclose(sin, np.sin(angle), rtol=1e-15)
+
+
+@pytest.mark.parametrize("B,T,NH,HS", [(2, 5, 3, 4), (1, 3, 1, 6)])
+def test_rope(rng, B, T, NH, HS):
+    x = rng.standard_normal((B, T, NH, HS))
+    cos, sin = m.precompute_freqs_cis(HS, T, 10.0, False)
+    out = m.rope_forward(x, cos, sin)
+    # a second way: channel pairs (2i, 2i+1) as complex numbers, multiplied by e^{i t freq_i}
+    z = x[..., 0::2] + 1j * x[..., 1::2]
+    zr = z * np.exp(1j * np.arange(T)[None, :, None, None] * m.rope_frequencies(HS, 10.0, False))
+    ref = np.stack([zr.real, zr.imag], axis=-1).reshape(x.shape)
+    assert_close(out, ref, "rope out")
+    assert_close(np.linalg.norm(out, axis=-1), np.linalg.norm(x, axis=-1), "rope keeps lengths")
+    R = rng.standard_normal(x.shape)
+    loss = lambda: float((m.rope_forward(x, cos, sin) * R).sum())  # noqa: E731
+    assert_close(m.rope_backward(R, cos, sin), numerical_grad(loss, x), "rope dinp")
+
+
+def test_rope_scores_depend_on_relative_position_only(rng):
+    HS, T = 8, 12
+    q, k = rng.standard_normal(HS), rng.standard_normal(HS)
+    cos, sin = m.precompute_freqs_cis(HS, T, 10000.0, True)
+    rot = lambda x, t: m.rope_forward(x[None, None, None], cos[t:t + 1], sin[t:t + 1])[0, 0, 0]  # noqa: E731
+    s = [rot(q, t + 3) @ rot(k, t) for t in range(T - 3)]     # query 3 positions after the key
+    np.testing.assert_allclose(s, s[0], rtol=1e-12)
+    assert abs(rot(q, 5) @ rot(k, 1) - s[0]) > 1e-3            # another distance, another score
+
+
+# ---------------------------------------------------------------------------- SwiGLU
+
+def test_swiglu(rng):
+    fch, fch2 = rng.standard_normal((2, 3, 6)) * 3, rng.standard_normal((2, 3, 6)) * 3
+    out = m.swiglu_forward(fch, fch2)
+    assert_close(out, fch * fch2 / (1 + np.exp(-fch2)), "swiglu out")   # Shazeer 2020, FFN_SwiGLU
+    R = rng.standard_normal(fch.shape)
+    loss = lambda: float((m.swiglu_forward(fch, fch2) * R).sum())  # noqa: E731
+    dfch, dfch2 = m.swiglu_backward(R, fch, fch2)
+    assert_close(dfch, numerical_grad(loss, fch), "swiglu dfch")
+    assert_close(dfch2, numerical_grad(loss, fch2), "swiglu dfch2")
+
+
+# ---------------------------------------------------------------------------- GQA's K/V repeat
+
+@pytest.mark.parametrize("NKV,n_rep", [(2, 3), (1, 4), (3, 1)])
+def test_repeat_kv(rng, NKV, n_rep):
+    B, T, HS = 2, 3, 4
+    x = rng.standard_normal((B, T, NKV, HS))
+    out = m.repeat_kv_forward(x, n_rep)
+    assert out.shape == (B, T, NKV * n_rep, HS)
+    for h in range(NKV * n_rep):                              # query head h reads kv head h // n_rep
+        np.testing.assert_array_equal(out[:, :, h], x[:, :, h // n_rep])
+    R = rng.standard_normal(out.shape)
+    loss = lambda: float((m.repeat_kv_forward(x, n_rep) * R).sum())  # noqa: E731
+    assert_close(m.repeat_kv_backward(R, n_rep), numerical_grad(loss, x), "repeat_kv dinp")
