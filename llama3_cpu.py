@@ -331,3 +331,176 @@ def merge_heads(*heads):
     """Arrays (B,T,nh_i,HS) -> (B,T,sum_i nh_i*HS): split_qkv's inverse, the heads side by side."""
     B, T = heads[0].shape[:2]
     return np.concatenate([h.reshape(B, T, -1) for h in heads], axis=-1)
+
+
+# ----------------------------------------------------------------------------
+# the model: parameters, init, forward, backward (zero_grad and the grad norm are gpt2_cpu's)
+
+class Llama3:
+    """A Llama 3: its config, one flat buffer each for the parameters and their gradients (AdamW's
+    m and v are allocated at the first update) with named views into each, and RoPE's cos and sin
+    tables (maxT, HS/2), computed once. `dtype` is float32 for training; float64 is for gradient
+    checks."""
+
+    def __init__(self, config, dtype=np.float32):
+        check_config(config)
+        self.config = config
+        self.param_shapes = parameter_shapes(config)
+        self.num_parameters = num_elements(self.param_shapes)
+        self.params = np.zeros(self.num_parameters, dtype=dtype)
+        self.grads = np.zeros(self.num_parameters, dtype=dtype)
+        self.P = tensor_views(self.params, self.param_shapes)     # name -> view into params
+        self.G = tensor_views(self.grads, self.param_shapes)      # name -> view into grads
+        cos, sin = precompute_freqs_cis(config.head_size, config.max_seq_len, config.rope_theta,
+                                        config.use_scaled_rope)
+        self.freqs_cos, self.freqs_sin = cos.astype(dtype), sin.astype(dtype)
+        self.m = self.v = None
+        self.acts = None
+        self.acts_BT = None
+        self.inputs = self.targets = None
+        self.mean_loss = None
+
+    def activations(self, B, T):
+        """Named views of one flat activation buffer, (re)allocated when (B, T) changes."""
+        if self.acts_BT != (B, T):
+            shapes = activation_shapes(self.config, B, T)
+            self.acts = tensor_views(np.empty(num_elements(shapes), self.params.dtype), shapes)
+            self.acts_BT = (B, T)
+        return self.acts
+
+
+def llama3_init(config, seed=42, dtype=np.float32):
+    """A fresh Llama 3 with GPT-2's initialization (gpt2_cpu.gpt2_init; train_llama3.py only
+    loads Meta's weights): matrices ~ N(0, 0.02^2), the two residual output projections
+    (attprojw, fcprojw) ~ N(0, (0.02/sqrt(2L))^2), RMSNorm weights 1. Draws come from
+    np.random.default_rng(seed), float32, tensor by tensor in table order."""
+    model = Llama3(config, dtype)
+    rng = np.random.default_rng(seed)
+    for name, shape in model.param_shapes:
+        view = model.P[name]
+        if name in RMSNORM_WEIGHTS:
+            view[...] = 1.0
+        else:
+            std = INIT_STD / math.sqrt(2 * config.num_layers) if name in RESIDUAL_PROJECTIONS else INIT_STD
+            view[...] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    return model
+
+
+def layer_params(P, l):
+    """Layer l's 7 per-layer tensors: a dict name -> view (for G as well as P)."""
+    return {name: P[name][l] for name in PARAMETER_NAMES[1:8]}
+
+
+def block_forward(residual, p, cos, sin, config):
+    """One Llama 3 block (pre-norm, like GPT-2's) on the residual stream residual (B,T,C) with
+    layer l's parameters p (layer_params) and RoPE's rows cos, sin (T,HS/2) of the T positions.
+    Returns the block's activations, name -> array, in forward order (activation_shapes' names);
+    "residual3" is the next block's input."""
+    NH, NKV, eps = config.num_heads, config.num_kv_heads, config.norm_eps
+    a = {}
+    # forward pass 1: attention block
+    a["ln1"], a["ln1_rstd"] = rmsnorm_forward(residual, p["ln1w"], eps)
+    a["qkv"] = matmul_forward(a["ln1"], p["qkvw"], None)                     # (B,T,(NH+2NKV)*HS)
+    q, k, v = split_qkv(a["qkv"], NH, NKV)                                    # (B,T,NH,HS), (B,T,NKV,HS) x2
+    q, k = rope_forward(q, cos, sin), rope_forward(k, cos, sin)               # positions into q and k
+    k, v = repeat_kv_forward(k, NH // NKV), repeat_kv_forward(v, NH // NKV)   # (B,T,NH,HS) each
+    a["qkv_att"] = merge_heads(q, k, v)                                       # (B,T,3C): GPT-2's layout
+    a["atty"], a["att"] = attention_forward(a["qkv_att"], NH)                 # (B,T,C), (B,NH,T,T)
+    a["attproj"] = matmul_forward(a["atty"], p["attprojw"], None)
+    a["residual2"] = residual_forward(residual, a["attproj"])
+    # forward pass 2: SwiGLU MLP block
+    a["ln2"], a["ln2_rstd"] = rmsnorm_forward(a["residual2"], p["ln2w"], eps)
+    a["fch"] = matmul_forward(a["ln2"], p["fcw"], None)                       # (B,T,H)
+    a["fch2"] = matmul_forward(a["ln2"], p["fcw2"], None)                     # (B,T,H)
+    a["fch_swiglu"] = swiglu_forward(a["fch"], a["fch2"])
+    a["fcproj"] = matmul_forward(a["fch_swiglu"], p["fcprojw"], None)         # (B,T,C)
+    a["residual3"] = residual_forward(a["residual2"], a["fcproj"])
+    return a
+
+
+def llama3_forward(model, inputs, targets=None):
+    """Forward pass. inputs (B,T) int token ids; targets (B,T) or None. Returns logits (B,T,V).
+    With targets it also computes probs and the per-position losses, and sets model.mean_loss.
+    Every activation is kept in model.acts for the backward pass.
+    Raises InputError if T passes maxT or a token id (input or target) is out of range."""
+    cfg = model.config
+    B, T = inputs.shape
+    check_inputs(cfg, inputs, targets)
+    P, A = model.P, model.activations(B, T)
+    cos, sin = model.freqs_cos[:T], model.freqs_sin[:T]                      # (T,HS/2): positions 0..T-1
+    model.inputs, model.targets = inputs, targets
+    A["encoded"][...] = encoder_forward(inputs, P["wte"])                    # (B,T,C)
+    residual = A["encoded"]
+    for l in range(cfg.num_layers):
+        block = block_forward(residual, layer_params(P, l), cos, sin, cfg)
+        for name, value in block.items():
+            A[name][l] = value                                                # kept for the backward
+        residual = A["residual3"][l]
+    # forward pass 3: final RMSNorm, untied classifier, softmax, cross-entropy
+    A["lnf"][...], A["lnf_rstd"][...] = rmsnorm_forward(residual, P["lnfw"], cfg.norm_eps)
+    A["logits"][...] = matmul_forward(A["lnf"], P["wlmhead"], None)         # (B,T,C) @ (C,V) -> (B,T,V)
+    if targets is not None:
+        A["probs"][...] = softmax_forward(A["logits"], cfg.vocab_size)
+        A["losses"][...] = crossentropy_forward(A["probs"], targets)
+        model.mean_loss = float(A["losses"].mean(dtype=np.float64))
+    else:
+        model.mean_loss = None
+    return A["logits"]
+
+
+def llama3_backward(model, loss_scale=1.0):
+    """Backward pass of the last llama3_forward (which must have had targets): accumulates the
+    gradient of loss_scale * mean(losses) into model.grads (gpt2_cpu.gpt2_backward's contract)."""
+    if model.targets is None:
+        raise RuntimeError("llama3_backward needs a forward pass with targets")
+    cfg = model.config
+    L, NH, NKV = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
+    P, G, A = model.P, model.G, model.acts
+    B, T = model.inputs.shape
+    cos, sin = model.freqs_cos[:T], model.freqs_sin[:T]
+
+    # backward pass 3: cross-entropy, softmax, classifier, final RMSNorm
+    dlosses = np.full((B, T), loss_scale / (B * T), dtype=model.params.dtype)  # d(mean loss)/d(losses)
+    dlogits = crossentropy_softmax_backward(dlosses, A["probs"], model.targets)  # (B,T,V)
+    dlnf = matmul_backward(G["wlmhead"], None, dlogits, A["lnf"], P["wlmhead"])  # (B,T,C)
+    dresidual = rmsnorm_backward(G["lnfw"], dlnf, A["residual3"][L - 1], P["lnfw"], A["lnf_rstd"])
+    for l in reversed(range(L)):
+        p, g = layer_params(P, l), layer_params(G, l)
+        residual = A["encoded"] if l == 0 else A["residual3"][l - 1]
+        # backward pass 2: SwiGLU MLP block. residual3 = residual2 + fcproj
+        dresidual, dfcproj = residual_backward(dresidual)
+        dfch_swiglu = matmul_backward(g["fcprojw"], None, dfcproj, A["fch_swiglu"][l], p["fcprojw"])
+        dfch, dfch2 = swiglu_backward(dfch_swiglu, A["fch"][l], A["fch2"][l])
+        # ln2 feeds both c_fc and c_fc2: its gradient is the sum of the two
+        dln2 = (matmul_backward(g["fcw"], None, dfch, A["ln2"][l], p["fcw"])
+                + matmul_backward(g["fcw2"], None, dfch2, A["ln2"][l], p["fcw2"]))
+        dresidual = dresidual + rmsnorm_backward(g["ln2w"], dln2, A["residual2"][l], p["ln2w"], A["ln2_rstd"][l])
+        # backward pass 1: attention block. residual2 = residual + attproj
+        dresidual, dattproj = residual_backward(dresidual)
+        datty = matmul_backward(g["attprojw"], None, dattproj, A["atty"][l], p["attprojw"])
+        dqkv_att = attention_backward(datty, A["qkv_att"][l], A["att"][l], NH)  # (B,T,3C)
+        dq, dk, dv = split_qkv(dqkv_att, NH, NH)                              # (B,T,NH,HS) each
+        dk, dv = repeat_kv_backward(dk, NH // NKV), repeat_kv_backward(dv, NH // NKV)  # (B,T,NKV,HS)
+        dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
+        dqkv = merge_heads(dq, dk, dv)                                        # (B,T,(NH+2NKV)*HS)
+        dln1 = matmul_backward(g["qkvw"], None, dqkv, A["ln1"][l], p["qkvw"])
+        dresidual = dresidual + rmsnorm_backward(g["ln1w"], dln1, residual, p["ln1w"], A["ln1_rstd"][l])
+    # backward of the encoder: encoded = wte[inputs]
+    encoder_backward(G["wte"], dresidual, model.inputs)
+
+
+def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+    """AdamW over the model, gpt2_cpu.gpt2_update's loop with Llama's DECAYED_PARAMETERS:
+    gpt2_cpu.adamw_update on each tensor's part of the flat buffers, ADAMW_CHUNK floats at a time."""
+    if model.m is None:
+        model.m = np.zeros_like(model.params)
+        model.v = np.zeros_like(model.params)
+    offset = 0
+    for name, shape in model.param_shapes:
+        n = math.prod(shape)
+        wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
+        for start in range(offset, offset + n, ADAMW_CHUNK):
+            part = slice(start, min(start + ADAMW_CHUNK, offset + n))
+            adamw_update(model.params[part], model.grads[part], model.m[part], model.v[part],
+                         learning_rate, beta1, beta2, eps, wd, t, grad_scale)
+        offset += n

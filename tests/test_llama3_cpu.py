@@ -155,3 +155,141 @@ def test_repeat_kv(rng, NKV, n_rep):
     R = rng.standard_normal(out.shape)
     loss = lambda: float((m.repeat_kv_forward(x, n_rep) * R).sum())  # noqa: E731
     assert_close(m.repeat_kv_backward(R, n_rep), numerical_grad(loss, x), "repeat_kv dinp")
+
+
+# ---------------------------------------------------------------------------- the model
+
+TINY = m.LlamaConfig(max_seq_len=16, vocab_size=64, num_layers=2, num_heads=4, num_kv_heads=2, channels=32,
+                     multiple_of=16)        # H = 112, HS = 8: every RoPE regime of Llama 3.1 (theta 500000)
+
+
+def tiny_batch(B=2, T=8, seed=3):
+    r = np.random.default_rng(seed)
+    return r.integers(0, TINY.vocab_size, (B, T)), r.integers(0, TINY.vocab_size, (B, T))
+
+
+def test_parameter_table():
+    assert TINY.hidden_dim == 112 and m.qkv_channels(TINY) == (4 + 2 * 2) * 8
+    shapes = dict(m.parameter_shapes(TINY))
+    assert list(shapes) == list(m.PARAMETER_NAMES)
+    assert shapes["qkvw"] == (2, 64, 32) and shapes["fcw2"] == (2, 112, 32) and shapes["wlmhead"] == (64, 32)
+    # Llama 3.1 8B: 8,030,261,248 parameters (Meta's model card), H = 14336
+    big = m.config_from_descriptor("llama3:8B")
+    assert big.hidden_dim == 14336
+    assert m.num_elements(m.parameter_shapes(big)) == 8_030_261_248
+    with pytest.raises(InputError, match="unknown model"):
+        m.config_from_descriptor("llama3:d5")
+    with pytest.raises(InputError, match="impossible Llama 3 shape"):
+        m.Llama3(m.LlamaConfig(num_layers=1, num_heads=4, num_kv_heads=3, channels=32, vocab_size=8, max_seq_len=4))
+
+
+def test_init_is_seeded():
+    a, b = m.llama3_init(TINY, seed=7), m.llama3_init(TINY, seed=7)
+    np.testing.assert_array_equal(a.params, b.params)
+    assert np.all(a.P["ln1w"] == 1) and np.all(a.P["lnfw"] == 1)
+    assert abs(a.P["wlmhead"].std() - 0.02) < 0.002
+    assert not np.array_equal(a.P["wte"], a.P["wlmhead"]), "the classifier is untied"
+
+
+def test_model_backward_against_finite_differences():
+    """The whole backward, float64, against central differences of the mean loss on 6 sampled
+    elements of every tensor. The loss is ~4.2 and the gradients ~1e-4..1e-1: the difference
+    quotient's rounding error ~ 1e-16 * 4 / 1e-6 = 4e-10, so atol 1e-8 with rtol 1e-5."""
+    model = m.llama3_init(TINY, seed=0, dtype=np.float64)
+    model.params[...] += np.random.default_rng(1).standard_normal(model.num_parameters) * 0.05   # off the init
+    x, y = tiny_batch()
+    m.gpt2_zero_grad(model)
+    m.llama3_forward(model, x, y)
+    m.llama3_backward(model)
+
+    def loss():
+        m.llama3_forward(model, x, y)
+        return model.mean_loss
+    r = np.random.default_rng(2)
+    for name, shape in model.param_shapes:
+        idx = r.choice(math.prod(shape), 6, replace=False)
+        numeric = numerical_grad(loss, model.P[name], idx=idx)
+        assert_close(model.G[name].reshape(-1)[idx], numeric, f"d{name}", atol=1e-8, rtol=1e-5)
+        assert np.abs(numeric).max() > 1e-7, f"{name}: a sample of zero gradients tests nothing"
+
+
+def torch_llama3_loss(P, config, x, y, torch):
+    """A Llama 3 in PyTorch, written from the equations (Meta's reference model's structure), on
+    the parameters P (name -> tensor): returns the mean cross-entropy. It calls nothing of ours."""
+    F = torch.nn.functional
+    B, T = x.shape
+    NH, NKV, C = config.num_heads, config.num_kv_heads, config.channels
+    HS = C // NH
+
+    def rmsnorm(h, w):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + config.norm_eps) * w
+
+    freqs = 1.0 / config.rope_theta ** (torch.arange(0, HS, 2, dtype=torch.float64) / HS)
+    wavelen = 2 * math.pi / freqs
+    smooth = (8192 / wavelen - 1) / (4 - 1)
+    freqs = torch.where(wavelen < 2048, freqs, torch.where(wavelen > 8192, freqs / 8,
+                                                           (1 - smooth) * freqs / 8 + smooth * freqs))
+    rot = torch.polar(torch.ones(T, HS // 2, dtype=torch.float64), torch.outer(torch.arange(T, dtype=torch.float64), freqs))
+
+    def rope(h):                                       # (B,T,nh,HS): channel pairs as complex numbers
+        z = torch.view_as_complex(h.reshape(*h.shape[:-1], HS // 2, 2).contiguous())
+        return torch.view_as_real(z * rot[None, :, None, :]).flatten(3)
+
+    h = P["wte"][x]
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    for l in range(config.num_layers):
+        a = rmsnorm(h, P["ln1w"][l]) @ P["qkvw"][l].T
+        q, k, v = a.split([NH * HS, NKV * HS, NKV * HS], dim=-1)
+        q, k, v = q.view(B, T, NH, HS), k.view(B, T, NKV, HS), v.view(B, T, NKV, HS)
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(NH // NKV, dim=2), v.repeat_interleave(NH // NKV, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(HS)
+        att = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
+        h = h + (att @ v).transpose(1, 2).reshape(B, T, C) @ P["attprojw"][l].T
+        n = rmsnorm(h, P["ln2w"][l])
+        h = h + ((n @ P["fcw"][l].T) * F.silu(n @ P["fcw2"][l].T)) @ P["fcprojw"][l].T
+    logits = rmsnorm(h, P["lnfw"]) @ P["wlmhead"].T
+    return F.cross_entropy(logits.reshape(-1, config.vocab_size), y.reshape(-1))
+
+
+def test_model_against_pytorch_autograd():
+    torch = pytest.importorskip("torch")
+    model = m.llama3_init(TINY, seed=0, dtype=np.float64)
+    model.params[...] += np.random.default_rng(1).standard_normal(model.num_parameters) * 0.05
+    x, y = tiny_batch()
+    m.gpt2_zero_grad(model)
+    m.llama3_forward(model, x, y)
+    m.llama3_backward(model)
+    P = {name: torch.tensor(model.P[name].copy(), requires_grad=True) for name in m.PARAMETER_NAMES}
+    loss = torch_llama3_loss(P, TINY, torch.tensor(x), torch.tensor(y), torch)
+    loss.backward()
+    assert abs(loss.item() - model.mean_loss) < 1e-12 * abs(loss.item())
+    for name in m.PARAMETER_NAMES:   # float64 on both sides: agreement to summation order
+        assert_close(model.G[name], P[name].grad.numpy(), f"d{name} vs torch", atol=1e-13, rtol=1e-9)
+
+
+def test_gradient_accumulates_over_micro_batches():
+    model = m.llama3_init(TINY, seed=0, dtype=np.float64)
+    x, y = tiny_batch(B=4)
+    m.gpt2_zero_grad(model)
+    m.llama3_forward(model, x, y)
+    m.llama3_backward(model)
+    whole = model.grads.copy()
+    m.gpt2_zero_grad(model)
+    for half in (slice(0, 2), slice(2, 4)):
+        m.llama3_forward(model, x[half], y[half])
+        m.llama3_backward(model, loss_scale=0.5)
+    np.testing.assert_allclose(model.grads, whole, rtol=1e-10, atol=1e-15)
+
+
+def test_adamw_decays_only_matrices():
+    model = m.llama3_init(TINY, seed=0, dtype=np.float64)
+    before = model.params.copy()
+    m.gpt2_zero_grad(model)                          # no gradient: only the decay moves a parameter
+    m.llama3_update(model, 1e-2, 0.9, 0.95, 1e-8, 0.1, 1)
+    after = m.tensor_views(model.params, model.param_shapes)
+    old = m.tensor_views(before, model.param_shapes)
+    for name in m.PARAMETER_NAMES:
+        expected = old[name] * (1 - 1e-2 * 0.1) if name in m.DECAYED_PARAMETERS else old[name]
+        np.testing.assert_allclose(after[name], expected, rtol=1e-15, err_msg=name)
