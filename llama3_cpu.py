@@ -36,7 +36,7 @@ accumulated explicitly in llama3_backward.
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -45,6 +45,11 @@ from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_CHUNK, ADAMW_EPS, INIT_STD
                       check_inputs, crossentropy_forward, crossentropy_softmax_backward, generate, gpt2_grad_norm,
                       gpt2_zero_grad, learning_rate_at, matmul_backward, matmul_forward, num_elements,
                       residual_backward, residual_forward, softmax_forward, tensor_views)
+from llmc.checkpoint import load_checkpoint, save_checkpoint
+from llmc.cli import TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt
+from llmc.comm import Comm
+from llmc.formats import read_llama3_model_file, read_llama3_model_shape, write_llama3_model_file
+from llmc.sampler import SamplerRNG
 from llmc.utils import InputError
 
 # ----------------------------------------------------------------------------
@@ -61,7 +66,7 @@ ROPE_HIGH_FREQ_FACTOR = 4
 ROPE_ORIGINAL_CONTEXT = 8192           # Llama 3's context length before 3.1's extension
 FFN_DIM_MULTIPLIER = 1.3               # Llama 3 8B's SwiGLU width multiplier
 FFN_MULTIPLE_OF = 1024                 # Llama 3 8B rounds the SwiGLU width up to a multiple of this
-SWIGLU_WIDTH_RATIO = 2 / 3             # SwiGLU has 3 matrices, not 2: 2/3 of 4C keeps the count (Shazeer 2020)
+MLP_EXPANSION = 4                      # GPT-2's MLP is 4C wide; SwiGLU's 3 matrices take 2/3 of that (Shazeer 2020)
 
 # ----------------------------------------------------------------------------
 # model configuration
@@ -96,7 +101,7 @@ class LlamaConfig:
     def hidden_dim(self):
         """H, the SwiGLU width, as Meta's reference computes it: 2/3 of 4C, times the multiplier,
         rounded up to a multiple of multiple_of (14336 for Llama 3 8B's C=4096)."""
-        hidden = int(SWIGLU_WIDTH_RATIO * 4 * self.channels)
+        hidden = 2 * (MLP_EXPANSION * self.channels) // 3          # integer division, as Meta's int(2 * h / 3)
         hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
@@ -504,3 +509,233 @@ def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad
             adamw_update(model.params[part], model.grads[part], model.m[part], model.v[part],
                          learning_rate, beta1, beta2, eps, wd, t, grad_scale)
         offset += n
+
+
+# ----------------------------------------------------------------------------
+# model files: llm.c's Llama 3 model file (llmc/formats.py), mapped to and from the parameter table
+
+def file_tensors(model):
+    """The model's parameters as the model file stores them, {name: array}: the table's tensors
+    but fcw and fcw2, which the file stacks per layer into one fcw (L, 2H, C)."""
+    P = model.P
+    tensors = {name: P[name] for name in PARAMETER_NAMES if name not in ("fcw", "fcw2")}
+    tensors["fcw"] = np.concatenate([P["fcw"], P["fcw2"]], axis=1)          # (L,H,C) + (L,H,C) -> (L,2H,C)
+    return tensors
+
+
+def config_from_header(shape):
+    """LlamaConfig from a model file's header dict."""
+    return LlamaConfig(**shape)
+
+
+def read_model(path, dtype=np.float32):
+    """A Llama3 from llm.c's Llama 3 model file (fp32 version 3, or bf16 version 5 upcast to
+    fp32). Raises InputError."""
+    shape, tensors = read_llama3_model_file(path, lambda shape: config_from_header(shape).hidden_dim)
+    model = Llama3(config_from_header(shape), dtype)
+    H = model.config.hidden_dim
+    for name in PARAMETER_NAMES:
+        if name == "fcw2":
+            model.P[name][...] = tensors["fcw"][:, H:]
+        elif name == "fcw":
+            model.P[name][...] = tensors["fcw"][:, :H]
+        else:
+            model.P[name][...] = tensors[name]
+    return model
+
+
+def write_model(path, model, dtype="float32"):
+    """Write the model as llm.c's Llama 3 model file: dtype "float32" (version 3) or "bfloat16" (5)."""
+    write_llama3_model_file(path, model.config, file_tensors(model), dtype)
+
+
+def write_checkpoint_model(path, config, params):
+    """save_checkpoint's model writer: the flat fp32 parameters params as a Llama 3 model file."""
+    model = Llama3(config)
+    model.params[...] = params
+    write_model(path, model)
+
+
+def read_checkpoint_model(path, num_parameters_of=None):
+    """load_checkpoint's model reader: (header dict, flat fp32 parameters in table order)."""
+    model = read_model(path)
+    return {f.name: getattr(model.config, f.name) for f in fields(LlamaConfig)}, model.params
+
+
+def build_model(spec, seed):
+    """-e: a Llama 3 model file (fp32 or bf16), or a descriptor (llama3:d4) for a fresh llama3_init."""
+    return read_model(spec) if is_checkpoint_path(spec) else llama3_init(config_from_descriptor(spec), seed)
+
+
+def model_config(spec):
+    """The LlamaConfig that -e names, without building the model (a model file's header is read)."""
+    return config_from_header(read_llama3_model_shape(spec)) if is_checkpoint_path(spec) else config_from_descriptor(spec)
+
+
+# ----------------------------------------------------------------------------
+# sampler: gpt2_cpu.generate, with this model's forward and a KV cache of NKV heads
+#
+# GQA's saving is the cache: it keeps the NKV key/value heads, rotated by RoPE at their own
+# positions, and repeats them to NH heads only when a query reads them.
+
+def kv_cache_new(config, B, dtype=np.float32):
+    """An empty gpt2_cpu.KVCache for B sequences of up to maxT positions: k, v (L,B,maxT,NKV,HS)."""
+    shape = (config.num_layers, B, config.max_seq_len, config.num_kv_heads, config.head_size)
+    return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype))
+
+
+def attention_forward_cached(qkv, k_cache, v_cache, pos, cos, sin, NH, NKV):
+    """The attention of T new positions pos..pos+T-1: qkv (B,T,(NH+2NKV)*HS) their projection;
+    k_cache, v_cache (B,maxT,NKV,HS) with positions 0..pos-1 filled; cos, sin (T,HS/2) their RoPE
+    rows -> out (B,T,C). The new keys (rotated) and values are written at pos..pos+T-1, then the
+    queries attend to every key up to their own position (gpt2_cpu.causal_softmax)."""
+    B, T, _ = qkv.shape
+    q, k, v = split_qkv(qkv, NH, NKV)
+    q, k = rope_forward(q, cos, sin), rope_forward(k, cos, sin)
+    k_cache[:, pos:pos + T], v_cache[:, pos:pos + T] = k, v
+    keys = repeat_kv_forward(k_cache[:, :pos + T], NH // NKV).transpose(0, 2, 1, 3)      # (B,NH,pos+T,HS)
+    values = repeat_kv_forward(v_cache[:, :pos + T], NH // NKV).transpose(0, 2, 1, 3)
+    att = causal_softmax(q.transpose(0, 2, 1, 3), keys, pos)                              # (B,NH,T,pos+T)
+    out = att @ values                                                                    # (B,NH,T,HS)
+    return out.transpose(0, 2, 1, 3).reshape(B, T, NH * q.shape[-1])
+
+
+def llama3_forward_cached(model, inputs, cache):
+    """The sampler's forward pass (gpt2_cpu.gpt2_forward_cached's contract): inputs (B,T) at
+    positions cache.length..cache.length+T-1 -> the logits (B,V) of the last position; their keys
+    and values are appended to cache. Raises InputError if the positions pass maxT or an id is out of range."""
+    cfg = model.config
+    B, T = inputs.shape
+    pos, P, eps = cache.length, model.P, cfg.norm_eps
+    check_inputs(cfg, inputs, None, pos)
+    cos, sin = model.freqs_cos[pos:pos + T], model.freqs_sin[pos:pos + T]
+    residual = encoder_forward(inputs, P["wte"])                                          # (B,T,C)
+    for l in range(cfg.num_layers):
+        p = layer_params(P, l)
+        qkv = matmul_forward(rmsnorm_forward(residual, p["ln1w"], eps)[0], p["qkvw"], None)
+        atty = attention_forward_cached(qkv, cache.k[l], cache.v[l], pos, cos, sin, cfg.num_heads, cfg.num_kv_heads)
+        residual = residual_forward(residual, matmul_forward(atty, p["attprojw"], None))
+        ln2 = rmsnorm_forward(residual, p["ln2w"], eps)[0]
+        fch_swiglu = swiglu_forward(matmul_forward(ln2, p["fcw"], None), matmul_forward(ln2, p["fcw2"], None))
+        residual = residual_forward(residual, matmul_forward(fch_swiglu, p["fcprojw"], None))
+    lnf = rmsnorm_forward(residual[:, T - 1:], P["lnfw"], eps)[0]                         # (B,1,C): the last position
+    cache.length = pos + T
+    return matmul_forward(lnf, P["wlmhead"], None)[:, 0]                                  # (B,V)
+
+
+def sampling_forward(model):
+    """gpt2_cpu.generate's forwards on this model: llama3_forward, and llama3_forward_cached."""
+    return SamplingForward(full=lambda x: llama3_forward(model, x),
+                           cached=lambda x, cache: llama3_forward_cached(model, x, cache),
+                           new_cache=lambda: kv_cache_new(model.config, 1, model.params.dtype))
+
+
+def llama3_generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, on_token=None, kv_cache=True):
+    """gpt2_cpu.generate on this model: the same sampler, this model's forwards. Returns the new ids."""
+    return generate(model, prompt, max_new_tokens, rng, temperature, top_k, on_token, sampling_forward(model), kv_cache)
+
+
+# ----------------------------------------------------------------------------
+# training loop: gpt2_cpu.train's, with this model's forward, backward and update
+
+def train(args):
+    """Train (or, with --eval-only / --generate, evaluate / sample) as the flags say; the step is
+    gpt2_cpu.train's: zero_grad, forward + backward over the micro-batches, average across
+    processes, clip, AdamW. Returns the model."""
+    comm = Comm()
+    run = TrainingRun(args, comm)
+    model = build_model(run.model_spec(), args.seed)
+    if args.generate > 0:
+        rng = SamplerRNG(args.sample_seed)
+        return sample_from_prompt(args, lambda prompt, n, on_token: llama3_generate(
+            model, prompt, n, rng, args.temperature, args.top_k, on_token), model.config.max_seq_len)
+    if run.resuming:
+        run.check_resumed_model(model_config(args.model), model.config)
+    run.prepare(model.config)
+
+    def batch_loss(inputs, targets):                      # validation
+        llama3_forward(model, inputs, targets)
+        return model.mean_loss
+
+    def forward_losses(inputs, targets):                  # HellaSwag
+        llama3_forward(model, inputs, targets)
+        return model.acts["losses"]
+
+    if args.eval_only:
+        run.evaluate_only(batch_loss, forward_losses)
+        return model
+    run.banner(model.config, model.num_parameters)
+    sample_rng = SamplerRNG(args.sample_seed)
+    start_step, outliers = 0, None
+    if run.resuming:
+        st = load_checkpoint(args.output_dir, run.resume_step, comm.rank, comm.size, None,
+                             read_model_file=read_checkpoint_model)
+        model.params[...], model.m, model.v = st["params"], st["m"], st["v"]
+        run.train_loader.restore(st["loader"])
+        sample_rng.state, start_step, outliers = st["sample_rng_state"], st["step"], st["outliers"]
+        run.say(f"resumed from {st['state_path']} at step {start_step}")
+
+    def sample(prompt, n):
+        return llama3_generate(model, prompt, n, sample_rng)
+
+    if not run.start(start_step, outliers):
+        run.sample_after_the_last_checkpoint(sample)
+        return model
+
+    def save(step):
+        m = model.m if model.m is not None else np.zeros_like(model.params)
+        v = model.v if model.v is not None else np.zeros_like(model.params)
+        return save_checkpoint(args.output_dir, step, model.config, model.params, m, v, run.train_loader,
+                               sample_rng.state, comm.rank, comm.size, outliers=run.outlier_state(),
+                               write_model_file=write_checkpoint_model)
+
+    for step in range(start_step, run.num_steps + 1):
+        if run.between_steps(step, batch_loss, forward_losses, sample, save):
+            break
+        # the training step
+        t0 = time.perf_counter()
+        gpt2_zero_grad(model)
+        loss = 0.0
+        for _ in range(run.grad_accum_steps):
+            if args.overfit_single_batch:
+                run.train_loader.reset()
+            inputs, targets = run.train_loader.next_batch()
+            llama3_forward(model, inputs, targets)
+            llama3_backward(model, loss_scale=1.0 / run.grad_accum_steps)
+            loss += model.mean_loss / run.grad_accum_steps
+        comm.mean_(model.grads)                           # data parallel: average over processes
+        loss = comm.mean(loss)
+        norm = gpt2_grad_norm(model)
+        skip, zloss, zgrad = run.skip_update(loss, norm)
+        grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
+        lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
+                              args.final_lr_frac)
+        if not skip:
+            llama3_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+        run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
+    return model
+
+
+def parse_args(argv=None):
+    """The command line (argv: list of str, default sys.argv[1:]) -> argparse.Namespace: gpt2_cpu.py's
+    flags, -e naming a Llama 3 model file or descriptor (default DEFAULT_MODEL)."""
+    parser = build_parser("llama3_cpu.py", "Train Llama 3 in NumPy (the llm.cupy reference for Llama 3).", LR_SCHEDULES)
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = (f"Llama 3 model file .bin to start from, or a descriptor "
+                           f"({' '.join(list(LLAMA3_DESCRIPTORS) + ['llama3:8B'])})")
+    parser.set_defaults(model=DEFAULT_MODEL)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Command-line entry point. Returns the exit code: 0; 1 with one `error:` line for bad input."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:                               # --help (0), or a bad flag (1, its error line printed)
+        return e.code
+    return run_main(train, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

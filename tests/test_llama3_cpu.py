@@ -293,3 +293,97 @@ def test_adamw_decays_only_matrices():
     for name in m.PARAMETER_NAMES:
         expected = old[name] * (1 - 1e-2 * 0.1) if name in m.DECAYED_PARAMETERS else old[name]
         np.testing.assert_allclose(after[name], expected, rtol=1e-15, err_msg=name)
+
+
+# ---------------------------------------------------------------------------- sampler
+
+def test_generate_with_kv_cache_equals_full_forward():
+    """The cached sampler (NKV heads cached, RoPE at each position) against the full forward over
+    the window, past maxT = 16 where the context slides and the cache is refilled."""
+    model = m.llama3_init(TINY, seed=1)
+    a = m.llama3_generate(model, [1, 2, 3], 20, m.SamplerRNG(3))
+    b = m.llama3_generate(model, [1, 2, 3], 20, m.SamplerRNG(3), kv_cache=False)
+    assert a == b and len(a) == 20 and all(0 <= t < TINY.vocab_size for t in a)
+    assert a != m.llama3_generate(model, [1, 2, 3], 20, m.SamplerRNG(4))
+    cache = m.kv_cache_new(TINY, 1)
+    assert cache.k.shape == (2, 1, 16, 2, 8), "the cache keeps NKV heads, not NH"
+
+
+# ---------------------------------------------------------------------------- files
+
+def llmc_llama3_file_bytes(model, dtype):
+    """llm.c's Llama 3 model file (train_llama3.py's write_model, llama3 branch), assembled here from
+    its facts: 256 int32 (magic 20240803, version 3 or 5, block_size, vocab_size, n_layer, n_head,
+    n_kv_head, n_embd, multiple_of, use_scaled_rope, 3, 1), 256 float32 (ffn_dim_multiplier,
+    norm_eps, rope_theta), then wte, lm_head, and per layer-stacked tensor: ln_1, its zero bias,
+    c_attn, zero, attn c_proj, zero, ln_2, zero, [c_fc; c_fc2] per layer, zero, mlp c_proj, zero,
+    ln_f, zero."""
+    c, P = model.config, model.P
+    ints = np.zeros(256, "<i4")
+    ints[:12] = [20240803, 3 if dtype == "float32" else 5, c.max_seq_len, c.vocab_size, c.num_layers, c.num_heads,
+                 c.num_kv_heads, c.channels, c.multiple_of, int(c.use_scaled_rope), 3, 1]
+    floats = np.zeros(256, "<f4")
+    floats[:3] = [c.ffn_dim_multiplier, c.norm_eps, c.rope_theta]
+    fc = np.stack([np.concatenate([P["fcw"][l], P["fcw2"][l]]) for l in range(c.num_layers)])
+    zero = np.zeros_like                                     # +0.0 (0 * a negative weight would be -0.0)
+    tensors = [P["wte"], P["wlmhead"], P["ln1w"], zero(P["ln1w"]), P["qkvw"], zero(P["qkvw"][..., 0]),
+               P["attprojw"], zero(P["attprojw"][..., 0]), P["ln2w"], zero(P["ln2w"]), fc, zero(fc[..., 0]),
+               P["fcprojw"], zero(P["fcprojw"][..., 0]), P["lnfw"], zero(P["lnfw"])]
+    flat = np.concatenate([np.asarray(t, np.float32).ravel() for t in tensors])
+    if dtype == "bfloat16":          # round to nearest even by hand: add 0x7FFF plus the kept lowest bit
+        bits = flat.view("<u4").astype(np.uint64)
+        flat = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return ints.tobytes() + floats.tobytes() + flat.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_file_is_llmc_layout_and_round_trips(tmp_path, dtype):
+    model = m.llama3_init(TINY, seed=2)
+    path = str(tmp_path / "llama.bin")
+    m.write_model(path, model, dtype)
+    assert open(path, "rb").read() == llmc_llama3_file_bytes(model, dtype)
+    back = m.read_model(path)
+    assert back.config == TINY, "ffn_dim_multiplier 1.3 and norm_eps 1e-5 survive their float32 slots"
+    if dtype == "float32":
+        np.testing.assert_array_equal(back.params, model.params)
+    else:                            # bf16: 8 significant bits, rounded to nearest: relative error <= 2^-8
+        np.testing.assert_allclose(back.params, model.params, rtol=2 ** -8, atol=0)
+        assert not np.array_equal(back.params, model.params)
+    assert m.model_config(path) == TINY
+
+
+def test_model_file_refusals(tmp_path):
+    model = m.llama3_init(TINY, seed=2)
+    good = str(tmp_path / "good.bin")
+    m.write_model(good, model)
+    raw = open(good, "rb").read()
+    cases = {"truncated": raw[:-4], "bad magic": b"\0\0\0\0" + raw[4:],
+             "bias": raw[:2048 + 4 * (2 * 64 * 32 + 2 * 32)] + np.float32(0.5).tobytes()
+             + raw[2048 + 4 * (2 * 64 * 32 + 2 * 32) + 4:]}            # the first element of ln1b
+    messages = {"truncated": "holds", "bad magic": "bad magic", "bias": "not zero"}
+    for name, content in cases.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.bin"
+        path.write_bytes(content)
+        with pytest.raises(InputError, match=messages[name]):
+            m.read_model(str(path))
+
+
+def test_llama3_shards_hold_uint32_tokens(tmp_path):
+    from llmc import formats
+    from llmc.dataloader import DataLoader
+    tokens = np.arange(1000, dtype=np.int64) * 131 % 128256          # ids past uint16's 65535
+    path = str(tmp_path / "llama_shard.bin")
+    formats.write_shard(path, tokens, version=formats.LLAMA3_SHARD_VERSION)
+    raw = open(path, "rb").read()
+    assert np.frombuffer(raw[:12], "<i4").tolist() == [20240801, 7, 1000]
+    assert len(raw) == 1024 + 4 * 1000 and np.array_equal(np.frombuffer(raw[1024:], "<u4"), tokens)
+    np.testing.assert_array_equal(formats.read_shard(path), tokens)
+    loader = DataLoader(path, 2, 8, vocab_size=128256)
+    x, y = loader.next_batch()
+    np.testing.assert_array_equal(x.ravel(), tokens[:16])
+    np.testing.assert_array_equal(y.ravel(), tokens[1:17])
+    with pytest.raises(InputError, match="outside the model's vocabulary"):
+        DataLoader(path, 2, 8, vocab_size=50257)
+    open(path, "ab").write(b"\0\0")
+    with pytest.raises(InputError, match="truncated or corrupt"):
+        formats.shard_num_tokens(path)
