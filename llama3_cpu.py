@@ -665,6 +665,9 @@ def train(args):
         run.evaluate_only(batch_loss, forward_losses)
         return model
     run.banner(model.config, model.num_parameters)
+    cfg = model.config
+    run.say(f"llama3: NKV={cfg.num_kv_heads} H={cfg.hidden_dim} rope_theta={cfg.rope_theta:g} "
+            f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g}")
     sample_rng = SamplerRNG(args.sample_seed)
     start_step, outliers = 0, None
     if run.resuming:

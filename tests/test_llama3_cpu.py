@@ -6,6 +6,10 @@ finite differences on a sample of every tensor, and against PyTorch autograd on 
 written here from the equations (not by calling llama3_cpu)."""
 
 import math
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -368,6 +372,21 @@ def test_model_file_refusals(tmp_path):
             m.read_model(str(path))
 
 
+def test_older_single_header_layout_is_refused(tmp_path):
+    """llm.c master's train_llama3.py wrote one int32 header (block_size, V, L, NH, NKV, C, then
+    ffn_dim_multiplier, multiple_of, norm_eps, rope_theta truncated to int, use_scaled_rope,
+    max_gen_batch_size, 3, 1) and the tensors in the table's order without biases: refused."""
+    model = m.llama3_init(TINY, seed=2)
+    c = model.config
+    ints = np.zeros(256, "<i4")
+    ints[:16] = [20240803, 3, c.max_seq_len, c.vocab_size, c.num_layers, c.num_heads, c.num_kv_heads, c.channels,
+                 int(c.ffn_dim_multiplier), c.multiple_of, int(c.norm_eps), int(c.rope_theta), 1, 4, 3, 1]
+    path = tmp_path / "old_layout.bin"
+    path.write_bytes(ints.tobytes() + model.params.astype("<f4").tobytes())
+    with pytest.raises(InputError, match="impossible Llama 3 model header|holds"):
+        m.read_model(str(path))
+
+
 def test_llama3_shards_hold_uint32_tokens(tmp_path):
     from llmc import formats
     from llmc.dataloader import DataLoader
@@ -387,3 +406,71 @@ def test_llama3_shards_hold_uint32_tokens(tmp_path):
     open(path, "ab").write(b"\0\0")
     with pytest.raises(InputError, match="truncated or corrupt"):
         formats.shard_num_tokens(path)
+
+
+# ---------------------------------------------------------------------------- the trainer, as a user runs it
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# GPT-2's vocabulary (the real Shakespeare shards), otherwise tiny: 3.3M parameters, 3.2M of them
+# the two (V,C) embeddings
+SMALL = m.LlamaConfig(max_seq_len=64, vocab_size=50257, num_layers=2, num_heads=4, num_kv_heads=2, channels=32,
+                      multiple_of=16)
+
+
+def run(args, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "llama3_cpu.py")] + args, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def losses(stdout):
+    return [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", stdout)]
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    train = os.path.join(ROOT, "data", "tinyshakespeare", "tiny_shakespeare_train.bin")
+    if not os.path.exists(train):
+        subprocess.run([sys.executable, os.path.join(ROOT, "dev", "data", "tinyshakespeare.py")], check=True)
+    return train, train.replace("_train.bin", "_val.bin")
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "small_llama3.bin"
+    m.write_model(str(path), m.llama3_init(SMALL, seed=0))
+    return str(path)
+
+
+def test_training_on_shakespeare_lowers_val_loss(shakespeare, small_model, tmp_path):
+    train, val = shakespeare
+    out = run(["-e", small_model, "-i", train, "-j", val, "-b", "8", "-t", "32", "-x", "60", "-l", "3e-3",
+               "-u", "5", "-v", "30", "-m", "8", "-s", "60", "-g", "16", "-o", str(tmp_path)])
+    assert out.returncode == 0, out.stderr
+    vals = [float(v) for v in re.findall(r"val loss ([0-9.]+)", out.stdout)]
+    assert len(vals) == 3
+    assert vals[0] > 10.5, "a fresh model is near ln(50257) = 10.8"
+    assert vals[-1] < vals[0] - 3.0, f"validation loss should fall clearly, got {vals}"
+    assert "generating:" in out.stdout and "NKV" not in out.stderr
+
+
+def test_resume_equals_straight_run(shakespeare, small_model, tmp_path):
+    """6 steps straight == 3 steps, checkpoint (a Llama 3 model file), resume, 3 more: the same losses."""
+    train, _ = shakespeare
+    common = ["-e", small_model, "-i", train, "-j", "", "-b", "2", "-t", "16", "-k", "constant", "-l", "1e-3",
+              "-s", "0", "--shuffle", "1"]
+    straight = run(common + ["-x", "6"])
+    assert straight.returncode == 0, straight.stderr
+    first = run(common + ["-x", "3", "-n", "3", "-o", str(tmp_path)])
+    assert first.returncode == 0, first.stderr
+    assert m.read_model(str(tmp_path / "model_00000003.bin")).config == SMALL
+    second = run(common + ["-x", "6", "-o", str(tmp_path), "-y", "1"])
+    assert second.returncode == 0, second.stderr
+    assert losses(first.stdout) + losses(second.stdout) == losses(straight.stdout)
+    assert len(losses(straight.stdout)) == 6
+
+
+def test_command_line_errors_are_one_line(small_model):
+    out = run(["-e", "llama3:d5", "-x", "1"])
+    assert out.returncode == 1 and out.stderr.strip().count("\n") == 0 and "unknown model 'llama3:d5'" in out.stderr
+    out = run(["-e", small_model, "-t", "65", "-x", "1"])
+    assert out.returncode == 1 and "exceeds the model's max_seq_len 64" in out.stderr
