@@ -117,7 +117,7 @@ def check_config(config):
 
 
 # descriptor -> (L, NH, NKV, C, multiple_of). Small random-init models with GPT-2's tokenizer
-# (V=50257, maxT=1024), each with two query heads per key/value head; llama3:8B is Meta's shape.
+# (V=50257, maxT=1024), each with two query heads per key/value head, small enough for a CPU.
 LLAMA3_DESCRIPTORS = {
     "llama3:d2": (2, 4, 2, 128, 32),        # H=448
     "llama3:d4": (4, 4, 2, 256, 64),        # H=896: the default CPU run
@@ -125,17 +125,15 @@ LLAMA3_DESCRIPTORS = {
 }
 GPT2_TOKENIZER_VOCAB = 50257
 SMALL_MAX_SEQ_LEN = 1024
-LLAMA3_8B = LlamaConfig()                   # Llama 3.1 8B: the dataclass's defaults
+LLAMA3_8B = LlamaConfig()                   # Llama 3.1 8B's shape, the dataclass's defaults (32 GB in fp32)
 DEFAULT_MODEL = "llama3:d4"
 
 
 def config_from_descriptor(name):
-    """LlamaConfig for a descriptor (llama3:d4, llama3:8B). Raises InputError."""
-    if name == "llama3:8B":
-        return LLAMA3_8B
+    """LlamaConfig for a descriptor (llama3:d4). Raises InputError."""
     if name not in LLAMA3_DESCRIPTORS:
-        raise InputError(f"unknown model '{name}': expected a .bin file or one of "
-                         f"{', '.join(list(LLAMA3_DESCRIPTORS) + ['llama3:8B'])}")
+        raise InputError(f"unknown model '{name}': expected a Llama 3 model .bin file or one of "
+                         f"{', '.join(LLAMA3_DESCRIPTORS)}")
     L, NH, NKV, C, multiple_of = LLAMA3_DESCRIPTORS[name]
     return LlamaConfig(max_seq_len=SMALL_MAX_SEQ_LEN, vocab_size=GPT2_TOKENIZER_VOCAB, num_layers=L, num_heads=NH,
                        num_kv_heads=NKV, channels=C, multiple_of=multiple_of)
@@ -725,8 +723,7 @@ def parse_args(argv=None):
     parser = build_parser("llama3_cpu.py", "Train Llama 3 in NumPy (the llm.cupy reference for Llama 3).", LR_SCHEDULES)
     for action in parser._actions:
         if action.dest == "model":
-            action.help = (f"Llama 3 model file .bin to start from, or a descriptor "
-                           f"({' '.join(list(LLAMA3_DESCRIPTORS) + ['llama3:8B'])})")
+            action.help = f"Llama 3 model file .bin to start from, or a descriptor ({' '.join(LLAMA3_DESCRIPTORS)})"
     parser.set_defaults(model=DEFAULT_MODEL)
     return parser.parse_args(argv)
 

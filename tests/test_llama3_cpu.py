@@ -178,7 +178,7 @@ def test_parameter_table():
     assert list(shapes) == list(m.PARAMETER_NAMES)
     assert shapes["qkvw"] == (2, 64, 32) and shapes["fcw2"] == (2, 112, 32) and shapes["wlmhead"] == (64, 32)
     # Llama 3.1 8B: 8,030,261,248 parameters (Meta's model card), H = 14336
-    big = m.config_from_descriptor("llama3:8B")
+    big = m.LLAMA3_8B
     assert big.hidden_dim == 14336
     assert m.num_elements(m.parameter_shapes(big)) == 8_030_261_248
     with pytest.raises(InputError, match="unknown model"):
