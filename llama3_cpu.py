@@ -43,10 +43,10 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_CHUNK, ADAMW_EPS, INIT_STD, LR_SCHEDULES, KVCache,
-                      SamplingForward, adamw_update, attention_forward, attention_backward, causal_softmax,
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, INIT_STD, LR_SCHEDULES, KVCache,
+                      SamplingForward, attention_forward, attention_backward, causal_softmax,
                       check_inputs, crossentropy_forward, crossentropy_softmax_backward, generate, gpt2_grad_norm,
-                      gpt2_zero_grad, learning_rate_at, matmul_backward, matmul_forward, num_elements,
+                      gpt2_update, gpt2_zero_grad, learning_rate_at, matmul_backward, matmul_forward, num_elements,
                       residual_backward, residual_forward, softmax_forward, tensor_views)
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt
@@ -147,7 +147,7 @@ def config_from_descriptor(name):
 
 # train_llama3.py's tensor order. GPT-2's wpe and every bias are gone; fcw2 and wlmhead are new.
 PARAMETER_NAMES = ("wte", "ln1w", "qkvw", "attprojw", "ln2w", "fcw", "fcw2", "fcprojw", "lnfw", "wlmhead")
-# AdamW decays every matrix (train_llama3.py: p.dim() >= 2), never the RMSNorm weights
+# AdamW decays every matrix (train_llama3.py: p.dim() >= 2), never the RMSNorm weights (gpt2_update's `decayed`)
 DECAYED_PARAMETERS = ("wte", "qkvw", "attprojw", "fcw", "fcw2", "fcprojw", "wlmhead")
 RMSNORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
 RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")   # init std scaled by 1/sqrt(2L), as GPT-2's
@@ -340,7 +340,8 @@ def merge_heads(*heads):
 
 
 # ----------------------------------------------------------------------------
-# the model: parameters, init, forward, backward (zero_grad and the grad norm are gpt2_cpu's)
+# the model: parameters, init, forward, backward (zero_grad, the grad norm and the AdamW update
+# over the flat buffer are gpt2_cpu's: gpt2_update, given DECAYED_PARAMETERS)
 
 class Llama3:
     """A Llama 3: its config, one flat buffer each for the parameters and their gradients (AdamW's
@@ -494,22 +495,6 @@ def llama3_backward(model, loss_scale=1.0):
     # backward of the encoder: encoded = wte[inputs]
     encoder_backward(G["wte"], dresidual, model.inputs)
 
-
-def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-    """AdamW over the model, gpt2_cpu.gpt2_update's loop with Llama's DECAYED_PARAMETERS:
-    gpt2_cpu.adamw_update on each tensor's part of the flat buffers, ADAMW_CHUNK floats at a time."""
-    if model.m is None:
-        model.m = np.zeros_like(model.params)
-        model.v = np.zeros_like(model.params)
-    offset = 0
-    for name, shape in model.param_shapes:
-        n = math.prod(shape)
-        wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
-        for start in range(offset, offset + n, ADAMW_CHUNK):
-            part = slice(start, min(start + ADAMW_CHUNK, offset + n))
-            adamw_update(model.params[part], model.grads[part], model.m[part], model.v[part],
-                         learning_rate, beta1, beta2, eps, wd, t, grad_scale)
-        offset += n
 
 
 # ----------------------------------------------------------------------------
@@ -715,7 +700,8 @@ def train(args):
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
         if not skip:
-            llama3_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
+                        decayed=DECAYED_PARAMETERS)
         run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
     return model
 

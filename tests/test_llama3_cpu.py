@@ -291,7 +291,7 @@ def test_adamw_decays_only_matrices():
     model = m.llama3_init(TINY, seed=0, dtype=np.float64)
     before = model.params.copy()
     m.gpt2_zero_grad(model)                          # no gradient: only the decay moves a parameter
-    m.llama3_update(model, 1e-2, 0.9, 0.95, 1e-8, 0.1, 1)
+    m.gpt2_update(model, 1e-2, 0.9, 0.95, 1e-8, 0.1, 1, decayed=m.DECAYED_PARAMETERS)
     after = m.tensor_views(model.params, model.param_shapes)
     old = m.tensor_views(before, model.param_shapes)
     for name in m.PARAMETER_NAMES:
