@@ -60,9 +60,9 @@ from llmc.utils import InputError
 
 NORM_EPS = 1e-5                        # RMSNorm epsilon of Llama 3 (LlamaConfig.norm_eps)
 ROPE_THETA = 500000.0                  # RoPE base of Llama 3 (10000 in Su et al. 2021)
-# Llama 3.1's RoPE frequency scaling (Meta's reference model, llm.c's apply_scaling): rotations
-# slower than the original context are slowed ROPE_SCALE_FACTOR times more, fast ones kept, a
-# smooth blend in between (see rope_frequencies)
+# Llama 3.1's RoPE frequency scaling (Meta's reference model, llm.c's apply_scaling): a channel
+# pair whose wavelength is longer than the original context turns ROPE_SCALE_FACTOR times slower,
+# fast pairs are kept, and those in between are blended (rope_frequencies)
 ROPE_SCALE_FACTOR = 8
 ROPE_LOW_FREQ_FACTOR = 1
 ROPE_HIGH_FREQ_FACTOR = 4
