@@ -638,9 +638,9 @@ def adamw_update(p, g, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, 
     p -= learning_rate * (m_hat / (np.sqrt(v_hat) + eps) + weight_decay * p)
 
 
-def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-    """AdamW over the model: adamw_update on each parameter tensor's part of the flat buffers,
-    weight decay on DECAYED_PARAMETERS only. A tensor is updated ADAMW_CHUNK floats at a time, so
+def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, decayed=DECAYED_PARAMETERS):
+    """AdamW over the model: adamw_update on each parameter tensor's part of the flat buffers, weight
+    decay on the tensors named in `decayed` only. A tensor is updated ADAMW_CHUNK floats at a time, so
     that the temporaries of adamw_update stay in cache (the same arithmetic per element). A plain
     loop in one thread, so that a debugger's breakpoint in adamw_update stops."""
     if model.m is None:
@@ -649,7 +649,7 @@ def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_s
     offset = 0
     for name, shape in model.param_shapes:
         n = math.prod(shape)
-        wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
+        wd = weight_decay if name in decayed else 0.0
         for start in range(offset, offset + n, ADAMW_CHUNK):
             part = slice(start, min(start + ADAMW_CHUNK, offset + n))
             adamw_update(model.params[part], model.grads[part], model.m[part], model.v[part],

@@ -193,11 +193,14 @@ def latest_checkpoint_step(out_dir):
 
 
 def save_checkpoint(out_dir, step, config, params, m, v, loader, sample_rng_state, process_rank=0,
-                    num_processes=1, master_weights=None, rng_state_last_update=0, outliers=None, zero_stage=0):
+                    num_processes=1, master_weights=None, rng_state_last_update=0, outliers=None, zero_stage=0,
+                    write_model_file=write_model_file):
     """Write model_<step>.bin (fp32 params, rank 0 only) and state_<step>_<rank>.bin from host
     arrays (params, m, v, master_weights: flat fp32; with zero_stage 1, m, v and master_weights
     are this rank's shard, params still the whole model). Returns the DONE_<step> path, which the
-    caller writes last with write_done_marker, after a barrier when there are several ranks."""
+    caller writes last with write_done_marker, after a barrier when there are several ranks.
+    write_model_file(path, config, params): the model file's writer (GPT-2's by default;
+    llama3_cpu.py passes its own)."""
     model_path, state_path, done_path = checkpoint_paths(out_dir, step, process_rank)
     if process_rank == 0:
         write_model_file(model_path, config, params)
@@ -212,9 +215,10 @@ def write_done_marker(done_path):
 
 
 def load_checkpoint(out_dir, step, process_rank, num_processes, num_parameters_of, state_num_parameters=None,
-                    zero_stage=0):
+                    zero_stage=0, read_model_file=read_model_file):
     """Read the checkpoint of `step` in out_dir for this rank. num_parameters_of(shape) as in
-    llmc.formats.read_model_file; state_num_parameters: the floats of m, v, master weights in
+    llmc.formats.read_model_file, the model file's reader (GPT-2's by default; llama3_cpu.py passes
+    its own, of the same signature); state_num_parameters: the floats of m, v, master weights in
     the state file (default: the model's; with zero_stage 1, this rank's shard). Returns
     read_state's dict plus "shape" (the model file's shape dict), "model_params" (the model
     file's fp32 parameters), "params" (fp32, the whole model: the master weights when the state

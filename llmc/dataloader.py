@@ -1,6 +1,7 @@
 """
 llmc/dataloader.py: batches of training tokens from llm.c's token shards (llm.c's
-llmc/dataloader.h DataLoader): strided by rank for data parallelism, optionally shuffled.
+llmc/dataloader.h DataLoader): strided by rank for data parallelism, optionally shuffled. A shard
+holds uint16 ids (GPT-2's, version 1) or uint32 ids (Llama 3's, version 7): llmc/formats.py.
 
 Every token id is checked against the model's vocabulary once per shard, when the shard is
 opened (vectorized, in chunks), and every read is a copy (pread), checked for length: a shard
@@ -14,7 +15,7 @@ import os
 
 import numpy as np
 
-from llmc.formats import HEADER_BYTES, read_shard_tokens, shard_num_tokens
+from llmc.formats import HEADER_BYTES, read_shard_tokens, shard_format, shard_num_tokens
 from llmc.utils import InputError
 
 VALIDATE_CHUNK = 1 << 22               # tokens read per piece when checking a shard's ids (8 MiB)
@@ -70,6 +71,7 @@ class DataLoader:
             self.num_tokens += n
             self.num_batches += (n - 1) // (B * T * num_processes)
         self.file, self.validated = None, {}
+        self.token_dtypes = {}                 # path -> uint16 or uint32 (llmc.formats.shard_format)
         self.shuffle = shuffle
         self.rng = np.random.default_rng(seed)
         self.reset()
@@ -104,12 +106,15 @@ class DataLoader:
         file, unchanged, was checked before. Returns its number of tokens. Raises InputError."""
         identity = self.file_identity()
         if self.validated.get(self.path) == identity:
-            return (identity[1] - HEADER_BYTES) // 2
-        n = shard_num_tokens(self.path)
+            self.token_dtype = self.token_dtypes[self.path]
+            return (identity[1] - HEADER_BYTES) // self.token_dtype.itemsize
+        n, self.token_dtype = shard_format(self.path)
+        self.token_dtypes[self.path] = self.token_dtype
         if self.vocab_size is not None:
             for start in range(0, n, VALIDATE_CHUNK):
-                ids = read_shard_tokens(self.file.fileno(), self.path, start, min(VALIDATE_CHUNK, n - start))
-                bad = np.flatnonzero(ids >= self.vocab_size)
+                ids = read_shard_tokens(self.file.fileno(), self.path, start, min(VALIDATE_CHUNK, n - start),
+                                        self.token_dtype)
+                bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))   # < 0: a uint32 id past int32
                 if bad.size:
                     raise InputError(f"{self.path}: token id {ids[bad[0]]} at position {start + bad[0]} is outside "
                                      f"the model's vocabulary [0, {self.vocab_size})")
@@ -132,7 +137,7 @@ class DataLoader:
         B, T = self.B, self.T
         sample = int(self.sample_order[self.current_sample_idx])
         start = (sample * self.num_processes + self.process_rank) * B * T
-        buf = read_shard_tokens(self.file.fileno(), self.path, start, B * T + 1)
+        buf = read_shard_tokens(self.file.fileno(), self.path, start, B * T + 1, self.token_dtype)
         self.current_sample_idx += 1
         return buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
 

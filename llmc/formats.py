@@ -4,8 +4,9 @@ llmc/formats.py: llm.c's binary files (doc/file_formats.md), byte for byte.
 Every file opens with a header of 256 little-endian int32: slot 0 the magic number, slot 1 the
 version, the rest per format (named below, never bare indices). Then the payload:
     model checkpoint   the parameters in the order of the model's parameter table, fp32 or bf16
+    Llama 3 model      a second header of 256 float32, then Llama 3's parameters in GPT-2's slots
     debug state        inputs, targets, logits, loss and every gradient of one batch (test vectors)
-    token shard        uint16 token ids
+    token shard        uint16 token ids (GPT-2), or uint32 (Llama 3: another magic, version 7)
 The tokenizer file lives in llmc/tokenizer.py, the multiple-choice eval file in
 llmc/evalloader.py and the training-state file in llmc/checkpoint.py; they use the helpers here.
 
@@ -33,6 +34,21 @@ MODEL_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 
                "padded_vocab_size": 7}
 MODEL_DTYPES = {MODEL_VERSION_FP32: np.dtype("<f4"), MODEL_VERSION_BF16: np.dtype("<u2")}
 
+LLAMA3_MODEL_MAGIC = 20240803       # llm.c's Llama 3 model file (train_llama3.py / train_llama3.cu, llama3 branch)
+# int32 header slots 2-11, in llm.c's order (llama3_cpu.LlamaConfig's field names)
+LLAMA3_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5, "num_kv_heads": 6,
+                    "channels": 7, "multiple_of": 8, "use_scaled_rope": 9}
+LLAMA3_SLOT_MAJOR, LLAMA3_SLOT_MINOR = 10, 11      # the Llama version, e.g. 3 and 1 (not read by llm.c)
+LLAMA3_VERSION = (3, 1)
+# the second header, 256 float32 right after the first: its slots
+LLAMA3_FLOAT_SLOTS = {"ffn_dim_multiplier": 0, "norm_eps": 1, "rope_theta": 2}
+LLAMA3_HEADER_BYTES = 2 * HEADER_BYTES
+# the payload: GPT-2's 16 tensors (llm.c reuses GPT-2's code paths): the classifier in wpe's slot,
+# every bias present but zero, c_fc and c_fc2 stacked per layer in fcw (llama3_file_shapes)
+LLAMA3_FILE_TENSORS = ("wte", "wlmhead", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
+                       "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
+LLAMA3_FILE_BIASES = ("ln1b", "qkvb", "attprojb", "ln2b", "fcb", "fcprojb", "lnfb")
+
 DEBUG_STATE_MAGIC = 20240327
 DEBUG_STATE_VERSION = 2
 DEBUG_SLOT_B, DEBUG_SLOT_T = 2, 3
@@ -40,6 +56,11 @@ DEBUG_SLOT_B, DEBUG_SLOT_T = 2, 3
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_SLOT_NUM_TOKENS = 2
+LLAMA3_SHARD_MAGIC = 20240801          # llm.c's Llama 3 shards: 128,256 token ids need 32 bits
+LLAMA3_SHARD_VERSION = 7
+# (magic, version) -> how each token id is stored
+SHARD_TOKEN_DTYPES = {(SHARD_MAGIC, SHARD_VERSION): np.dtype("<u2"),
+                      (LLAMA3_SHARD_MAGIC, LLAMA3_SHARD_VERSION): np.dtype("<u4")}
 
 
 # ----------------------------------------------------------------------------
@@ -174,6 +195,117 @@ def write_model_file(path, config, params, dtype="float32"):
 
 
 # ----------------------------------------------------------------------------
+# Llama 3 model file: two headers (int32, float32), then GPT-2's 16 tensor slots (fp32 version 3, bf16 version 5)
+
+def llama3_file_shapes(shape, hidden_dim):
+    """The 16 tensors of a Llama 3 model file in file order: list of (name, shape). shape: the
+    header's dict (LLAMA3_INT_SLOTS' keys); hidden_dim: H, the SwiGLU width (computed by the model
+    from the header's ffn_dim_multiplier and multiple_of). No vocabulary padding (llm.c's Vp = V);
+    fcw is (L, 2H, C): each layer's c_fc (H,C) then its c_fc2 (H,C)."""
+    V, C, L = shape["vocab_size"], shape["channels"], shape["num_layers"]
+    QKV = (shape["num_heads"] + 2 * shape["num_kv_heads"]) * (C // shape["num_heads"])
+    H = hidden_dim
+    return [("wte", (V, C)), ("wlmhead", (V, C)), ("ln1w", (L, C)), ("ln1b", (L, C)),
+            ("qkvw", (L, QKV, C)), ("qkvb", (L, QKV)), ("attprojw", (L, C, C)), ("attprojb", (L, C)),
+            ("ln2w", (L, C)), ("ln2b", (L, C)), ("fcw", (L, 2 * H, C)), ("fcb", (L, 2 * H)),
+            ("fcprojw", (L, C, H)), ("fcprojb", (L, C)), ("lnfw", (C,)), ("lnfb", (C,))]
+
+
+def read_llama3_headers(f, path):
+    """Both headers of an open Llama 3 model file -> (int32 header, float32 header). Raises InputError."""
+    h = read_header(f, path, LLAMA3_MODEL_MAGIC, tuple(MODEL_DTYPES), "Llama 3 model")
+    raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES:
+        raise InputError(f"{path}: truncated Llama 3 model file: no float header after the int header")
+    return h, np.frombuffer(raw, dtype="<f4")
+
+
+def read_llama3_model_shape(path):
+    """The header dict of a Llama 3 model file: LLAMA3_INT_SLOTS' keys (ints) and
+    LLAMA3_FLOAT_SLOTS' (floats; use_scaled_rope a bool). Raises InputError on a missing file or a
+    bad header (a model dimension <= 0, NH not a multiple of NKV, C not of NH)."""
+    check_model_path(path)
+    with open(path, "rb") as f:
+        h, hf = read_llama3_headers(f, path)
+    shape = {name: int(h[slot]) for name, slot in LLAMA3_INT_SLOTS.items()}
+    # a float32 as the shortest decimal that rounds to it (1.3, not 1.2999999523), the value the
+    # writer was given: the model computes H from ffn_dim_multiplier in float64, as Meta's does
+    shape.update({name: float(str(hf[slot])) for name, slot in LLAMA3_FLOAT_SLOTS.items()})
+    shape["use_scaled_rope"] = bool(shape["use_scaled_rope"])
+    dims = ("max_seq_len", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "channels", "multiple_of")
+    if min(shape[k] for k in dims) <= 0 or shape["num_heads"] % shape["num_kv_heads"] \
+            or shape["channels"] % shape["num_heads"] or not shape["ffn_dim_multiplier"] > 0 \
+            or not shape["norm_eps"] >= 0 or not shape["rope_theta"] > 0:
+        raise InputError(f"{path}: impossible Llama 3 model header {shape}")
+    return shape
+
+
+def read_llama3_model_file(path, hidden_dim_of):
+    """Read a Llama 3 model file. hidden_dim_of(shape) -> H, the SwiGLU width of a model of that
+    header (llama3_cpu computes it). Returns (shape dict, {name: fp32 array}) with the tensors of
+    LLAMA3_FILE_TENSORS but the zero biases (llm.c's reader ignores them; here a nonzero one is
+    refused, as no Llama has biases). The size is checked against the header before anything is
+    allocated, and every parameter must be finite. Raises InputError."""
+    shape = read_llama3_model_shape(path)
+    shapes = llama3_file_shapes(shape, hidden_dim_of(shape))
+    with open(path, "rb") as f:
+        h, _ = read_llama3_headers(f, path)
+        dtype = MODEL_DTYPES[int(h[SLOT_VERSION])]
+        n = sum(math.prod(s) for _, s in shapes)
+        payload = os.path.getsize(path) - LLAMA3_HEADER_BYTES
+        if payload != n * dtype.itemsize:
+            raise InputError(f"{path}: a Llama 3 of this header has {n:,} parameters ({n * dtype.itemsize:,} bytes), "
+                             f"but the file holds {payload:,} bytes after its headers: truncated, or not this model")
+        data = read_exact(f, path, n, dtype, "parameters")
+    params = bfloat16_bits_to_float32(data) if dtype == MODEL_DTYPES[MODEL_VERSION_BF16] else data.astype(np.float32)
+    if not np.isfinite(params).all():
+        raise InputError(f"{path}: {int((~np.isfinite(params)).sum()):,} parameters are not finite: the model "
+                         f"diverged before it was saved, or the file is corrupt")
+    tensors, offset = {}, 0
+    for name, s in shapes:
+        tensors[name] = params[offset:offset + math.prod(s)].reshape(s)
+        offset += math.prod(s)
+    for name in LLAMA3_FILE_BIASES:
+        if np.any(tensors.pop(name)):
+            raise InputError(f"{path}: the bias {name} is not zero: Llama 3 has no biases, so this is not a Llama 3")
+    return shape, tensors
+
+
+def write_llama3_model_file(path, config, tensors, dtype="float32"):
+    """Write a Llama 3 model file atomically, llm.c's layout. config: any object with the
+    attributes LLAMA3_INT_SLOTS and LLAMA3_FLOAT_SLOTS name; tensors: {name: fp32 array} of
+    LLAMA3_FILE_TENSORS but the biases, which are written as zeros (fcw: c_fc and c_fc2 stacked,
+    (L, 2H, C)); dtype "float32" (version 3) or "bfloat16" (version 5, every tensor, rounded to
+    nearest even). Raises ValueError for another dtype or a tensor of the wrong shape (KeyError: a
+    missing one)."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
+    version = MODEL_VERSION_FP32 if dtype == "float32" else MODEL_VERSION_BF16
+    values = {slot: int(getattr(config, name)) for name, slot in LLAMA3_INT_SLOTS.items()}
+    values.update({LLAMA3_SLOT_MAJOR: LLAMA3_VERSION[0], LLAMA3_SLOT_MINOR: LLAMA3_VERSION[1]})
+    header = make_header(LLAMA3_MODEL_MAGIC, version, values)
+    float_header = np.zeros(HEADER_INTS, dtype="<f4")
+    for name, slot in LLAMA3_FLOAT_SLOTS.items():
+        float_header[slot] = getattr(config, name)
+    shapes = dict(llama3_file_shapes({name: getattr(config, name) for name in LLAMA3_INT_SLOTS},
+                                     hidden_dim=np.shape(tensors["fcprojw"])[-1]))
+    parts = []
+    for name in LLAMA3_FILE_TENSORS:
+        part = np.zeros(shapes[name], np.float32) if name in LLAMA3_FILE_BIASES else np.asarray(tensors[name], np.float32)
+        if part.shape != shapes[name]:
+            raise ValueError(f"{name} is {part.shape}, but a Llama 3 of this config stores {shapes[name]}")
+        parts.append(part)
+    flat = np.concatenate([p.ravel() for p in parts])
+    data = flat.astype("<f4") if dtype == "float32" else float32_to_bfloat16_bits(flat).astype("<u2")
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(float_header.tobytes())
+        f.write(data.tobytes())
+    atomic_write(path, write)
+
+
+# ----------------------------------------------------------------------------
 # debug state: llm.c's test vectors for one batch
 
 def write_debug_state(path, x, y, logits, loss, grads):
@@ -219,57 +351,75 @@ def read_debug_state(path, vocab_size, param_shapes):
 
 
 # ----------------------------------------------------------------------------
-# token shards: header, then uint16 token ids
+# token shards: header, then uint16 token ids (GPT-2) or uint32 (Llama 3)
 
-def write_shard(path, tokens):
-    """Write a token data shard atomically: header + uint16 tokens. Raises ValueError if a token
-    id does not fit in uint16."""
+def write_shard(path, tokens, version=SHARD_VERSION):
+    """Write a token data shard atomically: header + token ids, uint16 (version SHARD_VERSION,
+    GPT-2's) or uint32 (version LLAMA3_SHARD_VERSION, with LLAMA3_SHARD_MAGIC). Raises ValueError
+    for another version or a token id that does not fit."""
+    magic = {SHARD_VERSION: SHARD_MAGIC, LLAMA3_SHARD_VERSION: LLAMA3_SHARD_MAGIC}.get(version)
+    if magic is None:
+        raise ValueError(f"shard version must be {SHARD_VERSION} or {LLAMA3_SHARD_VERSION}, not {version}")
+    dtype = SHARD_TOKEN_DTYPES[magic, version]
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
-        raise ValueError("token ids must fit in uint16")
-    header = make_header(SHARD_MAGIC, SHARD_VERSION, {SHARD_SLOT_NUM_TOKENS: tokens.size})
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+        raise ValueError(f"token ids must fit in {dtype.name}")
+    header = make_header(magic, version, {SHARD_SLOT_NUM_TOKENS: tokens.size})
 
     def write(f):
         f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
+        f.write(tokens.astype(dtype).tobytes())
     atomic_write(path, write)
 
 
-def shard_num_tokens(path):
-    """The number of tokens N of a token shard, after checking its header and that the file is
-    exactly HEADER_BYTES + 2N bytes. Raises InputError naming the file."""
+def shard_format(path):
+    """(N, dtype) of a token shard: its number of tokens and how each is stored (uint16 or
+    uint32, by its magic and version: SHARD_TOKEN_DTYPES), after checking its header and that the
+    file is exactly HEADER_BYTES + N * dtype.itemsize bytes. Raises InputError naming the file."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such data shard")
     size = os.path.getsize(path)
     if size == 0:
         raise InputError(f"{path}: empty data shard")
     with open(path, "rb") as f:
-        h = read_header(f, path, SHARD_MAGIC, (SHARD_VERSION,), "token shard")
+        raw = f.read(HEADER_BYTES)
+        magic = int(np.frombuffer(raw[:4], dtype="<i4")[0]) if len(raw) >= 4 else None
+        magic = magic if magic == LLAMA3_SHARD_MAGIC else SHARD_MAGIC    # any other: GPT-2's magic is reported
+        versions = tuple(v for m, v in SHARD_TOKEN_DTYPES if m == magic)
+        f.seek(0)
+        h = read_header(f, path, magic, versions, "token shard")
+    dtype = SHARD_TOKEN_DTYPES[magic, int(h[SLOT_VERSION])]
     n = int(h[SHARD_SLOT_NUM_TOKENS])
-    if size != HEADER_BYTES + 2 * n:
+    if size != HEADER_BYTES + dtype.itemsize * n:
         raise InputError(f"{path}: file is {size} bytes but its header says {n} tokens "
-                         f"({HEADER_BYTES + 2 * n} bytes): truncated or corrupt")
+                         f"({HEADER_BYTES + dtype.itemsize * n} bytes): truncated or corrupt")
     if n == 0:
         raise InputError(f"{path}: data shard holds no tokens")
-    return n
+    return n, dtype
+
+
+def shard_num_tokens(path):
+    """The number of tokens N of a token shard, after checking it (shard_format). Raises InputError."""
+    return shard_format(path)[0]
 
 
 def read_shard(path):
-    """Memory-map a token shard's tokens (uint16, read-only) after checking its header and that
-    the file is exactly HEADER_BYTES + 2N bytes (shard_num_tokens). For tools that read a shard
-    whole; a training run reads with read_shard_tokens instead, because a mapped file that
-    shrinks under the reader kills it with SIGBUS. Raises InputError naming the file."""
-    n = shard_num_tokens(path)
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
+    """Memory-map a token shard's tokens (uint16 or uint32, read-only) after checking its header
+    and size (shard_format). For tools that read a shard whole; a training run reads with
+    read_shard_tokens instead, because a mapped file that shrinks under the reader kills it with
+    SIGBUS. Raises InputError naming the file."""
+    n, dtype = shard_format(path)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
-def read_shard_tokens(fd, path, start, count):
-    """Tokens start .. start+count-1 (uint16 ids as int32) of the shard open as file descriptor
-    fd, copied out with one pread (never a memory map: a file truncated under the reader gives a
-    short read here, which is reported, where a map gives SIGBUS). Raises InputError if fewer
-    than count tokens are there."""
-    raw = os.pread(fd, 2 * count, HEADER_BYTES + 2 * start)
-    if len(raw) != 2 * count:
+def read_shard_tokens(fd, path, start, count, dtype=SHARD_TOKEN_DTYPES[SHARD_MAGIC, SHARD_VERSION]):
+    """Tokens start .. start+count-1 (stored as dtype, uint16 or uint32 as shard_format says; returned
+    as int32) of the shard open as file descriptor fd, copied out with one pread (never a memory
+    map: a file truncated under the reader gives a short read here, which is reported, where a
+    map gives SIGBUS). Raises InputError if fewer than count tokens are there."""
+    dtype = np.dtype(dtype)
+    raw = os.pread(fd, dtype.itemsize * count, HEADER_BYTES + dtype.itemsize * start)
+    if len(raw) != dtype.itemsize * count:
         raise InputError(f"{path}: the shard changed while this run read it: tokens {start}..{start + count - 1} "
                          f"are no longer there")
-    return np.frombuffer(raw, dtype="<u2").astype(np.int32)
+    return np.frombuffer(raw, dtype=dtype).astype(np.int32)
