@@ -2,8 +2,8 @@
 computed a second way and its backward against float64 central finite differences (the method of
 tests/test_layers.py: contract the output with a fixed random R, so dout = R); RoPE's scaled
 frequencies against Llama 3.1's rule written as a loop; then the whole model's backward against
-finite differences on a sample of every tensor, and against PyTorch autograd on a small Llama 3
-written here from the equations (not by calling llama3_cpu)."""
+finite differences on a sample of every tensor, and against PyTorch autograd on the twin
+dev/torch_reference_llama3.py (a Llama 3 written from the equations, not calling llama3_cpu)."""
 
 import math
 import os
@@ -217,60 +217,24 @@ def test_model_backward_against_finite_differences():
         assert np.abs(numeric).max() > 1e-7, f"{name}: a sample of zero gradients tests nothing"
 
 
-def torch_llama3_loss(P, config, x, y, torch):
-    """A Llama 3 in PyTorch, written from the equations (Meta's reference model's structure), on
-    the parameters P (name -> tensor): returns the mean cross-entropy. It calls nothing of ours."""
-    F = torch.nn.functional
-    B, T = x.shape
-    NH, NKV, C = config.num_heads, config.num_kv_heads, config.channels
-    HS = C // NH
-
-    def rmsnorm(h, w):
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + config.norm_eps) * w
-
-    freqs = 1.0 / config.rope_theta ** (torch.arange(0, HS, 2, dtype=torch.float64) / HS)
-    wavelen = 2 * math.pi / freqs
-    smooth = (8192 / wavelen - 1) / (4 - 1)
-    freqs = torch.where(wavelen < 2048, freqs, torch.where(wavelen > 8192, freqs / 8,
-                                                           (1 - smooth) * freqs / 8 + smooth * freqs))
-    rot = torch.polar(torch.ones(T, HS // 2, dtype=torch.float64), torch.outer(torch.arange(T, dtype=torch.float64), freqs))
-
-    def rope(h):                                       # (B,T,nh,HS): channel pairs as complex numbers
-        z = torch.view_as_complex(h.reshape(*h.shape[:-1], HS // 2, 2).contiguous())
-        return torch.view_as_real(z * rot[None, :, None, :]).flatten(3)
-
-    h = P["wte"][x]
-    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-    for l in range(config.num_layers):
-        a = rmsnorm(h, P["ln1w"][l]) @ P["qkvw"][l].T
-        q, k, v = a.split([NH * HS, NKV * HS, NKV * HS], dim=-1)
-        q, k, v = q.view(B, T, NH, HS), k.view(B, T, NKV, HS), v.view(B, T, NKV, HS)
-        q, k = rope(q), rope(k)
-        k, v = k.repeat_interleave(NH // NKV, dim=2), v.repeat_interleave(NH // NKV, dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        s = (q @ k.transpose(-2, -1)) / math.sqrt(HS)
-        att = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
-        h = h + (att @ v).transpose(1, 2).reshape(B, T, C) @ P["attprojw"][l].T
-        n = rmsnorm(h, P["ln2w"][l])
-        h = h + ((n @ P["fcw"][l].T) * F.silu(n @ P["fcw2"][l].T)) @ P["fcprojw"][l].T
-    logits = rmsnorm(h, P["lnfw"]) @ P["wlmhead"].T
-    return F.cross_entropy(logits.reshape(-1, config.vocab_size), y.reshape(-1))
-
-
 def test_model_against_pytorch_autograd():
-    torch = pytest.importorskip("torch")
+    """Against dev/torch_reference_llama3.py, the PyTorch twin written from the equations (Meta's
+    reference model's structure; it imports nothing of ours), in float64 off the init."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(ROOT, "dev"))
+    import torch
+    import torch_reference_llama3 as twin
     model = m.llama3_init(TINY, seed=0, dtype=np.float64)
     model.params[...] += np.random.default_rng(1).standard_normal(model.num_parameters) * 0.05
     x, y = tiny_batch()
     m.gpt2_zero_grad(model)
     m.llama3_forward(model, x, y)
     m.llama3_backward(model)
-    P = {name: torch.tensor(model.P[name].copy(), requires_grad=True) for name in m.PARAMETER_NAMES}
-    loss = torch_llama3_loss(P, TINY, torch.tensor(x), torch.tensor(y), torch)
-    loss.backward()
-    assert abs(loss.item() - model.mean_loss) < 1e-12 * abs(loss.item())
-    for name in m.PARAMETER_NAMES:   # float64 on both sides: agreement to summation order
-        assert_close(model.G[name], P[name].grad.numpy(), f"d{name} vs torch", atol=1e-13, rtol=1e-9)
+    t = twin.Twin(TINY, [model.P[name] for name in m.PARAMETER_NAMES], dtype=torch.float64)
+    _, loss, grads = t.forward_backward(x, y)
+    assert abs(loss - model.mean_loss) < 1e-12 * abs(loss)
+    for name, g in zip(m.PARAMETER_NAMES, grads):   # float64 on both sides: agreement to summation order
+        assert_close(model.G[name], g, f"d{name} vs torch", atol=1e-13, rtol=1e-9)
 
 
 def test_gradient_accumulates_over_micro_batches():
