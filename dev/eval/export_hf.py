@@ -1,5 +1,6 @@
 """
 dev/eval/export_hf.py: our model checkpoint (.bin, fp32 or bf16) -> a Hugging Face GPT-2 directory.
+A Llama 3 model file (its magic) is handed to dev/eval/export_hf_llama3.py (LlamaForCausalLM).
 
 Writes DIR/config.json and DIR/model.safetensors (fp32), both with the mode the umask gives (0644
 under 022), which transformers.GPT2LMHeadModel.from_pretrained(DIR) loads as is, so that a model
@@ -28,10 +29,12 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from gpt2_cpu import LN_EPS, read_model  # noqa: E402
 from llmc.tokenizer import GPT2_EOT  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
+from llmc.formats import LLAMA3_MODEL_MAGIC  # noqa: E402
 from llmc.utils import InputError, atomic_write, require  # noqa: E402
 
 HF_PREFIX = "transformer."          # GPT2LMHeadModel keeps the transformer under this name
@@ -98,6 +101,16 @@ def export_hf(model, out_dir):
         atomic_write(os.path.join(out_dir, name), lambda f: f.write(payload))   # open()'s mode: the umask's
 
 
+def is_llama3_model_file(path):
+    """Whether path is a file that opens with a Llama 3 model file's magic (export_hf_llama3.py's to export)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return False                            # read_model below reports it in one line
+    return len(magic) == 4 and int(np.frombuffer(magic, "<i4")[0]) == LLAMA3_MODEL_MAGIC
+
+
 def parse_args(argv=None):
     p = ArgumentParser(description="Export a model .bin (fp32 or bf16) as a Hugging Face GPT-2 directory.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -109,6 +122,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     require("dev/eval/export_hf.py", "safetensors")
+    if is_llama3_model_file(args.input):
+        import export_hf_llama3
+        return export_hf_llama3.main(argv)
     try:
         model = read_model(args.input)
         export_hf(model, args.output_dir)

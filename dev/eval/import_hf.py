@@ -1,5 +1,7 @@
 """
 dev/eval/import_hf.py: a Hugging Face GPT-2 (local directory or hub id) -> our checkpoint .bin files.
+A Llama (config.json's model_type "llama") is handed to dev/eval/import_hf_llama3.py, which writes
+our Llama 3 model files.
 
 Reads config.json and model.safetensors (or, failing that, pytorch_model.bin through torch) and
 writes PREFIX.bin (version 3, fp32) and PREFIX_bf16.bin (version 5, bf16) with
@@ -47,6 +49,7 @@ from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.utils import InputError, require  # noqa: E402
 
 HF_TORCH_WEIGHTS = "pytorch_model.bin"
+LLAMA_MODEL_TYPE = "llama"            # config.json's model_type of a Llama: import_hf_llama3.py imports it
 REACH_TIMEOUT_S = 10
 HEADER_INT_MAX = 2 ** 31 - 1          # a checkpoint header slot is an int32
 OUTPUT_DTYPES = {"float32": "", "bfloat16": "_bf16"}   # write_model dtype -> file-name suffix
@@ -200,8 +203,8 @@ def model_from_hf(config, tensors, where):
     return model
 
 
-def import_hf(source):
-    """A local HF GPT-2 directory or a hub id -> our GPT2 (fp32)."""
+def read_hf_config(source):
+    """A local HF directory or a hub id -> (its directory, its config.json as read, the config's path)."""
     hf_dir = source if os.path.isdir(source) else fetch_from_hub(source)
     config_path = os.path.join(hf_dir, HF_CONFIG)
     if not os.path.isfile(config_path):
@@ -213,6 +216,17 @@ def import_hf(source):
         raise InputError(f"{config_path}: not JSON ({e.msg})")
     except UnicodeDecodeError:
         raise InputError(f"{config_path}: not UTF-8 text") from None
+    return hf_dir, hf, config_path
+
+
+def is_llama(hf):
+    """Whether a config.json is a Llama's (import_hf_llama3.py's to import)."""
+    return isinstance(hf, dict) and hf.get("model_type") == LLAMA_MODEL_TYPE
+
+
+def import_hf(source):
+    """A local HF GPT-2 directory or a hub id -> our GPT2 (fp32)."""
+    hf_dir, hf, config_path = read_hf_config(source)
     config = config_from_hf(hf, config_path)
     return model_from_hf(config, load_tensors(hf_dir), hf_dir)
 
@@ -225,7 +239,8 @@ def default_prefix(config):
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description="Import a Hugging Face GPT-2 as our fp32 and bf16 checkpoint .bin files.",
+    p = ArgumentParser(description="Import a Hugging Face GPT-2 (or Llama: import_hf_llama3.py) as our fp32 and "
+                                   "bf16 model .bin files.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-i", "--input", default="gpt2", help="local Hugging Face directory, or a hub id")
     p.add_argument("-o", "--output", default=None,
@@ -242,8 +257,12 @@ def main(argv=None):
 
 def import_command(args):
     """Import args.input and write the files; a bad input or a failed write raises (run_main
-    makes it one line and exit 1)."""
-    model = import_hf(args.input)
+    makes it one line and exit 1). A Llama's config.json goes to import_hf_llama3.py."""
+    hf_dir, hf, config_path = read_hf_config(args.input)
+    if is_llama(hf):
+        import import_hf_llama3
+        return import_hf_llama3.import_command(args, hf_dir, hf, config_path)
+    model = model_from_hf(config_from_hf(hf, config_path), load_tensors(hf_dir), hf_dir)
     cfg = model.config
     print(f"GPT-2 from {args.input}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
           f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
