@@ -51,7 +51,8 @@ from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, INIT_STD, LR_SCHEDULE
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt
 from llmc.comm import Comm
-from llmc.formats import read_llama3_model_file, read_llama3_model_shape, write_llama3_model_file
+from llmc.formats import (LLAMA3_LAYOUT_BRANCH, LLAMA3_LAYOUT_MASTER, read_llama3_model_file,  # noqa: F401
+                          read_llama3_model_shape, write_llama3_model_file)
 from llmc.sampler import SamplerRNG
 from llmc.utils import InputError
 
@@ -509,9 +510,25 @@ def file_tensors(model):
     return tensors
 
 
+def ffn_dim_multiplier_for(C, H, multiple_of):
+    """An ffn_dim_multiplier with which a model of C channels gets the SwiGLU width H (hidden_dim),
+    for a model file that lost it (llm.c master's layout stores int(1.3) = 1): Llama 3's own
+    FFN_DIM_MULTIPLIER when it gives H, else (H + 1/4) / (2/3 of 4C), whose product int()s to H,
+    a multiple of multiple_of already. Raises InputError if H is not a multiple of multiple_of."""
+    for multiplier in (FFN_DIM_MULTIPLIER, (H + 0.25) / (2 * (MLP_EXPANSION * C) // 3)):
+        if LlamaConfig(channels=C, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).hidden_dim == H:
+            return multiplier
+    raise InputError(f"a SwiGLU width of {H} is not a multiple of multiple_of {multiple_of}: not a Llama 3")
+
+
 def config_from_header(shape):
-    """LlamaConfig from a model file's header dict."""
-    return LlamaConfig(**shape)
+    """LlamaConfig from a model file's header dict (llmc.formats.read_llama3_model_shape); from
+    llm.c master's layout, ffn_dim_multiplier recovered from the file's SwiGLU width."""
+    fields_ = {k: v for k, v in shape.items() if k not in ("layout", "hidden_dim")}
+    if fields_["ffn_dim_multiplier"] is None:
+        fields_["ffn_dim_multiplier"] = ffn_dim_multiplier_for(shape["channels"], shape["hidden_dim"],
+                                                               shape["multiple_of"])
+    return LlamaConfig(**fields_)
 
 
 def read_model(path, dtype=np.float32):
@@ -530,9 +547,11 @@ def read_model(path, dtype=np.float32):
     return model
 
 
-def write_model(path, model, dtype="float32"):
-    """Write the model as llm.c's Llama 3 model file: dtype "float32" (version 3) or "bfloat16" (5)."""
-    write_llama3_model_file(path, model.config, file_tensors(model), dtype)
+def write_model(path, model, dtype="float32", layout=LLAMA3_LAYOUT_BRANCH):
+    """Write the model as llm.c's Llama 3 model file: dtype "float32" (version 3) or "bfloat16" (5);
+    layout LLAMA3_LAYOUT_BRANCH (train_llama3.cu's, two headers) or LLAMA3_LAYOUT_MASTER (llm.c
+    master's train_llama3.py write_model; doc/file_formats.md says what it loses)."""
+    write_llama3_model_file(path, model.config, file_tensors(model), dtype, layout)
 
 
 def write_checkpoint_model(path, config, params):

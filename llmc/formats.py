@@ -5,6 +5,7 @@ Every file opens with a header of 256 little-endian int32: slot 0 the magic numb
 version, the rest per format (named below, never bare indices). Then the payload:
     model checkpoint   the parameters in the order of the model's parameter table, fp32 or bf16
     Llama 3 model      a second header of 256 float32, then Llama 3's parameters in GPT-2's slots
+                       (llm.c's llama3 branch); or, llm.c master's layout, Llama 3's 10 tensors
     debug state        inputs, targets, logits, loss and every gradient of one batch (test vectors)
     token shard        uint16 token ids (GPT-2), or uint32 (Llama 3: another magic, version 7)
 The tokenizer file lives in llmc/tokenizer.py, the multiple-choice eval file in
@@ -48,6 +49,25 @@ LLAMA3_HEADER_BYTES = 2 * HEADER_BYTES
 LLAMA3_FILE_TENSORS = ("wte", "wlmhead", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
                        "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
 LLAMA3_FILE_BIASES = ("ln1b", "qkvb", "attprojb", "ln2b", "fcb", "fcprojb", "lnfb")
+# llm.c has two Llama 3 layouts under the one magic: the one above (the llama3 branch's
+# train_llama3.py and train_llama3.cu), and master's train_llama3.py write_model: ONE int32
+# header, then the 10 tensors of llama3_cpu's table, no biases. Its header, slots 2-15:
+LLAMA3_MASTER_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5, "num_kv_heads": 6,
+                           "channels": 7, "ffn_dim_multiplier": 8, "multiple_of": 9, "norm_eps": 10,
+                           "rope_theta": 11, "use_scaled_rope": 12, "max_gen_batch_size": 13}
+LLAMA3_MASTER_SLOT_MAJOR, LLAMA3_MASTER_SLOT_MINOR = 14, 15
+# master stores the three float fields as int32 (torch casts by truncation): 1.3 -> 1, 1e-5 -> 0,
+# 500000.0 -> 500000. What is lost is recovered (read_llama3_model_shape): H from the file's size,
+# norm_eps as Llama 3's
+LLAMA3_NORM_EPS = 1e-5                 # every Llama 3 / 3.1 (Meta's params.json, master's LlamaConfig)
+LLAMA3_MAX_GEN_BATCH_SIZE = 4          # master's LlamaConfig.max_gen_batch_size, written in slot 13
+LLAMA3_MASTER_FILE_TENSORS = ("wte", "ln1w", "qkvw", "attprojw", "ln2w", "fcw", "fcw2", "fcprojw", "lnfw", "wlmhead")
+# the layouts' names (write_llama3_model_file's layout=); which one a file has is read from where
+# its Llama version (3, 1) sits: slots 10-11 (the llama3 branch) or 14-15 (master; its slot 10 is
+# int(norm_eps) = 0); the size of the file then has to fit that layout exactly
+LLAMA3_LAYOUT_BRANCH = "llama3-branch"
+LLAMA3_LAYOUT_MASTER = "master"
+LLAMA3_LAYOUTS = (LLAMA3_LAYOUT_BRANCH, LLAMA3_LAYOUT_MASTER)
 
 DEBUG_STATE_MAGIC = 20240327
 DEBUG_STATE_VERSION = 2
@@ -211,48 +231,101 @@ def llama3_file_shapes(shape, hidden_dim):
             ("fcprojw", (L, C, H)), ("fcprojb", (L, C)), ("lnfw", (C,)), ("lnfb", (C,))]
 
 
+def llama3_layout(h, path):
+    """Which of llm.c's two Llama 3 layouts the int32 header h opens (LLAMA3_LAYOUTS): the one whose
+    Llama-version slots hold major version 3. Raises InputError if neither does."""
+    if h[LLAMA3_SLOT_MAJOR] == LLAMA3_VERSION[0] and not h[LLAMA3_MASTER_SLOT_MAJOR]:
+        return LLAMA3_LAYOUT_BRANCH
+    if h[LLAMA3_MASTER_SLOT_MAJOR] == LLAMA3_VERSION[0]:
+        return LLAMA3_LAYOUT_MASTER
+    raise InputError(f"{path}: Llama 3 model header without the Llama version 3 in slot {LLAMA3_SLOT_MAJOR} "
+                     f"(llm.c's llama3 branch) or {LLAMA3_MASTER_SLOT_MAJOR} (llm.c master's train_llama3.py)")
+
+
 def read_llama3_headers(f, path):
-    """Both headers of an open Llama 3 model file -> (int32 header, float32 header). Raises InputError."""
+    """The headers of an open Llama 3 model file -> (layout, int32 header, float32 header or None
+    for master's layout, which has none). Raises InputError."""
     h = read_header(f, path, LLAMA3_MODEL_MAGIC, tuple(MODEL_DTYPES), "Llama 3 model")
+    layout = llama3_layout(h, path)
+    if layout == LLAMA3_LAYOUT_MASTER:
+        return layout, h, None
     raw = f.read(HEADER_BYTES)
     if len(raw) < HEADER_BYTES:
         raise InputError(f"{path}: truncated Llama 3 model file: no float header after the int header")
-    return h, np.frombuffer(raw, dtype="<f4")
+    return layout, h, np.frombuffer(raw, dtype="<f4")
+
+
+def master_hidden_dim(path, shape, itemsize):
+    """H of a master-layout file, which its header does not hold (int(ffn_dim_multiplier) is all
+    there is): the payload is 2VC + 2LC + C + L*QKV*C + L*C*C + 3*L*H*C items (the three SwiGLU
+    matrices are H*C each), solved for H. Raises InputError unless that is a positive integer."""
+    V, C, L = shape["vocab_size"], shape["channels"], shape["num_layers"]
+    QKV = (shape["num_heads"] + 2 * shape["num_kv_heads"]) * (C // shape["num_heads"])
+    payload = os.path.getsize(path) - HEADER_BYTES
+    rest = payload // itemsize - (2 * V * C + 2 * L * C + C + L * QKV * C + L * C * C)
+    if payload % itemsize or rest <= 0 or rest % (3 * L * C):
+        raise InputError(f"{path}: {payload:,} bytes after the header do not fit a Llama 3 of this header with any "
+                         f"SwiGLU width (llm.c master's layout): truncated, or not this model")
+    return rest // (3 * L * C)
 
 
 def read_llama3_model_shape(path):
-    """The header dict of a Llama 3 model file: LLAMA3_INT_SLOTS' keys (ints) and
-    LLAMA3_FLOAT_SLOTS' (floats; use_scaled_rope a bool). Raises InputError on a missing file or a
-    bad header (a model dimension <= 0, NH not a multiple of NKV, C not of NH)."""
+    """The header dict of a Llama 3 model file, of either layout: LLAMA3_INT_SLOTS' keys (ints),
+    LLAMA3_FLOAT_SLOTS' (floats; use_scaled_rope a bool) and "layout". From master's layout, which
+    stores the floats as truncated ints, also "hidden_dim" (H, from the file's size), with
+    ffn_dim_multiplier None (the model picks one that gives H), norm_eps LLAMA3_NORM_EPS and
+    rope_theta as stored. Raises InputError on a missing file or a bad header (a model dimension
+    <= 0, NH not a multiple of NKV, C not of NH)."""
     check_model_path(path)
     with open(path, "rb") as f:
-        h, hf = read_llama3_headers(f, path)
-    shape = {name: int(h[slot]) for name, slot in LLAMA3_INT_SLOTS.items()}
-    # a float32 as the shortest decimal that rounds to it (1.3, not 1.2999999523), the value the
-    # writer was given: the model computes H from ffn_dim_multiplier in float64, as Meta's does
-    shape.update({name: float(str(hf[slot])) for name, slot in LLAMA3_FLOAT_SLOTS.items()})
+        layout, h, hf = read_llama3_headers(f, path)
+    if layout == LLAMA3_LAYOUT_MASTER:
+        shape = {name: int(h[LLAMA3_MASTER_INT_SLOTS[name]]) for name in LLAMA3_INT_SLOTS}
+        shape.update(ffn_dim_multiplier=None, norm_eps=LLAMA3_NORM_EPS,
+                     rope_theta=float(h[LLAMA3_MASTER_INT_SLOTS["rope_theta"]]))
+    else:
+        shape = {name: int(h[slot]) for name, slot in LLAMA3_INT_SLOTS.items()}
+        # a float32 as the shortest decimal that rounds to it (1.3, not 1.2999999523), the value the
+        # writer was given: the model computes H from ffn_dim_multiplier in float64, as Meta's does
+        shape.update({name: float(str(hf[slot])) for name, slot in LLAMA3_FLOAT_SLOTS.items()})
     shape["use_scaled_rope"] = bool(shape["use_scaled_rope"])
     dims = ("max_seq_len", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "channels", "multiple_of")
     if min(shape[k] for k in dims) <= 0 or shape["num_heads"] % shape["num_kv_heads"] \
-            or shape["channels"] % shape["num_heads"] or not shape["ffn_dim_multiplier"] > 0 \
+            or shape["channels"] % shape["num_heads"] or not (shape["ffn_dim_multiplier"] is None or shape["ffn_dim_multiplier"] > 0) \
             or not shape["norm_eps"] >= 0 or not shape["rope_theta"] > 0:
         raise InputError(f"{path}: impossible Llama 3 model header {shape}")
+    shape["layout"] = layout
+    if layout == LLAMA3_LAYOUT_MASTER:
+        shape["hidden_dim"] = master_hidden_dim(path, shape, MODEL_DTYPES[int(h[SLOT_VERSION])].itemsize)
     return shape
 
 
+def llama3_master_file_shapes(shape, hidden_dim):
+    """The 10 tensors of master's layout in file order (llama3_cpu's table): list of (name, shape)."""
+    V, C, L, H = shape["vocab_size"], shape["channels"], shape["num_layers"], hidden_dim
+    QKV = (shape["num_heads"] + 2 * shape["num_kv_heads"]) * (C // shape["num_heads"])
+    return [("wte", (V, C)), ("ln1w", (L, C)), ("qkvw", (L, QKV, C)), ("attprojw", (L, C, C)), ("ln2w", (L, C)),
+            ("fcw", (L, H, C)), ("fcw2", (L, H, C)), ("fcprojw", (L, C, H)), ("lnfw", (C,)), ("wlmhead", (V, C))]
+
+
 def read_llama3_model_file(path, hidden_dim_of):
-    """Read a Llama 3 model file. hidden_dim_of(shape) -> H, the SwiGLU width of a model of that
-    header (llama3_cpu computes it). Returns (shape dict, {name: fp32 array}) with the tensors of
-    LLAMA3_FILE_TENSORS but the zero biases (llm.c's reader ignores them; here a nonzero one is
-    refused, as no Llama has biases). The size is checked against the header before anything is
-    allocated, and every parameter must be finite. Raises InputError."""
+    """Read a Llama 3 model file of either of llm.c's layouts (read_llama3_model_shape tells
+    which). hidden_dim_of(shape) -> H, the SwiGLU width of a model of that header (llama3_cpu
+    computes it; master's layout gives H from its size instead). Returns (shape dict, {name: fp32
+    array}) with the tensors of LLAMA3_FILE_TENSORS but the biases, whichever the layout (fcw:
+    c_fc and c_fc2 stacked per layer, (L, 2H, C)). The llama3 branch's zero biases are checked
+    (llm.c's reader ignores them; here a nonzero one is refused, as no Llama has biases). The size
+    is checked against the header before anything is allocated, and every parameter must be
+    finite. Raises InputError."""
     shape = read_llama3_model_shape(path)
-    shapes = llama3_file_shapes(shape, hidden_dim_of(shape))
+    master = shape["layout"] == LLAMA3_LAYOUT_MASTER
+    shapes = llama3_master_file_shapes(shape, shape["hidden_dim"]) if master \
+        else llama3_file_shapes(shape, hidden_dim_of(shape))
     with open(path, "rb") as f:
-        h, _ = read_llama3_headers(f, path)
+        _, h, _ = read_llama3_headers(f, path)
         dtype = MODEL_DTYPES[int(h[SLOT_VERSION])]
         n = sum(math.prod(s) for _, s in shapes)
-        payload = os.path.getsize(path) - LLAMA3_HEADER_BYTES
+        payload = os.path.getsize(path) - (HEADER_BYTES if master else LLAMA3_HEADER_BYTES)
         if payload != n * dtype.itemsize:
             raise InputError(f"{path}: a Llama 3 of this header has {n:,} parameters ({n * dtype.itemsize:,} bytes), "
                              f"but the file holds {payload:,} bytes after its headers: truncated, or not this model")
@@ -265,42 +338,58 @@ def read_llama3_model_file(path, hidden_dim_of):
     for name, s in shapes:
         tensors[name] = params[offset:offset + math.prod(s)].reshape(s)
         offset += math.prod(s)
-    for name in LLAMA3_FILE_BIASES:
+    if master:
+        tensors["fcw"] = np.concatenate([tensors["fcw"], tensors.pop("fcw2")], axis=1)   # -> (L, 2H, C)
+    for name in () if master else LLAMA3_FILE_BIASES:
         if np.any(tensors.pop(name)):
             raise InputError(f"{path}: the bias {name} is not zero: Llama 3 has no biases, so this is not a Llama 3")
     return shape, tensors
 
 
-def write_llama3_model_file(path, config, tensors, dtype="float32"):
-    """Write a Llama 3 model file atomically, llm.c's layout. config: any object with the
-    attributes LLAMA3_INT_SLOTS and LLAMA3_FLOAT_SLOTS name; tensors: {name: fp32 array} of
-    LLAMA3_FILE_TENSORS but the biases, which are written as zeros (fcw: c_fc and c_fc2 stacked,
-    (L, 2H, C)); dtype "float32" (version 3) or "bfloat16" (version 5, every tensor, rounded to
-    nearest even). Raises ValueError for another dtype or a tensor of the wrong shape (KeyError: a
-    missing one)."""
+def write_llama3_model_file(path, config, tensors, dtype="float32", layout=LLAMA3_LAYOUT_BRANCH):
+    """Write a Llama 3 model file atomically, in one of llm.c's layouts (LLAMA3_LAYOUTS): the llama3
+    branch's (two headers, GPT-2's 16 slots, the default) or master's train_llama3.py write_model
+    (one int32 header with the float fields truncated to int, the 10 tensors of llama3_cpu's table).
+    config: any object with the attributes LLAMA3_INT_SLOTS and LLAMA3_FLOAT_SLOTS name; tensors:
+    {name: fp32 array} of LLAMA3_FILE_TENSORS but the biases, which the llama3 branch's layout
+    gets as zeros (fcw: c_fc and c_fc2 stacked, (L, 2H, C)); dtype "float32" (version 3) or
+    "bfloat16" (5, every tensor, rounded to nearest even). Raises ValueError for another dtype or
+    layout or a tensor of the wrong shape (KeyError: a missing one)."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
+    if layout not in LLAMA3_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LLAMA3_LAYOUTS)}, not {layout}")
     version = MODEL_VERSION_FP32 if dtype == "float32" else MODEL_VERSION_BF16
-    values = {slot: int(getattr(config, name)) for name, slot in LLAMA3_INT_SLOTS.items()}
-    values.update({LLAMA3_SLOT_MAJOR: LLAMA3_VERSION[0], LLAMA3_SLOT_MINOR: LLAMA3_VERSION[1]})
-    header = make_header(LLAMA3_MODEL_MAGIC, version, values)
-    float_header = np.zeros(HEADER_INTS, dtype="<f4")
-    for name, slot in LLAMA3_FLOAT_SLOTS.items():
-        float_header[slot] = getattr(config, name)
-    shapes = dict(llama3_file_shapes({name: getattr(config, name) for name in LLAMA3_INT_SLOTS},
-                                     hidden_dim=np.shape(tensors["fcprojw"])[-1]))
-    parts = []
+    dims = {name: getattr(config, name) for name in LLAMA3_INT_SLOTS}
+    shapes = dict(llama3_file_shapes(dims, hidden_dim=np.shape(tensors["fcprojw"])[-1]))
+    parts = {}
     for name in LLAMA3_FILE_TENSORS:
         part = np.zeros(shapes[name], np.float32) if name in LLAMA3_FILE_BIASES else np.asarray(tensors[name], np.float32)
         if part.shape != shapes[name]:
             raise ValueError(f"{name} is {part.shape}, but a Llama 3 of this config stores {shapes[name]}")
-        parts.append(part)
-    flat = np.concatenate([p.ravel() for p in parts])
+        parts[name] = part
+    if layout == LLAMA3_LAYOUT_MASTER:
+        values = {slot: int(getattr(config, name)) for name, slot in LLAMA3_MASTER_INT_SLOTS.items()
+                  if name != "max_gen_batch_size"}                   # int(): torch's truncation, as master's
+        values.update({LLAMA3_MASTER_INT_SLOTS["max_gen_batch_size"]: LLAMA3_MAX_GEN_BATCH_SIZE,
+                       LLAMA3_MASTER_SLOT_MAJOR: LLAMA3_VERSION[0], LLAMA3_MASTER_SLOT_MINOR: LLAMA3_VERSION[1]})
+        headers = [make_header(LLAMA3_MODEL_MAGIC, version, values)]
+        parts["fcw"], parts["fcw2"] = np.split(parts["fcw"], 2, axis=1)   # (L,2H,C) -> c_fc, c_fc2 (L,H,C)
+        order = LLAMA3_MASTER_FILE_TENSORS
+    else:
+        values = {slot: int(dims[name]) for name, slot in LLAMA3_INT_SLOTS.items()}
+        values.update({LLAMA3_SLOT_MAJOR: LLAMA3_VERSION[0], LLAMA3_SLOT_MINOR: LLAMA3_VERSION[1]})
+        float_header = np.zeros(HEADER_INTS, dtype="<f4")
+        for name, slot in LLAMA3_FLOAT_SLOTS.items():
+            float_header[slot] = getattr(config, name)
+        headers = [make_header(LLAMA3_MODEL_MAGIC, version, values), float_header]
+        order = LLAMA3_FILE_TENSORS
+    flat = np.concatenate([parts[name].ravel() for name in order])
     data = flat.astype("<f4") if dtype == "float32" else float32_to_bfloat16_bits(flat).astype("<u2")
 
     def write(f):
-        f.write(header.tobytes())
-        f.write(float_header.tobytes())
+        for header in headers:
+            f.write(header.tobytes())
         f.write(data.tobytes())
     atomic_write(path, write)
 

@@ -336,19 +336,69 @@ def test_model_file_refusals(tmp_path):
             m.read_model(str(path))
 
 
-def test_older_single_header_layout_is_refused(tmp_path):
-    """llm.c master's train_llama3.py wrote one int32 header (block_size, V, L, NH, NKV, C, then
-    ffn_dim_multiplier, multiple_of, norm_eps, rope_theta truncated to int, use_scaled_rope,
-    max_gen_batch_size, 3, 1) and the tensors in the table's order without biases: refused."""
-    model = m.llama3_init(TINY, seed=2)
-    c = model.config
+def llmc_master_file_bytes(model, dtype):
+    """llm.c master's train_llama3.py write_model, assembled here from its facts: ONE header of 256
+    int32 (magic 20240803, version 3 or 5, block_size, vocab_size, n_layer, n_head, n_kv_head,
+    n_embd, ffn_dim_multiplier, multiple_of, norm_eps, rope_theta, use_scaled_rope,
+    max_gen_batch_size 4, major 3, minor 1; torch's int32 header truncates the floats), then wte,
+    ln_1, c_attn, attn c_proj, ln_2, c_fc, c_fc2, mlp c_proj (each stacked over the layers), ln_f,
+    lm_head: no second header, no biases."""
+    c, P = model.config, model.P
     ints = np.zeros(256, "<i4")
-    ints[:16] = [20240803, 3, c.max_seq_len, c.vocab_size, c.num_layers, c.num_heads, c.num_kv_heads, c.channels,
-                 int(c.ffn_dim_multiplier), c.multiple_of, int(c.norm_eps), int(c.rope_theta), 1, 4, 3, 1]
-    path = tmp_path / "old_layout.bin"
-    path.write_bytes(ints.tobytes() + model.params.astype("<f4").tobytes())
-    with pytest.raises(InputError, match="impossible Llama 3 model header|holds"):
-        m.read_model(str(path))
+    ints[:16] = [20240803, 3 if dtype == "float32" else 5, c.max_seq_len, c.vocab_size, c.num_layers, c.num_heads,
+                 c.num_kv_heads, c.channels, math.trunc(c.ffn_dim_multiplier), c.multiple_of, math.trunc(c.norm_eps),
+                 math.trunc(c.rope_theta), int(c.use_scaled_rope), 4, 3, 1]
+    tensors = [P[name] for name in ("wte", "ln1w", "qkvw", "attprojw", "ln2w", "fcw", "fcw2", "fcprojw", "lnfw",
+                                    "wlmhead")]
+    flat = np.concatenate([np.asarray(t, np.float32).ravel() for t in tensors])
+    if dtype == "bfloat16":
+        flat = torch_bf16_bits(flat)
+    return ints.tobytes() + flat.tobytes()
+
+
+def torch_bf16_bits(flat):
+    """float32 -> bf16 bit patterns as master's write_bf16 makes them (torch's conversion)."""
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(flat).to(torch.bfloat16).view(torch.int16).numpy().astype("<i2")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llmc_master_layout_reads_and_writes(tmp_path, dtype):
+    """llm.c master's single-header layout: read (auto-detected: its Llama version sits in header
+    slots 14-15), what its int header lost recovered (ffn_dim_multiplier 1.3 from H, H from the
+    size, norm_eps 1e-5), and written byte for byte with layout=master."""
+    model = m.llama3_init(TINY, seed=2)
+    path = tmp_path / "master.bin"
+    path.write_bytes(llmc_master_file_bytes(model, dtype))
+    back = m.read_model(str(path))
+    assert back.config == TINY and m.model_config(str(path)) == TINY
+    if dtype == "float32":
+        np.testing.assert_array_equal(back.params, model.params)
+    else:
+        np.testing.assert_allclose(back.params, model.params, rtol=2 ** -8, atol=0)
+    written = str(tmp_path / "written.bin")
+    m.write_model(written, model, dtype, layout=m.LLAMA3_LAYOUT_MASTER)
+    assert open(written, "rb").read() == path.read_bytes()
+    # and the other layout is still the default, and both read to the same model
+    m.write_model(str(tmp_path / "branch.bin"), model, dtype)
+    np.testing.assert_array_equal(m.read_model(str(tmp_path / "branch.bin")).params, back.params)
+
+
+def test_llmc_master_layout_recovers_another_swiglu_width(tmp_path):
+    """ffn_dim_multiplier 1.0 is stored as 1, like 1.3: H (96, not 1.3's 112) comes from the size."""
+    config = m.LlamaConfig(**{**TINY.__dict__, "ffn_dim_multiplier": 1.0})
+    assert config.hidden_dim == 96
+    model = m.llama3_init(config, seed=3)
+    path = tmp_path / "master.bin"
+    path.write_bytes(llmc_master_file_bytes(model, "float32"))
+    back = m.read_model(str(path))
+    assert back.config.hidden_dim == 96
+    np.testing.assert_array_equal(back.params, model.params)
+    raw = path.read_bytes()
+    for content, message in ((raw[:-4], "do not fit"), (raw[:56] + b"\0" * 8 + raw[64:], "Llama version")):
+        path.write_bytes(content)                   # truncated; the version slots 14-15 zeroed
+        with pytest.raises(InputError, match=message):
+            m.read_model(str(path))
 
 
 def test_llama3_shards_hold_uint32_tokens(tmp_path):
