@@ -100,15 +100,20 @@ def test_import_transformers_saved_model(tmp_path, NKV, H, rope):
     np.testing.assert_allclose(m.read_model(prefix + "_bf16.bin").params, model.params, rtol=2 ** -8, atol=0)
 
 
-def test_export_matches_transformers(tmp_path, monkeypatch):
-    model = random_model(TINY, seed=7)
+PLAIN = m.LlamaConfig(**{**TINY.__dict__, "num_kv_heads": 4, "use_scaled_rope": False, "rope_theta": 10000.0,
+                         "norm_eps": 1e-6})
+
+
+@pytest.mark.parametrize("config", [TINY, PLAIN], ids=["gqa-llama31rope", "mha-plainrope"])
+def test_export_matches_transformers(tmp_path, monkeypatch, config):
+    model = random_model(config, seed=7)
     ours_bin, hf_dir = str(tmp_path / "model.bin"), str(tmp_path / "hf")
     m.write_model(ours_bin, model)
     assert export_hf.main(["-i", ours_bin, "-o", hf_dir]) == 0             # dispatched on the magic
     assert sorted(os.listdir(hf_dir)) == ["config.json", "model.safetensors"]
-    config = json.load(open(os.path.join(hf_dir, "config.json")))
-    assert config["intermediate_size"] == TINY.hidden_dim and config["tie_word_embeddings"] is False
-    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, size=(2, TINY.max_seq_len))
+    hf_config = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert hf_config["intermediate_size"] == config.hidden_dim and hf_config["tie_word_embeddings"] is False
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, size=(2, config.max_seq_len))
     ours = m.llama3_forward(model, tokens)
     assert_logits_close(ours, hf_logits(hf_dir, tokens))
     # without the permutation of q's and k's rows, HF's rotate_half rotates the wrong pairs
