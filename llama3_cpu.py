@@ -524,11 +524,11 @@ def ffn_dim_multiplier_for(C, H, multiple_of):
 def config_from_header(shape):
     """LlamaConfig from a model file's header dict (llmc.formats.read_llama3_model_shape); from
     llm.c master's layout, ffn_dim_multiplier recovered from the file's SwiGLU width."""
-    fields_ = {k: v for k, v in shape.items() if k not in ("layout", "hidden_dim")}
-    if fields_["ffn_dim_multiplier"] is None:
-        fields_["ffn_dim_multiplier"] = ffn_dim_multiplier_for(shape["channels"], shape["hidden_dim"],
-                                                               shape["multiple_of"])
-    return LlamaConfig(**fields_)
+    header = {k: v for k, v in shape.items() if k not in ("layout", "hidden_dim")}
+    if header["ffn_dim_multiplier"] is None:
+        header["ffn_dim_multiplier"] = ffn_dim_multiplier_for(shape["channels"], shape["hidden_dim"],
+                                                              shape["multiple_of"])
+    return LlamaConfig(**header)
 
 
 def read_model(path, dtype=np.float32):

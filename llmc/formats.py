@@ -270,9 +270,9 @@ def master_hidden_dim(path, shape, itemsize):
 
 
 def read_llama3_model_shape(path):
-    """The header dict of a Llama 3 model file, of either layout: LLAMA3_INT_SLOTS' keys (ints),
-    LLAMA3_FLOAT_SLOTS' (floats; use_scaled_rope a bool) and "layout". From master's layout, which
-    stores the floats as truncated ints, also "hidden_dim" (H, from the file's size), with
+    """The header dict of a Llama 3 model file, of either layout: LLAMA3_INT_SLOTS' keys (ints) and
+    LLAMA3_FLOAT_SLOTS' (floats; use_scaled_rope a bool). From master's layout, which stores the
+    floats as truncated ints, also "layout" and "hidden_dim" (H, from the file's size), with
     ffn_dim_multiplier None (the model picks one that gives H), norm_eps LLAMA3_NORM_EPS and
     rope_theta as stored. Raises InputError on a missing file or a bad header (a model dimension
     <= 0, NH not a multiple of NKV, C not of NH)."""
@@ -294,8 +294,8 @@ def read_llama3_model_shape(path):
             or shape["channels"] % shape["num_heads"] or not (shape["ffn_dim_multiplier"] is None or shape["ffn_dim_multiplier"] > 0) \
             or not shape["norm_eps"] >= 0 or not shape["rope_theta"] > 0:
         raise InputError(f"{path}: impossible Llama 3 model header {shape}")
-    shape["layout"] = layout
-    if layout == LLAMA3_LAYOUT_MASTER:
+    if layout == LLAMA3_LAYOUT_MASTER:           # the branch's dict keeps exactly LlamaConfig's fields
+        shape["layout"] = layout
         shape["hidden_dim"] = master_hidden_dim(path, shape, MODEL_DTYPES[int(h[SLOT_VERSION])].itemsize)
     return shape
 
@@ -318,7 +318,7 @@ def read_llama3_model_file(path, hidden_dim_of):
     is checked against the header before anything is allocated, and every parameter must be
     finite. Raises InputError."""
     shape = read_llama3_model_shape(path)
-    master = shape["layout"] == LLAMA3_LAYOUT_MASTER
+    master = shape.get("layout") == LLAMA3_LAYOUT_MASTER
     shapes = llama3_master_file_shapes(shape, shape["hidden_dim"]) if master \
         else llama3_file_shapes(shape, hidden_dim_of(shape))
     with open(path, "rb") as f:
