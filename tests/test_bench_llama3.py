@@ -45,10 +45,11 @@ def test_bench_cpu_refuses_an_unknown_llama3_model_in_one_line():
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "unknown model 'llama3:d9'" in r.stderr
 
 
-def test_llama3_matmul_workload_has_the_blocks_products(monkeypatch):
+def test_llama3_matmul_workload_has_the_blocks_products():
     """Every (M,K) @ (K,N) the workload runs, counted by shape through a wrapped np.ndarray
     matmul: each linear layer of each block three times (forward, dinp, dweight), with Llama 3's
-    widths: qkv (NH+2NKV)*HS = 256 for llama3:d2, the SwiGLU width H = 448 twice (c_fc, c_fc2)."""
+    widths: qkv (NH+2NKV)*HS = 256 for llama3:d2, the SwiGLU width H = 448 twice (c_fc, c_fc2),
+    and once more in c_proj (C,H)."""
     family = bench_cpu.model_family("llama3:d2")
     cfg = family.config("llama3:d2")
     assert (cfg.channels, cfg.hidden_dim, llama3_cpu.qkv_channels(cfg)) == (128, 448, 256)
@@ -63,14 +64,20 @@ def test_llama3_matmul_workload_has_the_blocks_products(monkeypatch):
             products.append((self.shape[-2:], other.shape[-2:]))
             return np.matmul(np.asarray(self), np.asarray(other))
 
-    rng = np.random.default_rng(0)
-    real = rng.standard_normal
-    monkeypatch.setattr(rng, "standard_normal", lambda *a, **k: real(*a, **k).view(Counting))
-    bench_cpu.matmul_workload(family, cfg, 2, 8, rng)()
+    class CountingRNG:
+        """The workload's random arrays, as Counting arrays."""
+        def __init__(self):
+            self.rng = np.random.default_rng(0)
+
+        def standard_normal(self, shape, dtype):
+            return self.rng.standard_normal(shape, dtype=dtype).view(Counting)
+
+    bench_cpu.matmul_workload(family, cfg, 2, 8, CountingRNG())()
     BT, C, H, L = 16, 128, 448, cfg.num_layers
-    assert products.count(((BT, C), (C, H))) == 2 * L          # forward of c_fc and c_fc2 (x @ w.T)
-    assert products.count(((BT, H), (H, C))) == 2 * L          # their dinp (d @ w)
-    assert products.count(((H, BT), (BT, C))) == 2 * L          # their dweight (d.T @ x)
+    assert products.count(((BT, C), (C, H))) == 3 * L          # c_fc and c_fc2 forward (x @ w.T), c_proj's dinp (d @ w)
+    assert products.count(((BT, H), (H, C))) == 3 * L          # c_fc and c_fc2 dinp, c_proj forward
+    assert products.count(((H, BT), (BT, C))) == 2 * L          # c_fc and c_fc2 dweight (d.T @ x)
+    assert products.count(((C, BT), (BT, H))) == L              # c_proj dweight
     assert products.count(((BT, C), (C, cfg.vocab_size))) == 1  # the classifier
 
 
