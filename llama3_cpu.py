@@ -17,7 +17,10 @@ parameters with the same meaning, so the model files of llm.c's train_llama3.py 
 train_llama3.cu load here and the ones written here load there (doc/file_formats.md).
 
 What it deliberately is not: fast, or a loader of Meta's weights (none can be fetched here; the
-model family llama3:dX is random-init and small, with GPT-2's tokenizer and data).
+model family llama3:dX is random-init and small, with GPT-2's tokenizer and data). With Meta's
+tokenizer instead (`python dev/data/tinyshakespeare.py --tokenizer-model tokenizer.model`, then
+-i/-j the shards in data/tinyshakespeare_llama3/ and --tokenizer data/llama3_tokenizer.bin), a
+descriptor's V is that tokenizer's (128,256), and --prompt is encoded with it.
 
 Run it (after `make data`): `python llama3_cpu.py` trains a small Llama 3 (llama3:d4, 29M parameters,
 25.7M of them the two untied (V,C) embeddings) from scratch on Shakespeare, 400 steps of B=4 x T=64
