@@ -246,9 +246,9 @@ def outputs_problem(paths, token_bytes=None):
         if not os.path.isfile(paths[key]):
             return f"{display_path(paths[key])} is missing"
     try:
-        if token_bytes is not None and read_tokenizer(paths["tokenizer"])[0] != token_bytes:
+        written = read_tokenizer(paths["tokenizer"])[0]
+        if token_bytes is not None and written != token_bytes:
             return f"{display_path(paths['tokenizer'])} is not the tokenizer --tokenizer-model gives"
-        read_tokenizer(paths["tokenizer"])
         num_val = read_shard(paths["val"]).size
         read_shard(paths["train"])
     except InputError as e:
