@@ -45,9 +45,9 @@ bench:           ## GPU benchmark: gpt2_cuda.py vs the PyTorch twin (needs a GPU
 	$(SETUP) bench
 	$(PY) dev/bench.py $(ARGS)
 
-bench-cpu:       ## CPU benchmark: the NumPy step vs its matmuls alone
+bench-cpu:       ## CPU benchmark: the NumPy step vs its matmuls alone (ARGS="-e llama3:d4" for llama3_cpu.py)
 	$(SETUP) bench-cpu
-	$(PY) dev/bench_cpu.py
+	$(PY) dev/bench_cpu.py $(ARGS)
 
 gpu-wheels:      ## download into .whl/ the wheels the offline GPU machine lacks (dev/results/README.md)
 	$(SETUP) gpu-wheels

@@ -17,7 +17,10 @@ parameters with the same meaning, so the model files of llm.c's train_llama3.py 
 train_llama3.cu load here and the ones written here load there (doc/file_formats.md).
 
 What it deliberately is not: fast, or a loader of Meta's weights (none can be fetched here; the
-model family llama3:dX is random-init and small, with GPT-2's tokenizer and data).
+model family llama3:dX is random-init and small, with GPT-2's tokenizer and data). With Meta's
+tokenizer instead (`python dev/data/tinyshakespeare.py --tokenizer-model tokenizer.model`, then
+-i/-j the shards in data/tinyshakespeare_llama3/ and --tokenizer data/llama3_tokenizer.bin), a
+descriptor's V is that tokenizer's (128,256), and --prompt is encoded with it.
 
 Run it (after `make data`): `python llama3_cpu.py` trains a small Llama 3 (llama3:d4, 29M parameters,
 25.7M of them the two untied (V,C) embeddings) from scratch on Shakespeare, 400 steps of B=4 x T=64
@@ -54,6 +57,7 @@ from llmc.comm import Comm
 from llmc.formats import (LLAMA3_LAYOUT_BRANCH, LLAMA3_LAYOUT_MASTER, read_llama3_model_file,  # noqa: F401
                           read_llama3_model_shape, write_llama3_model_file)
 from llmc.sampler import SamplerRNG
+from llmc.tokenizer import is_llama3_tokenizer, read_tokenizer
 from llmc.utils import InputError
 
 # ----------------------------------------------------------------------------
@@ -133,13 +137,14 @@ LLAMA3_8B = LlamaConfig()                   # Llama 3.1 8B's shape, the dataclas
 DEFAULT_MODEL = "llama3:d4"
 
 
-def config_from_descriptor(name):
-    """LlamaConfig for a descriptor (llama3:d4). Raises InputError."""
+def config_from_descriptor(name, vocab_size=GPT2_TOKENIZER_VOCAB):
+    """LlamaConfig for a descriptor (llama3:d4), of vocab_size tokens (GPT-2's, or the Llama 3
+    tokenizer's: descriptor_vocab_size). Raises InputError."""
     if name not in LLAMA3_DESCRIPTORS:
         raise InputError(f"unknown model '{name}': expected a Llama 3 model .bin file or one of "
                          f"{', '.join(LLAMA3_DESCRIPTORS)}")
     L, NH, NKV, C, multiple_of = LLAMA3_DESCRIPTORS[name]
-    return LlamaConfig(max_seq_len=SMALL_MAX_SEQ_LEN, vocab_size=GPT2_TOKENIZER_VOCAB, num_layers=L, num_heads=NH,
+    return LlamaConfig(max_seq_len=SMALL_MAX_SEQ_LEN, vocab_size=vocab_size, num_layers=L, num_heads=NH,
                        num_kv_heads=NKV, channels=C, multiple_of=multiple_of)
 
 
@@ -567,14 +572,27 @@ def read_checkpoint_model(path, num_parameters_of=None):
     return {f.name: getattr(model.config, f.name) for f in fields(LlamaConfig)}, model.params
 
 
-def build_model(spec, seed):
-    """-e: a Llama 3 model file (fp32 or bf16), or a descriptor (llama3:d4) for a fresh llama3_init."""
-    return read_model(spec) if is_checkpoint_path(spec) else llama3_init(config_from_descriptor(spec), seed)
+def descriptor_vocab_size(tokenizer_path):
+    """A descriptor model's V: the tokenizer file's vocabulary when it is Llama 3's (e.g. 128,256;
+    dev/data/tinyshakespeare.py --tokenizer-model writes it), else GPT-2's 50,257."""
+    try:
+        token_bytes, first_token = read_tokenizer(tokenizer_path)
+    except InputError:                                    # none (yet): GPT-2's data and samples as ids
+        return GPT2_TOKENIZER_VOCAB
+    return len(token_bytes) if is_llama3_tokenizer(token_bytes, first_token) else GPT2_TOKENIZER_VOCAB
 
 
-def model_config(spec):
+def build_model(spec, seed, vocab_size=GPT2_TOKENIZER_VOCAB):
+    """-e: a Llama 3 model file (fp32 or bf16), or a descriptor (llama3:d4) for a fresh llama3_init
+    of vocab_size tokens."""
+    return read_model(spec) if is_checkpoint_path(spec) else llama3_init(config_from_descriptor(spec, vocab_size), seed)
+
+
+def model_config(spec, vocab_size=GPT2_TOKENIZER_VOCAB):
     """The LlamaConfig that -e names, without building the model (a model file's header is read)."""
-    return config_from_header(read_llama3_model_shape(spec)) if is_checkpoint_path(spec) else config_from_descriptor(spec)
+    if is_checkpoint_path(spec):
+        return config_from_header(read_llama3_model_shape(spec))
+    return config_from_descriptor(spec, vocab_size)
 
 
 # ----------------------------------------------------------------------------
@@ -649,13 +667,14 @@ def train(args):
     processes, clip, AdamW. Returns the model."""
     comm = Comm()
     run = TrainingRun(args, comm)
-    model = build_model(run.model_spec(), args.seed)
+    vocab_size = descriptor_vocab_size(args.tokenizer)
+    model = build_model(run.model_spec(), args.seed, vocab_size)
     if args.generate > 0:
         rng = SamplerRNG(args.sample_seed)
         return sample_from_prompt(args, lambda prompt, n, on_token: llama3_generate(
             model, prompt, n, rng, args.temperature, args.top_k, on_token), model.config.max_seq_len)
     if run.resuming:
-        run.check_resumed_model(model_config(args.model), model.config)
+        run.check_resumed_model(model_config(args.model, vocab_size), model.config)
     run.prepare(model.config)
 
     def batch_loss(inputs, targets):                      # validation

@@ -1,5 +1,5 @@
 """
-dev/bench_cpu.py: how close is gpt2_cpu.py's training step to its matmuls alone?
+dev/bench_cpu.py: how close is gpt2_cpu.py's (or llama3_cpu.py's) training step to its matmuls alone?
 
 The NumPy trainer should be BLAS-bound: every layer is vectorized, so besides the
 matrix products there is only elementwise and reduction work. This benchmark
@@ -10,8 +10,12 @@ measures, in the same run:
      calls, random data): the forward and both backward products of every linear
      layer, the attention products and the tied classifier;
 and prints their ratio (goal: <= 1.3) and the peak resident memory.
+With -e llama3:d4 (any of llama3_cpu.py's descriptors) the same for llama3_cpu.py's step: its
+matmuls are the five linear layers of a block (qkv with NKV key/value heads, attproj, the SwiGLU
+pair c_fc and c_fc2, c_proj), the attention products over NH heads (after the K/V repeat) and the
+untied classifier wlmhead.
 
-Run:  python dev/bench_cpu.py [-e d12] [-b 4] [-t 64] [-n 5]
+Run:  python dev/bench_cpu.py [-e d12 | -e llama3:d4] [-b 4] [-t 64] [-n 5]
 Prints a small table; numbers depend on the machine, so only the ratio travels.
 """
 
@@ -25,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2_cpu as g  # noqa: E402
+import llama3_cpu  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.utils import InputError  # noqa: E402
 
@@ -40,13 +45,75 @@ def median_time(fn, repeats):
     return float(np.median(times)), times
 
 
-def matmul_workload(cfg, B, T, rng):
+# ----------------------------------------------------------------------------
+# the two model families: what differs is the trainer's step and a block's linear layers
+
+class GPT2Family:
+    """gpt2_cpu.py: d12 and the other GPT-2 descriptors."""
+    trainer = "gpt2_cpu.py"
+
+    def config(self, spec):
+        return g.config_from_descriptor(spec)
+
+    def init(self, cfg):
+        return g.gpt2_init(cfg, seed=0)
+
+    def forward(self, model, x, y):
+        g.gpt2_forward(model, x, y)
+
+    def backward(self, model):
+        g.gpt2_backward(model)
+
+    def update(self, model, lr, step, grad_scale):
+        g.gpt2_update(model, lr, 0.9, 0.95, 1e-8, 0.0, step, grad_scale)
+
+    def linear_shapes(self, cfg):
+        """(OC, C) of each linear layer of a block: qkv, attproj, fc, fcproj."""
+        C = cfg.channels
+        return [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
+
+
+class Llama3Family:
+    """llama3_cpu.py: the llama3:dX descriptors (GPT-2's vocabulary)."""
+    trainer = "llama3_cpu.py"
+
+    def config(self, spec):
+        return llama3_cpu.config_from_descriptor(spec)
+
+    def init(self, cfg):
+        return llama3_cpu.llama3_init(cfg, seed=0)
+
+    def forward(self, model, x, y):
+        llama3_cpu.llama3_forward(model, x, y)
+
+    def backward(self, model):
+        llama3_cpu.llama3_backward(model)
+
+    def update(self, model, lr, step, grad_scale):
+        g.gpt2_update(model, lr, 0.9, 0.95, 1e-8, 0.0, step, grad_scale, decayed=llama3_cpu.DECAYED_PARAMETERS)
+
+    def linear_shapes(self, cfg):
+        """(OC, C) of each linear layer of a block: qkv (NH query, NKV key and value heads),
+        attproj, c_fc, c_fc2 (the SwiGLU pair), c_proj."""
+        C, H = cfg.channels, cfg.hidden_dim
+        return [(llama3_cpu.qkv_channels(cfg), C), (C, C), (H, C), (H, C), (C, H)]
+
+
+LLAMA3_PREFIX = "llama3:"
+
+
+def model_family(spec):
+    """The family that -e names: Llama 3 for llama3:dX, else GPT-2."""
+    return Llama3Family() if spec.startswith(LLAMA3_PREFIX) else GPT2Family()
+
+
+def matmul_workload(family, cfg, B, T, rng):
     """A closure running every matrix product of one training step with the step's shapes."""
     C, L, NH, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size
     HS = C // NH
     f32 = np.float32
     r = lambda *s: rng.standard_normal(s, dtype=f32)  # noqa: E731
-    linear = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]   # (OC, C) of qkv, attproj, fc, fcproj
+    linear = family.linear_shapes(cfg)                   # (OC, C) of each linear layer of a block
     # every layer gets its own weights, inputs and gradients, as in the real step: reusing one
     # set would keep it in cache and time the products faster than the step can ever run them
     W = [[r(oc, c) for oc, c in linear] for _ in range(L)]
@@ -68,7 +135,7 @@ def matmul_workload(cfg, B, T, rng):
             att.transpose(0, 1, 3, 2) @ q        # dv
             att @ k                              # dq
             att.transpose(0, 1, 3, 2) @ q        # dk
-        lnf @ wte.T                              # classifier forward
+        lnf @ wte.T                              # classifier forward (Llama 3: its own wlmhead, same shape)
         dlogits @ wte                            # dlnf
         dlogits.T @ lnf                          # dwte
     return run
@@ -77,7 +144,7 @@ def matmul_workload(cfg, B, T, rng):
 def parse_args(argv=None):
     """The flags; a bad one is one `error:` line and exit 1 (llmc.cli.ArgumentParser)."""
     p = ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-e", "--model", default="d12")
+    p.add_argument("-e", "--model", default="d12", help="a GPT-2 descriptor (d12) or Llama 3's (llama3:d4)")
     p.add_argument("-b", "--batch-size", type=int, default=4)
     p.add_argument("-t", "--seq-len", type=int, default=64)
     p.add_argument("-n", "--repeats", type=int, default=5)
@@ -86,7 +153,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     """The model's config for args, or InputError for flags that cannot be benchmarked."""
-    cfg = g.config_from_descriptor(args.model)
+    cfg = model_family(args.model).config(args.model)
     if args.repeats < 1:
         raise InputError(f"-n {args.repeats}: the number of repeats must be at least 1")
     if args.batch_size < 1 or not 1 <= args.seq_len <= cfg.max_seq_len:
@@ -103,7 +170,8 @@ def main(argv=None):
         return 1
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
-    model = g.gpt2_init(cfg, seed=0)
+    family = model_family(args.model)
+    model = family.init(cfg)
     x = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
     y = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
     step_no = [0]
@@ -111,10 +179,10 @@ def main(argv=None):
     def train_step():
         step_no[0] += 1
         g.gpt2_zero_grad(model)
-        g.gpt2_forward(model, x, y)
-        g.gpt2_backward(model)
+        family.forward(model, x, y)
+        family.backward(model)
         norm = g.gpt2_grad_norm(model)
-        g.gpt2_update(model, 1e-4, 0.9, 0.95, 1e-8, 0.0, step_no[0], min(1.0, 1.0 / norm))
+        family.update(model, 1e-4, step_no[0], min(1.0, 1.0 / norm))
 
     phases = {}
 
@@ -122,14 +190,14 @@ def main(argv=None):
         t = [time.perf_counter()]
         step_no[0] += 1
         g.gpt2_zero_grad(model); t.append(time.perf_counter())
-        g.gpt2_forward(model, x, y); t.append(time.perf_counter())
-        g.gpt2_backward(model); t.append(time.perf_counter())
+        family.forward(model, x, y); t.append(time.perf_counter())
+        family.backward(model); t.append(time.perf_counter())
         norm = g.gpt2_grad_norm(model); t.append(time.perf_counter())
-        g.gpt2_update(model, 1e-4, 0.9, 0.95, 1e-8, 0.0, step_no[0], min(1.0, 1.0 / norm)); t.append(time.perf_counter())
+        family.update(model, 1e-4, step_no[0], min(1.0, 1.0 / norm)); t.append(time.perf_counter())
         for name, a, b in zip(("zero_grad", "forward", "backward", "grad_norm", "update"), t, t[1:]):
             phases.setdefault(name, []).append(b - a)
 
-    mm = matmul_workload(cfg, B, T, rng)
+    mm = matmul_workload(family, cfg, B, T, rng)
     # interleave the two measurements so drift in machine load hits both alike
     step_times, mm_times = [], []
     train_step()
@@ -139,7 +207,7 @@ def main(argv=None):
         t0 = time.perf_counter(); mm(); mm_times.append(time.perf_counter() - t0)
     step_med, mm_med = float(np.median(step_times)), float(np.median(mm_times))
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"gpt2_cpu.py step, {args.model} ({model.num_parameters:,} params), B={B} T={T}, {args.repeats} repeats, "
+    print(f"{family.trainer} step, {args.model} ({model.num_parameters:,} params), B={B} T={T}, {args.repeats} repeats, "
           f"{os.cpu_count()} cores")
     print(f"{'what':<22}{'median ms':>12}")
     print(f"{'training step':<22}{step_med * 1e3:>12.1f}")

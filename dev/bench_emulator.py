@@ -1,6 +1,8 @@
 """dev/bench_emulator.py: how slow is the emulated CUDA device (llmc/emulator/)? One training step
 of gpt2_cuda.py's code on it against the same step of gpt2_cpu.py, measured in one run, and the
-cost of each kernel per CUDA thread.
+cost of each kernel per CUDA thread. With -e llama3:d2 (a llama3_cpu.py descriptor): llama3_cuda.py's
+step against llama3_cpu.py's (zero_grad, forward, backward, the norm, AdamW on Llama 3's decayed
+tensors); a checkout without llama3_cuda.py says so in one line.
 
 What it measures: the d4 model (-e d4), B=4, T=64, fp32, full fp32 matmuls; a step is zero_grad,
 forward, backward, the global norm and AdamW. After one warm-up step (which also builds or loads
@@ -12,8 +14,10 @@ ratio moves by 2x or more from run to run). The emulated step's matmuls are NumP
 (llmc/emulator/cublas.py), so the ratio is the cost of running our kernels thread by thread.
 
 Run: python dev/bench_emulator.py            (a few minutes; -e d2 -b 2 --repeats 1 for a quicker look)
+     python dev/bench_emulator.py -e llama3:d2 -b 1 -t 16 --repeats 1
 Expect: a table of kernels by total time, then
     step (the fastest of 3): emulated device X ms, gpt2_cpu.py Y ms, ratio X/Y
+(llama3_cpu.py in the last line for -e llama3:dX)
 """
 
 import argparse
@@ -29,32 +33,93 @@ sys.path.insert(0, ROOT)
 
 import gpt2_cpu  # noqa: E402
 import gpt2_cuda  # noqa: E402
+import llama3_cpu  # noqa: E402
 from llmc import cuda  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.emulator import build  # noqa: E402
 
 LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY = 3e-4, 0.9, 0.95, 1e-8, 0.0
+LLAMA3_PREFIX = "llama3:"
+INIT_SEED = 42
 
 
-def training_step(trainer, model, x, y, t):
-    """AdamW step t of `trainer`, gpt2_cpu or gpt2_cuda (the same function names, the same order):
-    zero_grad, forward, backward, the global norm, the update."""
-    trainer.gpt2_zero_grad(model)
-    trainer.gpt2_forward(model, x, y)
-    trainer.gpt2_backward(model)
-    trainer.gpt2_grad_norm(model)
-    trainer.gpt2_update(model, LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY, t)
+# ----------------------------------------------------------------------------
+# the two model families: each builds its CPU model and its emulated one, and runs a step of either
+
+class GPT2Family:
+    """gpt2_cpu.py against gpt2_cuda.py (the same function names, the same order)."""
+    cpu_name = "gpt2_cpu.py"
+
+    def __init__(self, spec):
+        self.config = gpt2_cpu.model_config(spec)
+
+    def cpu_model(self):
+        return gpt2_cpu.gpt2_init(self.config, INIT_SEED)
+
+    def emulated_model(self):
+        model = gpt2_cuda.GPT2(self.config, "fp32", master_weights=False, recompute=True)
+        gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(self.config, INIT_SEED).params)
+        return model
+
+    def step(self, on_device, model, x, y, t):
+        """AdamW step t: zero_grad, forward, backward, the global norm, the update."""
+        trainer = gpt2_cuda if on_device else gpt2_cpu
+        trainer.gpt2_zero_grad(model)
+        trainer.gpt2_forward(model, x, y)
+        trainer.gpt2_backward(model)
+        trainer.gpt2_grad_norm(model)
+        trainer.gpt2_update(model, LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY, t)
 
 
-def timed_steps(trainer, model, x, y, repeats, before_step=lambda t: None):
-    """Seconds of each of `repeats` timed steps t = 2, 3, ..., after one warm-up step (kernel
-    libraries, allocations); before_step(t) is called before step t is timed."""
-    training_step(trainer, model, x, y, 1)
+class Llama3Family:
+    """llama3_cpu.py against llama3_cuda.py (imported here: raises ImportError without it)."""
+    cpu_name = "llama3_cpu.py"
+
+    def __init__(self, spec):
+        import llama3_cuda
+        self.llama3_cuda = llama3_cuda
+        self.config = llama3_cpu.model_config(spec)
+
+    def cpu_model(self):
+        return llama3_cpu.llama3_init(self.config, INIT_SEED)
+
+    def emulated_model(self):
+        model = self.llama3_cuda.Llama3(self.config, "fp32")
+        self.llama3_cuda.upload_parameters(model, llama3_cpu.llama3_init(self.config, INIT_SEED).params)
+        return model
+
+    def step(self, on_device, model, x, y, t):
+        """AdamW step t: zero_grad, forward, backward, the global norm (gpt2's, over the flat
+        buffer), the update (decaying llama3_cpu.DECAYED_PARAMETERS only)."""
+        trainer = self.llama3_cuda if on_device else llama3_cpu
+        norms = gpt2_cuda if on_device else gpt2_cpu
+        norms.gpt2_zero_grad(model)
+        trainer.llama3_forward(model, x, y)
+        trainer.llama3_backward(model)
+        norms.gpt2_grad_norm(model)
+        if on_device:
+            trainer.llama3_update(model, LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY, t)
+        else:
+            gpt2_cpu.gpt2_update(model, LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY, t,
+                                 decayed=llama3_cpu.DECAYED_PARAMETERS)
+
+
+def model_family(spec):
+    """The family -e names (llama3:dX: Llama 3, else GPT-2), built once. Raises ImportError for
+    Llama 3 without llama3_cuda.py."""
+    return Llama3Family(spec) if spec.startswith(LLAMA3_PREFIX) else GPT2Family(spec)
+
+
+def timed_steps(family, on_device, model, x, y, repeats, before_step=lambda t: None):
+    """Seconds of each of `repeats` timed steps t = 2, 3, ..., of family.step on the emulated
+    device (on_device) or the CPU, after one warm-up step (kernel libraries, allocations);
+    before_step(t) is called before step t is timed."""
+    family.step(on_device, model, x, y, 1)
     seconds = []
     for t in range(2, repeats + 2):
         before_step(t)
         t0 = time.perf_counter()
-        training_step(trainer, model, x, y, t)
+        family.step(on_device, model, x, y, t)
         seconds.append(time.perf_counter() - t0)
     return seconds
 
@@ -91,7 +156,7 @@ class KernelTimes:
 def main(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("-e", "--model", default="d4", help="model spec, as gpt2_cpu.py -e")
+    p.add_argument("-e", "--model", default="d4", help="model spec, as gpt2_cpu.py -e, or llama3:dX as llama3_cpu.py -e")
     p.add_argument("-b", "--batch-size", type=int, default=4, help="B")
     p.add_argument("-t", "--seq-len", type=int, default=64, help="T")
     # long only: -r is llm.c's recompute flag
@@ -99,20 +164,22 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, not {args.repeats}")
-    cfg = gpt2_cpu.model_config(args.model)
+    try:
+        family = model_family(args.model)
+    except ImportError as e:
+        p.error(f"-e {args.model}: the emulated Llama 3 step needs llama3_cuda.py, which this checkout lacks ({e})")
+    cfg = family.config
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
 
-    cpu = gpt2_cpu.gpt2_init(cfg, 42)
-    cpu_seconds = min(timed_steps(gpt2_cpu, cpu, x, y, args.repeats))
+    cpu_seconds = min(timed_steps(family, False, family.cpu_model(), x, y, args.repeats))
 
     cuda.use_device("cpu")
-    model = gpt2_cuda.GPT2(cfg, "fp32", master_weights=False, recompute=True)
-    gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
+    model = family.emulated_model()
     with KernelTimes() as times:
-        steps = timed_steps(gpt2_cuda, model, x, y, args.repeats, times.start_step)
+        steps = timed_steps(family, True, model, x, y, args.repeats, times.start_step)
     emulated_seconds = min(steps)
     fastest = 2 + steps.index(emulated_seconds)
     names = [name for (t, name) in times.seconds if t == fastest]
@@ -129,7 +196,7 @@ def main(argv=None):
           f"{sum(times.threads[fastest, name] for name in names):13d} {1e3 * kernels:9.1f}")
     print(f"rest of the step (emulated cuBLAS matmuls, Python): {1e3 * (emulated_seconds - kernels):.1f} ms")
     print(f"step (the fastest of {args.repeats}): emulated device {1e3 * emulated_seconds:.0f} ms, "
-          f"gpt2_cpu.py {1e3 * cpu_seconds:.0f} ms, ratio {emulated_seconds / cpu_seconds:.1f}")
+          f"{family.cpu_name} {1e3 * cpu_seconds:.0f} ms, ratio {emulated_seconds / cpu_seconds:.1f}")
     return 0
 
 

@@ -35,7 +35,7 @@ from llmc.logger import Logger
 from llmc.multinode import disagreement
 from llmc.sampler import SAMPLE_SEED
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
-from llmc.tokenizer import GPT2_EOT, Tokenizer, gpt2_encoding
+from llmc.tokenizer import GPT2_EOT, Tokenizer, prompt_encoding
 from llmc.outlier import OUTLIER_STATE_FLOATS, OutlierDetector, skip_reason
 from llmc.utils import TMP_SUFFIX, InputError, lock_directory, release_directory_locks, stale_temporaries
 
@@ -263,7 +263,7 @@ def sample_from_prompt(args, generate, max_seq_len):
     generate(prompt ids, n, on_token) -> ids runs the trainer's sampler. Returns the ids.
     Raises InputError (before printing anything) if the prompt is longer than max_seq_len tokens."""
     tokenizer = Tokenizer(args.tokenizer)
-    prompt = gpt2_encoding().encode(args.prompt, allowed_special="all") if args.prompt else [tokenizer.eot_token]
+    prompt = prompt_encoding(tokenizer).encode(args.prompt, allowed_special="all") if args.prompt else [tokenizer.eot_token]
     if len(prompt) > max_seq_len:
         raise InputError(f"--prompt is {len(prompt)} tokens, longer than max_seq_len {max_seq_len}")
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -361,10 +361,10 @@ def test_a_failed_force_rebuild_is_never_up_to_date(tmp_path, monkeypatch, capsy
     assert sums.is_file()
     real_write = tinyshakespeare.common.write_datafile
 
-    def full_disk_at_train(path, tokens):
+    def full_disk_at_train(path, tokens, *version):
         if path.endswith(tinyshakespeare.TRAIN_FILENAME):
             raise OSError(28, "No space left on device", path)
-        real_write(path, tokens)
+        real_write(path, tokens, *version)
     monkeypatch.setattr(tinyshakespeare.common, "write_datafile", full_disk_at_train)
     assert tinyshakespeare.main(["--data-dir", str(data_dir), "--force", "--url", texts[1]]) == 1
     assert not sums.exists()                                      # removed before the first shard was written

@@ -105,7 +105,7 @@ def test_tutorial_numbers_and_figures_match_its_script(name, tmp_path):
 
 def test_every_tutorial_has_a_script():
     expected = {"attention", "classifier", "adamw", "mixed_precision", "data", "gelu_and_matmul",
-                "from_numpy_to_cuda", "llmc_map"}
+                "from_numpy_to_cuda", "llmc_map", "llama3"}
     have = {os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(DOC, "*.md"))}
     missing = sorted(n for n in expected & have if n not in TUTORIALS)
     assert not missing, f"tutorials without a companion doc/<name>.py: {missing}"

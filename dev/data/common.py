@@ -8,8 +8,8 @@ dev/data/common.py: what every dataset script in dev/data/ needs besides its own
        and the openai-whisper sdist on PyPI ships the GPT-2 ranks as whisper/assets/gpt2.tiktoken
        (the same file as tiktoken's r50k_base.tiktoken, sha256 tokenizer.GPT2_BPE_SHA256). It is
        copied to data/gpt2.tiktoken, where tokenizer.gpt2_encoding() finds it later.
-- Writing gpt2_tokenizer.bin (token id -> bytes, what the trainers decode with) and token shards,
-  each with llm.c's one-line "writing N tokens to PATH (B bytes)" log.
+- Writing gpt2_tokenizer.bin or llama3_tokenizer.bin (token id -> bytes, what the trainers decode
+  with) and token shards, each with llm.c's one-line "writing N tokens to PATH (B bytes)" log.
 - Fetching a URL with a short timeout, and a source distribution from PyPI with pip.
 
 What it deliberately is not: a general downloader (no retries, no progress bars, no mirrors).
@@ -198,7 +198,16 @@ def write_gpt2_tokenizer(path, enc):
     print(f"writing {len(token_bytes):,} tokens to {display_path(path)} ({os.path.getsize(path):,} bytes)")
 
 
-def write_datafile(path, tokens):
-    """Write a token shard (uint16 tokens behind the 1024-byte header) and log it like llm.c."""
-    formats.write_shard(path, tokens)
+def write_llama3_tokenizer(path, token_bytes, bos_token):
+    """Write llama3_tokenizer.bin: token_bytes[i] for every id i (the BPE tokens, then the 256
+    special tokens' names, tokenizer.llama3_token_bytes), with <|begin_of_text|> in the slot of the
+    token that starts every document and every sample (GPT-2's <|endoftext|> slot)."""
+    tokenizer.write_tokenizer(path, token_bytes, eot_token=bos_token)
+    print(f"writing {len(token_bytes):,} tokens to {display_path(path)} ({os.path.getsize(path):,} bytes)")
+
+
+def write_datafile(path, tokens, version=formats.SHARD_VERSION):
+    """Write a token shard (uint16 tokens behind the 1024-byte header; uint32 for version
+    formats.LLAMA3_SHARD_VERSION) and log it like llm.c."""
+    formats.write_shard(path, tokens, version)
     print(f"writing {len(tokens):,} tokens to {display_path(path)} ({os.path.getsize(path):,} bytes)")

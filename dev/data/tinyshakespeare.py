@@ -1,5 +1,5 @@
 """
-dev/data/tinyshakespeare.py: fetch and tokenize Tiny Shakespeare for GPT-2, as llm.c does.
+dev/data/tinyshakespeare.py: fetch and tokenize Tiny Shakespeare for GPT-2 (or Llama 3), as llm.c does.
 
 Writes, under data/ (or --data-dir):
     tinyshakespeare/tiny_shakespeare_val.bin    the first 32,768 tokens  (token shards:
@@ -50,6 +50,23 @@ failed half-way, e.g. a --force from another text, is never taken for a whole on
 with the right sha256, or, without it, tiktoken's own download or cache; if only that is missing
 (e.g. gpt2.tiktoken deleted offline), only the BPE is fetched again, the shards are left alone.
 If every text or BPE source fails: one line "error: ..." and exit status 1.
+
+Llama 3: `python dev/data/tinyshakespeare.py --tokenizer-model PATH` tokenizes the same text with
+Meta's Llama 3 tokenizer, read from PATH, its tokenizer.model (a tiktoken BPE file; llmc/tokenizer.py
+has the facts: 128,000 ranks, then 256 special tokens), as llm.c's `--model_desc llama-3` does:
+each section is preceded by <|begin_of_text|> (128000), the shards are version 7 (uint32 ids,
+magic 20240801), and they go to their own folder so the GPT-2 shards stay:
+    tinyshakespeare_llama3/tiny_shakespeare_val.bin    the first 32,768 tokens
+    tinyshakespeare_llama3/tiny_shakespeare_train.bin  all the rest
+    tinyshakespeare_llama3/SHA256SUMS
+    llama3_tokenizer.bin                               token id -> bytes (128,256 of them), for samples
+llm.c writes no Llama 3 tokenizer file (train_llama3.cu leaves it to a TODO); this one is llm.c's
+tokenizer file, version 2, its first-token slot holding <|begin_of_text|>. Train on it with
+    python llama3_cpu.py -i data/tinyshakespeare_llama3/tiny_shakespeare_train.bin \
+        -j data/tinyshakespeare_llama3/tiny_shakespeare_val.bin --tokenizer data/llama3_tokenizer.bin
+(the model's V is then the tokenizer's). A missing or malformed tokenizer.model: one line
+"error: ...", exit status 1. Run again, "up to date" also needs llama3_tokenizer.bin to be the one
+PATH gives.
 """
 
 import argparse
@@ -65,9 +82,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # dev/data/comm
 import common  # noqa: E402
 from common import DataError, display_path  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
-from llmc.formats import read_shard  # noqa: E402
+from llmc.formats import LLAMA3_SHARD_VERSION, SHARD_VERSION, read_shard  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
-from llmc.tokenizer import read_tokenizer  # noqa: E402
+from llmc.tokenizer import LLAMA3_BOS, read_llama3_encoding, read_tokenizer  # noqa: E402
 from llmc.utils import InputError, atomic_write, require  # noqa: E402
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -84,6 +101,8 @@ VAL_FILENAME = "tiny_shakespeare_val.bin"
 # before its first write and writes it after its last, so its presence with matching sums means both
 # shards come from one finished build: a failed --force from another text never passes as up to date.
 CHECKSUMS_FILENAME = "SHA256SUMS"
+LLAMA3_DATASET_DIR = "tinyshakespeare_llama3"
+LLAMA3_TOKENIZER_FILENAME = "llama3_tokenizer.bin"
 
 # Project Gutenberg wraps texts in "*** START OF THE PROJECT GUTENBERG EBOOK ... ***" and
 # "*** END OF THE PROJECT GUTENBERG EBOOK ... ***" (older files: "End of the Project Gutenberg EBook").
@@ -162,26 +181,31 @@ def load_text(url):
 # ----------------------------------------------------------------------------
 # tokenization
 
-def tokenize(text, enc):
+def tokenize(text, enc, first_token=None, dtype=np.uint16):
     """llm.c's scheme: text -> sections at blank lines; each section becomes
-    [EOT] + encode(section + "\\n\\n") (the last section: without the "\\n\\n").
-    Returns the tokens as a 1-D uint16 array (GPT-2 ids are < 50257 < 65536)."""
+    [first_token] + encode(section + "\\n\\n") (the last section: without the "\\n\\n"), with
+    special tokens' text encoded as plain text. first_token: GPT-2's EOT (the default,
+    enc.eot_token) or Llama 3's <|begin_of_text|>. Returns a 1-D array of dtype: uint16 for GPT-2
+    (ids < 50257 < 65536), uint32 for Llama 3 (128,256 ids)."""
+    first_token = enc.eot_token if first_token is None else first_token
     sections = text.split(SECTION_SEPARATOR)
     tokens = []
     for i, section in enumerate(sections):
-        tokens.append(enc.eot_token)
+        tokens.append(first_token)
         is_last = i == len(sections) - 1
         tokens.extend(enc.encode_ordinary(section if is_last else section + SECTION_SEPARATOR))
-    return np.array(tokens, dtype=np.uint16)
+    return np.array(tokens, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------
 # outputs
 
-def output_paths(data_dir):
-    """{'tokenizer', 'val', 'train', 'checksums'}: the files this script writes (gpt2.tiktoken aside)."""
-    dataset_dir = os.path.join(data_dir, DATASET_DIR)
-    return {"tokenizer": os.path.join(data_dir, common.TOKENIZER_FILENAME),
+def output_paths(data_dir, llama3=False):
+    """{'tokenizer', 'val', 'train', 'checksums'}: the files this script writes (gpt2.tiktoken
+    aside), GPT-2's or (llama3) Llama 3's."""
+    dataset_dir = os.path.join(data_dir, LLAMA3_DATASET_DIR if llama3 else DATASET_DIR)
+    tokenizer = LLAMA3_TOKENIZER_FILENAME if llama3 else common.TOKENIZER_FILENAME
+    return {"tokenizer": os.path.join(data_dir, tokenizer),
             "val": os.path.join(dataset_dir, VAL_FILENAME),
             "train": os.path.join(dataset_dir, TRAIN_FILENAME),
             "checksums": os.path.join(dataset_dir, CHECKSUMS_FILENAME)}
@@ -214,14 +238,17 @@ def checksums_problem(paths):
     return None
 
 
-def outputs_problem(paths):
+def outputs_problem(paths, token_bytes=None):
     """None if every output exists and reads back (headers, sizes, val length) and the shards
-    match SHA256SUMS; else the first problem, one line."""
+    match SHA256SUMS (and, given token_bytes, the tokenizer file holds exactly them); else the
+    first problem, one line."""
     for key in ("tokenizer", "val", "train"):
         if not os.path.isfile(paths[key]):
             return f"{display_path(paths[key])} is missing"
     try:
-        read_tokenizer(paths["tokenizer"])
+        written = read_tokenizer(paths["tokenizer"])[0]
+        if token_bytes is not None and written != token_bytes:
+            return f"{display_path(paths['tokenizer'])} is not the tokenizer --tokenizer-model gives"
         num_val = read_shard(paths["val"]).size
         read_shard(paths["train"])
     except InputError as e:
@@ -237,22 +264,32 @@ def build_bpe(data_dir):
     print(f"BPE: {bpe_source}")
 
 
-def build(data_dir, url):
-    """Fetch, tokenize and write everything. Raises DataError."""
+def build(data_dir, url, llama3=None):
+    """Fetch, tokenize and write everything, for GPT-2 or, given llama3 = (tiktoken Encoding,
+    token bytes) from tokenizer.read_llama3_encoding, for Llama 3. Raises DataError."""
     text, text_source = load_text(url)
     print(f"text: {text_source} ({len(text):,} characters)")
-    enc, bpe_source = common.load_gpt2_encoding(data_dir)
-    print(f"BPE: {bpe_source}")
-    tokens = tokenize(text, enc)
+    if llama3:
+        enc, token_bytes = llama3
+        bos = enc.encode_single_token(LLAMA3_BOS)
+        print(f"BPE: --tokenizer-model {enc.name} ({bos:,} ranks, <|begin_of_text|> = {bos})")
+        tokens, version = tokenize(text, enc, bos, np.uint32), LLAMA3_SHARD_VERSION
+    else:
+        enc, bpe_source = common.load_gpt2_encoding(data_dir)
+        print(f"BPE: {bpe_source}")
+        tokens, version = tokenize(text, enc), SHARD_VERSION
     if tokens.size <= VAL_TOKENS:
         raise DataError(f"the text gives only {tokens.size:,} tokens, not more than the {VAL_TOKENS:,} of the val split")
-    paths = output_paths(data_dir)
+    paths = output_paths(data_dir, llama3=bool(llama3))
     os.makedirs(os.path.dirname(paths["val"]), exist_ok=True)
     if os.path.exists(paths["checksums"]):
         os.remove(paths["checksums"])               # from here until write_checksums the set is not whole
-    common.write_gpt2_tokenizer(paths["tokenizer"], enc)
-    common.write_datafile(paths["val"], tokens[:VAL_TOKENS])
-    common.write_datafile(paths["train"], tokens[VAL_TOKENS:])
+    if llama3:
+        common.write_llama3_tokenizer(paths["tokenizer"], token_bytes, bos)
+    else:
+        common.write_gpt2_tokenizer(paths["tokenizer"], enc)
+    common.write_datafile(paths["val"], tokens[:VAL_TOKENS], version)
+    common.write_datafile(paths["train"], tokens[VAL_TOKENS:], version)
     write_checksums(paths)
 
 
@@ -262,6 +299,8 @@ def parse_args(argv=None):
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where to write the files")
     parser.add_argument("--force", action="store_true", help="rebuild even if every output exists")
     parser.add_argument("--url", default=TINYSHAKESPEARE_URL, help="where to download the text from first")
+    parser.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                        help="Meta's Llama 3 tokenizer.model: write Llama 3 shards (version 7) instead of GPT-2's")
     return parser.parse_args(argv)
 
 
@@ -269,6 +308,8 @@ def main(argv=None):
     args = parse_args(argv)
     require("dev/data/tinyshakespeare.py", "tiktoken")      # the up-to-date check loads the BPE too
     data_dir = os.path.abspath(args.data_dir)
+    if args.tokenizer_model:
+        return main_llama3(args, data_dir)
     rebuild = True
     if not args.force:
         problem = outputs_problem(output_paths(data_dir))
@@ -285,6 +326,29 @@ def main(argv=None):
         else:
             build_bpe(data_dir)
     except (DataError, OSError) as e:      # OSError: e.g. an unwritable --data-dir
+        print(f"error: {common.one_line(e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main_llama3(args, data_dir):
+    """--tokenizer-model: the Llama 3 shards and tokenizer file, unless up to date. Returns the exit code."""
+    try:
+        llama3 = read_llama3_encoding(args.tokenizer_model)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    paths = output_paths(data_dir, llama3=True)
+    if not args.force:
+        problem = outputs_problem(paths, llama3[1])
+        if problem is None:
+            print(f"{display_path(data_dir)} is up to date (Llama 3 tokenizer, val and train shards); "
+                  "nothing to do (--force rebuilds)")
+            return 0
+        print(f"building: {problem}")
+    try:
+        build(data_dir, args.url, llama3)
+    except (DataError, OSError) as e:
         print(f"error: {common.one_line(e)}", file=sys.stderr)
         return 1
     return 0
