@@ -23,11 +23,31 @@ the `dinp` it is given, except RMSNorm's backward, which *accumulates* (+=) into
 residual stream's gradient; parameter gradients always accumulate.
 """
 
+import math
+import sys
+
 import numpy as np
 
+import gpt2_cuda
+import llama3_cpu
+from gpt2_cpu import check_inputs, num_elements, tensor_views
+from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, as_float32, download_parameters, encoder_backward_segments,
+                       encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad, upload_parameters,
+                       wte_partial_rows, wte_reduce_max)
+from llama3_cpu import DECAYED_PARAMETERS, activation_shapes as cpu_activation_shapes, qkv_channels
 from llmc import cuda
-from llmc.cuda import (BLOCK_SIZE, WARP_ROW_BLOCK_SIZE, check_launch, elementwise_grid, require, vector_size,
+from llmc.attention import attention_path, resolve_attention
+from llmc.cli import run_main
+from llmc.comm import Comm
+from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE,
+                       KernelCompileError, ceil_div, check_launch, elementwise_grid, require, vector_size,
                        warp_row_grid)
+from llmc.cuda_check import run_check
+from llmc.gpu_cli import choose_precision
+from llmc.matmul import Cublas
+from llmc.sampler import SamplerRNG
+from llmc.utils import InputError, prefix
+from llmc.zero import optimizer_shard
 
 # ----------------------------------------------------------------------------
 # constants: launch configuration
@@ -139,3 +159,272 @@ def swiglu_backward(dfch, dfch2, dout, fch, fch2, n):
                                                  ("fch", fch, n), ("fch2", fch2, n)], aligned=True)
     cuda.launch("swiglu", precision, "swiglu_backward", elementwise_grid(n // vector_size(precision)), BLOCK_SIZE,
                 (dfch, dfch2, dout, fch, fch2, np.uint64(n)))
+
+
+def residual_forward(out, inp1, inp2, n):
+    """out (n,) = inp1 + inp2 (kernels/layernorm.cu's residual_forward; out may be inp1). Llama 3's
+    residual additions, and the sum of the two gradients that reach ln2 (c_fc's and c_fc2's)."""
+    precision = check_launch("residual_forward", [("out", out, n), ("inp1", inp1, n), ("inp2", inp2, n)], aligned=True)
+    cuda.launch("layernorm", precision, "residual_forward", elementwise_grid(ceil_div(n, vector_size(precision))),
+                BLOCK_SIZE, (out, inp1, inp2, np.uint64(n)))
+
+
+def encoder_backward(dwte, partial, dout, positions, chunk_start, chunk_token, chunk_slot, reduce_start, reduce_token,
+                     num_chunks, num_reduce, B, T, C):
+    """Accumulate dwte (V,C) from dout (B,T,C): gpt2_cuda.encoder_backward's deterministic
+    scatter-add (kernels/encoder.cu) without its dwpe kernel, since Llama 3 has no wpe:
+        out[b,t] = wte[inp[b,t]]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v
+    The int32 arrays are gpt2_cuda.WteSegments' on the device; partial fp32, wte_partial_rows(B*T) rows."""
+    N = B * T
+    precision = check_launch("encoder_backward", [("dwte", dwte, dwte.size), ("dout", dout, N * C)],
+                             int32=[("positions", positions, N), ("chunk_start", chunk_start, num_chunks + 1),
+                                    ("chunk_token", chunk_token, num_chunks), ("chunk_slot", chunk_slot, num_chunks),
+                                    ("reduce_start", reduce_start, num_reduce + 1),
+                                    ("reduce_token", reduce_token, num_reduce)], vector_dim=("C", C))
+    require(partial.dtype == np.float32 and partial.size >= wte_partial_rows(N) * C,
+            f"encoder_backward: partial needs {wte_partial_rows(N) * C} floats")
+    groups_per_row = C // vector_size(precision)               # threads of a block stride over these
+    block = min(MAX_THREADS_PER_BLOCK, ceil_div(groups_per_row, WARP_SIZE) * WARP_SIZE)
+    cuda.launch("encoder", precision, "encoder_backward_wte", max(1, num_chunks), block,
+                (dwte, partial, dout, positions, chunk_start, chunk_token, chunk_slot, np.int32(num_chunks), np.int32(C)))
+    cuda.launch("encoder", precision, "encoder_backward_wte_reduce", max(1, num_reduce), block,
+                (dwte, partial, reduce_start, reduce_token, np.int32(num_reduce), np.int32(C)))
+
+
+# ----------------------------------------------------------------------------
+# the model: parameters, activations, forward, backward (zero_grad and the grad norm are gpt2_cuda's)
+
+KERNEL_FILES = ("encoder", "layernorm", "attention", "classifier", "adamw", "global_norm", "cast") + LLAMA3_KERNEL_FILES
+
+
+def activation_table(config, B, T, attention):
+    """Every device buffer of one forward + backward pass, in forward order: (name, shape, kind),
+    kind "X" floatX, "f32" float32, "i32" int32. Names follow llama3_cpu.activation_shapes, but
+    qkv_proj (llama3_cpu's qkv: "qkv" is the attention path's buffer of GPT-2's layout, llama3_cpu's
+    qkv_att). Never kept, as in gpt2_cuda.py: qkv_att for the naive path (its qkvr is), attproj,
+    fcproj and probs (the fused classifier); the one-layer transients live in scratch buffers under
+    the name of each role (activation_aliases)."""
+    C, L, NH, V, H = config.channels, config.num_layers, config.num_heads, config.vocab_size, config.hidden_dim
+    QKV = qkv_channels(config)
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, V)
+    return [
+        ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
+        ("encoded", (B, T, C), "X"),
+        ("ln1", (L, B, T, C), "X"), ("ln1_rstd", (L, B, T), "f32"),
+        ("qkv_proj", (L, B, T, QKV), "X"),
+        *attention_kept, ("atty", (L, B, T, C), "X"),
+        ("residual2", (L, B, T, C), "X"),
+        ("ln2", (L, B, T, C), "X"), ("ln2_rstd", (L, B, T), "f32"),
+        ("fch", (L, B, T, H), "X"), ("fch2", (L, B, T, H), "X"), ("fch_swiglu", (L, B, T, H), "X"),
+        ("residual3", (L, B, T, C), "X"),
+        ("lnf", (B, T, C), "X"), ("lnf_rstd", (B, T), "f32"),
+        ("losses", (B, T), "f32"),
+        ("logits", (logits_floats,), "X"),     # (B,T,V), then dlogits in place
+        ("scratch_btc", (B, T, C), "X"), ("scratch_btc2", (B, T, C), "X"),
+        ("scratch_bth", (B, T, H), "X"), ("scratch_bth2", (B, T, H), "X"),
+        ("scratch_qkv", (B, T, QKV), "X"), ("dqkv_att", (B, T, 3 * C), "X"),
+        ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
+        *attention_backward_buffers,
+        # the dwte scatter-add's plan (gpt2_cuda.WteSegments)
+        ("positions", (B * T,), "i32"), ("chunk_start", (B * T + 1,), "i32"), ("chunk_token", (B * T,), "i32"),
+        ("chunk_slot", (B * T,), "i32"), ("reduce_start", (wte_reduce_max(B * T) + 1,), "i32"),
+        ("reduce_token", (wte_reduce_max(B * T) + 1,), "i32"), ("wte_partial", (wte_partial_rows(B * T), C), "f32"),
+    ]
+
+
+def activation_aliases(config, B, T, attention):
+    """The roles living in a scratch buffer, (name, buffer, shape); those of one buffer are never
+    live at once: each is consumed before the next is written."""
+    C, H, NH = config.channels, config.hidden_dim, config.num_heads
+    QKV = qkv_channels(config)
+    return [
+        *[(name, "scratch_btc", (B, T, C)) for name in ("attproj", "fcproj", "dlnf", "dln2", "datty", "dln1")],
+        ("dln2_gate", "scratch_btc2", (B, T, C)),         # c_fc2's part of dln2, added into dln2
+        ("dfch_swiglu", "scratch_bth", (B, T, H)), ("dfch", "scratch_bth", (B, T, H)),   # swiglu_backward in place
+        ("dfch2", "scratch_bth2", (B, T, H)),
+        ("qkv_rope", "scratch_qkv", (B, T, QKV)), ("dqkv", "scratch_qkv", (B, T, QKV)),
+        *attention.aliases(B, T, C, NH),                  # naive: att_workspace in `logits`
+    ]
+
+
+class Llama3:
+    """A Llama 3 on the GPU: flat floatX parameter and gradient buffers with named views in
+    llama3_cpu.parameter_shapes' order, fp32 AdamW moments m, v and (bf16) fp32 master weights,
+    RoPE's cos and sin tables (maxT, HS/2) in fp32, and the activation buffers of each (B,T)
+    (llama3_activations). precision "bf16" or "fp32"; attention "naive" or "flash". Raises
+    InputError for a shape the kernels cannot run."""
+
+    def __init__(self, config, precision="fp32", attention="naive", matmul=None):
+        cp = cuda.cupy()
+        llama3_cpu.check_config(config)
+        if precision not in PRECISIONS:
+            raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
+        vec = vector_size(precision)
+        if config.head_size % vec or config.hidden_dim % vec:
+            raise InputError(f"the CUDA kernels need the head size {config.head_size} and the SwiGLU width "
+                             f"{config.hidden_dim} to be whole multiples of {vec} in {precision}")
+        self.config, self.precision = config, precision
+        self.attention = attention_path(attention)
+        self.matmul = matmul or Cublas()
+        self.floatX = FLOATX_DTYPES[precision]
+        self.param_shapes = llama3_cpu.parameter_shapes(config)
+        self.num_parameters = n = num_elements(self.param_shapes)
+        self.shard = optimizer_shard(n, 0, 0, 1)              # one process, everything (gpt2_cuda's helpers read it)
+        self.params = cp.zeros(n, dtype=self.floatX)
+        self.grads = cp.zeros(n, dtype=self.floatX)
+        self.P = tensor_views(self.params, self.param_shapes)
+        self.G = tensor_views(self.grads, self.param_shapes)
+        self.master = cp.zeros(n, dtype=np.float32) if precision == "bf16" else None
+        self.m = cp.zeros(n, dtype=np.float32)
+        self.v = cp.zeros(n, dtype=np.float32)
+        HS, maxT = config.head_size, config.max_seq_len
+        cos, sin = llama3_cpu.precompute_freqs_cis(HS, maxT, config.rope_theta, config.use_scaled_rope)
+        self.freqs_cos = cp.asarray(cos.astype(np.float32))   # (maxT, HS/2): fp32, not floatX
+        self.freqs_sin = cp.asarray(sin.astype(np.float32))
+        # Llama 3 has no position embedding: gpt2_cuda's encoder kernel adds this (maxT, C) of zeros
+        # (exactly +0: the embedding is wte's row, bit for bit)
+        self.no_wpe = cp.zeros((maxT, config.channels), dtype=self.floatX)
+        self.partial = cp.zeros(RMSNORM_BACKWARD_GRID * config.channels, dtype=np.float32)   # rmsnorm_backward's slots
+        self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
+        self.norm = cp.zeros(1, dtype=np.float32)
+        self.update_rng = SamplerRNG(UPDATE_SEED)     # seeds of stochastic rounding, one per tensor per step
+        self.views = {}                                # (B,T) -> name -> view
+        self.BT = None
+        self.host_inputs = None
+        self.has_targets = False
+
+
+def llama3_activations(model, B, T):
+    """Named views of the activation buffers of (B,T), allocated at its first use (cached)."""
+    if (B, T) not in model.views:
+        cp = cuda.cupy()
+        dtypes = {"X": model.floatX, "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+        views = {name: cp.zeros(shape, dtype=dtypes[kind])
+                 for name, shape, kind in activation_table(model.config, B, T, model.attention)}
+        views.update({name: prefix(views[buffer], shape)
+                      for name, buffer, shape in activation_aliases(model.config, B, T, model.attention)})
+        model.views[(B, T)] = views
+    return model.views[(B, T)]
+
+
+def layer_params(P, l):
+    """Layer l's 7 per-layer tensors (llama3_cpu.layer_params): name -> view (for G as well as P)."""
+    return llama3_cpu.layer_params(P, l)
+
+
+def rope_tables(model, T):
+    """The cos and sin rows (T,HS/2) of positions 0..T-1: contiguous prefixes of the tables."""
+    return model.freqs_cos[:T], model.freqs_sin[:T]
+
+
+def llama3_forward(model, inputs, targets=None):
+    """Forward pass, llama3_cpu.llama3_forward's: inputs (B,T) int token ids (host numpy); targets
+    (B,T) or None. Returns the logits (B,T,V) floatX on the device (a view into the `logits`
+    buffer, valid until the backward overwrites it with dlogits); with targets, the losses (B,T)
+    fp32 too. Raises InputError if T passes maxT or a token id is out of range."""
+    cfg = model.config
+    inputs = np.asarray(inputs)
+    B, T = inputs.shape
+    check_inputs(cfg, inputs, targets)
+    C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
+    P, A = model.P, llama3_activations(model, B, T)
+    A["inputs"].set(np.ascontiguousarray(inputs, dtype=np.int32))
+    if targets is not None:
+        A["targets"].set(np.ascontiguousarray(targets, dtype=np.int32))
+        model.host_inputs = inputs
+    model.BT, model.has_targets = (B, T), targets is not None
+    encoder_forward(A["encoded"], A["inputs"], P["wte"], model.no_wpe, B, T, C)      # (B,T,C) = wte[inputs]
+    for l in range(L):
+        block_forward(model, A, l, B, T)
+    # forward pass 3: final RMSNorm, untied classifier, softmax + cross-entropy (one kernel)
+    rmsnorm_forward(A["lnf"], A["lnf_rstd"], A["residual3"][L - 1], P["lnfw"], B, T, C)
+    logits = prefix(A["logits"], (B, T, V))
+    model.matmul.forward(logits, A["lnf"], P["wlmhead"], None, B, T, C, V)           # (B,T,C) @ (C,V) -> (B,T,V)
+    if targets is not None:
+        fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, V, write_dlogits=False)
+    return logits
+
+
+def block_forward(model, A, l, B, T):
+    """Block l, llama3_cpu.block_forward's launches, on the activations A of (B,T): from its input
+    (encoded, or block l-1's residual3) to residual3[l]."""
+    cfg, P, mm = model.config, model.P, model.matmul
+    C, NH, NKV, HS, H = cfg.channels, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.hidden_dim
+    QKV = qkv_channels(cfg)
+    p = layer_params(P, l)
+    cos, sin = rope_tables(model, T)
+    residual = A["encoded"] if l == 0 else A["residual3"][l - 1]                       # (B,T,C)
+    # forward pass 1: attention block
+    rmsnorm_forward(A["ln1"][l], A["ln1_rstd"][l], residual, p["ln1w"], B, T, C)
+    mm.forward(A["qkv_proj"][l], A["ln1"][l], p["qkvw"], None, B, T, C, QKV)          # (B,T,(NH+2NKV)*HS)
+    rope_forward(A["qkv_rope"], A["qkv_proj"][l], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)   # q, k rotated
+    qkv_att = model.attention.qkv(A, l, B, T, C)                                       # (B,T,3C): GPT-2's layout
+    repeat_kv_forward(qkv_att, A["qkv_rope"], B, T, NH, NKV, HS)
+    model.attention.forward(A, l, B, T, C, NH, mm.tf32)                                # atty[l] (B,T,C)
+    mm.forward(A["attproj"], A["atty"][l], p["attprojw"], None, B, T, C, C)
+    residual_forward(A["residual2"][l], residual, A["attproj"], B * T * C)
+    # forward pass 2: SwiGLU MLP block
+    rmsnorm_forward(A["ln2"][l], A["ln2_rstd"][l], A["residual2"][l], p["ln2w"], B, T, C)
+    mm.forward(A["fch"][l], A["ln2"][l], p["fcw"], None, B, T, C, H)                   # (B,T,H)
+    mm.forward(A["fch2"][l], A["ln2"][l], p["fcw2"], None, B, T, C, H)                 # (B,T,H)
+    swiglu_forward(A["fch_swiglu"][l], A["fch"][l], A["fch2"][l], B * T * H)
+    mm.forward(A["fcproj"], A["fch_swiglu"][l], p["fcprojw"], None, B, T, H, C)        # (B,T,C)
+    residual_forward(A["residual3"][l], A["residual2"][l], A["fcproj"], B * T * C)
+
+
+def llama3_mean_loss(model):
+    """Mean of the last forward's per-position losses, as a Python float (a device sync)."""
+    A = llama3_activations(model, *model.BT)
+    return float(A["losses"].sum(dtype=np.float64)) / A["losses"].size
+
+
+def llama3_backward(model, loss_scale=1.0):
+    """Backward pass of the last llama3_forward (which must have had targets): accumulates the
+    gradient of loss_scale * mean(losses) into model.grads, llama3_cpu.llama3_backward's passes in
+    the same reverse order. The fused classifier writes the losses again and dlogits in place."""
+    if not model.has_targets:
+        raise RuntimeError("llama3_backward needs a forward pass with targets")
+    cfg = model.config
+    B, T = model.BT
+    C, L, NH, NKV, HS, H, V = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
+                               cfg.hidden_dim, cfg.vocab_size)
+    QKV = qkv_channels(cfg)
+    P, G, A = model.P, model.G, llama3_activations(model, B, T)
+    partial, mm = model.partial, model.matmul
+    cos, sin = rope_tables(model, T)
+
+    # backward pass 3: cross-entropy and softmax (one kernel), classifier, final RMSNorm
+    logits = prefix(A["logits"], (B, T, V))
+    fused_classifier(logits, A["losses"], A["targets"], loss_scale / (B * T), B, T, V, V, write_dlogits=True)
+    mm.backward(A["dlnf"], G["wlmhead"], None, logits, A["lnf"], P["wlmhead"], partial, B, T, C, V)
+    dresidual = A["dresidual"]
+    dresidual.fill(0)                                                                   # rmsnorm_backward accumulates
+    rmsnorm_backward(dresidual, G["lnfw"], partial, A["dlnf"], A["residual3"][L - 1], P["lnfw"], A["lnf_rstd"], B, T, C)
+    for l in reversed(range(L)):
+        p, g = layer_params(P, l), layer_params(G, l)
+        residual = A["encoded"] if l == 0 else A["residual3"][l - 1]
+        # backward pass 2: SwiGLU MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual
+        mm.backward(A["dfch_swiglu"], g["fcprojw"], None, dresidual, A["fch_swiglu"][l], p["fcprojw"], partial,
+                    B, T, H, C)
+        swiglu_backward(A["dfch"], A["dfch2"], A["dfch_swiglu"], A["fch"][l], A["fch2"][l], B * T * H)   # dfch in place
+        # ln2 feeds both c_fc and c_fc2: its gradient is the sum of the two
+        mm.backward(A["dln2"], g["fcw"], None, A["dfch"], A["ln2"][l], p["fcw"], partial, B, T, C, H)
+        mm.backward(A["dln2_gate"], g["fcw2"], None, A["dfch2"], A["ln2"][l], p["fcw2"], partial, B, T, C, H)
+        residual_forward(A["dln2"], A["dln2"], A["dln2_gate"], B * T * C)
+        rmsnorm_backward(dresidual, g["ln2w"], partial, A["dln2"], A["residual2"][l], p["ln2w"], A["ln2_rstd"][l],
+                         B, T, C)
+        # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
+        mm.backward(A["datty"], g["attprojw"], None, dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
+        model.attention.backward(A["dqkv_att"], A["datty"], A, l, B, T, C, NH, mm.tf32)   # (B,T,3C)
+        repeat_kv_backward(A["dqkv"], A["dqkv_att"], B, T, NH, NKV, HS)                  # (B,T,(NH+2NKV)*HS)
+        rope_backward(A["dqkv"], A["dqkv"], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)  # in place
+        mm.backward(A["dln1"], g["qkvw"], None, A["dqkv"], A["ln1"][l], p["qkvw"], partial, B, T, C, QKV)
+        rmsnorm_backward(dresidual, g["ln1w"], partial, A["dln1"], residual, p["ln1w"], A["ln1_rstd"][l], B, T, C)
+    # backward of the encoder: encoded = wte[inputs]
+    seg = encoder_backward_segments(model.host_inputs)
+    K, M = seg.chunk_token.size, seg.reduce_token.size
+    for name in seg._fields:
+        A[name][:getattr(seg, name).size].set(getattr(seg, name))
+    encoder_backward(G["wte"], A["wte_partial"], dresidual, A["positions"], A["chunk_start"][:K + 1],
+                     A["chunk_token"][:K], A["chunk_slot"][:K], A["reduce_start"][:M + 1], A["reduce_token"][:M], K, M,
+                     B, T, C)
