@@ -35,14 +35,14 @@ from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, as_float32, download_param
                        encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad, upload_parameters,
                        wte_partial_rows, wte_reduce_max)
 from llama3_cpu import DECAYED_PARAMETERS, activation_shapes as cpu_activation_shapes, qkv_channels
-from llmc import cuda
+from llmc import cuda, gpu_cli
 from llmc.attention import attention_path, resolve_attention
 from llmc.cli import run_main
 from llmc.comm import Comm
 from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE,
                        KernelCompileError, ceil_div, check_launch, elementwise_grid, require, vector_size,
                        warp_row_grid)
-from llmc.cuda_check import run_check
+from llmc.cuda_check import check_llama3_against_cpu, run_check
 from llmc.gpu_cli import choose_precision
 from llmc.matmul import Cublas
 from llmc.sampler import SamplerRNG
@@ -428,3 +428,63 @@ def llama3_backward(model, loss_scale=1.0):
     encoder_backward(G["wte"], A["wte_partial"], dresidual, A["positions"], A["chunk_start"][:K + 1],
                      A["chunk_token"][:K], A["chunk_slot"][:K], A["reduce_start"][:M + 1], A["reduce_token"][:M], K, M,
                      B, T, C)
+
+
+# ----------------------------------------------------------------------------
+# the command line: --check (llmc/cuda_check.py) on a GPU or the emulated device
+
+def parse_args(argv=None):
+    """llama3_cpu.py's flags plus the GPU options (llmc.gpu_cli.build_parser) -> argparse.Namespace;
+    -e names a Llama 3 model file or descriptor (default llama3_cpu.DEFAULT_MODEL)."""
+    parser = gpu_cli.build_parser(llama3_cpu.LR_SCHEDULES, prog="llama3_cuda.py")
+    parser.set_defaults(model=llama3_cpu.DEFAULT_MODEL)
+    if parser.parse_known_args(argv)[0].device == "cpu":   # the emulated device's reference: llama3_cpu.py, fp32
+        parser.set_defaults(precision="fp32", tf32=0)
+    return parser.parse_args(argv)
+
+
+def setup_model(args, compute_capability, say=print):
+    """The model on the device from -e (a Llama 3 model file or a descriptor, llama3_cpu.build_model),
+    in the precision and attention path of the flags (a fallback is reported through `say`), its
+    matmuls cuBLAS (TF32 from -f on compute capability 8.0)."""
+    precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
+    host = llama3_cpu.build_model(args.model, args.seed)                      # fp32 on the host
+    attention, fallback = resolve_attention(args.attention, precision, host.config.head_size)
+    if fallback:
+        say(f"llama3_cuda.py: {fallback}")
+    model = Llama3(host.config, precision, attention, Cublas(tf32))
+    upload_parameters(model, host.params)
+    return model
+
+
+def check(args):
+    """--check: one batch through llama3_cpu.py and the device (llmc.cuda_check.run_check); 0 if
+    every tensor agrees."""
+    _, _, capability = cuda.select_device(Comm())
+    model = setup_model(args, capability)
+    cuda.load_modules(KERNEL_FILES + model.attention.kernel_files, model.precision)
+    return run_check(sys.modules[__name__], args, model, check_llama3_against_cpu)
+
+
+def main(argv=None):
+    """Command-line entry point. Returns the exit code: 0; 1 for bad input (one `error:` line) or a
+    tensor out of tolerance; 2 without a CUDA GPU or CuPy."""
+    args = parse_args(argv)
+    cuda.use_device(args.device)
+    if args.device == "cpu":
+        print("llama3_cuda.py --device cpu: the CUDA kernels run on the emulated device (compiled by g++, each "
+              "CUDA thread a fiber on the CPU): slow, and its timings say nothing about a GPU")
+    reason = cuda.cuda_unavailable_reason()
+    if reason:
+        where = "the emulated device cannot run" if args.device == "cpu" else "no CUDA GPU found"
+        print(f"llama3_cuda.py: {where} ({reason}); add --device cpu to run the same kernels on the emulated "
+              f"device (slowly), or use llama3_cpu.py", file=sys.stderr)
+        return 2
+    if not args.check:
+        print("llama3_cuda.py: only --check is implemented so far (training: llama3_cpu.py)", file=sys.stderr)
+        return 1
+    return run_main(check, args, (InputError, KernelCompileError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

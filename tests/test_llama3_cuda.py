@@ -1,0 +1,97 @@
+"""llama3_cuda.py, the Llama 3 model on the device, against llama3_cpu.py, on the emulated CUDA
+device (llmc/emulator/): --check (llmc.cuda_check.check_llama3_against_cpu: every activation, the
+logits, the loss and every gradient) from the command line on llama3:d2 in fp32 (naive attention)
+and bf16 (flash attention); in-process on a tiny model with three query heads per kv head, in
+both precisions; and the same comparison seen failing when one of Llama 3's backward launches is
+broken (RoPE's backward skipped, SwiGLU's two gradients swapped, the K/V repeat's backward
+keeping one query head).
+
+Run: python -m pytest -q tests/test_llama3_cuda.py   (~1 minute on 2 cores once the emulated
+device's kernels are built; the first run compiles them, a few minutes)
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import llama3_cpu
+import llama3_cuda
+from llmc import cuda
+from llmc.cuda_check import check_llama3_against_cpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# NH = 6, NKV = 2: n_rep = 3; C = 96: HS = 16 (flash attention's smallest tile); H = 256 (a
+# multiple of 8, bf16's x128); V = 75, no padding (a scalar path of the classifier)
+TINY = llama3_cpu.LlamaConfig(max_seq_len=16, vocab_size=75, num_layers=2, num_heads=6, num_kv_heads=2, channels=96,
+                              multiple_of=32)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(cuda, "_device", "cpu")
+
+
+def tiny_check(precision, attention="naive", verbose=True):
+    """check_llama3_against_cpu on TINY, random init, one batch of 2x13 random tokens."""
+    host = llama3_cpu.llama3_init(TINY, seed=3)
+    model = llama3_cuda.Llama3(TINY, precision, attention)
+    llama3_cuda.upload_parameters(model, host.params)
+    rng = np.random.default_rng(0)
+    inputs, targets = rng.integers(0, TINY.vocab_size, (2, 13)), rng.integers(0, TINY.vocab_size, (2, 13))
+    return check_llama3_against_cpu(llama3_cuda, model, inputs, targets, verbose=verbose)
+
+
+@pytest.mark.parametrize("precision,attention", [("fp32", "naive"), ("bf16", "naive"), ("fp32", "flash")])
+def test_tiny_model_matches_llama3_cpu(emulated, precision, attention, capsys):
+    assert tiny_check(precision, attention)
+    out = capsys.readouterr().out
+    assert out.count("TENSOR OK") == 29 and "NOT OK" not in out    # 16 activations, 3 of the loss, 10 gradients
+    assert "dwte: TENSOR OK" in out and "dqkvw: TENSOR OK" in out
+
+
+def broken_launcher(name, real):
+    """A wrong version of llama3_cuda's launcher `name` (real: the right one), for the check to catch."""
+    def rope_backward_skipped(dinp, dout, cos, sin, B, T, nh, n_rot, HS):       # dq, dk not rotated back
+        real(dinp, dout, cos, sin, B, T, nh, 0, HS)
+
+    def swiglu_gradients_swapped(dfch, dfch2, dout, fch, fch2, n):              # dfch and dfch2 exchanged
+        real(dfch2, dfch, dout, fch, fch2, n)
+
+    def repeat_kv_first_head_only(dinp, dout, B, T, NH, NKV, HS):             # each kv head: one query head's
+        kept = dout.reshape(B, T, 3, NKV, NH // NKV, HS).copy()
+        kept[:, :, 1:, :, 1:] = 0
+        real(dinp, kept.reshape(dout.shape), B, T, NH, NKV, HS)
+    return {"rope_backward": rope_backward_skipped, "swiglu_backward": swiglu_gradients_swapped,
+            "repeat_kv_backward": repeat_kv_first_head_only}[name]
+
+
+@pytest.mark.parametrize("name", ["rope_backward", "swiglu_backward", "repeat_kv_backward"])
+def test_check_fails_on_a_broken_backward(emulated, monkeypatch, name, capsys):
+    monkeypatch.setattr(llama3_cuda, name, broken_launcher(name, getattr(llama3_cuda, name)))
+    assert not tiny_check("fp32")
+    out = capsys.readouterr().out
+    assert "dqkvw: TENSOR NOT OK" in out                    # upstream of every broken launch
+    assert "dwlmhead: TENSOR OK" in out                     # downstream of them all
+
+
+def run_cli(*args):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "llama3_cuda.py"), *args], capture_output=True,
+                            text=True, timeout=900, cwd=ROOT)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("precision,attention", [("fp32", "naive"), ("bf16", "flash")])
+def test_cli_check_on_the_emulated_device(precision, attention):
+    rc, out = run_cli("--device", "cpu", "--check", "-e", "llama3:d2", "-b", "1", "-t", "16", "--precision", precision,
+                      "--attention", attention)
+    assert "kernels run on the emulated device" in out
+    assert rc == 0 and "check: all tensors OK" in out, out[-3000:]
+    assert out.count("TENSOR OK") == 29 and "NOT OK" not in out
+
+
+def test_cli_without_a_device_or_check():
+    rc, out = run_cli("--device", "cpu", "-e", "llama3:d2")
+    assert rc == 1 and "only --check is implemented" in out
