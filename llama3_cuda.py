@@ -8,13 +8,15 @@ written as gpt2_cuda.py's are: it checks its arguments, computes the grid and la
 that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
-What it deliberately is not (yet): a trainer with gpt2_cuda.py's options (CUDA graphs,
-recomputation, ZeRO, several GPUs, the KV-cached sampler); it runs the model once against
-llama3_cpu.py (--check), on a GPU or on the emulated device.
+What it deliberately is not (yet): gpt2_cuda.py's trainer options (CUDA graphs, recomputation,
+ZeRO, several processes, fused residual + norm kernels, checkpoints, a KV-cached sampler); it
+trains one process with llama3_cpu.py's flags and loop, and checks one batch against it (--check).
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
-    python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision fp32
-    ... every activation and gradient: TENSOR OK ... then `check: all tensors OK`
+    python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
+    step    1/3 | loss 10.87... | norm ... | lr 3.00e-04 | ... ms | ... tok/s
+    python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision bf16
+    ... one TENSOR OK line per activation and gradient, then `check: all tensors OK`
 
 Dimensions as in llama3_cpu.py (B T C V L NH NKV HS H maxT), plus N = B*T, the rows of a matmul,
 and QKV = (NH+2NKV)*HS, the width of the qkv projection.
@@ -25,19 +27,21 @@ residual stream's gradient; parameter gradients always accumulate.
 
 import math
 import sys
+import time
 
 import numpy as np
 
 import gpt2_cuda
 import llama3_cpu
-from gpt2_cpu import check_inputs, num_elements, tensor_views
-from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, as_float32, download_parameters, encoder_backward_segments,
-                       encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad, upload_parameters,
-                       wte_partial_rows, wte_reduce_max)
-from llama3_cpu import DECAYED_PARAMETERS, activation_shapes as cpu_activation_shapes, qkv_channels
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, check_inputs, generate, learning_rate_at,
+                      num_elements, tensor_views)
+from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, download_parameters,
+                       encoder_backward_segments, encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad,
+                       upload_parameters, wte_partial_rows, wte_reduce_max)
+from llama3_cpu import DECAYED_PARAMETERS, qkv_channels
 from llmc import cuda, gpu_cli
 from llmc.attention import attention_path, resolve_attention
-from llmc.cli import run_main
+from llmc.cli import TrainingRun, run_main, sample_from_prompt
 from llmc.comm import Comm
 from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE,
                        KernelCompileError, ceil_div, check_launch, elementwise_grid, require, vector_size,
@@ -95,16 +99,15 @@ def rmsnorm_backward_grid(N):
     return min(RMSNORM_BACKWARD_GRID, N)
 
 
-def rope_launch(name, out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS):
-    """The checks and the launch rope_forward and rope_backward share (kernels/rope.cu)."""
+def rope_check(name, out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS):
+    """The checks rope_forward and rope_backward share (kernels/rope.cu). Returns (precision, grid, args)."""
     n = B * T * nh * HS
     precision = check_launch(name, [("out", out, n), ("inp", inp, n)],
                              float32=[("freqs_cos", freqs_cos, T * HS // 2), ("freqs_sin", freqs_sin, T * HS // 2)],
                              vector_dim=("HS", HS))
     require(0 <= n_rot <= nh, f"{name}: need 0 <= n_rot={n_rot} <= nh={nh}")
-    cuda.launch("rope", precision, name, elementwise_grid(n // vector_size(precision)), BLOCK_SIZE,
-                (out, inp, freqs_cos, freqs_sin, np.int32(B), np.int32(T), np.int32(nh), np.int32(n_rot),
-                 np.int32(HS)))
+    args = (out, inp, freqs_cos, freqs_sin, np.int32(B), np.int32(T), np.int32(nh), np.int32(n_rot), np.int32(HS))
+    return precision, elementwise_grid(n // vector_size(precision)), args
 
 
 def rope_forward(out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS):
@@ -112,13 +115,15 @@ def rope_forward(out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS):
     the angles t * freq_i (llama3_cpu.rope_forward), the other heads copied: on the qkv
     projection (nh = NH+2NKV) n_rot = NH+NKV rotates q and k and passes v through. freqs_cos,
     freqs_sin (T,HS/2) fp32: rows 0..T-1 of the tables. out may be inp."""
-    rope_launch("rope_forward", out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS)
+    precision, grid, args = rope_check("rope_forward", out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS)
+    cuda.launch("rope", precision, "rope_forward", grid, BLOCK_SIZE, args)
 
 
 def rope_backward(dinp, dout, freqs_cos, freqs_sin, B, T, nh, n_rot, HS):
     """dinp (B,T,nh,HS) = dout with the first n_rot heads rotated by minus the forward's angles
     (the transpose of a rotation, llama3_cpu.rope_backward), the other heads copied. dinp may be dout."""
-    rope_launch("rope_backward", dinp, dout, freqs_cos, freqs_sin, B, T, nh, n_rot, HS)
+    precision, grid, args = rope_check("rope_backward", dinp, dout, freqs_cos, freqs_sin, B, T, nh, n_rot, HS)
+    cuda.launch("rope", precision, "rope_backward", grid, BLOCK_SIZE, args)
 
 
 def repeat_kv_forward(out, inp, B, T, NH, NKV, HS):
@@ -431,7 +436,100 @@ def llama3_backward(model, loss_scale=1.0):
 
 
 # ----------------------------------------------------------------------------
-# the command line: --check (llmc/cuda_check.py) on a GPU or the emulated device
+# AdamW: gpt2_cuda's kernel, over Llama 3's tensors
+
+def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+    """One AdamW step (llama3_cpu.llama3_update's math; t is the 1-based step count): one
+    gpt2_cuda.adamw_update launch per parameter tensor, weight decay on llama3_cpu's
+    DECAYED_PARAMETERS only, each tensor with its own stochastic-rounding seed from model.update_rng."""
+    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    offset = 0
+    for name, shape in model.param_shapes:
+        seed = model.update_rng.random_u32()
+        n = math.prod(shape)
+        part = slice(offset, offset + n)
+        wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
+        master = model.master[part] if model.master is not None else None
+        gpt2_cuda.adamw_update(model.params[part], master, model.grads[part], model.m[part], model.v[part], n,
+                               learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale, seed)
+        offset += n
+
+
+# ----------------------------------------------------------------------------
+# training loop: llama3_cpu.train's, with this model's forward, backward and update on the device
+
+def train(args):
+    """llama3_cpu.train on the device, one process: the same flags and loop (zero_grad, forward +
+    backward over the micro-batches, clip to the global norm, AdamW), validation, HellaSwag and
+    samples (gpt2_cpu.generate over the full forward, no KV cache). Not yet: checkpoints, resuming,
+    several processes. Returns the model. Raises InputError for the flags it cannot honour."""
+    if args.checkpoint_every > 0 or args.resume:
+        raise InputError("llama3_cuda.py writes and resumes no checkpoints yet (-n, -y): llama3_cpu.py does")
+    comm = Comm()
+    run = TrainingRun(args, comm)
+    _, _, capability = cuda.select_device(comm)
+    model = setup_model(args, capability, say=run.say)
+    cuda.load_modules(KERNEL_FILES + model.attention.kernel_files, model.precision)
+    def forward(x):                                      # the sampler's full forward (1,window) -> logits
+        return HostLogits(llama3_forward(model, x))
+
+    def generate_ids(prompt, n, rng, on_token=None):
+        return generate(model, prompt, n, rng, args.temperature, args.top_k, on_token, forward, kv_cache=False)
+
+    if args.generate > 0:
+        rng = SamplerRNG(args.sample_seed)
+        return sample_from_prompt(args, lambda prompt, n, on_token: generate_ids(prompt, n, rng, on_token),
+                                  model.config.max_seq_len)
+    run.prepare(model.config)
+    B, T = run.B, run.T
+
+    def batch_loss(inputs, targets):                      # validation
+        llama3_forward(model, inputs, targets)
+        return llama3_mean_loss(model)
+
+    def forward_losses(inputs, targets):                  # HellaSwag
+        llama3_forward(model, inputs, targets)
+        return llama3_activations(model, *inputs.shape)["losses"].get()
+
+    if args.eval_only:
+        run.evaluate_only(batch_loss, forward_losses)
+        return model
+    run.banner(model.config, model.num_parameters)
+    cfg = model.config
+    run.say(f"llama3: NKV={cfg.num_kv_heads} H={cfg.hidden_dim} rope_theta={cfg.rope_theta:g} "
+            f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g} | {model.precision}, "
+            f"{model.attention.name} attention")
+    sample_rng = SamplerRNG(args.sample_seed)
+    run.start(0)
+    for step in range(run.num_steps + 1):
+        if run.between_steps(step, batch_loss, forward_losses, lambda prompt, n: generate_ids(prompt, n, sample_rng),
+                             None):
+            break
+        # the training step
+        t0 = time.perf_counter()
+        gpt2_zero_grad(model)
+        loss = 0.0
+        for _ in range(run.grad_accum_steps):
+            if args.overfit_single_batch:
+                run.train_loader.reset()
+            inputs, targets = run.train_loader.next_batch()
+            llama3_forward(model, inputs, targets)
+            llama3_backward(model, loss_scale=1.0 / run.grad_accum_steps)
+            loss += llama3_mean_loss(model) / run.grad_accum_steps
+        norm = gpt2_grad_norm(model)
+        skip, zloss, zgrad = run.skip_update(loss, norm)
+        grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
+        lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
+                              args.final_lr_frac)
+        if not skip:
+            llama3_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+        cuda.cupy().cuda.get_current_stream().synchronize()  # the step's time includes the update
+        run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
+    return model
+
+
+# ----------------------------------------------------------------------------
+# the command line: training, or --check (llmc/cuda_check.py), on a GPU or the emulated device
 
 def parse_args(argv=None):
     """llama3_cpu.py's flags plus the GPU options (llmc.gpu_cli.build_parser) -> argparse.Namespace;
@@ -480,10 +578,7 @@ def main(argv=None):
         print(f"llama3_cuda.py: {where} ({reason}); add --device cpu to run the same kernels on the emulated "
               f"device (slowly), or use llama3_cpu.py", file=sys.stderr)
         return 2
-    if not args.check:
-        print("llama3_cuda.py: only --check is implemented so far (training: llama3_cpu.py)", file=sys.stderr)
-        return 1
-    return run_main(check, args, (InputError, KernelCompileError))
+    return run_main(check if args.check else train, args, (InputError, KernelCompileError))
 
 
 if __name__ == "__main__":

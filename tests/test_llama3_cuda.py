@@ -4,13 +4,15 @@ logits, the loss and every gradient) from the command line on llama3:d2 in fp32 
 and bf16 (flash attention); in-process on a tiny model with three query heads per kv head, in
 both precisions; and the same comparison seen failing when one of Llama 3's backward launches is
 broken (RoPE's backward skipped, SwiGLU's two gradients swapped, the K/V repeat's backward
-keeping one query head).
+keeping one query head); three training steps from the command line with llama3_cpu.py's losses,
+gradient norms, validation losses and sample.
 
 Run: python -m pytest -q tests/test_llama3_cuda.py   (~1 minute on 2 cores once the emulated
 device's kernels are built; the first run compiles them, a few minutes)
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -92,6 +94,37 @@ def test_cli_check_on_the_emulated_device(precision, attention):
     assert out.count("TENSOR OK") == 29 and "NOT OK" not in out
 
 
-def test_cli_without_a_device_or_check():
-    rc, out = run_cli("--device", "cpu", "-e", "llama3:d2")
-    assert rc == 1 and "only --check is implemented" in out
+LOSS_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([0-9.]+) \| norm ([0-9.]+)")
+
+
+def test_cli_training_equals_llama3_cpu():
+    # three steps of llama3:d2 in fp32 on the emulated device: the losses and gradient norms of
+    # llama3_cpu.py, then its validation loss and its sample (the same SamplerRNG draws)
+    args = ("-e", "llama3:d2", "-b", "2", "-t", "16", "-x", "3", "-v", "3", "-m", "1", "-s", "3", "-g", "6")
+    rc_gpu, out_gpu = run_cli("--device", "cpu", *args)
+    cpu = subprocess.run([sys.executable, os.path.join(ROOT, "llama3_cpu.py"), *args], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
+    out_cpu = cpu.stdout + cpu.stderr
+    assert rc_gpu == 0 and cpu.returncode == 0, out_gpu[-2000:] + out_cpu[-2000:]
+    gpu_steps, cpu_steps = LOSS_LINE.findall(out_gpu), LOSS_LINE.findall(out_cpu)
+    assert len(gpu_steps) == len(cpu_steps) == 3
+    for (step, loss, norm), (_, cpu_loss, cpu_norm) in zip(gpu_steps, cpu_steps):
+        assert float(loss) == pytest.approx(float(cpu_loss), rel=2e-6), f"step {step}"
+        assert float(norm) == pytest.approx(float(cpu_norm), rel=1e-4), f"step {step}"
+    val_gpu, val_cpu = re.findall(r"val loss ([0-9.]+)", out_gpu), re.findall(r"val loss ([0-9.]+)", out_cpu)
+    assert len(val_gpu) == len(val_cpu) == 2
+    assert [float(v) for v in val_gpu] == pytest.approx([float(v) for v in val_cpu], rel=2e-6)
+    sample = out_cpu.split("generating:")[1].split("---")[1]
+    assert sample.strip() and sample in out_gpu.split("generating:")[1]
+
+
+def test_cli_refuses_checkpoints(tmp_path):
+    rc, out = run_cli("--device", "cpu", "-e", "llama3:d2", "-x", "1", "-n", "1", "-o", str(tmp_path))
+    assert rc == 1 and out.strip().splitlines()[-1] == ("error: llama3_cuda.py writes and resumes no checkpoints yet "
+                                                        "(-n, -y): llama3_cpu.py does")
+
+
+def test_import_does_not_import_cupy():
+    r = subprocess.run([sys.executable, "-c", "import sys, llama3_cuda; print('cupy' in sys.modules)"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
