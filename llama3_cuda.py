@@ -35,6 +35,7 @@ import gpt2_cuda
 import llama3_cpu
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, check_inputs, generate, learning_rate_at,
                       num_elements, tensor_views)
+# as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
 from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, download_parameters,
                        encoder_backward_segments, encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad,
                        upload_parameters, wte_partial_rows, wte_reduce_max)

@@ -128,3 +128,12 @@ def test_import_does_not_import_cupy():
     r = subprocess.run([sys.executable, "-c", "import sys, llama3_cuda; print('cupy' in sys.modules)"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_shapes_the_kernels_cannot_run_are_refused(emulated):
+    # bf16's x128 groups are 8 values: a head size of 12 (C = 48, NH = 4) cannot be read in them
+    config = llama3_cpu.LlamaConfig(max_seq_len=8, vocab_size=11, num_layers=1, num_heads=4, num_kv_heads=2,
+                                    channels=48, multiple_of=16)
+    with pytest.raises(llama3_cuda.InputError, match="head size 12 .* whole multiples of 8 in bf16"):
+        llama3_cuda.Llama3(config, "bf16")
+    assert llama3_cuda.Llama3(config, "fp32").num_parameters == llama3_cpu.Llama3(config).num_parameters
