@@ -69,6 +69,7 @@ PART_A = tuple(REFERENCES)
 LLAMA3_REFERENCES = {
     "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward"),
     "rope": ("rope_forward", "rope_backward", "precompute_freqs_cis"),
+    "repeat_kv": ("repeat_kv_forward", "repeat_kv_backward", "split_qkv", "merge_heads"),
     "swiglu": ("swiglu_forward", "swiglu_backward"),
 }
 LLAMA3 = tuple(LLAMA3_REFERENCES)
