@@ -10,7 +10,9 @@ threads of a block and hide their races). Inside, through gpt2_cuda.py's own lau
   against gpt2_cpu (fp32 with naive attention, bf16 with flash attention, fp32 with cuBLASLt's
   fused epilogues), flash attention at every head size, the KV-cached sampling forward, and two
   training steps (the global norm and AdamW), at odd shapes (B = 3, T = 13, 37, 70, 33, 19, 9;
-  V = 75 in Vp = 77 and 80);
+  V = 75 in Vp = 77 and 80); Llama 3's kernels through llama3_cuda.py's launchers
+  (tests/test_llama3_kernels.py's grid-stride check in both precisions, tests/test_llama3_cuda.py's
+  tiny model in fp32);
 - the optimizer's kernels at n = OPTIMIZER_N values (a multiple of neither the vector nor the
   block size) in fp32 and in bf16 (with master weights: the stochastic rounding), against NumPy;
 then it checks that every `extern "C" __global__` kernel of kernels/ was launched. A sanitizer
@@ -27,7 +29,7 @@ of the kernels that an out-of-bounds write (cast.cu, adamw.cu), a missing __sync
 wrong shuffle mask are each caught.
 
 Run: python dev/sanitize_kernels.py          (or: make sanitize; --only tsan or --only asan: one)
-Expect: "tsan: OK, 39 kernels in ..." and "asan+ubsan: OK, 39 kernels in ..." (~4 minutes on 2
+Expect: "tsan: OK, 48 kernels in ..." and "asan+ubsan: OK, 48 kernels in ..." (~4 minutes on 2
 busy cores once built; the first run compiles every kernel file twice per sanitizer, ~5 more
 minutes, cached in .emulator-cache/)
 """
@@ -59,6 +61,10 @@ WORKLOAD = [f"{TESTS}::{test}" for test in (
     "test_flash_attention_every_head_size[128-1-19-1-fp32]",
     "test_cached_sampling_forward_matches_gpt2_cpu",
     "test_training_steps_match_gpt2_cpu",
+)] + [os.path.join(ROOT, "tests", test) for test in (            # Llama 3's kernels, alone and in the model
+    "test_llama3_kernels.py::test_grid_stride_loops[cpu-fp32]",
+    "test_llama3_kernels.py::test_grid_stride_loops[cpu-bf16]",
+    "test_llama3_cuda.py::test_tiny_model_matches_llama3_cpu[fp32-naive]",
 )]
 SANITIZER_GLOBAL_NORM_GRID = 5         # blocks of global_norm_squared (odd, and fewer than the data's groups)
 OPTIMIZER_N = 1001                     # values: 1001 % 8 = 1 (the scalar tail), 1001 % 256 = 233 (idle threads)

@@ -1,5 +1,6 @@
 """
-llmc/cuda_check.py: `gpt2_cuda.py --check`, llm.c's test_gpt2.cu for the GPU trainer: one batch
+llmc/cuda_check.py: `gpt2_cuda.py --check` (and `llama3_cuda.py --check`: check_llama3_against_cpu,
+the same comparison against llama3_cpu.py), llm.c's test_gpt2.cu for the GPU trainer: one batch
 through gpt2_cpu.py and through the GPU model, every activation (forward order), the logits, the
 loss and every parameter gradient (backward order) compared with llmc.check's TOLERANCES, one
 TENSOR OK / NOT OK line each; an activation the backward recomputes (-r 1, 2) is
@@ -90,10 +91,63 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
     return all(results)
 
 
-def run_check(trainer, args, model):
-    """--check: one batch (the first of -i) through gpt2_cpu and the GPU; 0 if all tensors agree."""
+def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, verbose=True):
+    """check_against_cpu for Llama 3: one batch through llama3_cpu (in cpu_dtype, with exactly the
+    GPU's parameter values) and through `model` of `trainer` (the llama3_cuda module), every
+    activation (forward order), the logits, the loss, then every parameter gradient (backward
+    order) compared with llmc.check's TOLERANCES. The GPU's qkv_proj is llama3_cpu's qkv; the
+    attention path's buffers (qkvr, att or qkv, lse) are compared with the values they hold in
+    llama3_cpu's qkv_att, GPT-2's layout. Returns True if all are within tolerance. Overwrites the
+    model's gradients."""
+    cfg = model.config
+    B, T = inputs.shape
+    L, NH, C, V = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.vocab_size
+    group = tolerance_group(model)
+    import llama3_cpu                                  # the reference (llmc never imports it at load)
+    cpu = llama3_cpu.Llama3(cfg, cpu_dtype)
+    cpu.params[...] = trainer.download_parameters(model, master=False)
+    llama3_cpu.llama3_forward(cpu, inputs, targets)
+    llama3_cpu.gpt2_zero_grad(cpu)
+    llama3_cpu.llama3_backward(cpu)
+    trainer.gpt2_zero_grad(model)
+    trainer.llama3_forward(model, inputs, targets)
+    A = trainer.llama3_activations(model, B, T)
+    results = []
+
+    def compare(label, gpu, ref, kind):
+        results.append(check_against(gpu, ref, label, group, kind, verbose=verbose))
+
+    CA = cpu.acts
+    refs = {"qkv_proj": CA["qkv"], "qkv": CA["qkv_att"],
+            **model.attention.references({"qkv": CA["qkv_att"]}, L, B, T, C, NH)}
+    names = ("encoded", "ln1", "ln1_rstd", "qkv_proj") + model.attention.check_names + (
+        "atty", "residual2", "ln2", "ln2_rstd", "fch", "fch2", "fch_swiglu", "residual3", "lnf", "lnf_rstd")
+    if verbose:
+        print(f"forward: {B}x{T} tokens, {model.precision} vs llama3_cpu {np.dtype(cpu_dtype).name}, "
+              f"{model.attention.name} attention, tolerances '{group}'")
+    for name in names:
+        kind = "statistic" if name.endswith("_rstd") or name == "lse" else "activation"
+        compare(name, trainer.as_float32(A[name].get()), refs.get(name, CA.get(name)), kind)
+    logits = trainer.as_float32(trainer.prefix(A["logits"], (B, T, V)).get())
+    losses = trainer.as_float32(A["losses"].get())
+    compare("logits", logits, CA["logits"], "logits")
+    compare("losses", losses, CA["losses"], "loss")
+    compare("mean loss", np.array([losses.mean(dtype=np.float64)]), np.array([cpu.mean_loss]), "loss")
+    trainer.llama3_backward(model)
+    grads = llama3_cpu.tensor_views(trainer.as_float32(model.grads.get()), model.param_shapes)
+    if verbose:
+        print("backward:")
+    backward_order = ("wlmhead", "lnfw", "fcprojw", "fcw", "fcw2", "ln2w", "attprojw", "qkvw", "ln1w", "wte")
+    for name in backward_order:
+        compare(f"d{name}", grads[name], cpu.G[name], "grad")
+    return all(results)
+
+
+def run_check(trainer, args, model, check=check_against_cpu):
+    """--check: one batch (the first of -i) through the CPU reference and the GPU with `check`
+    (check_against_cpu for GPT-2, check_llama3_against_cpu for Llama 3); 0 if all tensors agree."""
     loader = DataLoader(args.input_bin, args.batch_size, args.seq_len)
     x, y = loader.next_batch()
-    ok = check_against_cpu(trainer, model, x, y, np.dtype(args.check_dtype).type)
+    ok = check(trainer, model, x, y, np.dtype(args.check_dtype).type)
     print("check: all tensors OK" if ok else "check: SOME TENSORS NOT OK")
     return 0 if ok else 1

@@ -79,6 +79,8 @@ GRID_STRIDE_KERNELS = {   # kernels whose headers say any grid (x) is correct
     "permute_qkv", "permute_qkv_backward", "unpermute", "unpermute_backward", "softmax_forward",
     "softmax_backward", "fused_classifier", "adamw_update", "cast_float_to_floatX", "cast_floatX_to_float",
     "flash_attention_backward_preprocess",
+    "rmsnorm_forward", "rmsnorm_param_reduce", "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
+    "repeat_kv_forward", "repeat_kv_backward",
 }
 
 
@@ -316,3 +318,92 @@ def check_adamw_norm_cast(rng, precision, n):
     back = poisoned(n, precision)
     gpt2_cuda.cast_float_to_floatX(back, cp.asarray(g0), n)
     assert_kernel("cast", precision, back, as_input(g0, precision), "cast float -> floatX (nearest even)")
+
+
+# ----------------------------------------------------------------------------
+# Llama 3's kernels (llama3_cuda.py's launchers) against llama3_cpu.py's layers
+
+def check_rmsnorm(rng, precision, B, T, C):
+    """rmsnorm_forward, and rmsnorm_backward (dinp and dweight accumulate)."""
+    import llama3_cpu
+    import llama3_cuda
+    inp = rng.standard_normal((B, T, C)) * 2 + 0.5
+    w = rng.standard_normal(C)
+    x, wx = as_input(inp, precision), as_input(w, precision)
+    out, rstd = poisoned((B, T, C), precision), poisoned_f32((B, T))
+    llama3_cuda.rmsnorm_forward(out, rstd, to_device(inp, precision), to_device(w, precision), B, T, C)
+    ref, ref_rstd = llama3_cpu.rmsnorm_forward(x, wx, llama3_cpu.NORM_EPS)
+    assert_kernel("rmsnorm_forward", precision, out, ref, "rmsnorm out")
+    assert_kernel("rmsnorm_forward", "fp32", rstd.get(), ref_rstd, "rmsnorm rstd")   # fp32 statistic of floatX inputs
+    dout = rng.standard_normal((B, T, C))
+    dinp0, dw0 = rng.standard_normal((B, T, C)), rng.standard_normal(C)
+    dinp, dw = to_device(dinp0, precision), to_device(dw0, precision)
+    partial = poisoned_f32(llama3_cuda.rmsnorm_backward_grid(B * T) * C)
+    llama3_cuda.rmsnorm_backward(dinp, dw, partial, to_device(dout, precision), to_device(inp, precision),
+                                 to_device(w, precision), rstd, B, T, C)
+    ref_dw = as_input(dw0, precision)
+    ref_dinp = as_input(dinp0, precision) + llama3_cpu.rmsnorm_backward(ref_dw, as_input(dout, precision), x, wx, ref_rstd)
+    assert_kernel("rmsnorm_backward", precision, dinp, ref_dinp, "rmsnorm dinp (accumulated)")
+    assert_kernel("rmsnorm_backward", precision, dw, ref_dw, "rmsnorm dweight (accumulated)")
+
+
+def check_rope(rng, precision, B, T, NH, NKV, HS, in_place=False):
+    """rope_forward and rope_backward on a qkv projection (B,T,NH+2NKV,HS): q and k heads rotated
+    (n_rot = NH+NKV), v heads copied; in_place: out is inp."""
+    import llama3_cpu
+    import llama3_cuda
+    cp = llmc.cuda.cupy()
+    nh, n_rot = NH + 2 * NKV, NH + NKV
+    cos, sin = llama3_cpu.precompute_freqs_cis(HS, T, llama3_cpu.ROPE_THETA, True)      # (T,HS/2) float64
+    dev_cos, dev_sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
+    for launcher, reference, label in ((llama3_cuda.rope_forward, llama3_cpu.rope_forward, "rope forward"),
+                                       (llama3_cuda.rope_backward, llama3_cpu.rope_backward, "rope backward")):
+        inp = rng.standard_normal((B, T, nh, HS))
+        x = as_input(inp, precision)
+        source = to_device(inp, precision)
+        out = source if in_place else poisoned((B, T, nh, HS), precision)
+        launcher(out, source, dev_cos, dev_sin, B, T, nh, n_rot, HS)
+        ref = x.copy()
+        ref[:, :, :n_rot] = reference(x[:, :, :n_rot], cos, sin)
+        assert_kernel("rope", precision, out, ref, label + (" (in place)" if in_place else ""))
+
+
+def check_repeat_kv(rng, precision, B, T, NH, NKV, HS):
+    """repeat_kv_forward (qkv (B,T,NH+2NKV,HS) -> GPT-2's (B,T,3,NH,HS)) and repeat_kv_backward."""
+    import llama3_cpu
+    import llama3_cuda
+    n_rep, QKV = NH // NKV, (NH + 2 * NKV) * HS
+    inp = rng.standard_normal((B, T, QKV))
+    x = as_input(inp, precision)
+    out = poisoned((B, T, 3 * NH * HS), precision)
+    llama3_cuda.repeat_kv_forward(out, to_device(inp, precision), B, T, NH, NKV, HS)
+    q, k, v = llama3_cpu.split_qkv(x, NH, NKV)
+    ref = llama3_cpu.merge_heads(q, llama3_cpu.repeat_kv_forward(k, n_rep), llama3_cpu.repeat_kv_forward(v, n_rep))
+    assert_kernel("repeat_kv", precision, out, ref, "repeat_kv forward")
+    dout = rng.standard_normal((B, T, 3 * NH * HS))
+    dx = as_input(dout, precision)
+    dinp = poisoned((B, T, QKV), precision)
+    llama3_cuda.repeat_kv_backward(dinp, to_device(dout, precision), B, T, NH, NKV, HS)
+    dq, dk, dv = llama3_cpu.split_qkv(dx, NH, NH)
+    ref = llama3_cpu.merge_heads(dq, llama3_cpu.repeat_kv_backward(dk, n_rep), llama3_cpu.repeat_kv_backward(dv, n_rep))
+    assert_kernel("repeat_kv", precision, dinp, ref, "repeat_kv backward")
+
+
+def check_swiglu(rng, precision, n, in_place=False):
+    """swiglu_forward and swiglu_backward over n values (any n: the x128 groups and the scalar
+    tail); in_place: dfch is dout."""
+    import llama3_cpu
+    import llama3_cuda
+    fch, fch2, dout = rng.standard_normal(n) * 3, rng.standard_normal(n) * 3, rng.standard_normal(n)
+    fch2[:2] = (-100.0, 100.0)                                          # silu's limits: -0 and the identity
+    a, b, d = as_input(fch, precision), as_input(fch2, precision), as_input(dout, precision)
+    out = poisoned(n, precision)
+    llama3_cuda.swiglu_forward(out, to_device(fch, precision), to_device(fch2, precision), n)
+    assert_kernel("swiglu", precision, out, llama3_cpu.swiglu_forward(a, b), "swiglu forward")
+    dev_dout = to_device(dout, precision)
+    dfch = dev_dout if in_place else poisoned(n, precision)
+    dfch2 = poisoned(n, precision)
+    llama3_cuda.swiglu_backward(dfch, dfch2, dev_dout, to_device(fch, precision), to_device(fch2, precision), n)
+    ref_dfch, ref_dfch2 = llama3_cpu.swiglu_backward(d, a, b)
+    assert_kernel("swiglu", precision, dfch, ref_dfch, "swiglu dfch" + (" (in place)" if in_place else ""))
+    assert_kernel("swiglu", precision, dfch2, ref_dfch2, "swiglu dfch2")

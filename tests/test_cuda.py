@@ -44,6 +44,7 @@ import pytest
 import gpt2_cpu
 from llmc import checkpoint, cli, cuda_check, dataloader, evalloader, gpu_cli, tokenizer
 import gpt2_cuda
+import llama3_cuda
 import llmc.matmul
 import llmc.attention
 import llmc.cuda
@@ -328,10 +329,11 @@ def test_import_does_not_import_cupy():
 
 
 def _launched_kernels():
-    """(file, kernel name) of every cuda.launch call in gpt2_cuda.py's source and the llmc modules
-    holding its launchers (attention.py, matmul.py, cublaslt.py)."""
+    """(file, kernel name) of every cuda.launch call in gpt2_cuda.py's source, the llmc modules
+    holding its launchers (attention.py, matmul.py, cublaslt.py) and llama3_cuda.py's."""
     src = ""
-    for path in ("gpt2_cuda.py", *(os.path.join("llmc", f"{name}.py") for name in ("attention", "matmul", "cublaslt"))):
+    for path in ("gpt2_cuda.py", "llama3_cuda.py",
+                 *(os.path.join("llmc", f"{name}.py") for name in ("attention", "matmul", "cublaslt"))):
         with open(os.path.join(ROOT, path)) as f:
             src += f.read()
     launched = set(re.findall(r'cuda\.launch\("(\w+)", precision, "(\w+)"', src))
@@ -347,7 +349,8 @@ def test_every_launch_names_a_kernel_of_its_file():
             with open(os.path.join(ROOT, "kernels", path)) as f:
                 defined |= {(path[:-3], k) for k in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', f.read())}
     assert launched == defined                                           # every kernel has a launcher
-    assert set(gpt2_cuda.KERNEL_FILES) | {"flash_attention"} == {file for file, _ in defined}   # flash: kernel_files(model)
+    assert set(gpt2_cuda.KERNEL_FILES) | {"flash_attention"} | set(llama3_cuda.LLAMA3_KERNEL_FILES) == {
+        file for file, _ in defined}                                     # flash: kernel_files(model)
 
 
 # ----------------------------------------------------------------------------

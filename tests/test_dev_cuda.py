@@ -6,7 +6,8 @@ No GPU needed:
 - every version of every op script names kernels that exist: the intermediate ones in the PTX of
   its dev/cuda/<op>.cu, the last version's in kernels/<file>.cu, where it must be the kernel
   gpt2_cuda.py launches (tests/test_kernels_compile.py's contract);
-- each op script takes its reference from gpt2_cpu (imported, never redefined);
+- each op script takes its reference from gpt2_cpu (Llama 3's ops from llama3_cpu; imported, never
+  redefined);
 - the harness's host parts against hand-computed values: napkin bytes and FLOPs, throughput,
   tolerance choice, the table, bf16 round trips;
 - every progression validates at its small test size, both precisions, every version and block
@@ -64,6 +65,15 @@ REFERENCES = {
     "global_norm": ("gpt2_grad_norm",),
 }
 PART_A = tuple(REFERENCES)
+# Llama 3's ops, each with the llama3_cpu layers its script must take its reference from
+LLAMA3_REFERENCES = {
+    "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward"),
+    "rope": ("rope_forward", "rope_backward", "precompute_freqs_cis"),
+    "repeat_kv": ("repeat_kv_forward", "repeat_kv_backward", "split_qkv", "merge_heads"),
+    "swiglu": ("swiglu_forward", "swiglu_backward"),
+}
+LLAMA3 = tuple(LLAMA3_REFERENCES)
+CHECKED = PART_A + LLAMA3
 PRECISIONS = ("bf16", "fp32")
 
 
@@ -79,7 +89,7 @@ def ptx_entries(path, precision):
 # compiling, and the version lists
 
 def test_every_op_has_a_script_and_a_cu_file():
-    assert set(PART_A) <= set(OPS)              # make dev-cuda runs them all
+    assert set(CHECKED) <= set(OPS)             # make dev-cuda runs them all
     on_disk = {os.path.basename(p)[:-3] for p in nc.dev_kernel_files()}
     assert set(OPS) <= on_disk
 
@@ -98,7 +108,7 @@ def test_dev_kernels_compile(path, precision, arch):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("op", PART_A)
+@pytest.mark.parametrize("op", CHECKED)
 def test_versions_name_existing_kernels(op):
     for progression in SCRIPTS[op].PROGRESSIONS:
         numbers = [v.number for v in progression.versions]
@@ -121,8 +131,9 @@ def test_versions_name_existing_kernels(op):
 
 def test_last_versions_are_the_kernels_gpt2_cuda_launches():
     source = "".join(open(os.path.join(ROOT, path), encoding="utf-8").read()     # the launchers' files
-                     for path in ("gpt2_cuda.py", "llmc/attention.py", "llmc/matmul.py", "llmc/cublaslt.py"))
-    for op in PART_A:
+                     for path in ("gpt2_cuda.py", "llmc/attention.py", "llmc/matmul.py", "llmc/cublaslt.py",
+                                  "llama3_cuda.py"))
+    for op in CHECKED:
         for progression in SCRIPTS[op].PROGRESSIONS:
             for kernel in progression.versions[-1].kernels:
                 file = os.path.basename(kernel.path)[:-3]
@@ -140,7 +151,19 @@ def test_reference_comes_from_gpt2_cpu(op):
         assert name not in defined, f"{op}.py redefines gpt2_cpu.{name}"
 
 
-@pytest.mark.parametrize("op", PART_A)
+@pytest.mark.parametrize("op", LLAMA3)
+def test_reference_comes_from_llama3_cpu(op):
+    import llama3_cpu
+    module = SCRIPTS[op]
+    assert module.llama3_cpu is llama3_cpu
+    source = open(os.path.join(DEV_CUDA, f"{op}.py"), encoding="utf-8").read()
+    defined = {node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+    for name in LLAMA3_REFERENCES[op]:
+        assert f"llama3_cpu.{name}(" in source, f"{op}.py does not call llama3_cpu.{name}"
+        assert name not in defined, f"{op}.py redefines llama3_cpu.{name}"
+
+
+@pytest.mark.parametrize("op", CHECKED)
 def test_docstring_lists_every_version_and_the_run_line(op):
     doc = SCRIPTS[op].__doc__
     assert f"python dev/cuda/{op}.py" in doc
@@ -209,7 +232,7 @@ def test_bf16_round_trip_is_what_the_kernel_sees():
     assert common.to_device_dtype([1, 2], "i32", "bf16").dtype == np.int32
 
 
-@pytest.mark.parametrize("op", PART_A)
+@pytest.mark.parametrize("op", CHECKED)
 def test_test_cases_are_consistent(op):
     # every check names an array of the case, and its reference is finite with the array's size
     for progression in SCRIPTS[op].PROGRESSIONS:
@@ -296,7 +319,7 @@ no_gpu_only = pytest.mark.skipif(common.cuda.cuda_unavailable_reason() is None, 
 
 
 @no_gpu_only
-@pytest.mark.parametrize("script", [f"{op}.py" for op in PART_A] + ["run_all.py"])
+@pytest.mark.parametrize("script", [f"{op}.py" for op in CHECKED] + ["run_all.py"])
 def test_no_gpu_is_one_line_and_exit_2(script):
     r = _run(script)
     assert r.returncode == 2
@@ -319,10 +342,10 @@ def test_help_and_a_bad_version_need_no_gpu():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("name", [p.name for op in PART_A for p in SCRIPTS[op].PROGRESSIONS])
+@pytest.mark.parametrize("name", [p.name for op in CHECKED for p in SCRIPTS[op].PROGRESSIONS])
 def test_progression_validates(monkeypatch, name, precision, device):
     monkeypatch.setattr(common.cuda, "_device", device)
-    progression = next(p for op in PART_A for p in SCRIPTS[op].PROGRESSIONS if p.name == name)
+    progression = next(p for op in CHECKED for p in SCRIPTS[op].PROGRESSIONS if p.name == name)
     assert common.validate(progression, precision, progression.test_sizes)
 
 

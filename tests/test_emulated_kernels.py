@@ -6,7 +6,8 @@ against gpt2_cpu in float64) in fp32 and bf16, with naive and flash attention, w
 GELU recompute (-r 1) and with the LayerNorms' too (-r 2, also bitwise -r 1's training step), at small odd shapes (T = 13, V = 75 padded to 77 or 80, so the classifier's scalar
 and vector paths both run); flash attention alone at every head size (16, 32, 64, 128) and odd T;
 two training steps (gradient accumulation, the global norm, AdamW) against gpt2_cpu's; the KV-cached
-sampling forward (the cast and residual kernels); that no `extern "C" __global__` kernel in
+sampling forward (the cast and residual kernels); Llama 3's kernels once (tests/test_llama3_kernels.py
+checks them in full); that no `extern "C" __global__` kernel in
 kernels/ is left that no test here executes; and, marked slow, `gpt2_cuda.py --device cpu` on
 the d2 model: --check in fp32 and bf16 and the training losses of gpt2_cpu.py.
 
@@ -35,6 +36,7 @@ from llmc.check import check_tensor
 from llmc.emulator import build
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from llmc.matmul import CublasLt
+from cuda_kernel_checks import check_repeat_kv, check_rmsnorm, check_rope, check_swiglu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # C = 32 with NH = 2: HS = 16, flash attention's smallest tile; V = 75 and Vp = 77 (not a multiple of
@@ -255,9 +257,14 @@ def test_every_kernel_in_kernels_is_executed():
         run_flash("fp32", HS, 1, 3, 1)
     run_training()
     assert run_sampling()
+    rng = np.random.default_rng(0)                    # Llama 3's kernels (tests/test_llama3_kernels.py)
+    check_rmsnorm(rng, "fp32", 1, 3, 32)
+    check_rope(rng, "fp32", 1, 3, 2, 1, 16)
+    check_repeat_kv(rng, "fp32", 1, 3, 2, 1, 16)
+    check_swiglu(rng, "fp32", 37)
     missing = all_kernels() - EXECUTED
     assert not missing, f"kernels that no test executes: {sorted(missing)}"
-    assert len(all_kernels()) >= 38
+    assert len(all_kernels()) >= 47
 
 
 # ----------------------------------------------------------------------------

@@ -45,7 +45,7 @@ PRECISIONS = ("bf16", "fp32")
 ARCHS = nc.PTX_ARCHS + nc.CUBIN_ARCHS
 ELF_MAGIC = b"\x7fELF"
 
-# The kernel contract that gpt2_cuda.py launches against: file -> its extern "C" kernels.
+# The kernel contract that gpt2_cuda.py and llama3_cuda.py launch against: file -> its extern "C" kernels.
 KERNEL_CONTRACT = {
     "encoder.cu": ("encoder_forward", "encoder_backward_wpe", "encoder_backward_wte", "encoder_backward_wte_reduce"),
     "layernorm.cu": ("layernorm_forward", "fused_residual_forward", "layernorm_backward",
@@ -58,6 +58,11 @@ KERNEL_CONTRACT = {
     "adamw.cu": ("adamw_update",),
     "global_norm.cu": ("global_norm_squared", "global_norm_finalize"),
     "cast.cu": ("cast_float_to_floatX", "cast_floatX_to_float"),
+    # Llama 3's (llama3_cuda.py)
+    "rmsnorm.cu": ("rmsnorm_forward", "rmsnorm_backward", "rmsnorm_param_reduce"),
+    "rope.cu": ("rope_forward", "rope_backward"),
+    "swiglu.cu": ("swiglu_forward", "swiglu_backward"),
+    "repeat_kv.cu": ("repeat_kv_forward", "repeat_kv_backward"),
     "flash_attention.cu": ("flash_attention_backward_preprocess",)
                           + tuple(f"flash_attention_{kind}_hs{HS}" for kind in ("forward", "backward_dkdv", "backward_dq")
                                   for HS in (16, 32, 64, 128)),

@@ -1,6 +1,6 @@
 """
 dev/cuda/run_all.py: run every kernel progression of dev/cuda/ on a GPU (`make dev-cuda`): each
-dev/cuda/<op>.py in turn, each validating all its versions against gpt2_cpu.py, timing them and
+dev/cuda/<op>.py in turn, each validating all its versions against gpt2_cpu.py (llama3_cpu.py for Llama 3's ops), timing them and
 writing its table to dev/results/dev_cuda_<op>.md.
 
 What it deliberately is not: a harness of its own; dev/cuda/common.py is. This only runs the
@@ -26,7 +26,8 @@ from llmc.cli import ArgumentParser  # noqa: E402
 
 # the progressions, in the order a forward + backward pass meets them (a new dev/cuda/<op>.py is
 # added here; tests/test_dev_cuda.py checks that each listed op has its script and .cu file)
-OPS = ("encoder", "layernorm", "gelu", "classifier", "global_norm", "adamw", "matmul", "attention")
+OPS = ("encoder", "layernorm", "gelu", "classifier", "global_norm", "adamw", "matmul", "attention",
+       "rmsnorm", "rope", "repeat_kv", "swiglu")     # then Llama 3's (llama3_cuda.py)
 NO_GPU_EXIT = 2
 
 

@@ -1,0 +1,586 @@
+"""
+llama3_cuda.py: Llama 3 on NVIDIA GPUs in Python, the twin of llama3_cpu.py as gpt2_cuda.py is of
+gpt2_cpu.py: CuPy for memory and launches, our own kernels for the layers Llama 3 adds
+(kernels/rmsnorm.cu, rope.cu, swiglu.cu, repeat_kv.cu), and everything Llama 3 shares with GPT-2
+imported from gpt2_cuda.py (the launcher contract, the token embedding, the matmul backends,
+the attention paths, the fused classifier, the casts). Each new layer is a thin *launcher*
+written as gpt2_cuda.py's are: it checks its arguments, computes the grid and launches a kernel
+that writes into preallocated arrays, outputs first, like llm.c:
+`rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
+
+What it deliberately is not (yet): gpt2_cuda.py's trainer options (CUDA graphs, recomputation,
+ZeRO, several processes, fused residual + norm kernels, checkpoints, a KV-cached sampler); it
+trains one process with llama3_cpu.py's flags and loop, and checks one batch against it (--check).
+
+Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
+    python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
+    step    1/3 | loss 10.87... | norm ... | lr 3.00e-04 | ... ms | ... tok/s
+    python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision bf16
+    ... one TENSOR OK line per activation and gradient, then `check: all tensors OK`
+
+Dimensions as in llama3_cpu.py (B T C V L NH NKV HS H maxT), plus N = B*T, the rows of a matmul,
+and QKV = (NH+2NKV)*HS, the width of the qkv projection.
+Gradient convention (gpt2_cuda.py's, llm.c's): a launcher *writes* (=) its input's gradient into
+the `dinp` it is given, except RMSNorm's backward, which *accumulates* (+=) into dinp, the
+residual stream's gradient; parameter gradients always accumulate.
+"""
+
+import math
+import sys
+import time
+
+import numpy as np
+
+import gpt2_cuda
+import llama3_cpu
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, check_inputs, generate, learning_rate_at,
+                      num_elements, tensor_views)
+# as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
+from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, download_parameters,
+                       encoder_backward_segments, encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad,
+                       upload_parameters, wte_partial_rows, wte_reduce_max)
+from llama3_cpu import DECAYED_PARAMETERS, qkv_channels
+from llmc import cuda, gpu_cli
+from llmc.attention import attention_path, resolve_attention
+from llmc.cli import TrainingRun, run_main, sample_from_prompt
+from llmc.comm import Comm
+from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE,
+                       KernelCompileError, ceil_div, check_launch, elementwise_grid, require, vector_size,
+                       warp_row_grid)
+from llmc.cuda_check import check_llama3_against_cpu, run_check
+from llmc.gpu_cli import choose_precision
+from llmc.matmul import Cublas
+from llmc.sampler import SamplerRNG
+from llmc.utils import InputError, prefix
+from llmc.zero import optimizer_shard
+
+# ----------------------------------------------------------------------------
+# constants: launch configuration
+
+LLAMA3_KERNEL_FILES = ("rmsnorm", "rope", "swiglu", "repeat_kv")
+RMSNORM_BACKWARD_BLOCK_SIZE = 512
+RMSNORM_BACKWARD_GRID = 512            # partial-sum slots of rmsnorm_backward: fixed, so results reproduce
+
+
+# ----------------------------------------------------------------------------
+# layers: launchers of Llama 3's new kernels, forward/backward pairs, in llama3_cpu.py's order
+
+def rmsnorm_forward(out, rstd, inp, weight, B, T, C):
+    """out (B,T,C) = inp * rstd * weight over the last axis, rstd (B,T) fp32 = 1/sqrt(mean(inp^2) + eps)
+    written for the backward (llama3_cpu.rmsnorm_forward). One warp per row (kernels/rmsnorm.cu).
+    Raises TypeError or ValueError for arrays of the wrong dtype, size or alignment."""
+    N = B * T
+    precision = check_launch("rmsnorm_forward", [("out", out, N * C), ("inp", inp, N * C), ("weight", weight, C)],
+                             float32=[("rstd", rstd, N)], vector_dim=("C", C))
+    cuda.launch("rmsnorm", precision, "rmsnorm_forward", warp_row_grid(N), WARP_ROW_BLOCK_SIZE,
+                (out, rstd, inp, weight, np.int32(N), np.int32(C)))
+
+
+def rmsnorm_backward(dinp, dweight, partial, dout, inp, weight, rstd, B, T, C):
+    """Accumulate dinp (B,T,C) (the residual stream's gradient) and dweight (C,) from dout:
+        dinp += rstd * (dnorm - norm * mean(dnorm * norm)),  dnorm = dout * weight, norm = inp * rstd
+        dweight += sum over rows of dout * norm
+    (derivation: llama3_cpu.rmsnorm_backward). Two kernels: per-block partial sums of dweight
+    into partial (G, C) fp32, G = rmsnorm_backward_grid(N), then their in-order sum."""
+    N = B * T
+    G = rmsnorm_backward_grid(N)
+    precision = check_launch("rmsnorm_backward",
+                             [("dinp", dinp, N * C), ("dweight", dweight, C), ("dout", dout, N * C),
+                              ("inp", inp, N * C), ("weight", weight, C)],
+                             float32=[("rstd", rstd, N)], vector_dim=("C", C), unaligned=("dweight",))
+    require(partial.dtype == np.float32 and partial.size >= G * C, f"rmsnorm partial sums need {G * C} floats")
+    cuda.launch("rmsnorm", precision, "rmsnorm_backward", G, RMSNORM_BACKWARD_BLOCK_SIZE,
+                (dinp, partial, dout, inp, weight, rstd, np.int32(N), np.int32(C)))
+    cuda.launch("rmsnorm", precision, "rmsnorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
+                (dweight, partial, np.int32(G), np.int32(C)))
+
+
+def rmsnorm_backward_grid(N):
+    """Scratch slots of rmsnorm_backward (blocks, each owning ceil(N/G) rows): fixed per N."""
+    return min(RMSNORM_BACKWARD_GRID, N)
+
+
+def rope_check(name, out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS):
+    """The checks rope_forward and rope_backward share (kernels/rope.cu). Returns (precision, grid, args)."""
+    n = B * T * nh * HS
+    precision = check_launch(name, [("out", out, n), ("inp", inp, n)],
+                             float32=[("freqs_cos", freqs_cos, T * HS // 2), ("freqs_sin", freqs_sin, T * HS // 2)],
+                             vector_dim=("HS", HS))
+    require(0 <= n_rot <= nh, f"{name}: need 0 <= n_rot={n_rot} <= nh={nh}")
+    args = (out, inp, freqs_cos, freqs_sin, np.int32(B), np.int32(T), np.int32(nh), np.int32(n_rot), np.int32(HS))
+    return precision, elementwise_grid(n // vector_size(precision)), args
+
+
+def rope_forward(out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS):
+    """out (B,T,nh,HS) = inp with the first n_rot heads of each position t rotated pair by pair by
+    the angles t * freq_i (llama3_cpu.rope_forward), the other heads copied: on the qkv
+    projection (nh = NH+2NKV) n_rot = NH+NKV rotates q and k and passes v through. freqs_cos,
+    freqs_sin (T,HS/2) fp32: rows 0..T-1 of the tables. out may be inp."""
+    precision, grid, args = rope_check("rope_forward", out, inp, freqs_cos, freqs_sin, B, T, nh, n_rot, HS)
+    cuda.launch("rope", precision, "rope_forward", grid, BLOCK_SIZE, args)
+
+
+def rope_backward(dinp, dout, freqs_cos, freqs_sin, B, T, nh, n_rot, HS):
+    """dinp (B,T,nh,HS) = dout with the first n_rot heads rotated by minus the forward's angles
+    (the transpose of a rotation, llama3_cpu.rope_backward), the other heads copied. dinp may be dout."""
+    precision, grid, args = rope_check("rope_backward", dinp, dout, freqs_cos, freqs_sin, B, T, nh, n_rot, HS)
+    cuda.launch("rope", precision, "rope_backward", grid, BLOCK_SIZE, args)
+
+
+def repeat_kv_forward(out, inp, B, T, NH, NKV, HS):
+    """out (B,T,3C) = [q, repeat(k), repeat(v)], GPT-2's attention input, from the qkv projection
+    inp (B,T,(NH+2NKV)*HS): each of the NKV key and value heads repeated for its NH/NKV query heads
+    (llama3_cpu.repeat_kv_forward)."""
+    QKV = (NH + 2 * NKV) * HS
+    precision = check_launch("repeat_kv_forward", [("out", out, B * T * 3 * NH * HS), ("inp", inp, B * T * QKV)],
+                             vector_dim=("HS", HS))
+    require(NKV > 0 and NH % NKV == 0, f"repeat_kv_forward: NH={NH} is not a multiple of NKV={NKV}")
+    cuda.launch("repeat_kv", precision, "repeat_kv_forward", elementwise_grid(B * T * 3 * NH * HS // vector_size(precision)),
+                BLOCK_SIZE, (out, inp, np.int32(B), np.int32(T), np.int32(NH), np.int32(NKV), np.int32(HS)))
+
+
+def repeat_kv_backward(dinp, dout, B, T, NH, NKV, HS):
+    """dinp (B,T,(NH+2NKV)*HS) from dout (B,T,3C): the q heads' gradients copied, each key and value
+    head's the sum over the NH/NKV query heads it served (llama3_cpu.repeat_kv_backward). Writes (=)."""
+    QKV = (NH + 2 * NKV) * HS
+    precision = check_launch("repeat_kv_backward", [("dinp", dinp, B * T * QKV), ("dout", dout, B * T * 3 * NH * HS)],
+                             vector_dim=("HS", HS))
+    require(NKV > 0 and NH % NKV == 0, f"repeat_kv_backward: NH={NH} is not a multiple of NKV={NKV}")
+    cuda.launch("repeat_kv", precision, "repeat_kv_backward", elementwise_grid(B * T * QKV // vector_size(precision)),
+                BLOCK_SIZE, (dinp, dout, np.int32(B), np.int32(T), np.int32(NH), np.int32(NKV), np.int32(HS)))
+
+
+def swiglu_forward(out, fch, fch2, n):
+    """out (n,) = fch * silu(fch2) (llama3_cpu.swiglu_forward); fch, fch2 the outputs of c_fc and
+    c_fc2, n = B*T*H values each."""
+    precision = check_launch("swiglu_forward", [("out", out, n), ("fch", fch, n), ("fch2", fch2, n)], aligned=True)
+    cuda.launch("swiglu", precision, "swiglu_forward", elementwise_grid(n // vector_size(precision)), BLOCK_SIZE,
+                (out, fch, fch2, np.uint64(n)))
+
+
+def swiglu_backward(dfch, dfch2, dout, fch, fch2, n):
+    """dfch = dout * silu(fch2), dfch2 = dout * fch * silu'(fch2), each (n,) (llama3_cpu.swiglu_backward).
+    Writes (=); dfch may be dout."""
+    precision = check_launch("swiglu_backward", [("dfch", dfch, n), ("dfch2", dfch2, n), ("dout", dout, n),
+                                                 ("fch", fch, n), ("fch2", fch2, n)], aligned=True)
+    cuda.launch("swiglu", precision, "swiglu_backward", elementwise_grid(n // vector_size(precision)), BLOCK_SIZE,
+                (dfch, dfch2, dout, fch, fch2, np.uint64(n)))
+
+
+def residual_forward(out, inp1, inp2, n):
+    """out (n,) = inp1 + inp2 (kernels/layernorm.cu's residual_forward; out may be inp1). Llama 3's
+    residual additions, and the sum of the two gradients that reach ln2 (c_fc's and c_fc2's)."""
+    precision = check_launch("residual_forward", [("out", out, n), ("inp1", inp1, n), ("inp2", inp2, n)], aligned=True)
+    cuda.launch("layernorm", precision, "residual_forward", elementwise_grid(ceil_div(n, vector_size(precision))),
+                BLOCK_SIZE, (out, inp1, inp2, np.uint64(n)))
+
+
+def encoder_backward(dwte, partial, dout, positions, chunk_start, chunk_token, chunk_slot, reduce_start, reduce_token,
+                     num_chunks, num_reduce, B, T, C):
+    """Accumulate dwte (V,C) from dout (B,T,C): gpt2_cuda.encoder_backward's deterministic
+    scatter-add (kernels/encoder.cu) without its dwpe kernel, since Llama 3 has no wpe:
+        out[b,t] = wte[inp[b,t]]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v
+    The int32 arrays are gpt2_cuda.WteSegments' on the device; partial fp32, wte_partial_rows(B*T) rows."""
+    N = B * T
+    precision = check_launch("encoder_backward", [("dwte", dwte, dwte.size), ("dout", dout, N * C)],
+                             int32=[("positions", positions, N), ("chunk_start", chunk_start, num_chunks + 1),
+                                    ("chunk_token", chunk_token, num_chunks), ("chunk_slot", chunk_slot, num_chunks),
+                                    ("reduce_start", reduce_start, num_reduce + 1),
+                                    ("reduce_token", reduce_token, num_reduce)], vector_dim=("C", C))
+    require(partial.dtype == np.float32 and partial.size >= wte_partial_rows(N) * C,
+            f"encoder_backward: partial needs {wte_partial_rows(N) * C} floats")
+    groups_per_row = C // vector_size(precision)               # threads of a block stride over these
+    block = min(MAX_THREADS_PER_BLOCK, ceil_div(groups_per_row, WARP_SIZE) * WARP_SIZE)
+    cuda.launch("encoder", precision, "encoder_backward_wte", max(1, num_chunks), block,
+                (dwte, partial, dout, positions, chunk_start, chunk_token, chunk_slot, np.int32(num_chunks), np.int32(C)))
+    cuda.launch("encoder", precision, "encoder_backward_wte_reduce", max(1, num_reduce), block,
+                (dwte, partial, reduce_start, reduce_token, np.int32(num_reduce), np.int32(C)))
+
+
+# ----------------------------------------------------------------------------
+# the model: parameters, activations, forward, backward (zero_grad and the grad norm are gpt2_cuda's)
+
+KERNEL_FILES = ("encoder", "layernorm", "attention", "classifier", "adamw", "global_norm", "cast") + LLAMA3_KERNEL_FILES
+
+
+def activation_table(config, B, T, attention):
+    """Every device buffer of one forward + backward pass, in forward order: (name, shape, kind),
+    kind "X" floatX, "f32" float32, "i32" int32. Names follow llama3_cpu.activation_shapes, but
+    qkv_proj (llama3_cpu's qkv: "qkv" is the attention path's buffer of GPT-2's layout, llama3_cpu's
+    qkv_att). Never kept, as in gpt2_cuda.py: qkv_att for the naive path (its qkvr is), attproj,
+    fcproj and probs (the fused classifier); the one-layer transients live in scratch buffers under
+    the name of each role (activation_aliases)."""
+    C, L, NH, V, H = config.channels, config.num_layers, config.num_heads, config.vocab_size, config.hidden_dim
+    QKV = qkv_channels(config)
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, V)
+    return [
+        ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
+        ("encoded", (B, T, C), "X"),
+        ("ln1", (L, B, T, C), "X"), ("ln1_rstd", (L, B, T), "f32"),
+        ("qkv_proj", (L, B, T, QKV), "X"),
+        *attention_kept, ("atty", (L, B, T, C), "X"),
+        ("residual2", (L, B, T, C), "X"),
+        ("ln2", (L, B, T, C), "X"), ("ln2_rstd", (L, B, T), "f32"),
+        ("fch", (L, B, T, H), "X"), ("fch2", (L, B, T, H), "X"), ("fch_swiglu", (L, B, T, H), "X"),
+        ("residual3", (L, B, T, C), "X"),
+        ("lnf", (B, T, C), "X"), ("lnf_rstd", (B, T), "f32"),
+        ("losses", (B, T), "f32"),
+        ("logits", (logits_floats,), "X"),     # (B,T,V), then dlogits in place
+        ("scratch_btc", (B, T, C), "X"), ("scratch_btc2", (B, T, C), "X"),
+        ("scratch_bth", (B, T, H), "X"), ("scratch_bth2", (B, T, H), "X"),
+        ("scratch_qkv", (B, T, QKV), "X"), ("dqkv_att", (B, T, 3 * C), "X"),
+        ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
+        *attention_backward_buffers,
+        # the dwte scatter-add's plan (gpt2_cuda.WteSegments)
+        ("positions", (B * T,), "i32"), ("chunk_start", (B * T + 1,), "i32"), ("chunk_token", (B * T,), "i32"),
+        ("chunk_slot", (B * T,), "i32"), ("reduce_start", (wte_reduce_max(B * T) + 1,), "i32"),
+        ("reduce_token", (wte_reduce_max(B * T) + 1,), "i32"), ("wte_partial", (wte_partial_rows(B * T), C), "f32"),
+    ]
+
+
+def activation_aliases(config, B, T, attention):
+    """The roles living in a scratch buffer, (name, buffer, shape); those of one buffer are never
+    live at once: each is consumed before the next is written."""
+    C, H, NH = config.channels, config.hidden_dim, config.num_heads
+    QKV = qkv_channels(config)
+    return [
+        *[(name, "scratch_btc", (B, T, C)) for name in ("attproj", "fcproj", "dlnf", "dln2", "datty", "dln1")],
+        ("dln2_gate", "scratch_btc2", (B, T, C)),         # c_fc2's part of dln2, added into dln2
+        ("dfch_swiglu", "scratch_bth", (B, T, H)), ("dfch", "scratch_bth", (B, T, H)),   # swiglu_backward in place
+        ("dfch2", "scratch_bth2", (B, T, H)),
+        ("qkv_rope", "scratch_qkv", (B, T, QKV)), ("dqkv", "scratch_qkv", (B, T, QKV)),
+        *attention.aliases(B, T, C, NH),                  # naive: att_workspace in `logits`
+    ]
+
+
+class Llama3:
+    """A Llama 3 on the GPU: flat floatX parameter and gradient buffers with named views in
+    llama3_cpu.parameter_shapes' order, fp32 AdamW moments m, v and (bf16) fp32 master weights,
+    RoPE's cos and sin tables (maxT, HS/2) in fp32, and the activation buffers of each (B,T)
+    (llama3_activations). precision "bf16" or "fp32"; attention "naive" or "flash". Raises
+    InputError for a shape the kernels cannot run."""
+
+    def __init__(self, config, precision="fp32", attention="naive", matmul=None):
+        cp = cuda.cupy()
+        llama3_cpu.check_config(config)
+        if precision not in PRECISIONS:
+            raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
+        vec = vector_size(precision)
+        if config.head_size % vec or config.hidden_dim % vec:
+            raise InputError(f"the CUDA kernels need the head size {config.head_size} and the SwiGLU width "
+                             f"{config.hidden_dim} to be whole multiples of {vec} in {precision}")
+        self.config, self.precision = config, precision
+        self.attention = attention_path(attention)
+        self.matmul = matmul or Cublas()
+        self.floatX = FLOATX_DTYPES[precision]
+        self.param_shapes = llama3_cpu.parameter_shapes(config)
+        self.num_parameters = n = num_elements(self.param_shapes)
+        self.shard = optimizer_shard(n, 0, 0, 1)              # one process, everything (gpt2_cuda's helpers read it)
+        self.params = cp.zeros(n, dtype=self.floatX)
+        self.grads = cp.zeros(n, dtype=self.floatX)
+        self.P = tensor_views(self.params, self.param_shapes)
+        self.G = tensor_views(self.grads, self.param_shapes)
+        self.master = cp.zeros(n, dtype=np.float32) if precision == "bf16" else None
+        self.m = cp.zeros(n, dtype=np.float32)
+        self.v = cp.zeros(n, dtype=np.float32)
+        HS, maxT = config.head_size, config.max_seq_len
+        cos, sin = llama3_cpu.precompute_freqs_cis(HS, maxT, config.rope_theta, config.use_scaled_rope)
+        self.freqs_cos = cp.asarray(cos.astype(np.float32))   # (maxT, HS/2): fp32, not floatX
+        self.freqs_sin = cp.asarray(sin.astype(np.float32))
+        # Llama 3 has no position embedding: gpt2_cuda's encoder kernel adds this (maxT, C) of zeros
+        # (exactly +0: the embedding is wte's row, bit for bit)
+        self.no_wpe = cp.zeros((maxT, config.channels), dtype=self.floatX)
+        self.partial = cp.zeros(RMSNORM_BACKWARD_GRID * config.channels, dtype=np.float32)   # rmsnorm_backward's slots
+        self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
+        self.norm = cp.zeros(1, dtype=np.float32)
+        self.update_rng = SamplerRNG(UPDATE_SEED)     # seeds of stochastic rounding, one per tensor per step
+        self.views = {}                                # (B,T) -> name -> view
+        self.BT = None
+        self.host_inputs = None
+        self.has_targets = False
+
+
+def llama3_activations(model, B, T):
+    """Named views of the activation buffers of (B,T), allocated at its first use (cached)."""
+    if (B, T) not in model.views:
+        cp = cuda.cupy()
+        dtypes = {"X": model.floatX, "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+        views = {name: cp.zeros(shape, dtype=dtypes[kind])
+                 for name, shape, kind in activation_table(model.config, B, T, model.attention)}
+        views.update({name: prefix(views[buffer], shape)
+                      for name, buffer, shape in activation_aliases(model.config, B, T, model.attention)})
+        model.views[(B, T)] = views
+    return model.views[(B, T)]
+
+
+def layer_params(P, l):
+    """Layer l's 7 per-layer tensors (llama3_cpu.layer_params): name -> view (for G as well as P)."""
+    return llama3_cpu.layer_params(P, l)
+
+
+def rope_tables(model, T):
+    """The cos and sin rows (T,HS/2) of positions 0..T-1: contiguous prefixes of the tables."""
+    return model.freqs_cos[:T], model.freqs_sin[:T]
+
+
+def llama3_forward(model, inputs, targets=None):
+    """Forward pass, llama3_cpu.llama3_forward's: inputs (B,T) int token ids (host numpy); targets
+    (B,T) or None. Returns the logits (B,T,V) floatX on the device (a view into the `logits`
+    buffer, valid until the backward overwrites it with dlogits); with targets, the losses (B,T)
+    fp32 too. Raises InputError if T passes maxT or a token id is out of range."""
+    cfg = model.config
+    inputs = np.asarray(inputs)
+    B, T = inputs.shape
+    check_inputs(cfg, inputs, targets)
+    C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
+    P, A = model.P, llama3_activations(model, B, T)
+    A["inputs"].set(np.ascontiguousarray(inputs, dtype=np.int32))
+    if targets is not None:
+        A["targets"].set(np.ascontiguousarray(targets, dtype=np.int32))
+        model.host_inputs = inputs
+    model.BT, model.has_targets = (B, T), targets is not None
+    encoder_forward(A["encoded"], A["inputs"], P["wte"], model.no_wpe, B, T, C)      # (B,T,C) = wte[inputs]
+    for l in range(L):
+        block_forward(model, A, l, B, T)
+    # forward pass 3: final RMSNorm, untied classifier, softmax + cross-entropy (one kernel)
+    rmsnorm_forward(A["lnf"], A["lnf_rstd"], A["residual3"][L - 1], P["lnfw"], B, T, C)
+    logits = prefix(A["logits"], (B, T, V))
+    model.matmul.forward(logits, A["lnf"], P["wlmhead"], None, B, T, C, V)           # (B,T,C) @ (C,V) -> (B,T,V)
+    if targets is not None:
+        fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, V, write_dlogits=False)
+    return logits
+
+
+def block_forward(model, A, l, B, T):
+    """Block l, llama3_cpu.block_forward's launches, on the activations A of (B,T): from its input
+    (encoded, or block l-1's residual3) to residual3[l]."""
+    cfg, P, mm = model.config, model.P, model.matmul
+    C, NH, NKV, HS, H = cfg.channels, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.hidden_dim
+    QKV = qkv_channels(cfg)
+    p = layer_params(P, l)
+    cos, sin = rope_tables(model, T)
+    residual = A["encoded"] if l == 0 else A["residual3"][l - 1]                       # (B,T,C)
+    # forward pass 1: attention block
+    rmsnorm_forward(A["ln1"][l], A["ln1_rstd"][l], residual, p["ln1w"], B, T, C)
+    mm.forward(A["qkv_proj"][l], A["ln1"][l], p["qkvw"], None, B, T, C, QKV)          # (B,T,(NH+2NKV)*HS)
+    rope_forward(A["qkv_rope"], A["qkv_proj"][l], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)   # q, k rotated
+    qkv_att = model.attention.qkv(A, l, B, T, C)                                       # (B,T,3C): GPT-2's layout
+    repeat_kv_forward(qkv_att, A["qkv_rope"], B, T, NH, NKV, HS)
+    model.attention.forward(A, l, B, T, C, NH, mm.tf32)                                # atty[l] (B,T,C)
+    mm.forward(A["attproj"], A["atty"][l], p["attprojw"], None, B, T, C, C)
+    residual_forward(A["residual2"][l], residual, A["attproj"], B * T * C)
+    # forward pass 2: SwiGLU MLP block
+    rmsnorm_forward(A["ln2"][l], A["ln2_rstd"][l], A["residual2"][l], p["ln2w"], B, T, C)
+    mm.forward(A["fch"][l], A["ln2"][l], p["fcw"], None, B, T, C, H)                   # (B,T,H)
+    mm.forward(A["fch2"][l], A["ln2"][l], p["fcw2"], None, B, T, C, H)                 # (B,T,H)
+    swiglu_forward(A["fch_swiglu"][l], A["fch"][l], A["fch2"][l], B * T * H)
+    mm.forward(A["fcproj"], A["fch_swiglu"][l], p["fcprojw"], None, B, T, H, C)        # (B,T,C)
+    residual_forward(A["residual3"][l], A["residual2"][l], A["fcproj"], B * T * C)
+
+
+def llama3_mean_loss(model):
+    """Mean of the last forward's per-position losses, as a Python float (a device sync)."""
+    A = llama3_activations(model, *model.BT)
+    return float(A["losses"].sum(dtype=np.float64)) / A["losses"].size
+
+
+def llama3_backward(model, loss_scale=1.0):
+    """Backward pass of the last llama3_forward (which must have had targets): accumulates the
+    gradient of loss_scale * mean(losses) into model.grads, llama3_cpu.llama3_backward's passes in
+    the same reverse order. The fused classifier writes the losses again and dlogits in place."""
+    if not model.has_targets:
+        raise RuntimeError("llama3_backward needs a forward pass with targets")
+    cfg = model.config
+    B, T = model.BT
+    C, L, NH, NKV, HS, H, V = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
+                               cfg.hidden_dim, cfg.vocab_size)
+    QKV = qkv_channels(cfg)
+    P, G, A = model.P, model.G, llama3_activations(model, B, T)
+    partial, mm = model.partial, model.matmul
+    cos, sin = rope_tables(model, T)
+
+    # backward pass 3: cross-entropy and softmax (one kernel), classifier, final RMSNorm
+    logits = prefix(A["logits"], (B, T, V))
+    fused_classifier(logits, A["losses"], A["targets"], loss_scale / (B * T), B, T, V, V, write_dlogits=True)
+    mm.backward(A["dlnf"], G["wlmhead"], None, logits, A["lnf"], P["wlmhead"], partial, B, T, C, V)
+    dresidual = A["dresidual"]
+    dresidual.fill(0)                                                                   # rmsnorm_backward accumulates
+    rmsnorm_backward(dresidual, G["lnfw"], partial, A["dlnf"], A["residual3"][L - 1], P["lnfw"], A["lnf_rstd"], B, T, C)
+    for l in reversed(range(L)):
+        p, g = layer_params(P, l), layer_params(G, l)
+        residual = A["encoded"] if l == 0 else A["residual3"][l - 1]
+        # backward pass 2: SwiGLU MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual
+        mm.backward(A["dfch_swiglu"], g["fcprojw"], None, dresidual, A["fch_swiglu"][l], p["fcprojw"], partial,
+                    B, T, H, C)
+        swiglu_backward(A["dfch"], A["dfch2"], A["dfch_swiglu"], A["fch"][l], A["fch2"][l], B * T * H)   # dfch in place
+        # ln2 feeds both c_fc and c_fc2: its gradient is the sum of the two
+        mm.backward(A["dln2"], g["fcw"], None, A["dfch"], A["ln2"][l], p["fcw"], partial, B, T, C, H)
+        mm.backward(A["dln2_gate"], g["fcw2"], None, A["dfch2"], A["ln2"][l], p["fcw2"], partial, B, T, C, H)
+        residual_forward(A["dln2"], A["dln2"], A["dln2_gate"], B * T * C)
+        rmsnorm_backward(dresidual, g["ln2w"], partial, A["dln2"], A["residual2"][l], p["ln2w"], A["ln2_rstd"][l],
+                         B, T, C)
+        # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
+        mm.backward(A["datty"], g["attprojw"], None, dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
+        model.attention.backward(A["dqkv_att"], A["datty"], A, l, B, T, C, NH, mm.tf32)   # (B,T,3C)
+        repeat_kv_backward(A["dqkv"], A["dqkv_att"], B, T, NH, NKV, HS)                  # (B,T,(NH+2NKV)*HS)
+        rope_backward(A["dqkv"], A["dqkv"], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)  # in place
+        mm.backward(A["dln1"], g["qkvw"], None, A["dqkv"], A["ln1"][l], p["qkvw"], partial, B, T, C, QKV)
+        rmsnorm_backward(dresidual, g["ln1w"], partial, A["dln1"], residual, p["ln1w"], A["ln1_rstd"][l], B, T, C)
+    # backward of the encoder: encoded = wte[inputs]
+    seg = encoder_backward_segments(model.host_inputs)
+    K, M = seg.chunk_token.size, seg.reduce_token.size
+    for name in seg._fields:
+        A[name][:getattr(seg, name).size].set(getattr(seg, name))
+    encoder_backward(G["wte"], A["wte_partial"], dresidual, A["positions"], A["chunk_start"][:K + 1],
+                     A["chunk_token"][:K], A["chunk_slot"][:K], A["reduce_start"][:M + 1], A["reduce_token"][:M], K, M,
+                     B, T, C)
+
+
+# ----------------------------------------------------------------------------
+# AdamW: gpt2_cuda's kernel, over Llama 3's tensors
+
+def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+    """One AdamW step (llama3_cpu.llama3_update's math; t is the 1-based step count): one
+    gpt2_cuda.adamw_update launch per parameter tensor, weight decay on llama3_cpu's
+    DECAYED_PARAMETERS only, each tensor with its own stochastic-rounding seed from model.update_rng."""
+    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    offset = 0
+    for name, shape in model.param_shapes:
+        seed = model.update_rng.random_u32()
+        n = math.prod(shape)
+        part = slice(offset, offset + n)
+        wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
+        master = model.master[part] if model.master is not None else None
+        gpt2_cuda.adamw_update(model.params[part], master, model.grads[part], model.m[part], model.v[part], n,
+                               learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale, seed)
+        offset += n
+
+
+# ----------------------------------------------------------------------------
+# training loop: llama3_cpu.train's, with this model's forward, backward and update on the device
+
+def train(args):
+    """llama3_cpu.train on the device, one process: the same flags and loop (zero_grad, forward +
+    backward over the micro-batches, clip to the global norm, AdamW), validation, HellaSwag and
+    samples (gpt2_cpu.generate over the full forward, no KV cache). Not yet: checkpoints, resuming,
+    several processes. Returns the model. Raises InputError for the flags it cannot honour."""
+    if args.checkpoint_every > 0 or args.resume:
+        raise InputError("llama3_cuda.py writes and resumes no checkpoints yet (-n, -y): llama3_cpu.py does")
+    comm = Comm()
+    run = TrainingRun(args, comm)
+    _, _, capability = cuda.select_device(comm)
+    model = setup_model(args, capability, say=run.say)
+    cuda.load_modules(KERNEL_FILES + model.attention.kernel_files, model.precision)
+    def forward(x):                                      # the sampler's full forward (1,window) -> logits
+        return HostLogits(llama3_forward(model, x))
+
+    def generate_ids(prompt, n, rng, on_token=None):
+        return generate(model, prompt, n, rng, args.temperature, args.top_k, on_token, forward, kv_cache=False)
+
+    if args.generate > 0:
+        rng = SamplerRNG(args.sample_seed)
+        return sample_from_prompt(args, lambda prompt, n, on_token: generate_ids(prompt, n, rng, on_token),
+                                  model.config.max_seq_len)
+    run.prepare(model.config)
+    B, T = run.B, run.T
+
+    def batch_loss(inputs, targets):                      # validation
+        llama3_forward(model, inputs, targets)
+        return llama3_mean_loss(model)
+
+    def forward_losses(inputs, targets):                  # HellaSwag
+        llama3_forward(model, inputs, targets)
+        return llama3_activations(model, *inputs.shape)["losses"].get()
+
+    if args.eval_only:
+        run.evaluate_only(batch_loss, forward_losses)
+        return model
+    run.banner(model.config, model.num_parameters)
+    cfg = model.config
+    run.say(f"llama3: NKV={cfg.num_kv_heads} H={cfg.hidden_dim} rope_theta={cfg.rope_theta:g} "
+            f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g} | {model.precision}, "
+            f"{model.attention.name} attention")
+    sample_rng = SamplerRNG(args.sample_seed)
+    run.start(0)
+    for step in range(run.num_steps + 1):
+        if run.between_steps(step, batch_loss, forward_losses, lambda prompt, n: generate_ids(prompt, n, sample_rng),
+                             None):
+            break
+        # the training step
+        t0 = time.perf_counter()
+        gpt2_zero_grad(model)
+        loss = 0.0
+        for _ in range(run.grad_accum_steps):
+            if args.overfit_single_batch:
+                run.train_loader.reset()
+            inputs, targets = run.train_loader.next_batch()
+            llama3_forward(model, inputs, targets)
+            llama3_backward(model, loss_scale=1.0 / run.grad_accum_steps)
+            loss += llama3_mean_loss(model) / run.grad_accum_steps
+        norm = gpt2_grad_norm(model)
+        skip, zloss, zgrad = run.skip_update(loss, norm)
+        grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
+        lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
+                              args.final_lr_frac)
+        if not skip:
+            llama3_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+        cuda.cupy().cuda.get_current_stream().synchronize()  # the step's time includes the update
+        run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
+    return model
+
+
+# ----------------------------------------------------------------------------
+# the command line: training, or --check (llmc/cuda_check.py), on a GPU or the emulated device
+
+def parse_args(argv=None):
+    """llama3_cpu.py's flags plus the GPU options (llmc.gpu_cli.build_parser) -> argparse.Namespace;
+    -e names a Llama 3 model file or descriptor (default llama3_cpu.DEFAULT_MODEL)."""
+    parser = gpu_cli.build_parser(llama3_cpu.LR_SCHEDULES, prog="llama3_cuda.py")
+    parser.set_defaults(model=llama3_cpu.DEFAULT_MODEL)
+    if parser.parse_known_args(argv)[0].device == "cpu":   # the emulated device's reference: llama3_cpu.py, fp32
+        parser.set_defaults(precision="fp32", tf32=0)
+    return parser.parse_args(argv)
+
+
+def setup_model(args, compute_capability, say=print):
+    """The model on the device from -e (a Llama 3 model file or a descriptor, llama3_cpu.build_model),
+    in the precision and attention path of the flags (a fallback is reported through `say`), its
+    matmuls cuBLAS (TF32 from -f on compute capability 8.0)."""
+    precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
+    host = llama3_cpu.build_model(args.model, args.seed)                      # fp32 on the host
+    attention, fallback = resolve_attention(args.attention, precision, host.config.head_size)
+    if fallback:
+        say(f"llama3_cuda.py: {fallback}")
+    model = Llama3(host.config, precision, attention, Cublas(tf32))
+    upload_parameters(model, host.params)
+    return model
+
+
+def check(args):
+    """--check: one batch through llama3_cpu.py and the device (llmc.cuda_check.run_check); 0 if
+    every tensor agrees."""
+    _, _, capability = cuda.select_device(Comm())
+    model = setup_model(args, capability)
+    cuda.load_modules(KERNEL_FILES + model.attention.kernel_files, model.precision)
+    return run_check(sys.modules[__name__], args, model, check_llama3_against_cpu)
+
+
+def main(argv=None):
+    """Command-line entry point. Returns the exit code: 0; 1 for bad input (one `error:` line) or a
+    tensor out of tolerance; 2 without a CUDA GPU or CuPy."""
+    args = parse_args(argv)
+    cuda.use_device(args.device)
+    if args.device == "cpu":
+        print("llama3_cuda.py --device cpu: the CUDA kernels run on the emulated device (compiled by g++, each "
+              "CUDA thread a fiber on the CPU): slow, and its timings say nothing about a GPU")
+    reason = cuda.cuda_unavailable_reason()
+    if reason:
+        where = "the emulated device cannot run" if args.device == "cpu" else "no CUDA GPU found"
+        print(f"llama3_cuda.py: {where} ({reason}); add --device cpu to run the same kernels on the emulated "
+              f"device (slowly), or use llama3_cpu.py", file=sys.stderr)
+        return 2
+    return run_main(check if args.check else train, args, (InputError, KernelCompileError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
