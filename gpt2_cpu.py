@@ -155,7 +155,8 @@ def config_from_descriptor(name):
         if C in GPT3_DESCRIPTORS:
             L, HS = GPT3_DESCRIPTORS[C]
             return GPT2Config(max_seq_len=GPT3_MAX_SEQ_LEN, num_layers=L, num_heads=C // HS, channels=C)
-    raise InputError(f"unknown model '{name}': expected a .bin file, {descriptor_forms()}")
+    other = " (a Llama 3: train it with llama3_cpu.py or llama3_cuda.py)" if name.startswith("llama3:") else ""
+    raise InputError(f"unknown model '{name}'{other}: expected a .bin file, {descriptor_forms()}")
 
 
 # ----------------------------------------------------------------------------

@@ -141,7 +141,9 @@ def config_from_descriptor(name, vocab_size=GPT2_TOKENIZER_VOCAB):
     """LlamaConfig for a descriptor (llama3:d4), of vocab_size tokens (GPT-2's, or the Llama 3
     tokenizer's: descriptor_vocab_size). Raises InputError."""
     if name not in LLAMA3_DESCRIPTORS:
-        raise InputError(f"unknown model '{name}': expected a Llama 3 model .bin file or one of "
+        other = (" (a GPT-2 or GPT-3: train it with gpt2_cpu.py or gpt2_cuda.py)"
+                 if name.startswith(("d", "gpt2:", "gpt3:")) or name in ("124M", "350M", "774M", "1558M") else "")
+        raise InputError(f"unknown model '{name}'{other}: expected a Llama 3 model .bin file or one of "
                          f"{', '.join(LLAMA3_DESCRIPTORS)}")
     L, NH, NKV, C, multiple_of = LLAMA3_DESCRIPTORS[name]
     return LlamaConfig(max_seq_len=SMALL_MAX_SEQ_LEN, vocab_size=vocab_size, num_layers=L, num_heads=NH,

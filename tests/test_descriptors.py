@@ -133,3 +133,13 @@ def test_smallest_gpt3_trains_and_its_checkpoint_says_maxT_2048(tmp_path):
     assert "maxT=2048" in r.stdout and "step    2/2" in r.stdout
     header = formats.read_model_shape(str(tmp_path / "model_00000002.bin"))
     assert shape(g.config_from_header(header)) == LLMC_GPT3[384] + (2048, LLMC_V, LLMC_VP)
+
+
+def test_a_model_of_the_other_family_names_its_trainer():
+    """-e llama3:d4 to the GPT-2 trainer, -e d4 to the Llama 3 one: the line says which trainer."""
+    import llama3_cpu
+    with pytest.raises(utils.InputError, match="train it with llama3_cpu.py"):
+        g.config_from_descriptor("llama3:d4")
+    for name in ("d4", "gpt2:d12", "gpt3:c768", "124M"):
+        with pytest.raises(utils.InputError, match="train it with gpt2_cpu.py"):
+            llama3_cpu.config_from_descriptor(name)
