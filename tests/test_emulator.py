@@ -123,6 +123,24 @@ def test_syncthreads_orders_shared_memory(kernels, blocks, n):
     np.testing.assert_array_equal(out.get(), expected)
 
 
+def test_a_launch_leaves_few_stacks_mapped():
+    """A block of 1024 threads that all wait at a barrier takes 1023 fiber stacks, two memory
+    mappings each (guard page and stack); every kernel library has its own. Kept mapped after the
+    launch, a test run that loads many libraries reached Linux's 65530 mappings and the emulator
+    aborted ("out of memory for fiber stacks"). After a launch a library keeps a few (KEPT_STACKS)."""
+    def mappings():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    module = cp.RawModule(code=TEST_KERNELS + "// a library of its own for this test\n", options=("-DENABLE_FP32",))
+    function = module.get_function("rotate_through_shared")
+    out = cp.empty(1024, np.float32)
+    function((1,), (32,), (out, np.int32(32)))                    # the library loaded, few stacks used
+    before = mappings()
+    function((1,), (1024,), (out, np.int32(1024)))
+    np.testing.assert_array_equal(out.get(), (np.arange(1, 1025) % 1024) * 10.0)
+    assert mappings() - before < 500, mappings() - before        # 1023 stacks kept: about 2046 more
+
+
 @pytest.mark.parametrize("blocks,n", [(1, 100), (5, 1024)])
 def test_threads_that_leave_count_as_arrived_at_barriers(kernels, blocks, n):
     out = cp.empty(blocks * n, np.float32)

@@ -292,6 +292,12 @@ constexpr size_t GUARD_BYTES = 4096;
 constexpr uintptr_t COLOR_WINDOW = 64 * 1024;
 constexpr uintptr_t COLOR_STRIDE = 13 * 64;
 constexpr size_t STACK_MAPPING = STACK_BYTES + COLOR_WINDOW;
+// Stacks a worker keeps mapped from one launch to the next. Each stack is two memory mappings (its
+// guard page and the rest), every kernel library has its own workers, and Linux allows a process
+// 65530 mappings (vm.max_map_count): a test run that loads a hundred libraries, each of which once
+// ran blocks of 1024 waiting threads, would run out (mmap fails) if every stack stayed mapped. So a
+// launch unmaps the stacks beyond these when it ends; a launch that needs more maps them again.
+constexpr size_t KEPT_STACKS = 64;
 
 // __shared__ arrays: thread_local, at these offsets from the start of this library's TLS block
 // (llmc/emulator/build.py reads them from the symbol table: readelf's TLS symbols)
@@ -525,6 +531,16 @@ static ControlWords exchange_control_words(ControlWords next) {
 }
 #endif
 
+// after a worker's last block of a launch, when every stack is free again (a finished runner
+// returns its stack; a failed block returns them all): unmap those beyond KEPT_STACKS
+static void trim_stacks(Worker& w) {
+    if (w.stacks.size() <= KEPT_STACKS) return;
+    for (size_t i = KEPT_STACKS; i < w.stacks.size(); i++) munmap(w.stacks[i], STACK_MAPPING);
+    w.stacks.resize(KEPT_STACKS);
+    w.free_stacks.clear();
+    for (int i = 0; i < (int)KEPT_STACKS; i++) w.free_stacks.push_back(i);
+}
+
 static void work(Worker& w) {
     this_worker = &w;
 #if defined(__x86_64__)
@@ -533,6 +549,7 @@ static void work(Worker& w) {
     for (long i; !failed.load(std::memory_order_relaxed) && (i = launch_now->next_block++) < launch_now->num_blocks;) {
         run_block(w, i);
     }
+    trim_stacks(w);
 #if defined(__x86_64__)
     exchange_control_words(thread_control_words);
 #endif
