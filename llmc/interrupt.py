@@ -25,8 +25,9 @@ def exit_on_interrupt(signum, frame):
 
 def quiet_ctrl_c_while_importing(module_name):
     """Make Ctrl-C exit 130 without a traceback, until restore_ctrl_c. module_name is the calling
-    file's __name__: nothing changes unless it runs as the program ("__main__")."""
-    if module_name == "__main__":
+    file's __name__: nothing changes unless it runs as the program ("__main__"), nor when SIGINT
+    has another handler than Python's own (pdb's, which breaks into the debugger on Ctrl-C)."""
+    if module_name == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, exit_on_interrupt)
 
 

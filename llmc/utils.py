@@ -43,6 +43,11 @@ def require(tool, *modules):
             sys.exit(1)
 
 
+def physical_memory_bytes():
+    """This machine's RAM in bytes (int), from sysconf (Linux and macOS)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def atomic_write(path, write_fn):
     """Write a file through `write_fn(f)` to the temporary name `<path>.tmp<pid>`, fsync, then
     rename it into place, so a crash mid-write never leaves a file that looks complete. The

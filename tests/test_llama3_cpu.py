@@ -17,27 +17,11 @@ import pytest
 import llama3_cpu as m
 from llmc import check
 from llmc.utils import InputError
+from test_layers import numerical_grad  # central differences, float64
 
 H = 1e-6            # finite-difference step (tests/test_layers.py says why these three)
 RTOL = 1e-6
 ATOL = 1e-9
-
-
-def numerical_grad(f, x, h=H, idx=None):
-    """Central finite-difference gradient of the scalar f() with respect to the array x (perturbed
-    in place); with idx (flat indices) only those elements, as a 1-D array."""
-    flat = x.reshape(-1)
-    indices = np.arange(flat.size) if idx is None else idx
-    grad = np.zeros(indices.size)
-    for j, i in enumerate(indices):
-        old = flat[i]
-        flat[i] = old + h
-        up = f()
-        flat[i] = old - h
-        down = f()
-        flat[i] = old
-        grad[j] = (up - down) / (2 * h)
-    return grad.reshape(x.shape) if idx is None else grad
 
 
 def assert_close(a, ref, label, atol=ATOL, rtol=RTOL):

@@ -199,3 +199,24 @@ def test_ctrl_c_during_the_imports_exits_130_without_a_traceback(tmp_path, tool)
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     r = run(tool.split() + ["--help"], timeout=60, env=env)
     assert r.returncode == 130 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+
+
+def test_quiet_ctrl_c_leaves_a_debuggers_handler_alone():
+    """Under pdb (which sets its own SIGINT handler so that Ctrl-C breaks into the debugger) the
+    program's quiet Ctrl-C during imports must not replace it, and restore_ctrl_c must not either."""
+    import signal
+    from llmc import interrupt
+    previous = signal.getsignal(signal.SIGINT)
+    debuggers = lambda signum, frame: None                          # noqa: E731  (a stand-in for pdb's)
+    try:
+        signal.signal(signal.SIGINT, debuggers)
+        interrupt.quiet_ctrl_c_while_importing("__main__")
+        interrupt.restore_ctrl_c()
+        assert signal.getsignal(signal.SIGINT) is debuggers
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupt.quiet_ctrl_c_while_importing("__main__")
+        assert signal.getsignal(signal.SIGINT) is interrupt.exit_on_interrupt
+        interrupt.restore_ctrl_c()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -46,7 +46,7 @@ from gpt2_cpu import (GPT2, LN_EPS, MODEL_DESCRIPTORS, MODEL_SIZES, GPT2Config, 
                       parameter_shapes, write_model)
 from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
-from llmc.utils import InputError, require  # noqa: E402
+from llmc.utils import InputError, physical_memory_bytes, require  # noqa: E402
 
 HF_TORCH_WEIGHTS = "pytorch_model.bin"
 LLAMA_MODEL_TYPE = "llama"            # config.json's model_type of a Llama: import_hf_llama3.py imports it
@@ -127,11 +127,6 @@ def header_size(hf, key, where):
     if value > HEADER_INT_MAX:
         raise InputError(f"{where}: {key} {value}: larger than a checkpoint header holds (int32)")
     return value
-
-
-def physical_memory_bytes():
-    """This machine's RAM in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def config_from_hf(hf, where):

@@ -47,7 +47,7 @@ from llama3_cpu import (FFN_DIM_MULTIPLIER, FFN_MULTIPLE_OF, MLP_EXPANSION, ROPE
                         parameter_shapes, write_model)
 from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
-from llmc.utils import InputError, require  # noqa: E402
+from llmc.utils import InputError, physical_memory_bytes, require  # noqa: E402
 
 OUTPUT_DTYPES = {"float32": "", "bfloat16": "_bf16"}   # write_model dtype -> file-name suffix
 HEADER_INT_MAX = 2 ** 31 - 1                           # a model-file header slot is an int32
@@ -140,7 +140,7 @@ def config_from_hf(hf, where):
     except (KeyError, TypeError, AttributeError) as e:
         raise InputError(f"{where}: incomplete Llama config ({type(e).__name__}: {e})")
     num_parameters = sum(math.prod(shape) for _, shape in parameter_shapes(config))
-    needed, present = 4 * num_parameters, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    needed, present = 4 * num_parameters, physical_memory_bytes()
     if needed > present:
         raise InputError(f"{where}: the model has {num_parameters:,} parameters, {needed / 2**30:,.1f} GiB in fp32; "
                          f"this machine has {present / 2**30:,.1f} GiB")
