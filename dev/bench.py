@@ -185,7 +185,8 @@ def format_breakdown(rows, step_ms, top=20):
 
 def kernel_breakdown(model, x, y, step):
     """Run one eager step with a pair of CUDA events around each kernel launch (llmc.cuda.launch),
-    cuBLAS call (llmc.cuda.gemm) and cuDNN call; return summarize_breakdown of their times."""
+    cuBLAS call (llmc.cuda.gemm), cuBLASLt call (llmc.cublaslt.matmul_cublaslt, named with its
+    epilogue) and cuDNN call; return summarize_breakdown of their times."""
     cupy = llmc.cuda.cupy()
     events = []
 
@@ -203,6 +204,11 @@ def kernel_breakdown(model, x, y, step):
     originals = [(llmc.cuda, "launch", launch), (llmc.cuda, "gemm", gemm)]
     llmc.cuda.launch = timed(lambda file, precision, name, *rest: f"{file}.cu:{name}", launch)
     llmc.cuda.gemm = timed(lambda transa, transb, m, n, k, *rest: f"cuBLAS gemm {m}x{n}x{k}", gemm)
+    if model.matmul.name == "cuBLASLt":            # the first H100 run's breakdown left these out
+        from llmc import cublaslt
+        originals.append((cublaslt, "matmul_cublaslt", cublaslt.matmul_cublaslt))
+        cublaslt.matmul_cublaslt = timed(lambda d, a, b, m, n, k, transa, transb, epilogue=cublaslt.NO_EPILOGUE,
+                                         *rest: f"cuBLASLt gemm {m}x{n}x{k} {epilogue.name}", cublaslt.matmul_cublaslt)
     if model.attention.name == "cudnn":
         from llmc import cudnn_attention
         for fn_name in ("attention_forward_cudnn", "attention_backward_cudnn"):

@@ -52,6 +52,30 @@ def test_breakdown_aggregates_and_sorts():
     assert lines[4].split()[-3:] == ["4.250", "100.0", "85.0"]
 
 
+def test_breakdown_times_every_gemm_with_cublaslt_too(monkeypatch):
+    """The per-kernel breakdown of one step on the emulated device (d2, B=1, T=32): with --cublaslt 1
+    every linear layer's GEMM is listed as a cuBLASLt call with its epilogue, and the step makes as
+    many GEMMs as through cuBLAS (the first H100 run's breakdown left cuBLASLt's out: its table
+    summed to 39% of the step)."""
+    from llmc import cuda
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    gemms = {}
+    for use_cublaslt in (False, True):
+        model, cfg, (x, y) = bench.cupy_model("d2", 1, 32, "naive", use_cublaslt)
+        rows = bench.kernel_breakdown(model, x, y, 1)
+        gemms[use_cublaslt] = {name: calls for name, calls, _ in rows if " gemm " in name}
+    L = cfg.num_layers
+    attention_gemms = 6 * L                  # QK^T and att @ V forward; their four backward products
+    linear_gemms = 3 * (4 * L + 1)           # forward, dinp, dweight of 4 linears per layer and the classifier
+    assert sum(gemms[False].values()) == attention_gemms + linear_gemms
+    assert all(name.startswith("cuBLAS gemm") for name in gemms[False])
+    lt = {name: calls for name, calls in gemms[True].items() if name.startswith("cuBLASLt gemm")}
+    assert sum(lt.values()) == linear_gemms
+    assert sum(gemms[True].values()) - sum(lt.values()) == attention_gemms
+    epilogues = {name.split()[-1] for name in lt}
+    assert {"BIAS", "GELU_AUX_BIAS", "DGELU", "BGRADB"} <= epilogues, epilogues
+
+
 def test_no_gpu_is_one_line_exit_2():
     from llmc.cuda import cuda_unavailable_reason
     if cuda_unavailable_reason() is None:
