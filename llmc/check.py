@@ -35,10 +35,14 @@ TOLERANCES = {
     # and warp reductions sum in another order than NumPy, a few float eps per op compounded over
     # L layers. bf16: every stored tensor is rounded to 8 bits of mantissa (2^-9 relative), so
     # activations carry ~1% and gradients several % of error; TF32 matmuls (10 bits) use bf16's.
+    # Measured on an H100 (2026-11-26, dev/results/), the largest error over max|ref| of any tensor
+    # of GPT-2 124M (B=4, T=64 and B=1, T=1024, every attention path) and of llama3:d4: fp32
+    # activations 1.8e-6 and gradients 1.2e-6 (grad atol 1e-4, was 1e-3); bf16 activations 1.6e-2
+    # (ln2) and gradients 1.0e-2 (Llama 3's dlnfw; GPT-2's 8.1e-3), so bf16's grad atol is 5e-2 (was 1e-1).
     "cuda_fp32": {"activation": (1e-4, 1e-3), "statistic": (1e-4, 1e-3), "logits": (1e-4, 1e-3),
-                  "loss": (0.0, 1e-5), "grad": (1e-3, 1e-2)},
+                  "loss": (0.0, 1e-5), "grad": (1e-4, 1e-2)},
     "cuda_bf16": {"activation": (3e-2, 5e-2), "statistic": (3e-2, 5e-2), "logits": (5e-2, 5e-2),
-                  "loss": (0.0, 1e-2), "grad": (1e-1, 1e-1)},
+                  "loss": (0.0, 1e-2), "grad": (5e-2, 1e-1)},
     # one kernel vs its NumPy layer on inputs ~N(0,1), absolute atol (tests/test_cuda.py part 2).
     # fp32: a few ulp of reordered fp32 sums (rows of <= 4C terms); matmul's dweight sums B*T rows,
     # whose partial sums reach ~sqrt(B*T): on an H100 (2026-11-26, B*T = 4096 and 2048, |dweight| up
