@@ -58,7 +58,7 @@ from llmc.cuda_check import run_check
 from llmc.evalloader import NUM_COMPLETIONS, PAD_TOKEN
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from llmc.gpu_cli import choose_precision, device_line, gpu_status_line
-from llmc.matmul import BIAS_BACKWARD_CHUNKS, Cublas, CublasLt, gelu_forward
+from llmc.matmul import BIAS_BACKWARD_CHUNKS, Cublas, gelu_forward, matmul_backend
 from llmc.mfu import mfu
 from llmc.pinned import PinnedStaging
 from llmc.utils import InputError, prefix
@@ -1027,14 +1027,9 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     optimizer shard of this rank of comm (default: one process), its matmul backend from -f and
     --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
-    matmul = Cublas(tf32)
-    if args.cublaslt:
-        from llmc import cublaslt
-        reason = cublaslt.unavailable_reason()
-        if reason:
-            say(f"gpt2_cuda.py: cuBLASLt unavailable ({reason}): using cuBLAS")
-        else:
-            matmul = CublasLt(tf32)
+    matmul, fallback = matmul_backend(args.cublaslt, tf32)
+    if fallback:
+        say(f"gpt2_cuda.py: {fallback}")
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
     cfg = host.config
     attention, fallback = resolve_attention(args.attention, precision, cfg.channels // cfg.num_heads)

@@ -55,6 +55,8 @@ import gpt2_cpu   # noqa: E402
 import gpt2_cuda  # noqa: E402
 import llmc.attention  # noqa: E402
 import llmc.cuda  # noqa: E402
+import llmc.gpu_cli  # noqa: E402
+import llmc.matmul  # noqa: E402
 import llmc.mfu  # noqa: E402
 from llmc import comm  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
@@ -92,18 +94,16 @@ def device_memory_and_name(trainer):
 
 
 def cupy_matmul(use_cublaslt):
-    """The linear layers' backend of the bench's model: cuBLAS, or cuBLASLt (--cublaslt 1; raises
-    RuntimeError where it is unavailable, so that the bench never times cuBLAS under its name)."""
-    if not use_cublaslt:
-        return gpt2_cuda.Cublas()
-    from llmc import cublaslt
-    reason = cublaslt.unavailable_reason()
-    if reason:
-        raise RuntimeError(f"cuBLASLt unavailable ({reason})")
-    return gpt2_cuda.CublasLt()
+    """The linear layers' backend of the bench's model for --cublaslt 0, 1 or auto, as the trainer
+    chooses it (llmc.matmul.matmul_backend), except that 1 raises RuntimeError where cuBLASLt is
+    unavailable, so that the bench never times cuBLAS under cuBLASLt's name."""
+    matmul, fallback = llmc.matmul.matmul_backend(use_cublaslt)
+    if fallback and use_cublaslt == 1:
+        raise RuntimeError(fallback)
+    return matmul
 
 
-def cupy_model(model_name, B, T, attention, use_cublaslt=False):
+def cupy_model(model_name, B, T, attention, use_cublaslt="auto"):
     """gpt2_cuda.py's model in bf16 with its buffers for (B,T), on a created stream (a CUDA graph
     cannot be captured on the legacy default stream), and the fixed batch."""
     cupy = llmc.cuda.cupy()
@@ -138,7 +138,7 @@ def cupy_step(model, x, y, step, cuda_graph):
     return loss
 
 
-def cupy_steps(model_name, B, T, num_steps, attention="naive", cuda_graph=False, use_cublaslt=False):
+def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto"):
     """Train gpt2_cuda.py's model num_steps steps on one fixed batch; return (seconds per step,
     losses, config, the model, the batch)."""
     if cuda_graph:
@@ -252,7 +252,7 @@ def worker(args):
     try:
         if args.worker == "cupy":
             times, losses, cfg, model, (x, y) = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps,
-                                                           args.attention, bool(args.cuda_graph), bool(args.cublaslt))
+                                                           args.attention, bool(args.cuda_graph), args.cublaslt)
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1)
         else:
@@ -274,6 +274,8 @@ def worker(args):
     result = {"trainer": args.worker, "B": args.batch_size, "T": args.seq_len, "ms_median": ms,
               "ms_all": [t * 1000 for t in timed], "tok_s": tok_s, "mfu": util, "memory_bytes": memory,
               "device": device, "losses": losses, "breakdown": breakdown}
+    if args.worker == "cupy":                               # what auto chose, for the breakdown's heading
+        result.update(attention=model.attention.name, matmul=model.matmul.name)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -344,7 +346,7 @@ def options_line(args):
     """What was timed, for the heading of the table."""
     return (f"GPT-2 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
             f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
-            f"{'cuBLASLt' if args.cublaslt else 'cuBLAS'}; twin: torch.compile {args.compile}")
+            f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}; twin: torch.compile {args.compile}")
 
 
 def print_table(runs, args):
@@ -380,10 +382,12 @@ def parse_args(argv=None):
     p.add_argument("-b", "--batch-size", type=int, default=0, help="time this one B only (overrides --batch-sizes)")
     p.add_argument("--search", action="store_true", help="also find and time each trainer's largest power-of-two B")
     p.add_argument("--max-batch", type=int, default=512, help="largest B the search tries")
-    p.add_argument("--attention", default="naive", choices=llmc.attention.ATTENTION_PATHS, help="gpt2_cuda.py's attention")
+    p.add_argument("--attention", default=llmc.attention.DEFAULT_ATTENTION, choices=llmc.attention.ATTENTION_CHOICES,
+                   help="gpt2_cuda.py's attention (auto: as the trainer chooses)")
     p.add_argument("--cuda-graph", type=int, default=0, choices=(0, 1), help="gpt2_cuda.py: 1 replays a CUDA graph")
-    p.add_argument("--cublaslt", type=int, default=0, choices=(0, 1),
-                   help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable)")
+    p.add_argument("--cublaslt", type=llmc.gpu_cli.auto_or_bit, default="auto", metavar="{auto,0,1}",
+                   help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable), "
+                        "0 through cuBLAS, auto as the trainer chooses (cuBLASLt where it loads)")
     p.add_argument("--compile", type=int, default=1, choices=(0, 1),
                    help="the PyTorch twin: 1 torch.compile (needs a C compiler), 0 eager")
     p.add_argument("--breakdown-top", type=int, default=20, help="rows of the per-kernel breakdown")
@@ -440,7 +444,8 @@ def main(argv=None):
     for B, rs in runs:
         ours = rs.get("cupy")
         if isinstance(ours, dict) and ours.get("breakdown"):
-            print(f"\ngpt2_cuda.py at B={B}: one step by kernel (CUDA events; eager, {args.attention} attention)")
+            print(f"\ngpt2_cuda.py at B={B}: one step by kernel (CUDA events; eager, "
+                  f"{ours.get('attention', args.attention)} attention, {ours.get('matmul', '')} matmuls)")
             print("\n".join(format_breakdown([tuple(r) for r in ours["breakdown"]], ours["ms_median"],
                                              args.breakdown_top)))
     print()

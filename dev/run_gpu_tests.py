@@ -6,12 +6,12 @@ It runs, in order, each command with its own time limit, and keeps going after a
 one log shows everything:
     pip install --no-index --no-deps --target <site> .whl/*.whl   # the carried wheels, if .whl/ is there
     python dev/data/tinyshakespeare.py                            # only if data/ lacks the shards
-    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0
-    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16
+    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0 --attention naive --cublaslt 0
+    python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention naive --cublaslt 0
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision fp32 -f 0 --attention flash
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention flash
     python gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --attention cudnn
-    python dev/bench.py --only cupy -b 16 --steps 10 --warmup 3   # ours at B=16: the first number, early
+    python dev/bench.py --only cupy -b 16 --steps 10 --warmup 3   # ours (its defaults) at B=16: the first number
     python gpt2_cuda.py -x 50 -v 25 -s 50                         # 50 steps on Shakespeare
     python -m pytest -m gpu -v -rs --continue-on-collection-errors tests   # every test marked gpu
     python dev/bench.py --only torch -b 16                        # the PyTorch twin at B=16
@@ -120,6 +120,7 @@ def _commands(quick, emulated=False):
     shapes = EMULATED_SHAPES if emulated else GPU_SHAPES
     trainer = [python, "gpt2_cuda.py"] + (["--device", "cpu"] if emulated else [])
     fp32, bf16 = ["--precision", "fp32", "-f", "0"], ["--precision", "bf16"]
+    readable = ["--attention", "naive", "--cublaslt", "0"]   # the others run the default --cublaslt auto
     check, long = ["--check"] + shapes["check"], ["--check"] + shapes["check-long"]
     if emulated:
         tests = [python, "-m", "pytest", "-q", "-rs", "--continue-on-collection-errors", "-m", "not slow",
@@ -131,8 +132,8 @@ def _commands(quick, emulated=False):
         bench = [python, "dev/bench.py", "--only", "cupy", "-b", "16"] + BENCH_STEPS
         twin = [python, "dev/bench.py", "--only", "torch", "-b", "16"] + (BENCH_STEPS if quick else [])
     return [
-        trainer + check + fp32,
-        trainer + check + bf16,
+        trainer + check + fp32 + readable,
+        trainer + check + bf16 + readable,
         trainer + check + fp32 + ["--attention", "flash"],
         trainer + check + bf16 + ["--attention", "flash"],
         trainer + check + bf16 + ["--attention", "cudnn"],

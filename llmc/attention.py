@@ -23,7 +23,10 @@ from llmc.cuda_check import attention_lse
 from llmc.utils import InputError, prefix
 
 ATTENTION_PATHS = ("naive", "flash", "cudnn")
-DEFAULT_ATTENTION = "naive"            # the easiest to read (README's Status says why it is the default)
+ATTENTION_CHOICES = ("auto",) + ATTENTION_PATHS   # what --attention takes
+# auto: cuDNN's on a GPU where it can run (the fastest path measured on an H100, 2026-11-26:
+# dev/results/), else naive; naive on the emulated device, where the point is to read and debug
+DEFAULT_ATTENTION = "auto"
 
 
 def attention_scores(preatt, q, k, BNH, T, HS, tf32=False):
@@ -301,9 +304,19 @@ def attention_path(name):
 
 
 def resolve_attention(requested, precision, HS):
-    """The attention path to run for --attention `requested`: (path, None), or (fallback, one line
-    saying why) where the requested path cannot run here: cudnn falls back to flash (or naive),
-    flash to naive for a head size it has no kernel for."""
+    """The attention path to run for --attention `requested` (ATTENTION_CHOICES): (path, None), or
+    (fallback, one line saying why) where the requested path cannot run here: cudnn falls back to
+    flash (or naive), flash to naive for a head size it has no kernel for. auto is cudnn on a GPU
+    where cuDNN attention can run, else naive (with the line saying why not cuDNN); on the emulated
+    device (llmc.cuda.device() "cpu") it is naive, silently."""
+    if requested == "auto":
+        if cuda.device() == "cpu":
+            return "naive", None
+        from llmc import cudnn_attention
+        reason = cudnn_attention.unavailable_reason(precision, HS)
+        if reason is None:
+            return "cudnn", None
+        return "naive", f"naive attention (--attention auto; cuDNN attention unavailable: {reason})"
     if requested == "cudnn":
         from llmc import cudnn_attention
         reason = cudnn_attention.unavailable_reason(precision, HS)

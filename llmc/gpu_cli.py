@@ -4,8 +4,10 @@ options in a group of their own, the precision those options and the GPU allow, 
 prints about the device (the banner, -lg's status line).
 """
 
+import argparse
+
 from llmc import cuda, multinode
-from llmc.attention import ATTENTION_PATHS, DEFAULT_ATTENTION
+from llmc.attention import ATTENTION_CHOICES, DEFAULT_ATTENTION
 from llmc.cli import build_parser as build_cli_parser
 from llmc.cuda import PRECISIONS
 from llmc.utils import InputError
@@ -31,11 +33,14 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py"):
            "(B,T,4C) buffers); 2 GELU's and both LayerNorms' outputs (saves 2(L-1) (B,T,C) more)")
     a("-z", "--zero-stage", type=int, default=0, help="ZeRO stage: 0 off; 1 shards AdamW's m, v and the master "
                                                       "weights over the data-parallel ranks (2, 3: refused)")
-    a("--attention", default=DEFAULT_ATTENTION, choices=ATTENTION_PATHS,
+    a("--attention", default=DEFAULT_ATTENTION, choices=ATTENTION_CHOICES,
       help="naive: the (T,T) matrix (cuBLAS + softmax); flash: ours, kernels/flash_attention.cu; "
-           "cudnn: cuDNN's fused attention (bf16; falls back to flash, saying so, where unavailable)")
-    a("--cublaslt", type=int, default=0, choices=(0, 1),
-      help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused")
+           "cudnn: cuDNN's fused attention (bf16; falls back to flash, saying so, where unavailable); "
+           "auto: cudnn on a GPU where it can run, else naive (naive on the emulated device)")
+    a("--cublaslt", type=auto_or_bit, default="auto", metavar="{auto,0,1}",
+      help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused; "
+           "0: cuBLAS and our bias and GELU kernels; auto: 1 on a GPU (cuBLAS, saying so, where nvmath-python "
+           "is missing), 0 on the emulated device")
     a("--cuda-graph", type=int, default=0, choices=(0, 1),
       help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch "
            "(needs nvmath-python: CuPy's cuBLAS refuses calls during a capture)")
@@ -47,6 +52,14 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py"):
     a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
     multinode.add_flags(p)                     # -pm -pn -pr -pg -ps -pp -pj: one node or many
     return p
+
+
+def auto_or_bit(value):
+    """A flag value that is auto, 0 or 1 (--cublaslt): "auto", or the int. Raises
+    argparse.ArgumentTypeError for anything else (the parser's one error line)."""
+    if value in ("auto", "0", "1"):
+        return value if value == "auto" else int(value)
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, 0, 1)")
 
 
 def choose_precision(requested, tf32, compute_capability):

@@ -124,6 +124,23 @@ class Cublas:
             gelu_backward_inplace(dinp, pre_gelu, B * T * C)
 
 
+def matmul_backend(requested, tf32=False):
+    """The linear layers' backend for --cublaslt `requested` (0, 1 or "auto") and TF32 `tf32`:
+    (backend, None), or (Cublas, one line saying why) where cuBLASLt was asked for and cannot load
+    here. auto is cuBLASLt on a GPU (with the bias, GELU and bias gradient fused it was the faster
+    backend on an H100, 2026-11-26: dev/results/) and cuBLAS on the emulated device (our own bias
+    and GELU kernels, the path to read and debug)."""
+    if requested == "auto":
+        requested = cuda.device() == "cuda"
+    if not requested:
+        return Cublas(tf32), None
+    from llmc import cublaslt
+    reason = cublaslt.unavailable_reason()
+    if reason:
+        return Cublas(tf32), f"cuBLASLt unavailable ({reason}): using cuBLAS"
+    return CublasLt(tf32), None
+
+
 class CublasLt(Cublas):
     """The linear layers through cuBLASLt (llmc/cublaslt.py): the bias, the GELU (GELU_AUX_BIAS,
     storing pre_gelu), its derivative (DGELU) and the bias gradient (BGRADB) fused into the GEMMs.

@@ -90,8 +90,25 @@ def test_resolve_attention_fallbacks(monkeypatch):
     assert llmc.attention.resolve_attention("cudnn", "bf16", 48)[0] == "naive"
 
 
+def test_auto_is_cudnn_on_a_gpu_where_it_runs_else_naive(monkeypatch):
+    """--attention auto: cuDNN's on a GPU where it can run (the fastest path measured on an H100),
+    else naive with the reason in one line; naive and silent on the emulated device."""
+    monkeypatch.setattr(llmc.cuda, "_device", "cuda")
+    monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module(None), raising=False)
+    monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
+    assert llmc.attention.resolve_attention("auto", "bf16", 64) == ("cudnn", None)
+    monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module("needs bf16"))
+    monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
+    assert llmc.attention.resolve_attention("auto", "fp32", 64) == (
+        "naive", "naive attention (--attention auto; cuDNN attention unavailable: needs bf16)")
+    monkeypatch.setattr(llmc, "cudnn_attention", _fake_cudnn_module(None))
+    monkeypatch.setitem(sys.modules, "llmc.cudnn_attention", llmc.cudnn_attention)
+    monkeypatch.setattr(llmc.cuda, "_device", "cpu")
+    assert llmc.attention.resolve_attention("auto", "bf16", 64) == ("naive", None)
+
+
 def test_attention_flag():
-    assert gpt2_cuda.parse_args([]).attention == llmc.attention.DEFAULT_ATTENTION == "naive"   # until it ran on a GPU
+    assert gpt2_cuda.parse_args([]).attention == llmc.attention.DEFAULT_ATTENTION == "auto"   # since the H100 run
     assert gpt2_cuda.parse_args(["--attention", "flash"]).attention == "flash"
     with pytest.raises(SystemExit):
         gpt2_cuda.parse_args(["--attention", "fast"])

@@ -160,7 +160,8 @@ def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
         args = bench.parse_args(cmd[2:])
         assert (args.cublaslt, args.compile, args.worker, args.batch_size) == (1, 0, trainer, 16)
     assert "cuBLASLt; twin: torch.compile 0" in capsys.readouterr().out
-    assert bench.parse_args([]).compile == 1 and bench.parse_args([]).cublaslt == 0
+    defaults = bench.parse_args([])
+    assert (defaults.compile, defaults.cublaslt, defaults.attention) == (1, "auto", "auto")   # the trainer's defaults
 
 
 def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypatch):
@@ -169,8 +170,10 @@ def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypa
     with pytest.raises(RuntimeError, match=r"cuBLASLt unavailable \(nvmath-python is not installed\)"):
         bench.cupy_matmul(True)
     assert type(bench.cupy_matmul(False)).__name__ == "Cublas"
+    assert type(bench.cupy_matmul("auto")).__name__ == "Cublas"           # auto times what the trainer would run
     monkeypatch.setattr(cublaslt, "unavailable_reason", lambda: None)
     assert type(bench.cupy_matmul(True)).__name__ == "CublasLt"
+    assert type(bench.cupy_matmul("auto")).__name__ == "CublasLt"
 
 
 def test_cuda_graph_without_nvmath_fails_the_worker_before_the_model_is_built(monkeypatch):

@@ -9,6 +9,8 @@ cuBLASLt itself: a GPU checks the library (tests/test_cublaslt.py part 2).
 Run: pytest tests/test_cublaslt_wiring.py   (a few seconds once the emulated kernels are built)
 """
 
+import os
+import subprocess
 import sys
 import types
 
@@ -21,6 +23,8 @@ import llmc
 import llmc.cuda
 from llmc import cuda_check
 from emulated_gpu import TINY, emulated_gpu, tiny_model_parameters  # noqa: F401  (emulated_gpu is a fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _recording(calls, fn, direction):
@@ -85,6 +89,31 @@ def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=a[-1]))
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     lines = []
-    model = gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1"]), 90, say=lines.append)
+    model = gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1", "--attention", "naive"]), 90,
+                                   say=lines.append)
     assert lines == ["gpt2_cuda.py: cuBLASLt unavailable (nvmath-python is not installed): using cuBLAS"]
     assert type(model.matmul) is llmc.matmul.Cublas
+
+
+@pytest.mark.parametrize("device, flag, available, expected, line", [
+    ("cuda", "auto", True, "CublasLt", None),        # the default on a GPU: the faster backend measured
+    ("cuda", "auto", False, "Cublas", "cuBLASLt unavailable (no nvmath): using cuBLAS"),
+    ("cpu", "auto", True, "Cublas", None),           # the emulated device: our readable kernels
+    ("cuda", "0", True, "Cublas", None),
+    ("cpu", "1", True, "CublasLt", None)])
+def test_cublaslt_flag_auto_0_1(monkeypatch, device, flag, available, expected, line):
+    fake = types.SimpleNamespace(unavailable_reason=lambda: None if available else "no nvmath")
+    monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
+    monkeypatch.setattr(llmc.cuda, "_device", device)
+    args = gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", flag] + (["--device", "cpu"] if device == "cpu" else []))
+    matmul, said = llmc.matmul.matmul_backend(args.cublaslt, tf32=False)
+    assert type(matmul).__name__ == expected and said == line
+    assert gpt2_cuda.parse_args([]).cublaslt == "auto"
+
+
+def test_cublaslt_flag_refuses_other_values_in_one_line():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "gpt2_cuda.py"), "--cublaslt", "2"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--cublaslt" in r.stderr and "choose from auto, 0, 1" in r.stderr
