@@ -5,7 +5,8 @@ and bf16 (flash attention); in-process on a tiny model with three query heads pe
 both precisions; and the same comparison seen failing when one of Llama 3's backward launches is
 broken (RoPE's backward skipped, SwiGLU's two gradients swapped, the K/V repeat's backward
 keeping one query head); three training steps from the command line with llama3_cpu.py's losses,
-gradient norms, validation losses and sample.
+gradient norms, validation losses and sample; checkpoints (-n, -y 1) on a tiny model: a resumed
+run equals the straight one byte for byte in fp32 and bf16, and either trainer resumes the other's.
 
 Run: python -m pytest -q tests/test_llama3_cuda.py   (~1 minute on 2 cores once the emulated
 device's kernels are built; the first run compiles them, a few minutes)
