@@ -191,9 +191,11 @@ def test_cross_resume_with_llama3_cpu(tiny_training, tmp_path):
     straight, a, b = (str(tmp_path / d) for d in ("straight", "a", "b"))
     assert llama3_cpu.main(tiny_training + ["-x", "6", "-o", straight]) == 0
     ref = _train_losses(os.path.join(straight, "main.log"))
-    assert llama3_cuda.main(tiny_training + EMULATED + ["-x", "3", "-n", "3", "-o", a]) == 0     # CUDA 0..3, then CPU 3..6
+    # CUDA 0..3, then CPU 3..6
+    assert llama3_cuda.main(tiny_training + EMULATED + ["-x", "3", "-n", "3", "-o", a]) == 0
     assert llama3_cpu.main(tiny_training + ["-x", "6", "-y", "1", "-o", a]) == 0
-    assert llama3_cpu.main(tiny_training + ["-x", "3", "-n", "3", "-o", b]) == 0      # CPU 0..3, then CUDA 3..6
+    # CPU 0..3, then CUDA 3..6
+    assert llama3_cpu.main(tiny_training + ["-x", "3", "-n", "3", "-o", b]) == 0
     assert llama3_cuda.main(tiny_training + EMULATED + ["-x", "6", "-y", "1", "-o", b]) == 0
     assert len(ref) == 6
     for run in (a, b):
