@@ -56,7 +56,7 @@ from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, VECTOR_
                        elementwise_grid, require, vector_size, warp_row_grid)
 from llmc.cuda_check import run_check
 from llmc.evalloader import NUM_COMPLETIONS, PAD_TOKEN
-from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits, read_model_file, write_model_file
 from llmc.gpu_cli import choose_precision, device_line, gpu_status_line
 from llmc.matmul import BIAS_BACKWARD_CHUNKS, Cublas, gelu_forward, matmul_backend
 from llmc.mfu import mfu
@@ -965,7 +965,7 @@ def sampling_forward(model):
 # checkpoints: llmc/checkpoint.py's files, so either trainer resumes the other's run
 
 def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, process_rank=0, num_processes=1,
-                          outliers=None):
+                          outliers=None, write_model_file=write_model_file):
     """Write the checkpoint of `step` (llmc.checkpoint.save_checkpoint) from the device: the model
     file holds the parameters the run computes with (floatX upcast to fp32, exact; in bf16 the
     stochastically rounded values, as llm.c's model file holds its bf16 parameters), the state
@@ -973,16 +973,17 @@ def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, proces
     stochastic-rounding RNG: together every value the next step reads, so a resume is bit for
     bit. Returns the DONE_<step> path for the caller to write last. With ZeRO-1 over several
     ranks each rank's state file holds its shard of m, v and master weights (S floats each, as
-    llm.c's)."""
+    llm.c's). write_model_file(path, config, params): the model file's writer (GPT-2's;
+    llama3_cuda.py passes llama3_cpu.py's)."""
     master = model.master.get() if model.master is not None else None
     return save_checkpoint(out_dir, step, model.config, download_parameters(model, master=False), model.m.get(),
                            model.v.get(),
                            loader, sample_rng_state, process_rank, num_processes, master_weights=master,
                            rng_state_last_update=model.rng_state_last_update, outliers=outliers,
-                           zero_stage=model.zero_stage)
+                           zero_stage=model.zero_stage, write_model_file=write_model_file)
 
 
-def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_processes):
+def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_processes, read_model_file=read_model_file):
     """Resume from the checkpoint of `step` in out_dir (written by either trainer): parameters,
     AdamW's m and v, the loader position, the stochastic-rounding RNG. Returns (step,
     sample_rng_state, state_path, the outlier detectors' state or None). With master weights in
@@ -990,9 +991,10 @@ def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_proces
     the run's stochastically rounded values, and the master weights the state file's (this rank's
     shard with ZeRO-1, whose -z and number of ranks must be the run's, else InputError): the run
     resumes bit for bit. Otherwise the parameters are llmc.checkpoint's choice (the master
-    weights of a gpt2_cpu or fp32 run), rounded to floatX."""
+    weights of a gpt2_cpu or fp32 run), rounded to floatX. read_model_file: the model file's reader
+    (GPT-2's; llama3_cuda.py passes llama3_cpu.py's)."""
     st = load_checkpoint(out_dir, step, process_rank, num_processes, lambda shape: model.num_parameters,
-                         model.shard.size, model.zero_stage)
+                         model.shard.size, model.zero_stage, read_model_file)
     exact = model.master is not None and st["master_weights"] is not None
     upload_parameters(model, st["model_params"] if exact else st["params"])
     if model.master is not None and st["master_weights"] is not None:

@@ -9,12 +9,15 @@ that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
 What it deliberately is not (yet): gpt2_cuda.py's trainer options (CUDA graphs, recomputation,
-ZeRO, several processes, fused residual + norm kernels, checkpoints, a KV-cached sampler); it
-trains one process with llama3_cpu.py's flags and loop, and checks one batch against it (--check).
+ZeRO, several processes, fused residual + norm kernels, a KV-cached sampler); it trains one
+process with llama3_cpu.py's flags and loop, writes and resumes llama3_cpu.py's checkpoints (-n,
+-y 1: llmc/checkpoint.py's files, so either trainer resumes the other's run), and checks one batch
+against it (--check).
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
     step    1/3 | loss 10.87... | norm ... | lr 3.00e-04 | ... ms | ... tok/s
+    python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 6 -n 3 -o out   # then -y 1 resumes at step 3
     python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision bf16
     ... one TENSOR OK line per activation and gradient, then `check: all tensors OK`
 
@@ -39,7 +42,7 @@ from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, check_inputs, generat
 from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, download_parameters,
                        encoder_backward_segments, encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad,
                        upload_parameters, wte_partial_rows, wte_reduce_max)
-from llama3_cpu import DECAYED_PARAMETERS, qkv_channels
+from llama3_cpu import DECAYED_PARAMETERS, qkv_channels, read_checkpoint_model, write_checkpoint_model
 from llmc import cuda, gpu_cli
 from llmc.attention import attention_path, resolve_attention
 from llmc.cli import TrainingRun, run_main, sample_from_prompt
@@ -275,7 +278,8 @@ class Llama3:
         self.floatX = FLOATX_DTYPES[precision]
         self.param_shapes = llama3_cpu.parameter_shapes(config)
         self.num_parameters = n = num_elements(self.param_shapes)
-        self.shard = optimizer_shard(n, 0, 0, 1)              # one process, everything (gpt2_cuda's helpers read it)
+        self.zero_stage = 0                                    # one process: the optimizer state is not sharded
+        self.shard = optimizer_shard(n, self.zero_stage, 0, 1)  # everything (gpt2_cuda's helpers read it)
         self.params = cp.zeros(n, dtype=self.floatX)
         self.grads = cp.zeros(n, dtype=self.floatX)
         self.P = tensor_views(self.params, self.param_shapes)
@@ -294,6 +298,7 @@ class Llama3:
         self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
         self.norm = cp.zeros(1, dtype=np.float32)
         self.update_rng = SamplerRNG(UPDATE_SEED)     # seeds of stochastic rounding, one per tensor per step
+        self.rng_state_last_update = self.update_rng.state   # saved in a checkpoint: a resume draws on from here
         self.views = {}                                # (B,T) -> name -> view
         self.BT = None
         self.host_inputs = None
@@ -442,7 +447,8 @@ def llama3_backward(model, loss_scale=1.0):
 def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
     """One AdamW step (llama3_cpu.llama3_update's math; t is the 1-based step count): one
     gpt2_cuda.adamw_update launch per parameter tensor, weight decay on llama3_cpu's
-    DECAYED_PARAMETERS only, each tensor with its own stochastic-rounding seed from model.update_rng."""
+    DECAYED_PARAMETERS only, each tensor with its own stochastic-rounding seed from model.update_rng
+    (whose state after the step, model.rng_state_last_update, a checkpoint keeps)."""
     bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
     offset = 0
     for name, shape in model.param_shapes:
@@ -454,6 +460,28 @@ def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad
         gpt2_cuda.adamw_update(model.params[part], master, model.grads[part], model.m[part], model.v[part], n,
                                learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale, seed)
         offset += n
+    model.rng_state_last_update = model.update_rng.state
+
+
+# ----------------------------------------------------------------------------
+# checkpoints: gpt2_cuda's, with llama3_cpu.py's model file, so either Llama 3 trainer resumes the other's run
+
+def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, outliers=None):
+    """Write the checkpoint of `step` from the device (gpt2_cuda.save_model_checkpoint): a Llama 3
+    model file of the parameters the run computes with (floatX upcast to fp32, exact), the state
+    file with AdamW's m and v, the fp32 master weights in bf16, the RNG states and the loader's
+    position. Returns the DONE_<step> path for the caller to write last."""
+    return gpt2_cuda.save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, outliers=outliers,
+                                           write_model_file=write_checkpoint_model)
+
+
+def load_model_checkpoint(out_dir, step, model, loader):
+    """Resume from the checkpoint of `step` in out_dir, written by this trainer or llama3_cpu.py
+    (gpt2_cuda.load_model_checkpoint): parameters (in bf16 the model file's values and the state's
+    master weights, so the run resumes bit for bit), AdamW's m and v, the loader position, the
+    stochastic-rounding RNG. Returns (step, sample_rng_state, state_path, the outlier detectors'
+    state or None). Raises InputError for a missing or mismatched file."""
+    return gpt2_cuda.load_model_checkpoint(out_dir, step, model, loader, 0, 1, read_model_file=read_checkpoint_model)
 
 
 # ----------------------------------------------------------------------------
@@ -462,14 +490,13 @@ def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad
 def train(args):
     """llama3_cpu.train on the device, one process: the same flags and loop (zero_grad, forward +
     backward over the micro-batches, clip to the global norm, AdamW), validation, HellaSwag and
-    samples (gpt2_cpu.generate over the full forward, no KV cache). Not yet: checkpoints, resuming,
-    several processes. Returns the model. Raises InputError for the flags it cannot honour."""
-    if args.checkpoint_every > 0 or args.resume:
-        raise InputError("llama3_cuda.py writes and resumes no checkpoints yet (-n, -y): llama3_cpu.py does")
+    samples (gpt2_cpu.generate over the full forward, no KV cache), checkpoints every -n steps and
+    -y 1's resume from the newest (llama3_cpu.py's files). Not yet: several processes. Returns the
+    model. Raises InputError for the flags it cannot honour."""
     comm = Comm()
     run = TrainingRun(args, comm)
     _, _, capability = cuda.select_device(comm)
-    model = setup_model(args, capability, say=run.say)
+    model = setup_model(args, capability, run.model_spec(), say=run.say)
     cuda.load_modules(KERNEL_FILES + model.attention.kernel_files, model.precision)
     def forward(x):                                      # the sampler's full forward (1,window) -> logits
         return HostLogits(llama3_forward(model, x))
@@ -481,6 +508,8 @@ def train(args):
         rng = SamplerRNG(args.sample_seed)
         return sample_from_prompt(args, lambda prompt, n, on_token: generate_ids(prompt, n, rng, on_token),
                                   model.config.max_seq_len)
+    if run.resuming:
+        run.check_resumed_model(llama3_cpu.model_config(args.model), model.config)
     run.prepare(model.config)
     B, T = run.B, run.T
 
@@ -501,10 +530,25 @@ def train(args):
             f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g} | {model.precision}, "
             f"{model.attention.name} attention")
     sample_rng = SamplerRNG(args.sample_seed)
-    run.start(0)
-    for step in range(run.num_steps + 1):
-        if run.between_steps(step, batch_loss, forward_losses, lambda prompt, n: generate_ids(prompt, n, sample_rng),
-                             None):
+    start_step, outliers = 0, None
+    if run.resuming:
+        start_step, sample_rng.state, state_path, outliers = load_model_checkpoint(
+            args.output_dir, run.resume_step, model, run.train_loader)
+        run.say(f"resumed from {state_path} at step {start_step}")
+
+    def sample(prompt, n):
+        return generate_ids(prompt, n, sample_rng)
+
+    if not run.start(start_step, outliers):
+        run.sample_after_the_last_checkpoint(sample)
+        return model
+
+    def save(step):
+        return save_model_checkpoint(args.output_dir, step, model, run.train_loader, sample_rng.state,
+                                     run.outlier_state())
+
+    for step in range(start_step, run.num_steps + 1):
+        if run.between_steps(step, batch_loss, forward_losses, sample, save):
             break
         # the training step
         t0 = time.perf_counter()
@@ -542,12 +586,12 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def setup_model(args, compute_capability, say=print):
-    """The model on the device from -e (a Llama 3 model file or a descriptor, llama3_cpu.build_model),
-    in the precision and attention path of the flags (a fallback is reported through `say`), its
-    matmuls cuBLAS (TF32 from -f on compute capability 8.0)."""
+def setup_model(args, compute_capability, spec=None, say=print):
+    """The model on the device from `spec` (default -e: a Llama 3 model file, e.g. a checkpoint's, or
+    a descriptor, llama3_cpu.build_model), in the precision and attention path of the flags (a
+    fallback is reported through `say`), its matmuls cuBLAS (TF32 from -f on compute capability 8.0)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
-    host = llama3_cpu.build_model(args.model, args.seed)                      # fp32 on the host
+    host = llama3_cpu.build_model(spec or args.model, args.seed)              # fp32 on the host
     attention, fallback = resolve_attention(args.attention, precision, host.config.head_size)
     if fallback:
         say(f"llama3_cuda.py: {fallback}")

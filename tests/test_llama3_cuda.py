@@ -5,7 +5,8 @@ and bf16 (flash attention); in-process on a tiny model with three query heads pe
 both precisions; and the same comparison seen failing when one of Llama 3's backward launches is
 broken (RoPE's backward skipped, SwiGLU's two gradients swapped, the K/V repeat's backward
 keeping one query head); three training steps from the command line with llama3_cpu.py's losses,
-gradient norms, validation losses and sample.
+gradient norms, validation losses and sample; checkpoints (-n, -y 1) on a tiny model: a resumed
+run equals the straight one byte for byte in fp32 and bf16, and either trainer resumes the other's.
 
 Run: python -m pytest -q tests/test_llama3_cuda.py   (~1 minute on 2 cores once the emulated
 device's kernels are built; the first run compiles them, a few minutes)
@@ -13,16 +14,20 @@ device's kernels are built; the first run compiles them, a few minutes)
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import gpt2_cuda
 import llama3_cpu
 import llama3_cuda
-from llmc import cuda
+from emulated_gpu import _train_losses, _write_shards
+from llmc import checkpoint, cuda
 from llmc.cuda_check import check_llama3_against_cpu
+from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NH = 6, NKV = 2: n_rep = 3; C = 96: HS = 16 (flash attention's smallest tile); H = 256 (a
@@ -118,10 +123,86 @@ def test_cli_training_equals_llama3_cpu():
     assert sample.strip() and sample in out_gpu.split("generating:")[1]
 
 
-def test_cli_refuses_checkpoints(tmp_path):
-    rc, out = run_cli("--device", "cpu", "-e", "llama3:d2", "-x", "1", "-n", "1", "-o", str(tmp_path))
-    assert rc == 1 and out.strip().splitlines()[-1] == ("error: llama3_cuda.py writes and resumes no checkpoints yet "
-                                                        "(-n, -y): llama3_cpu.py does")
+# ----------------------------------------------------------------------------
+# checkpoints: llmc/checkpoint.py's files, written and resumed by either trainer
+
+EMULATED = ["--device", "cpu"]                 # llama3_cuda.py's flag: llama3_cpu.py has no --device
+
+
+@pytest.fixture
+def tiny_training(emulated, monkeypatch, tmp_path):
+    """The flags of a short run of TINY (a Llama 3 model file) on a shard of its random tokens, on the
+    emulated device with the global norm's grid cut from 1024 blocks to 16 (as tests/test_cuda.py's
+    emulated_training: the same kernel, another fixed summation order), no validation, no samples."""
+    monkeypatch.setattr(gpt2_cuda, "GLOBAL_NORM_GRID", 16)
+    model = str(tmp_path / "tiny_llama3.bin")
+    llama3_cpu.write_model(model, llama3_cpu.llama3_init(TINY, seed=3))
+    data = _write_shards(tmp_path, V=TINY.vocab_size)
+    return ["-e", model, "-i", data, "-j", "", "-b", "2", "-t", "16", "-v", "0", "-s", "0", "-l", "1e-3",
+            "-k", "constant"]
+
+
+def test_resume_equals_the_straight_run(tiny_training, tmp_path, capsys):
+    """fp32: 3 steps, a checkpoint (a Llama 3 model file and the state), resume, 3 more: the
+    straight 6-step run's losses, and its step-6 checkpoint byte for byte (the emulated device is
+    deterministic)."""
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert llama3_cuda.main(tiny_training + EMULATED + ["-x", "6", "-n", "3", "-o", straight]) == 0
+    assert llama3_cuda.main(tiny_training + EMULATED + ["-x", "3", "-n", "3", "-o", resumed]) == 0
+    assert llama3_cpu.read_model(os.path.join(resumed, "model_00000003.bin")).config == TINY
+    assert llama3_cuda.main(tiny_training + EMULATED + ["-x", "6", "-n", "3", "-y", "1", "-o", resumed]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    ref = _train_losses(os.path.join(straight, "main.log"))
+    assert len(ref) == 6 and _train_losses(os.path.join(resumed, "main.log")) == ref
+    for name in ("model_00000006.bin", "state_00000006_00000.bin"):
+        with open(os.path.join(straight, name), "rb") as a, open(os.path.join(resumed, name), "rb") as b:
+            assert a.read() == b.read(), name
+    # a resume checks that -e names the checkpoint's model
+    other = ["-e", "llama3:d2", "-x", "6", "-y", "1", "-o", resumed]
+    assert llama3_cuda.main(tiny_training[2:] + EMULATED + other) == 1
+    assert "the checkpoint in -o" in capsys.readouterr().err
+
+
+def test_bf16_resume_equals_the_straight_run_byte_for_byte(tiny_training, tmp_path):
+    """bf16 with its fp32 master weights: the state file holds them, the model file the bf16
+    parameters (upcast); a run resumed from its step-2 checkpoint prints the straight run's losses
+    and writes the straight run's step-4 files, byte for byte."""
+    common = tiny_training + ["-x", "4", "-n", "2", "--precision", "bf16", "-l", "1e-2"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert llama3_cuda.main(common + EMULATED + ["-o", straight]) == 0
+    saved = llama3_cpu.read_model(os.path.join(straight, "model_00000002.bin"))
+    st = checkpoint.read_state(os.path.join(straight, "state_00000002_00000.bin"), saved.num_parameters, 0, 1)
+    assert st["master_weights"] is not None and not np.array_equal(st["master_weights"], saved.params)
+    np.testing.assert_array_equal(saved.params, bfloat16_bits_to_float32(float32_to_bfloat16_bits(saved.params)))
+    assert st["rng_state_last_update"] != 0
+    shutil.copytree(straight, resumed)
+    for name in ("DONE_00000004", "model_00000004.bin", "state_00000004_00000.bin", "config_00000004.json"):
+        os.remove(os.path.join(resumed, name))                           # as if it had stopped at step 2
+    assert llama3_cuda.main(common + EMULATED + ["-y", "1", "-o", resumed]) == 0
+    assert _train_losses(os.path.join(resumed, "main.log")) == _train_losses(os.path.join(straight, "main.log"))
+    for name in ("model_00000004.bin", "state_00000004_00000.bin"):
+        with open(os.path.join(straight, name), "rb") as a, open(os.path.join(resumed, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+def test_cross_resume_with_llama3_cpu(tiny_training, tmp_path):
+    """Either trainer resumes the other's checkpoint and continues with llama3_cpu.py's losses (fp32:
+    the device's sums in another order, as tests/test_cuda.py's GPT-2 cross-resume, rel 1e-5)."""
+    straight, a, b = (str(tmp_path / d) for d in ("straight", "a", "b"))
+    assert llama3_cpu.main(tiny_training + ["-x", "6", "-o", straight]) == 0
+    ref = _train_losses(os.path.join(straight, "main.log"))
+    # CUDA 0..3, then CPU 3..6
+    assert llama3_cuda.main(tiny_training + EMULATED + ["-x", "3", "-n", "3", "-o", a]) == 0
+    assert llama3_cpu.main(tiny_training + ["-x", "6", "-y", "1", "-o", a]) == 0
+    # CPU 0..3, then CUDA 3..6
+    assert llama3_cpu.main(tiny_training + ["-x", "3", "-n", "3", "-o", b]) == 0
+    assert llama3_cuda.main(tiny_training + EMULATED + ["-x", "6", "-y", "1", "-o", b]) == 0
+    assert len(ref) == 6
+    for run in (a, b):
+        got = _train_losses(os.path.join(run, "main.log"))
+        assert sorted(got) == sorted(ref)
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=1e-5), (run, step)
 
 
 def test_import_does_not_import_cupy():
