@@ -41,7 +41,7 @@ dev-cuda:        ## run every dev/cuda progression on a GPU, one table per op in
 	$(SETUP) dev-cuda
 	$(PY) dev/cuda/run_all.py $(ARGS)
 
-bench:           ## GPU benchmark: gpt2_cuda.py vs the PyTorch twin (needs a GPU, no data)
+bench:           ## GPU benchmark: gpt2_cuda.py vs the PyTorch twin (needs a GPU, no data; ARGS="-e llama3:d4" for llama3_cuda.py)
 	$(SETUP) bench
 	$(PY) dev/bench.py $(ARGS)
 

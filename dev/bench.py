@@ -1,7 +1,8 @@
 """
 dev/bench.py: training throughput of GPT-2 124M on one GPU, gpt2_cuda.py against the PyTorch twin
 (dev/torch_reference.py with bf16 autocast, torch.compile, SDPA flash attention and fused AdamW),
-measured in the same run on the same GPU.
+measured in the same run on the same GPU; with -e llama3:dX, llama3_cuda.py against
+dev/torch_reference_llama3.py (below).
 
 For each micro-batch size B of --batch-sizes (default 16, 32, 64) and each trainer: T = 1024,
 bf16, `--warmup` untimed and `--steps` timed training steps on a fixed random batch, each in a
@@ -22,6 +23,21 @@ one line per configuration, in a fixed form that later runs can be compared with
 (`n/a` where a trainer did not run or B did not fit). `--search` also probes for the largest
 power-of-two B that fits each trainer (B = 8, 16, 32, ...), as the first version of this script did.
 
+Llama 3 (`-e llama3:d4`, any llama3_cpu.py descriptor llama3:dX): llama3_cuda.py's training step as
+its train() runs it (bf16 with fp32 master weights; zero_grad, forward, backward, the global norm,
+AdamW on the clipped gradient; cuBLAS, its only matmul backend; --attention as for GPT-2) against
+dev/torch_reference_llama3.py's model and training step (Twin.train_steps) with what that twin has:
+it has no autocast, so its parameters and AdamW state are bf16 (no fp32 master weights); it has no
+fused AdamW, so torch.optim.AdamW runs unfused; SDPA flash attention; --compile 1 compiles its module
+with torch.compile as the GPT-2 twin compiles its own (inductor leaves its complex-number RoPE
+uncompiled). The heading of the table says so. --cublaslt 1 and --cuda-graph 1 are refused in one
+`error:` line (llama3_cuda.py has neither). The MFU uses the same 6N + 6LCT per token, which holds
+for grouped-query attention too: the attention core's FLOPs are those of all NH query heads (the
+NKV key/value heads only shrink the qkv projection, which N counts). N is every parameter of
+llama3_cpu.parameter_shapes, wte included: llm.c's formula counts GPT-2's wte because it is also
+the classifier, but Llama 3's untied wte is only looked up, so there the MFU is overstated (1.74x
+at llama3:d4, T=1024, where wte is 44% of N; less for larger models).
+
 What it deliberately is not: a kernel benchmark (dev/cuda/ times kernels one by one) or a
 convergence test (the batch is random tokens; only speed is measured).
 
@@ -34,6 +50,7 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py --attention flash --cuda-graph 1
     python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
+    python dev/bench.py -e llama3:d4                # llama3_cuda.py against dev/torch_reference_llama3.py
 """
 
 import argparse
@@ -53,6 +70,8 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "dev"))
 
 import gpt2_cpu   # noqa: E402
 import gpt2_cuda  # noqa: E402
+import llama3_cpu  # noqa: E402
+import llama3_cuda  # noqa: E402
 import llmc.attention  # noqa: E402
 import llmc.cuda  # noqa: E402
 import llmc.gpu_cli  # noqa: E402
@@ -62,12 +81,34 @@ from llmc import comm  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
 
 TRAINERS = {"cupy": "gpt2_cuda.py (CuPy)", "torch": "PyTorch twin"}     # timed in this order
+LLAMA3_TRAINERS = {"cupy": "llama3_cuda.py (CuPy)", "torch": "PyTorch twin"}
+LLAMA3_PREFIX = "llama3:"         # -e llama3:dX (a llama3_cpu.py descriptor) benches Llama 3, else GPT-2
 OOM_EXIT = 3                      # a worker's exit status when its B does not fit
 FIRST_PROBE_BATCH = 8
 PROBE_STEPS = 2                   # steps a probe runs: the first allocates everything, the second reuses it
 RESULT_PREFIX = "BENCH_RESULT "   # a worker's one line of JSON on stdout
 LEARNING_RATE = 3e-4
+GRAD_CLIP = 1.0                   # both trainers' default: the step scales the gradient by 1/norm above it
 SEED = 42
+
+
+# ----------------------------------------------------------------------------
+# the two model families: -e llama3:dX is Llama 3 (llama3_cpu.py's descriptors), anything else GPT-2
+
+def is_llama3(model_name):
+    return model_name.startswith(LLAMA3_PREFIX)
+
+
+def num_parameters(model_name, cfg):
+    """N of the MFU's 6N: every parameter of the family's table (for Llama 3 that includes wte,
+    only looked up, and the untied classifier wlmhead)."""
+    shapes = llama3_cpu.parameter_shapes(cfg) if is_llama3(model_name) else gpt2_cpu.parameter_shapes(cfg)
+    return gpt2_cpu.num_elements(shapes)
+
+
+def trainer_names(model_name):
+    """trainer -> the name its lines carry."""
+    return LLAMA3_TRAINERS if is_llama3(model_name) else TRAINERS
 
 
 # ----------------------------------------------------------------------------
@@ -123,9 +164,47 @@ def cupy_model(model_name, B, T, attention, use_cublaslt="auto"):
     return model, cfg, fixed_batch(cfg, B, T)
 
 
+def llama3_cupy_model(model_name, B, T, attention, precision="bf16"):
+    """llama3_cuda.py's model as its setup_model builds it (bf16 with fp32 master weights, cuBLAS:
+    its only matmul backend; precision "fp32" for the emulated device's check), llama3_cpu.py's
+    init, its buffers for (B,T), on a created stream, and the fixed batch."""
+    cupy = llmc.cuda.cupy()
+    llmc.cuda.select_device(comm.Comm())
+    stream = cupy.cuda.Stream()
+    stream.use()
+    cfg = llama3_cpu.model_config(model_name)
+    path, fallback = llmc.attention.resolve_attention(attention, precision, cfg.head_size)
+    if fallback:
+        print(f"dev/bench.py: {fallback}", file=sys.stderr)
+    model = llama3_cuda.Llama3(cfg, precision, path, llmc.matmul.Cublas())
+    llama3_cuda.upload_parameters(model, llama3_cpu.llama3_init(cfg, SEED).params)
+    llmc.cuda.load_modules(llama3_cuda.KERNEL_FILES + model.attention.kernel_files, model.precision)
+    llama3_cuda.llama3_activations(model, B, T)
+    model.bench_stream = stream
+    return model, cfg, fixed_batch(cfg, B, T)
+
+
+def llama3_cupy_step(model, x, y, step):
+    """One training step of llama3_cuda.py as its train() runs it (one micro-batch): zero_grad,
+    forward, backward, the global norm, AdamW (weight decay 0) on the clipped gradient; returns
+    the summed loss as a device scalar."""
+    B, T = x.shape
+    A = llama3_cuda.llama3_activations(model, B, T)
+    llama3_cuda.gpt2_zero_grad(model)
+    llama3_cuda.llama3_forward(model, x, y)
+    llama3_cuda.llama3_backward(model, loss_scale=1.0)
+    loss = A["losses"].sum(dtype=np.float64)                      # queued now, read after the update
+    norm = llama3_cuda.gpt2_grad_norm(model)
+    llama3_cuda.llama3_update(model, LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
+                              0.0, step, GRAD_CLIP / norm if norm > GRAD_CLIP else 1.0)
+    return loss
+
+
 def cupy_step(model, x, y, step, cuda_graph):
-    """One training step of gpt2_cuda.py as its train() runs it (one micro-batch); returns the
-    loss as a device scalar (reading it waits for the step)."""
+    """One training step of gpt2_cuda.py (or llama3_cuda.py, for its model) as its train() runs it
+    (one micro-batch); returns the summed loss as a device scalar (reading it waits for the step)."""
+    if isinstance(model, llama3_cuda.Llama3):
+        return llama3_cupy_step(model, x, y, step)
     B, T = x.shape
     A = gpt2_cuda.gpt2_activations(model, B, T)
     gpt2_cuda.gpt2_zero_grad(model)
@@ -134,18 +213,21 @@ def cupy_step(model, x, y, step, cuda_graph):
     loss = A["loss_accum"].sum(dtype=np.float64)                  # queued now, read after the update
     norm = gpt2_cuda.gpt2_grad_norm(model)
     gpt2_cuda.gpt2_update(model, LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
-                          0.0, step, 1.0 / norm if norm > 1.0 else 1.0)
+                          0.0, step, GRAD_CLIP / norm if norm > GRAD_CLIP else 1.0)
     return loss
 
 
 def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto"):
-    """Train gpt2_cuda.py's model num_steps steps on one fixed batch; return (seconds per step,
-    losses, config, the model, the batch)."""
+    """Train gpt2_cuda.py's model (llama3_cuda.py's for -e llama3:dX) num_steps steps on one fixed
+    batch; return (seconds per step, losses, config, the model, the batch)."""
     if cuda_graph:
         reason = llmc.cuda.cuda_graph_unavailable_reason()
         if reason:                                                # the worker's one failure line
             raise RuntimeError(f"--cuda-graph 1: {reason}")
-    model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt)
+    if is_llama3(model_name):
+        model, cfg, (x, y) = llama3_cupy_model(model_name, B, T, attention)
+    else:
+        model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt)
     times, losses = [], []
     for step in range(1, num_steps + 1):
         t0 = time.perf_counter()
@@ -240,6 +322,29 @@ def torch_steps(model_name, B, T, num_steps, compile_model):
     return times, losses, cfg
 
 
+def torch_llama3_steps(model_name, B, T, num_steps, compile_model):
+    """Train dev/torch_reference_llama3.py's model num_steps steps with its own training step
+    (Twin.train_steps: torch.optim.AdamW; the global norm summed in float64, one read to the host
+    per parameter tensor; clipped at GRAD_CLIP)
+    and what that twin has: parameters and AdamW state in bf16 (it has no autocast, so no fp32
+    master weights), SDPA flash attention, the optimizer unfused (it has no fused option);
+    torch.compile on its module if compile_model, as the GPT-2 twin compiles its own. Returns
+    (seconds per step, losses, config)."""
+    import torch
+    import torch_reference_llama3 as tr
+    cfg = llama3_cpu.model_config(model_name)
+    twin = tr.Twin.init(cfg, SEED, dtype=torch.bfloat16, device="cuda", flash=True)
+    if compile_model:
+        twin.model = torch.compile(twin.model)
+    x, y = fixed_batch(cfg, B, T)
+    times = []
+    losses = twin.train_steps(((x, y) for _ in range(num_steps)), learning_rate=LEARNING_RATE, num_steps=num_steps,
+                              schedule="constant", grad_clip=GRAD_CLIP,
+                              on_step=lambda step, loss, norm, lr, dt: times.append(dt))
+    torch.cuda.synchronize()
+    return times, losses, cfg
+
+
 def is_out_of_memory(error):
     text = f"{type(error).__name__}: {error}".lower()
     return "out of memory" in text or "outofmemory" in text or "alloc_failed" in text
@@ -256,8 +361,9 @@ def worker(args):
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1)
         else:
-            times, losses, cfg = torch_steps(args.model, args.batch_size, args.seq_len, num_steps,
-                                             compile_model=bool(args.compile) and not args.probe)
+            steps = torch_llama3_steps if is_llama3(args.model) else torch_steps
+            times, losses, cfg = steps(args.model, args.batch_size, args.seq_len, num_steps,
+                                       compile_model=bool(args.compile) and not args.probe)
     except Exception as e:                                  # noqa: BLE001: classify, then re-raise
         if is_out_of_memory(e):
             print(f"B={args.batch_size}: out of memory ({type(e).__name__})", file=sys.stderr)
@@ -266,11 +372,11 @@ def worker(args):
     if not all(math.isfinite(loss) for loss in losses):
         raise RuntimeError(f"{args.worker}: non-finite loss {losses}")
     timed = times[-args.steps:] if not args.probe else times
-    num_parameters = gpt2_cpu.num_elements(gpt2_cpu.parameter_shapes(cfg))
     memory, device = device_memory_and_name(args.worker)
     ms = statistics.median(timed) * 1000
     tok_s = args.batch_size * args.seq_len / (ms / 1000)
-    util = llmc.mfu.mfu(num_parameters, cfg.num_layers, cfg.channels, args.seq_len, tok_s, device, "bf16", False)
+    util = llmc.mfu.mfu(num_parameters(args.model, cfg), cfg.num_layers, cfg.channels, args.seq_len, tok_s, device,
+                        "bf16", False)
     result = {"trainer": args.worker, "B": args.batch_size, "T": args.seq_len, "ms_median": ms,
               "ms_all": [t * 1000 for t in timed], "tok_s": tok_s, "mfu": util, "memory_bytes": memory,
               "device": device, "losses": losses, "breakdown": breakdown}
@@ -313,7 +419,7 @@ def largest_batch(trainer, args):
     best, B = None, FIRST_PROBE_BATCH
     while B <= args.max_batch:
         fits = run_worker(trainer, B, args, probe=True) is not None
-        print(f"  {TRAINERS[trainer]}: B={B} {'fits' if fits else 'does not fit'}", flush=True)
+        print(f"  {trainer_names(args.model)[trainer]}: B={B} {'fits' if fits else 'does not fit'}", flush=True)
         if not fits:
             break
         best, B = B, 2 * B
@@ -330,20 +436,25 @@ def largest_batch(trainer, args):
 TABLE_HEADER = f"{'trainer':26s} {'B':>4s} {'ms/step':>9s} {'tok/s':>10s} {'MFU':>7s} {'memory GiB':>11s}"
 
 
-def table_row(trainer, B, r):
+def table_row(trainer, B, r, names=TRAINERS):
     """One (trainer, B) row of the table; r: the worker's result dict, None (B did not fit) or a
-    WorkerFailed (its one line)."""
+    WorkerFailed (its one line); names: trainer_names of the model."""
     if r is None:
-        return f"{TRAINERS[trainer]:26s} {B:4d} {'does not fit in memory':>40s}"
+        return f"{names[trainer]:26s} {B:4d} {'does not fit in memory':>40s}"
     if isinstance(r, WorkerFailed):
-        return f"{TRAINERS[trainer]:26s} {B:4d} FAILED: {r}"
+        return f"{names[trainer]:26s} {B:4d} FAILED: {r}"
     util = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    return (f"{TRAINERS[trainer]:26s} {r['B']:4d} {r['ms_median']:9.1f} {r['tok_s']:10.0f} {util:>7s} "
+    return (f"{names[trainer]:26s} {r['B']:4d} {r['ms_median']:9.1f} {r['tok_s']:10.0f} {util:>7s} "
             f"{r['memory_bytes'] / 2**30:11.2f}")
 
 
 def options_line(args):
     """What was timed, for the heading of the table."""
+    if is_llama3(args.model):
+        return (f"Llama 3 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
+                f"warm-up; ours: {args.attention} attention, cuBLAS; twin (dev/torch_reference_llama3.py): "
+                f"bf16 parameters and AdamW state (it has no autocast), unfused AdamW, SDPA flash attention, "
+                f"torch.compile {args.compile}")
     return (f"GPT-2 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
             f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
             f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}; twin: torch.compile {args.compile}")
@@ -358,7 +469,7 @@ def print_table(runs, args):
     for trainer in TRAINERS:
         for B, results in runs:
             if trainer in results:
-                print(table_row(trainer, B, results[trainer]))
+                print(table_row(trainer, B, results[trainer], trainer_names(args.model)))
 
 
 def summary_line(model, T, B, ours, torch):
@@ -396,7 +507,13 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--worker", choices=tuple(TRAINERS), help=argparse.SUPPRESS)
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if is_llama3(args.model):
+        for flag, value, what in (("--cublaslt", args.cublaslt, "cuBLASLt backend (cuBLAS is its only one)"),
+                                  ("--cuda-graph", args.cuda_graph, "CUDA graph replay (its steps run eagerly)")):
+            if value == 1:
+                p.error(f"{flag} 1: llama3_cuda.py has no {what}; drop {flag} for -e {args.model}")
+    return args
 
 
 def main(argv=None):
@@ -423,7 +540,8 @@ def main(argv=None):
             try:
                 B = largest_batch(trainer, args)
             except WorkerFailed as e:
-                print(f"dev/bench.py: the search for {TRAINERS[trainer]}'s largest B failed: {e}", flush=True)
+                print(f"dev/bench.py: the search for {trainer_names(args.model)[trainer]}'s largest B failed: {e}",
+                      flush=True)
                 continue
             sizes += [B] if B not in sizes else []
     results = {B: {} for B in sizes}                            # B -> {trainer: result, None or WorkerFailed}
@@ -434,7 +552,7 @@ def main(argv=None):
                 results[B][trainer] = run_worker(trainer, B, args, probe=False)    # None: out of memory
             except WorkerFailed as e:
                 results[B][trainer] = e
-            print(table_row(trainer, B, results[B][trainer]), flush=True)
+            print(table_row(trainer, B, results[B][trainer], trainer_names(args.model)), flush=True)
     runs = [(B, results[B]) for B in sizes]
     failed = sum(isinstance(r, WorkerFailed) for _, rs in runs for r in rs.values())
     if not any(isinstance(r, dict) for _, rs in runs for r in rs.values()):
@@ -444,7 +562,7 @@ def main(argv=None):
     for B, rs in runs:
         ours = rs.get("cupy")
         if isinstance(ours, dict) and ours.get("breakdown"):
-            print(f"\ngpt2_cuda.py at B={B}: one step by kernel (CUDA events; eager, "
+            print(f"\n{trainer_names(args.model)['cupy'].split()[0]} at B={B}: one step by kernel (CUDA events; eager, "
                   f"{ours.get('attention', args.attention)} attention, {ours.get('matmul', '')} matmuls)")
             print("\n".join(format_breakdown([tuple(r) for r in ours["breakdown"]], ours["ms_median"],
                                              args.breakdown_top)))

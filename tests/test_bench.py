@@ -2,9 +2,11 @@
 (its exact text for hand-made results, and n/a where a trainer did not run or B did not fit), the
 per-kernel breakdown's aggregation and table, the one-line exit without a GPU, and the driver
 around the workers with their subprocesses faked (each line printed as it completes, ours before
-the twin, a failed worker one line among the others, --cublaslt and --compile passed on). The
-timings themselves need a GPU (`make bench`).
-Run: pytest tests/test_bench.py   (a second)
+the twin, a failed worker one line among the others, --cublaslt and --compile passed on), and
+for Llama 3 (-e llama3:dX): the driver's lines, the options it refuses in one line, and the
+emulated device's llama3_cuda.py step as the bench builds and runs it, against llama3_cpu.py's
+losses. The timings themselves need a GPU (`make bench`).
+Run: pytest tests/test_bench.py   (half a minute: two emulated steps)
 """
 
 import json
@@ -74,6 +76,39 @@ def test_breakdown_times_every_gemm_with_cublaslt_too(monkeypatch):
     assert sum(gemms[True].values()) - sum(lt.values()) == attention_gemms
     epilogues = {name.split()[-1] for name in lt}
     assert {"BIAS", "GELU_AUX_BIAS", "DGELU", "BGRADB"} <= epilogues, epilogues
+
+
+def test_llama3_step_on_the_emulated_device_matches_llama3_cpu(monkeypatch):
+    """llama3_cuda.py's training step as the bench builds and runs it (llama3:d2, B=1, T=32, here in
+    fp32 on the emulated device): two steps' losses equal llama3_cpu.py's for the same init, batch
+    and AdamW step (the second loss checks the update); the breakdown times Llama 3's own kernels
+    and every GEMM."""
+    import gpt2_cpu
+    import llama3_cpu
+    from llmc import cuda
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    model, cfg, (x, y) = bench.llama3_cupy_model("llama3:d2", 1, 32, "naive", precision="fp32")
+    losses = [float(bench.cupy_step(model, x, y, t, cuda_graph=False)) / x.size for t in (1, 2)]
+    cpu, expected = llama3_cpu.llama3_init(cfg, bench.SEED), []
+    for t in (1, 2):                          # llama3_cpu.train's step: no weight decay, clipped at 1.0
+        gpt2_cpu.gpt2_zero_grad(cpu)
+        llama3_cpu.llama3_forward(cpu, x, y)
+        llama3_cpu.llama3_backward(cpu)
+        norm = gpt2_cpu.gpt2_grad_norm(cpu)
+        gpt2_cpu.gpt2_update(cpu, bench.LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
+                             0.0, t, 1.0 / norm if norm > 1.0 else 1.0, decayed=llama3_cpu.DECAYED_PARAMETERS)
+        expected.append(cpu.mean_loss)
+    assert losses == pytest.approx(expected, rel=1e-5), (losses, expected)
+    rows = bench.kernel_breakdown(model, x, y, 3)
+    names = {name for name, _, _ in rows}
+    for kernel in ("rmsnorm_forward", "rmsnorm_backward", "rope_forward", "rope_backward", "swiglu_forward",
+                   "swiglu_backward", "repeat_kv_forward", "repeat_kv_backward"):
+        assert f"{kernel.rsplit('_', 1)[0]}.cu:{kernel}" in names, (kernel, sorted(names))
+    L = cfg.num_layers
+    gemms = sum(calls for name, calls, _ in rows if name.startswith("cuBLAS gemm"))
+    # naive attention's 6 per layer; forward, dinp, dweight of 5 linears per layer and the classifier
+    assert gemms == 6 * L + 3 * (5 * L + 1)
+    assert dict((name, calls) for name, calls, _ in rows)["adamw.cu:adamw_update"] == len(model.param_shapes)
 
 
 def test_no_gpu_is_one_line_exit_2():
@@ -184,3 +219,28 @@ def test_cuda_graph_without_nvmath_fails_the_worker_before_the_model_is_built(mo
     monkeypatch.setattr(bench, "cupy_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(RuntimeError, match=r"^--cuda-graph 1: nvmath-python is missing$"):
         bench.cupy_steps("d2", 1, 8, 1, cuda_graph=True)
+
+
+def test_llama3_reaches_the_workers_and_its_summary_lines(workers, capsys):
+    fake = workers()
+    assert bench.main(["-e", "llama3:d4", "--batch-sizes", "16,32"]) == 0
+    assert [key for key, _ in fake.calls] == [("cupy", 16), ("cupy", 32), ("torch", 16), ("torch", 32)]
+    assert all(bench.parse_args(cmd[2:]).model == "llama3:d4" for _, cmd in fake.calls)
+    out = capsys.readouterr().out
+    assert out.startswith("Llama 3 (llama3:d4), T=1024, bf16")
+    rows = [line.split()[:3] for line in out.splitlines() if line.startswith("llama3_cuda.py (CuPy) ")]
+    assert rows == [["llama3_cuda.py", "(CuPy)", "16"], ["llama3_cuda.py", "(CuPy)", "32"]] * 2   # as done; the table
+    assert "gpt2_cuda.py" not in out
+    summary = [line for line in out.splitlines() if line.startswith("bench:")]
+    assert summary == [bench.summary_line("llama3:d4", 1024, B, fake_result("cupy", B), fake_result("torch", B))
+                       for B in (16, 32)]
+    assert all(LINE.match(line).group(1) == "llama3:d4" for line in summary)
+
+
+@pytest.mark.parametrize("flag", [["--cublaslt", "1"], ["--cuda-graph", "1"]])
+def test_llama3_refuses_cublaslt_and_cuda_graph_in_one_line(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["-e", "llama3:d4", *flag])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {flag[0]} 1: llama3_cuda.py has no "), err
