@@ -34,9 +34,9 @@ uncompiled). The heading of the table says so. --cublaslt 1 and --cuda-graph 1 a
 `error:` line (llama3_cuda.py has neither). The MFU uses the same 6N + 6LCT per token, which holds
 for grouped-query attention too: the attention core's FLOPs are those of all NH query heads (the
 NKV key/value heads only shrink the qkv projection, which N counts). N is every parameter of
-llama3_cpu.parameter_shapes, wte included: llm.c's formula counts GPT-2's wte because it is also
-the classifier, but Llama 3's untied wte is only looked up, so there the MFU is overstated (1.74x
-at llama3:d4, T=1024, where wte is 44% of N; less for larger models).
+llama3_cpu.parameter_shapes except wte: llm.c's formula counts GPT-2's wte because it is also the
+classifier, but Llama 3's untied wte is only looked up (its classifier, wlmhead, is counted);
+counting it would overstate the MFU 1.74x at llama3:d4, T=1024, where wte is 44% of all parameters.
 
 What it deliberately is not: a kernel benchmark (dev/cuda/ times kernels one by one) or a
 convergence test (the batch is random tokens; only speed is measured).
@@ -100,10 +100,13 @@ def is_llama3(model_name):
 
 
 def num_parameters(model_name, cfg):
-    """N of the MFU's 6N: every parameter of the family's table (for Llama 3 that includes wte,
-    only looked up, and the untied classifier wlmhead)."""
-    shapes = llama3_cpu.parameter_shapes(cfg) if is_llama3(model_name) else gpt2_cpu.parameter_shapes(cfg)
-    return gpt2_cpu.num_elements(shapes)
+    """N of the MFU's 6N: the parameters whose matmuls a token goes through. GPT-2: every parameter
+    (llm.c's count; its wte is also the classifier). Llama 3: every parameter but wte, which is only
+    looked up (its untied classifier wlmhead is counted)."""
+    if is_llama3(model_name):
+        return gpt2_cpu.num_elements([(name, shape) for name, shape in llama3_cpu.parameter_shapes(cfg)
+                                      if name != "wte"])
+    return gpt2_cpu.num_elements(gpt2_cpu.parameter_shapes(cfg))
 
 
 def trainer_names(model_name):

@@ -244,3 +244,14 @@ def test_llama3_refuses_cublaslt_and_cuda_graph_in_one_line(flag, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 1 and err.count("\n") == 1, err
     assert err.startswith(f"error: {flag[0]} 1: llama3_cuda.py has no "), err
+
+
+def test_mfu_counts_the_parameters_a_token_multiplies():
+    """6N's N: GPT-2 124M's every parameter (llm.c's count, padded vocabulary: its wte is also the
+    classifier); Llama 3's every parameter but the untied wte, which is only looked up."""
+    import gpt2_cpu
+    import llama3_cpu
+    assert bench.num_parameters("d12", gpt2_cpu.model_config("d12")) == 124_475_904
+    cfg = llama3_cpu.model_config("llama3:d4")
+    total = gpt2_cpu.num_elements(llama3_cpu.parameter_shapes(cfg))
+    assert bench.num_parameters("llama3:d4", cfg) == total - cfg.vocab_size * cfg.channels
