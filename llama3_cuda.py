@@ -482,7 +482,7 @@ def kv_cache_new(config, B):
     heads, not llama3_cpu.kv_cache_new's NKV: that is the layout repeat_kv_forward writes and
     gpt2_cuda's cached attention reads, so the sampler adds no kernel and no attention code. The
     price is NH/NKV times the memory of an NKV cache, small for one sequence of this project's
-    models (llama3:d2: 2 x 2 x 4 x 256 x 32 floats, 0.5 MB)."""
+    models (llama3:d2: k and v, each 2 layers x 4 heads x 1024 positions x 32 floats, 2 MiB in all)."""
     return gpt2_cuda.kv_cache_new(config, B)
 
 
