@@ -9,7 +9,7 @@ that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
 What it deliberately is not (yet): gpt2_cuda.py's trainer options (CUDA graphs, recomputation,
-ZeRO, several processes, fused residual + norm kernels, a KV-cached sampler); it trains one
+ZeRO, several processes, fused residual + norm kernels); it samples with a KV cache and trains one
 process with llama3_cpu.py's flags and loop, writes and resumes llama3_cpu.py's checkpoints (-n,
 -y 1: llmc/checkpoint.py's files, so either trainer resumes the other's run), and checks one batch
 against it (--check).
@@ -36,8 +36,8 @@ import numpy as np
 
 import gpt2_cuda
 import llama3_cpu
-from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, check_inputs, generate, learning_rate_at,
-                      num_elements, tensor_views)
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, check_inputs, generate,
+                      learning_rate_at, num_elements, tensor_views)
 # as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
 from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, download_parameters,
                        encoder_backward_segments, encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad,
@@ -252,6 +252,7 @@ def activation_aliases(config, B, T, attention):
         ("dfch_swiglu", "scratch_bth", (B, T, H)), ("dfch", "scratch_bth", (B, T, H)),   # swiglu_backward in place
         ("dfch2", "scratch_bth2", (B, T, H)),
         ("qkv_rope", "scratch_qkv", (B, T, QKV)), ("dqkv", "scratch_qkv", (B, T, QKV)),
+        ("sampler_qkv", "dqkv_att", (B, T, 3 * C)),      # the cached forward's attention input: no backward follows
         *attention.aliases(B, T, C, NH),                  # naive: att_workspace in `logits`
     ]
 
@@ -323,9 +324,10 @@ def layer_params(P, l):
     return llama3_cpu.layer_params(P, l)
 
 
-def rope_tables(model, T):
-    """The cos and sin rows (T,HS/2) of positions 0..T-1: contiguous prefixes of the tables."""
-    return model.freqs_cos[:T], model.freqs_sin[:T]
+def rope_tables(model, T, pos=0):
+    """The cos and sin rows (T,HS/2) of positions pos..pos+T-1: contiguous row slices of the tables,
+    so the RoPE kernel, which rotates row t by the table's row t, turns them by their absolute positions."""
+    return model.freqs_cos[pos:pos + T], model.freqs_sin[pos:pos + T]
 
 
 def llama3_forward(model, inputs, targets=None):
@@ -356,22 +358,25 @@ def llama3_forward(model, inputs, targets=None):
     return logits
 
 
-def block_forward(model, A, l, B, T):
+def block_forward(model, A, l, B, T, attention=None, pos=0):
     """Block l, llama3_cpu.block_forward's launches, on the activations A of (B,T): from its input
-    (encoded, or block l-1's residual3) to residual3[l]."""
+    (encoded, or block l-1's residual3) to residual3[l]. attention: model.attention (the default),
+    or the sampler's gpt2_cuda.CachedAttention; pos: the position of the first of the T rows (the
+    sampler's cache length; 0 in training)."""
     cfg, P, mm = model.config, model.P, model.matmul
     C, NH, NKV, HS, H = cfg.channels, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.hidden_dim
     QKV = qkv_channels(cfg)
     p = layer_params(P, l)
-    cos, sin = rope_tables(model, T)
+    attention = attention or model.attention
+    cos, sin = rope_tables(model, T, pos)                                              # positions pos..pos+T-1
     residual = A["encoded"] if l == 0 else A["residual3"][l - 1]                       # (B,T,C)
     # forward pass 1: attention block
     rmsnorm_forward(A["ln1"][l], A["ln1_rstd"][l], residual, p["ln1w"], B, T, C)
     mm.forward(A["qkv_proj"][l], A["ln1"][l], p["qkvw"], None, B, T, C, QKV)          # (B,T,(NH+2NKV)*HS)
     rope_forward(A["qkv_rope"], A["qkv_proj"][l], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)   # q, k rotated
-    qkv_att = model.attention.qkv(A, l, B, T, C)                                       # (B,T,3C): GPT-2's layout
+    qkv_att = attention.qkv(A, l, B, T, C)                                             # (B,T,3C): GPT-2's layout
     repeat_kv_forward(qkv_att, A["qkv_rope"], B, T, NH, NKV, HS)
-    model.attention.forward(A, l, B, T, C, NH, mm.tf32)                                # atty[l] (B,T,C)
+    attention.forward(A, l, B, T, C, NH, mm.tf32)                                      # atty[l] (B,T,C)
     mm.forward(A["attproj"], A["atty"][l], p["attprojw"], None, B, T, C, C)
     residual_forward(A["residual2"][l], residual, A["attproj"], B * T * C)
     # forward pass 2: SwiGLU MLP block
@@ -464,6 +469,59 @@ def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad
 
 
 # ----------------------------------------------------------------------------
+# sampler: gpt2_cpu.generate with a KV cache on the device (llama3_cpu.llama3_generate's, on the GPU)
+#
+# The prompt runs once (the prefill), then each new token alone at the next position: RoPE rotates
+# its q and k by the rows pos..pos+T-1 of the tables (rope_tables), the K/V repeat turns the
+# projection into GPT-2's attention input, and gpt2_cuda's cached attention appends the new keys
+# and values to the cache and attends to every position so far.
+
+def kv_cache_new(config, B):
+    """An empty gpt2_cpu.KVCache on the device (gpt2_cuda.kv_cache_new): k, v (L,B,NH,maxT,HS) fp32,
+    the keys rotated by RoPE at their own positions. It holds the keys and values repeated to NH
+    heads, not llama3_cpu.kv_cache_new's NKV: that is the layout repeat_kv_forward writes and
+    gpt2_cuda's cached attention reads, so the sampler adds no kernel and no attention code. The
+    price is NH/NKV times the memory of an NKV cache, small for one sequence of this project's
+    models (llama3:d2: k and v, each 2 layers x 4 heads x 1024 positions x 32 floats, 2 MiB in all)."""
+    return gpt2_cuda.kv_cache_new(config, B)
+
+
+def llama3_forward_cached(model, inputs, cache):
+    """llama3_cpu.llama3_forward_cached on the device: inputs (B,T) int token ids (host numpy) at
+    positions cache.length..cache.length+T-1, their q and k rotated at those positions, attending
+    to the cached keys and values and appending theirs (gpt2_cuda.CachedAttention); the training
+    forward's blocks and buffers otherwise. Returns the last position's logits (B,V), float32 on
+    the host. Raises InputError if the positions pass maxT or a token id is out of range."""
+    cfg = model.config
+    inputs = np.asarray(inputs)
+    B, T = inputs.shape
+    pos = cache.length
+    check_inputs(cfg, inputs, None, pos)
+    C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
+    P, A = model.P, llama3_activations(model, B, T)
+    A["inputs"].set(np.ascontiguousarray(inputs, dtype=np.int32))
+    model.BT, model.has_targets = (B, T), False                                     # no backward follows
+    attention = gpt2_cuda.CachedAttention(cache, pos)
+    encoder_forward(A["encoded"], A["inputs"], P["wte"], model.no_wpe, B, T, C)      # (B,T,C) = wte[inputs]
+    for l in range(L):
+        block_forward(model, A, l, B, T, attention, pos)
+    rmsnorm_forward(A["lnf"], A["lnf_rstd"], A["residual3"][L - 1], P["lnfw"], B, T, C)
+    logits = prefix(A["logits"], (B, T, V))
+    model.matmul.forward(logits, A["lnf"], P["wlmhead"], None, B, T, C, V)           # (B,T,C) @ (C,V) -> (B,T,V)
+    cache.length = pos + T
+    return as_float32(logits[:, T - 1].get())                                       # (B,V) to the host
+
+
+def sampling_forward(model):
+    """gpt2_cpu.generate's forwards on this model (a gpt2_cpu.SamplingForward), for token ids on
+    the host: full(x (1,window)) -> HostLogits (1,window,V) from llama3_forward without targets;
+    cached(x (1,T), cache) -> logits (1,V) float32 on the host from llama3_forward_cached."""
+    return SamplingForward(full=lambda x: HostLogits(llama3_forward(model, x)),
+                           cached=lambda x, cache: llama3_forward_cached(model, x, cache),
+                           new_cache=lambda: kv_cache_new(model.config, 1))
+
+
+# ----------------------------------------------------------------------------
 # checkpoints: gpt2_cuda's, with llama3_cpu.py's model file, so either Llama 3 trainer resumes the other's run
 
 def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, outliers=None):
@@ -490,7 +548,7 @@ def load_model_checkpoint(out_dir, step, model, loader):
 def train(args):
     """llama3_cpu.train on the device, one process: the same flags and loop (zero_grad, forward +
     backward over the micro-batches, clip to the global norm, AdamW), validation, HellaSwag and
-    samples (gpt2_cpu.generate over the full forward, no KV cache), checkpoints every -n steps and
+    samples (gpt2_cpu.generate with the KV cache, sampling_forward), checkpoints every -n steps and
     -y 1's resume from the newest (llama3_cpu.py's files). Not yet: several processes. Returns the
     model. Raises InputError for the flags it cannot honour."""
     comm = Comm()
@@ -498,11 +556,8 @@ def train(args):
     _, _, capability = cuda.select_device(comm)
     model = setup_model(args, capability, run.model_spec(), say=run.say)
     cuda.load_modules(KERNEL_FILES + model.attention.kernel_files, model.precision)
-    def forward(x):                                      # the sampler's full forward (1,window) -> logits
-        return HostLogits(llama3_forward(model, x))
-
     def generate_ids(prompt, n, rng, on_token=None):
-        return generate(model, prompt, n, rng, args.temperature, args.top_k, on_token, forward, kv_cache=False)
+        return generate(model, prompt, n, rng, args.temperature, args.top_k, on_token, sampling_forward(model))
 
     if args.generate > 0:
         rng = SamplerRNG(args.sample_seed)

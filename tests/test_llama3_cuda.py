@@ -5,8 +5,10 @@ and bf16 (flash attention); in-process on a tiny model with three query heads pe
 both precisions; and the same comparison seen failing when one of Llama 3's backward launches is
 broken (RoPE's backward skipped, SwiGLU's two gradients swapped, the K/V repeat's backward
 keeping one query head); three training steps from the command line with llama3_cpu.py's losses,
-gradient norms, validation losses and sample; checkpoints (-n, -y 1) on a tiny model: a resumed
-run equals the straight one byte for byte in fp32 and bf16, and either trainer resumes the other's.
+gradient norms, validation losses and sample; the KV-cached sampler against llama3_cpu's (each
+step's logits, the cache, the ids drawn within and past maxT) and the full forward's ids;
+checkpoints (-n, -y 1) on a tiny model: a resumed run equals the straight one byte for byte in
+fp32 and bf16, and either trainer resumes the other's.
 
 Run: python -m pytest -q tests/test_llama3_cuda.py   (~1 minute on 2 cores once the emulated
 device's kernels are built; the first run compiles them, a few minutes)
@@ -25,9 +27,11 @@ import gpt2_cuda
 import llama3_cpu
 import llama3_cuda
 from emulated_gpu import _train_losses, _write_shards
+from gpt2_cpu import generate
 from llmc import checkpoint, cuda
 from llmc.cuda_check import check_llama3_against_cpu
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.sampler import SamplerRNG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NH = 6, NKV = 2: n_rep = 3; C = 96: HS = 16 (flash attention's smallest tile); H = 256 (a
@@ -121,6 +125,93 @@ def test_cli_training_equals_llama3_cpu():
     assert [float(v) for v in val_gpu] == pytest.approx([float(v) for v in val_cpu], rel=2e-6)
     sample = out_cpu.split("generating:")[1].split("---")[1]
     assert sample.strip() and sample in out_gpu.split("generating:")[1]
+
+
+# ----------------------------------------------------------------------------
+# sampler: the KV-cached forward on the device (llama3_cuda.llama3_forward_cached) against
+# llama3_cpu's, and the tokens gpt2_cpu.generate draws with it
+
+# fp32 logits of TINY: the same arithmetic as llama3_cpu up to summation order and RoPE's fp32
+# tables (llama3_cpu rotates with float64 ones); the differences seen are below 4e-7 of the largest
+# logit. Relative to the largest value, not each one: a logit near 0 has no relative precision
+CACHED_RTOL = 1e-5
+
+
+def assert_close(got, ref, label):
+    """|got - ref| <= CACHED_RTOL * max |ref|, elementwise."""
+    np.testing.assert_allclose(got, ref, rtol=0, atol=CACHED_RTOL * np.abs(ref).max(), err_msg=label)
+
+
+# random init scaled up so that attention is peaked (it is near uniform at init, where a key's
+# position hardly matters) and the logits spread over a few units (the draws then depend on them)
+SAMPLING_QKV_SCALE = 4.0
+SAMPLING_LMHEAD_SCALE = 10.0
+
+
+def sampling_models():
+    """TINY random-init on the host (llama3_cpu), qkvw and wlmhead scaled up, and the same
+    parameters on the device, fp32."""
+    host = llama3_cpu.llama3_init(TINY, seed=3)
+    host.P["qkvw"] *= SAMPLING_QKV_SCALE
+    host.P["wlmhead"] *= SAMPLING_LMHEAD_SCALE
+    model = llama3_cuda.Llama3(TINY, "fp32")
+    llama3_cuda.upload_parameters(model, host.params)
+    return host, model
+
+
+def test_forward_cached_matches_llama3_cpu(emulated):
+    # a prompt of 4 tokens (the prefill), then 3 tokens one at a time: each step's logits against
+    # llama3_cpu.llama3_forward_cached's, and the cache against its NKV heads repeated to NH
+    host, model = sampling_models()
+    x = np.random.default_rng(2).integers(0, TINY.vocab_size, (1, TINY.max_seq_len)).astype(np.int32)
+    cache, cpu_cache = llama3_cuda.kv_cache_new(TINY, 1), llama3_cpu.kv_cache_new(TINY, 1)
+    for start, stop in [(0, 4), (4, 5), (5, 6), (6, 7)]:
+        logits = llama3_cuda.llama3_forward_cached(model, x[:, start:stop], cache)
+        ref = llama3_cpu.llama3_forward_cached(host, x[:, start:stop], cpu_cache)
+        assert isinstance(logits, np.ndarray) and logits.dtype == np.float32 and logits.shape == (1, TINY.vocab_size)
+        assert_close(logits, ref, f"positions {start}..{stop - 1}")
+    assert cache.length == cpu_cache.length == 7
+    full = llama3_cuda.llama3_forward(model, x[:, :7])[0, 6].get()             # the last row of the full forward
+    assert_close(logits[0], full, "the cached forward's last logits against the full forward's")
+    n_rep = TINY.num_heads // TINY.num_kv_heads
+    assert cache.k.shape == (TINY.num_layers, 1, TINY.num_heads, TINY.max_seq_len, TINY.head_size)
+    for got, ref in [(cache.k, cpu_cache.k), (cache.v, cpu_cache.v)]:   # keys rotated at their own positions
+        repeated = np.repeat(ref[:, :, :7], n_rep, axis=3).transpose(0, 1, 3, 2, 4)   # (L,1,7,NKV,HS) -> (L,1,NH,7,HS)
+        assert_close(got.get()[:, :, :, :7], repeated, "cache")
+    llama3_cuda.llama3_forward_cached(model, x[:, 7:], cache)         # fills it to maxT
+    with pytest.raises(llama3_cuda.InputError, match="max_seq_len"):
+        llama3_cuda.llama3_forward_cached(model, x[:, :1], cache)        # a full cache takes no more
+
+
+def counted(monkeypatch, module, calls):
+    """Record the number of positions of each call of module.llama3_forward_cached in calls."""
+    forward = module.llama3_forward_cached
+
+    def counting(model, x, cache):
+        calls.append(x.shape[1])
+        return forward(model, x, cache)
+    monkeypatch.setattr(module, "llama3_forward_cached", counting)
+
+
+@pytest.mark.parametrize("prompt,n,expected_calls", [
+    ([3, 4, 5], 13, [3] + [1] * 12),                 # within maxT = 16: the prefill, then one token a call
+    # past maxT: the cache fills at the 14th call; from then on the context slides one position a
+    # token, every key's RoPE angle changes, and the cache is refilled with the last maxT tokens
+    ([3, 4, 5], 20, [3] + [1] * 13 + [16] * 6),
+])
+def test_generate_with_kv_cache_matches_the_full_forward_and_llama3_cpu(emulated, monkeypatch, prompt, n,
+                                                                        expected_calls):
+    host, model = sampling_models()
+    calls, cpu_calls = [], []
+    counted(monkeypatch, llama3_cuda, calls)
+    counted(monkeypatch, llama3_cpu, cpu_calls)
+    ids = generate(model, prompt, n, SamplerRNG(11), 0.9, 40, forward=llama3_cuda.sampling_forward(model))
+    assert calls == expected_calls
+    assert ids == llama3_cpu.llama3_generate(host, prompt, n, SamplerRNG(11), 0.9, 40, kv_cache=True)
+    assert cpu_calls == expected_calls
+    full = generate(model, prompt, n, SamplerRNG(11), 0.9, 40, forward=llama3_cuda.sampling_forward(model),
+                    kv_cache=False)                  # the full forward over the window, on the device
+    assert ids == full and len(calls) == n and len(set(ids)) > 1
 
 
 # ----------------------------------------------------------------------------
