@@ -8,16 +8,20 @@ written as gpt2_cuda.py's are: it checks its arguments, computes the grid and la
 that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
-What it deliberately is not (yet): gpt2_cuda.py's trainer options (CUDA graphs, recomputation,
-ZeRO, several processes, fused residual + norm kernels, a KV-cached sampler); it trains one
-process with llama3_cpu.py's flags and loop, writes and resumes llama3_cpu.py's checkpoints (-n,
--y 1: llmc/checkpoint.py's files, so either trainer resumes the other's run), and checks one batch
-against it (--check).
+What it deliberately is not (yet): gpt2_cuda.py's other trainer options (CUDA graphs,
+recomputation, fused residual + norm kernels, a KV-cached sampler); it trains with llama3_cpu.py's
+flags and loop, data-parallel over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs:
+NCCL all-reduce of the gradients, or with -z 1 ZeRO-1's reduce-scatter, sharded AdamW and
+all-gather), writes and resumes llama3_cpu.py's checkpoints (-n, -y 1: llmc/checkpoint.py's files,
+so either trainer resumes the other's run; one state file per rank), and checks one batch against
+it (--check).
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
     step    1/3 | loss 10.87... | norm ... | lr 3.00e-04 | ... ms | ... tok/s
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 6 -n 3 -o out   # then -y 1 resumes at step 3
+    mpiexec -n 2 python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3 -z 1   # 2 processes, ZeRO-1
+    batch: B=2 T=16 processes=2 grad_accum=1 -> 64 tokens/step | ...
     python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision bf16
     ... one TENSOR OK line per activation and gradient, then `check: all tensors OK`
 

@@ -5,9 +5,9 @@ v and master weights sharded, reduce-scatter + all-gather), the losses, norms an
 llama3_cpu.py on the whole batch in one process; in bf16, -z 1 equals -z 0 bit for bit (losses,
 norms, the gathered m, v and master weights, the model file); a run of 2 processes resumes from its
 checkpoint bit for bit. The model is a tiny Llama 3 (two query heads per kv head) whose ZeRO-1 cut
-falls inside a tensor, so the update runs AdamW on pieces of it.
+falls inside a tensor, so the update runs AdamW on pieces of it. -z 2 is refused in one line.
 
-Run: python -m pytest -q tests/test_llama3_multiprocess.py   (~2 minutes on 2 cores once the
+Run: python -m pytest -q tests/test_llama3_multiprocess.py   (~1 minute on 2 cores once the
 emulated device's kernels are built; mostly the mpiexec runs)
 """
 
@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import llama3_cpu
+import llama3_cuda
 from emulated_gpu import _train_losses, _write_shards
-from llmc import checkpoint, zero
+from llmc import checkpoint, cuda, zero
 from mpi_marks import needs_mpi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,3 +168,15 @@ def test_two_processes_resume_from_their_checkpoint_bitwise(runs, tmp_path):
     for again, first in zip(_states(resumed, 1), _states(z1, 1)):
         for key in ("m", "v", "master_weights"):
             np.testing.assert_array_equal(again[key], first[key], err_msg=key)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(cuda, "_device", "cpu")
+
+
+def test_zero_stage_2_is_refused_with_one_line(emulated, tmp_path, capsys):
+    rc = llama3_cuda.main(["--device", "cpu", "-e", "llama3:d2", "-b", "2", "-t", "16", "-x", "1", "-z", "2",
+                           "-o", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "-z 2: ZeRO stage 2 is not supported" in err and "Traceback" not in err
