@@ -809,9 +809,11 @@ def adamw_update(params, master_params, grads, m, v, n, learning_rate, beta1, be
                  np.uint32(seed)))
 
 
-def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None):
+def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None,
+                decayed=DECAYED_PARAMETERS):
     """One AdamW step (the math of gpt2_cpu.gpt2_update; t is the 1-based step count), one kernel
-    launch per parameter tensor so that weight decay applies to DECAYED_PARAMETERS only, over the
+    launch per parameter tensor so that weight decay applies to the tensors named in `decayed` only
+    (GPT-2's DECAYED_PARAMETERS; llama3_cuda.llama3_update passes Llama 3's), over the
     tensor's piece in this rank's shard (model.shard, shard_slices: the whole tensor without
     ZeRO-1). Each tensor gets its own stochastic-rounding seed from model.update_rng, drawn on
     every rank for every tensor, so all ranks and an unsharded run draw the same seeds; a piece
@@ -826,7 +828,7 @@ def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_s
             continue
         piece = pieces[name]
         n = piece.flat.stop - piece.flat.start
-        wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
+        wd = weight_decay if name in decayed else 0.0
         master = model.master[piece.local] if model.master is not None else None
         adamw_update(model.params[piece.flat], master, model.grads[piece.flat], model.m[piece.local],
                      model.v[piece.local], n, learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale,

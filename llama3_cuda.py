@@ -8,16 +8,20 @@ written as gpt2_cuda.py's are: it checks its arguments, computes the grid and la
 that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
-What it deliberately is not (yet): gpt2_cuda.py's trainer options (CUDA graphs, recomputation,
-ZeRO, several processes, fused residual + norm kernels); it samples with a KV cache and trains one
-process with llama3_cpu.py's flags and loop, writes and resumes llama3_cpu.py's checkpoints (-n,
--y 1: llmc/checkpoint.py's files, so either trainer resumes the other's run), and checks one batch
-against it (--check).
+What it deliberately is not (yet): gpt2_cuda.py's other trainer options (CUDA graphs,
+recomputation, fused residual + norm kernels); it trains with llama3_cpu.py's flags and loop,
+data-parallel over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs: NCCL all-reduce
+of the gradients, or with -z 1 ZeRO-1's reduce-scatter, sharded AdamW and all-gather), samples with
+a KV cache, writes and resumes llama3_cpu.py's checkpoints (-n, -y 1: llmc/checkpoint.py's files,
+so either trainer resumes the other's run; one state file per rank), and checks one batch against
+it (--check).
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
     step    1/3 | loss 10.87... | norm ... | lr 3.00e-04 | ... ms | ... tok/s
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 6 -n 3 -o out   # then -y 1 resumes at step 3
+    mpiexec -n 2 python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3 -z 1   # 2 processes, ZeRO-1
+    batch: B=2 T=16 processes=2 grad_accum=1 -> 64 tokens/step | ...
     python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision bf16
     ... one TENSOR OK line per activation and gradient, then `check: all tensors OK`
 
@@ -28,7 +32,6 @@ the `dinp` it is given, except RMSNorm's backward, which *accumulates* (+=) into
 residual stream's gradient; parameter gradients always accumulate.
 """
 
-import math
 import sys
 import time
 
@@ -40,12 +43,12 @@ from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, chec
                       learning_rate_at, num_elements, tensor_views)
 # as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
 from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, download_parameters,
-                       encoder_backward_segments, encoder_forward, fused_classifier, gpt2_grad_norm, gpt2_zero_grad,
-                       upload_parameters, wte_partial_rows, wte_reduce_max)
+                       encoder_backward_segments, encoder_forward, fused_classifier, gpt2_average_gradients,
+                       gpt2_global_grad_norm, gpt2_zero_grad, upload_parameters, wte_partial_rows, wte_reduce_max)
 from llama3_cpu import DECAYED_PARAMETERS, qkv_channels, read_checkpoint_model, write_checkpoint_model
-from llmc import cuda, gpu_cli
+from llmc import cuda, gpu_cli, multinode
 from llmc.attention import attention_path, resolve_attention
-from llmc.cli import TrainingRun, run_main, sample_from_prompt
+from llmc.cli import TrainingRun, agreement_config, run_main, sample_from_prompt
 from llmc.comm import Comm
 from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, PRECISIONS, WARP_ROW_BLOCK_SIZE, WARP_SIZE,
                        KernelCompileError, ceil_div, check_launch, elementwise_grid, require, vector_size,
@@ -261,10 +264,13 @@ class Llama3:
     """A Llama 3 on the GPU: flat floatX parameter and gradient buffers with named views in
     llama3_cpu.parameter_shapes' order, fp32 AdamW moments m, v and (bf16) fp32 master weights,
     RoPE's cos and sin tables (maxT, HS/2) in fp32, and the activation buffers of each (B,T)
-    (llama3_activations). precision "bf16" or "fp32"; attention "naive" or "flash". Raises
-    InputError for a shape the kernels cannot run."""
+    (llama3_activations). precision "bf16" or "fp32"; attention "naive" or "flash"; zero_stage 0,
+    or 1 (ZeRO-1: m, v and the master weights hold only this rank's shard of the num_processes,
+    gpt2_cuda.GPT2's layout). Raises InputError for a shape the kernels cannot run or another
+    zero_stage."""
 
-    def __init__(self, config, precision="fp32", attention="naive", matmul=None):
+    def __init__(self, config, precision="fp32", attention="naive", matmul=None, zero_stage=0, process_rank=0,
+                 num_processes=1):
         cp = cuda.cupy()
         llama3_cpu.check_config(config)
         if precision not in PRECISIONS:
@@ -279,15 +285,21 @@ class Llama3:
         self.floatX = FLOATX_DTYPES[precision]
         self.param_shapes = llama3_cpu.parameter_shapes(config)
         self.num_parameters = n = num_elements(self.param_shapes)
-        self.zero_stage = 0                                    # one process: the optimizer state is not sharded
-        self.shard = optimizer_shard(n, self.zero_stage, 0, 1)  # everything (gpt2_cuda's helpers read it)
-        self.params = cp.zeros(n, dtype=self.floatX)
-        self.grads = cp.zeros(n, dtype=self.floatX)
+        # -z 1 as gpt2_cuda.GPT2: m, v and the master weights hold this rank's shard of S floats;
+        # params and grads stay whole, padded to num_processes * S for NCCL's equal counts (padding
+        # 0, never read by the model). -z 0: S = n, no padding
+        self.zero_stage = zero_stage
+        self.shard = optimizer_shard(n, zero_stage, process_rank, num_processes)
+        self.params_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
+        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
+        self.params = self.params_memory[:n]                  # (n,) views: what the model uses
+        self.grads = self.grads_memory[:n]
         self.P = tensor_views(self.params, self.param_shapes)
         self.G = tensor_views(self.grads, self.param_shapes)
-        self.master = cp.zeros(n, dtype=np.float32) if precision == "bf16" else None
-        self.m = cp.zeros(n, dtype=np.float32)
-        self.v = cp.zeros(n, dtype=np.float32)
+        S = self.shard.size
+        self.master = cp.zeros(S, dtype=np.float32) if precision == "bf16" else None
+        self.m = cp.zeros(S, dtype=np.float32)
+        self.v = cp.zeros(S, dtype=np.float32)
         HS, maxT = config.head_size, config.max_seq_len
         cos, sin = llama3_cpu.precompute_freqs_cis(HS, maxT, config.rope_theta, config.use_scaled_rope)
         self.freqs_cos = cp.asarray(cos.astype(np.float32))   # (maxT, HS/2): fp32, not floatX
@@ -449,23 +461,17 @@ def llama3_backward(model, loss_scale=1.0):
 # ----------------------------------------------------------------------------
 # AdamW: gpt2_cuda's kernel, over Llama 3's tensors
 
-def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-    """One AdamW step (llama3_cpu.llama3_update's math; t is the 1-based step count): one
-    gpt2_cuda.adamw_update launch per parameter tensor, weight decay on llama3_cpu's
-    DECAYED_PARAMETERS only, each tensor with its own stochastic-rounding seed from model.update_rng
-    (whose state after the step, model.rng_state_last_update, a checkpoint keeps)."""
-    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
-    offset = 0
-    for name, shape in model.param_shapes:
-        seed = model.update_rng.random_u32()
-        n = math.prod(shape)
-        part = slice(offset, offset + n)
-        wd = weight_decay if name in DECAYED_PARAMETERS else 0.0
-        master = model.master[part] if model.master is not None else None
-        gpt2_cuda.adamw_update(model.params[part], master, model.grads[part], model.m[part], model.v[part], n,
-                               learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale, seed)
-        offset += n
-    model.rng_state_last_update = model.update_rng.state
+def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None):
+    """One AdamW step (llama3_cpu.llama3_update's math; t is the 1-based step count):
+    gpt2_cuda.gpt2_update over Llama 3's tensors, with weight decay on llama3_cpu's
+    DECAYED_PARAMETERS only. It walks model.param_shapes in order, one adamw_update launch per
+    tensor (with ZeRO-1 on the tensor's piece in this rank's shard, skipping tensors wholly in other
+    ranks' shards), each tensor with its own stochastic-rounding seed from model.update_rng, drawn
+    on every rank for every tensor (model.rng_state_last_update after the step: a checkpoint keeps
+    it); with ZeRO-1 over several ranks nccl then all-gathers the updated shards into every rank's
+    params."""
+    gpt2_cuda.gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale, nccl,
+                          decayed=DECAYED_PARAMETERS)
 
 
 # ----------------------------------------------------------------------------
@@ -524,38 +530,47 @@ def sampling_forward(model):
 # ----------------------------------------------------------------------------
 # checkpoints: gpt2_cuda's, with llama3_cpu.py's model file, so either Llama 3 trainer resumes the other's run
 
-def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, outliers=None):
+def save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, process_rank=0, num_processes=1,
+                          outliers=None):
     """Write the checkpoint of `step` from the device (gpt2_cuda.save_model_checkpoint): a Llama 3
-    model file of the parameters the run computes with (floatX upcast to fp32, exact), the state
-    file with AdamW's m and v, the fp32 master weights in bf16, the RNG states and the loader's
-    position. Returns the DONE_<step> path for the caller to write last."""
-    return gpt2_cuda.save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, outliers=outliers,
-                                           write_model_file=write_checkpoint_model)
+    model file of the parameters the run computes with (floatX upcast to fp32, exact), this rank's
+    state file with AdamW's m and v, the fp32 master weights in bf16 (with ZeRO-1 its shard of
+    each), the RNG states and the loader's position. Returns the DONE_<step> path for the caller to
+    write last."""
+    return gpt2_cuda.save_model_checkpoint(out_dir, step, model, loader, sample_rng_state, process_rank,
+                                           num_processes, outliers=outliers, write_model_file=write_checkpoint_model)
 
 
-def load_model_checkpoint(out_dir, step, model, loader):
+def load_model_checkpoint(out_dir, step, model, loader, process_rank=0, num_processes=1):
     """Resume from the checkpoint of `step` in out_dir, written by this trainer or llama3_cpu.py
     (gpt2_cuda.load_model_checkpoint): parameters (in bf16 the model file's values and the state's
-    master weights, so the run resumes bit for bit), AdamW's m and v, the loader position, the
-    stochastic-rounding RNG. Returns (step, sample_rng_state, state_path, the outlier detectors'
-    state or None). Raises InputError for a missing or mismatched file."""
-    return gpt2_cuda.load_model_checkpoint(out_dir, step, model, loader, 0, 1, read_model_file=read_checkpoint_model)
+    master weights, so the run resumes bit for bit), AdamW's m and v (this rank's state file; with
+    ZeRO-1 its shard), the loader position, the stochastic-rounding RNG. Returns (step,
+    sample_rng_state, state_path, the outlier detectors' state or None). Raises InputError for a
+    missing or mismatched file (another -z or number of processes than a ZeRO-1 checkpoint's)."""
+    return gpt2_cuda.load_model_checkpoint(out_dir, step, model, loader, process_rank, num_processes,
+                                           read_model_file=read_checkpoint_model)
 
 
 # ----------------------------------------------------------------------------
 # training loop: llama3_cpu.train's, with this model's forward, backward and update on the device
 
 def train(args):
-    """llama3_cpu.train on the device, one process: the same flags and loop (zero_grad, forward +
-    backward over the micro-batches, clip to the global norm, AdamW), validation, HellaSwag and
-    samples (gpt2_cpu.generate with the KV cache, sampling_forward), checkpoints every -n steps and
-    -y 1's resume from the newest (llama3_cpu.py's files). Not yet: several processes. Returns the
-    model. Raises InputError for the flags it cannot honour."""
-    comm = Comm()
+    """llama3_cpu.train on the device, data-parallel as gpt2_cuda.train: the same flags and loop
+    (zero_grad, forward + backward over the micro-batches, NCCL all-reduce of the gradients (-z 1:
+    reduce-scatter to this rank's shard), the loss averaged over the ranks, clip to the global norm
+    across them, AdamW (-z 1: on the shard, then all-gather)), validation, HellaSwag and samples
+    (gpt2_cpu.generate with the KV cache, sampling_forward), checkpoints every -n steps and -y 1's
+    resume from the newest (llama3_cpu.py's files, one state file per rank). Processes: mpiexec,
+    or -pm tcp|fs (llmc.multinode). Returns the model. Raises InputError for the flags it cannot
+    honour."""
+    comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
     _, _, capability = cuda.select_device(comm)
-    model = setup_model(args, capability, run.model_spec(), say=run.say)
+    nccl = comm.connect()                                # the NCCL communicator (None for one process)
+    model = setup_model(args, capability, run.model_spec(), say=run.say, comm=comm)
     cuda.load_modules(KERNEL_FILES + model.attention.kernel_files, model.precision)
+
     def generate_ids(prompt, n, rng, on_token=None):
         return generate(model, prompt, n, rng, args.temperature, args.top_k, on_token, sampling_forward(model))
 
@@ -588,7 +603,7 @@ def train(args):
     start_step, outliers = 0, None
     if run.resuming:
         start_step, sample_rng.state, state_path, outliers = load_model_checkpoint(
-            args.output_dir, run.resume_step, model, run.train_loader)
+            args.output_dir, run.resume_step, model, run.train_loader, comm.rank, comm.size)
         run.say(f"resumed from {state_path} at step {start_step}")
 
     def sample(prompt, n):
@@ -600,7 +615,7 @@ def train(args):
 
     def save(step):
         return save_model_checkpoint(args.output_dir, step, model, run.train_loader, sample_rng.state,
-                                     run.outlier_state())
+                                     comm.rank, comm.size, run.outlier_state())
 
     for step in range(start_step, run.num_steps + 1):
         if run.between_steps(step, batch_loss, forward_losses, sample, save):
@@ -616,13 +631,17 @@ def train(args):
             llama3_forward(model, inputs, targets)
             llama3_backward(model, loss_scale=1.0 / run.grad_accum_steps)
             loss += llama3_mean_loss(model) / run.grad_accum_steps
-        norm = gpt2_grad_norm(model)
+        if nccl is not None:
+            gpt2_average_gradients(model, nccl)          # data parallel (-z 1: this rank's shard)
+        norm = gpt2_global_grad_norm(model, comm)        # the same on every rank
+        loss = comm.mean(loss)
         skip, zloss, zgrad = run.skip_update(loss, norm)
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
         if not skip:
-            llama3_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+            llama3_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
+                          nccl)
         cuda.cupy().cuda.get_current_stream().synchronize()  # the step's time includes the update
         run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
     return model
@@ -641,16 +660,18 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def setup_model(args, compute_capability, spec=None, say=print):
+def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     """The model on the device from `spec` (default -e: a Llama 3 model file, e.g. a checkpoint's, or
     a descriptor, llama3_cpu.build_model), in the precision and attention path of the flags (a
-    fallback is reported through `say`), its matmuls cuBLAS (TF32 from -f on compute capability 8.0)."""
+    fallback is reported through `say`), with -z's optimizer shard of this rank of comm (default: one
+    process), its matmuls cuBLAS (TF32 from -f on compute capability 8.0)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
     host = llama3_cpu.build_model(spec or args.model, args.seed)              # fp32 on the host
     attention, fallback = resolve_attention(args.attention, precision, host.config.head_size)
     if fallback:
         say(f"llama3_cuda.py: {fallback}")
-    model = Llama3(host.config, precision, attention, Cublas(tf32))
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    model = Llama3(host.config, precision, attention, Cublas(tf32), args.zero_stage, rank, size)
     upload_parameters(model, host.params)
     return model
 
