@@ -193,11 +193,11 @@ def llama3_cupy_step(model, x, y, step):
     the summed loss as a device scalar."""
     B, T = x.shape
     A = llama3_cuda.llama3_activations(model, B, T)
-    llama3_cuda.gpt2_zero_grad(model)
+    gpt2_cuda.gpt2_zero_grad(model)
     llama3_cuda.llama3_forward(model, x, y)
     llama3_cuda.llama3_backward(model, loss_scale=1.0)
     loss = A["losses"].sum(dtype=np.float64)                      # queued now, read after the update
-    norm = llama3_cuda.gpt2_grad_norm(model)
+    norm = gpt2_cuda.gpt2_grad_norm(model)
     llama3_cuda.llama3_update(model, LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
                               0.0, step, GRAD_CLIP / norm if norm > GRAD_CLIP else 1.0)
     return loss
