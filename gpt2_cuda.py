@@ -640,20 +640,27 @@ def upload_segments(model, padded):
     counts the kernels are launched over. padded: fill all B*T chunk slots and all
     wte_reduce_max(B*T) token slots, those past the real ones empty, so that the launches always
     have the same arguments, as a CUDA graph needs; empty chunks and tokens change nothing."""
-    B, T = model.BT
-    N = B * T
-    A = gpt2_activations(model, B, T)
-    seg = encoder_backward_segments(model.host_inputs)
-    K, M = seg.chunk_token.size, seg.reduce_token.size
-    if padded:                             # an empty chunk starts where the last one ends
-        R = wte_reduce_max(N)
-        seg = seg._replace(chunk_start=padded_to(seg.chunk_start, N + 1, N), chunk_token=padded_to(seg.chunk_token, N, -1),
-                           chunk_slot=padded_to(seg.chunk_slot, N, -1),
-                           reduce_start=padded_to(seg.reduce_start, R + 1, seg.reduce_start[-1]),
-                           reduce_token=padded_to(seg.reduce_token, R, -1))
-        K, M = N, R
+    A = gpt2_activations(model, *model.BT)
+    seg, K, M = wte_segments(model.host_inputs, padded)
     model.staging["segments"].upload([(A[name][:getattr(seg, name).size], getattr(seg, name)) for name in seg._fields])
     return K, M
+
+
+def wte_segments(inputs, padded):
+    """The host half of upload_segments (llama3_cuda's too): inputs (B,T) token ids -> (WteSegments,
+    num_chunks, num_reduce) of encoder_backward_segments; padded: every array filled up to its
+    fixed length (N = B*T chunk slots, wte_reduce_max(N) token slots) with empty chunks and tokens,
+    and the counts those fixed lengths."""
+    N = inputs.size
+    seg = encoder_backward_segments(inputs)
+    if not padded:
+        return seg, seg.chunk_token.size, seg.reduce_token.size
+    R = wte_reduce_max(N)                  # an empty chunk starts where the last one ends
+    seg = seg._replace(chunk_start=padded_to(seg.chunk_start, N + 1, N), chunk_token=padded_to(seg.chunk_token, N, -1),
+                       chunk_slot=padded_to(seg.chunk_slot, N, -1),
+                       reduce_start=padded_to(seg.reduce_start, R + 1, seg.reduce_start[-1]),
+                       reduce_token=padded_to(seg.reduce_token, R, -1))
+    return seg, N, R
 
 
 def padded_to(values, length, fill):

@@ -8,18 +8,20 @@ written as gpt2_cuda.py's are: it checks its arguments, computes the grid and la
 that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
-What it deliberately is not (yet): gpt2_cuda.py's other trainer options (CUDA graphs,
-recomputation, fused residual + norm kernels); it trains with llama3_cpu.py's flags and loop,
-data-parallel over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs: NCCL all-reduce
-of the gradients, or with -z 1 ZeRO-1's reduce-scatter, sharded AdamW and all-gather), samples with
-a KV cache, writes and resumes llama3_cpu.py's checkpoints (-n, -y 1: llmc/checkpoint.py's files,
-so either trainer resumes the other's run; one state file per rank), and checks one batch against
-it (--check).
+What it deliberately is not (yet): gpt2_cuda.py's other trainer options (recomputation, fused
+residual + norm kernels, cuBLASLt); it trains with llama3_cpu.py's flags and loop, data-parallel
+over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs: NCCL all-reduce of the
+gradients, or with -z 1 ZeRO-1's reduce-scatter, sharded AdamW and all-gather), with --cuda-graph 1
+replays each micro-batch's forward + backward as one CUDA graph (llama3_micro_batch, as
+gpt2_cuda.py's; emulated device so far), samples with a KV cache, writes and resumes
+llama3_cpu.py's checkpoints (-n, -y 1: llmc/checkpoint.py's files, so either trainer resumes the
+other's run; one state file per rank), and checks one batch against it (--check).
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
     step    1/3 | loss 10.87... | norm ... | lr 3.00e-04 | ... ms | ... tok/s
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 6 -n 3 -o out   # then -y 1 resumes at step 3
+    python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3 --cuda-graph 1   # the same losses, replayed
     mpiexec -n 2 python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3 -z 1   # 2 processes, ZeRO-1
     batch: B=2 T=16 processes=2 grad_accum=1 -> 64 tokens/step | ...
     python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision bf16
@@ -42,8 +44,8 @@ import llama3_cpu
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, check_inputs, generate,
                       learning_rate_at, num_elements, tensor_views)
 # as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
-from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, download_parameters,
-                       encoder_backward_segments, encoder_forward, fused_classifier, gpt2_average_gradients,
+from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, capture_graph, download_parameters,
+                       encoder_forward, fused_classifier, gpt2_average_gradients,
                        gpt2_global_grad_norm, gpt2_zero_grad, upload_parameters, wte_partial_rows, wte_reduce_max)
 from llama3_cpu import DECAYED_PARAMETERS, qkv_channels, read_checkpoint_model, write_checkpoint_model
 from llmc import cuda, gpu_cli, multinode
@@ -313,6 +315,7 @@ class Llama3:
         self.update_rng = SamplerRNG(UPDATE_SEED)     # seeds of stochastic rounding, one per tensor per step
         self.rng_state_last_update = self.update_rng.state   # saved in a checkpoint: a resume draws on from here
         self.views = {}                                # (B,T) -> name -> view
+        self.graphs = {}                               # (B,T,loss_scale) -> captured CUDA graph (llama3_micro_batch)
         self.BT = None
         self.host_inputs = None
         self.has_targets = False
@@ -347,17 +350,35 @@ def llama3_forward(model, inputs, targets=None):
     (B,T) or None. Returns the logits (B,T,V) floatX on the device (a view into the `logits`
     buffer, valid until the backward overwrites it with dlogits); with targets, the losses (B,T)
     fp32 too. Raises InputError if T passes maxT or a token id is out of range."""
-    cfg = model.config
+    B, T = upload_batch(model, inputs, targets)
+    return forward_launches(model, B, T, targets is not None)
+
+
+def upload_batch(model, inputs, targets):
+    """The host half of llama3_forward and llama3_micro_batch (gpt2_cuda.upload_batch's): check the
+    token ids, copy them (and the targets) into the int32 device buffers of their (B,T), and
+    remember them for the backward's dwte segments. Returns (B,T)."""
     inputs = np.asarray(inputs)
     B, T = inputs.shape
-    check_inputs(cfg, inputs, targets)
-    C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
-    P, A = model.P, llama3_activations(model, B, T)
+    check_inputs(model.config, inputs, targets)
+    A = llama3_activations(model, B, T)
     A["inputs"].set(np.ascontiguousarray(inputs, dtype=np.int32))
     if targets is not None:
         A["targets"].set(np.ascontiguousarray(targets, dtype=np.int32))
         model.host_inputs = inputs
     model.BT, model.has_targets = (B, T), targets is not None
+    return B, T
+
+
+def forward_launches(model, B, T, with_loss):
+    """The device half of llama3_forward: every launch of the forward pass, reading the token ids
+    (and targets) upload_batch put on the device. Launches only, with the same arguments every call
+    for a given (B,T), so that a CUDA graph can capture it (llama3_micro_batch): RoPE's tables are
+    row slices of model.freqs_cos and freqs_sin, uploaded once when the model is built. Returns the
+    logits view (B,T,V)."""
+    cfg = model.config
+    C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
+    P, A = model.P, llama3_activations(model, B, T)
     encoder_forward(A["encoded"], A["inputs"], P["wte"], model.no_wpe, B, T, C)      # (B,T,C) = wte[inputs]
     for l in range(L):
         block_forward(model, A, l, B, T)
@@ -365,7 +386,7 @@ def llama3_forward(model, inputs, targets=None):
     rmsnorm_forward(A["lnf"], A["lnf_rstd"], A["residual3"][L - 1], P["lnfw"], B, T, C)
     logits = prefix(A["logits"], (B, T, V))
     model.matmul.forward(logits, A["lnf"], P["wlmhead"], None, B, T, C, V)           # (B,T,C) @ (C,V) -> (B,T,V)
-    if targets is not None:
+    if with_loss:
         fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, V, write_dlogits=False)
     return logits
 
@@ -409,9 +430,30 @@ def llama3_mean_loss(model):
 def llama3_backward(model, loss_scale=1.0):
     """Backward pass of the last llama3_forward (which must have had targets): accumulates the
     gradient of loss_scale * mean(losses) into model.grads, llama3_cpu.llama3_backward's passes in
-    the same reverse order. The fused classifier writes the losses again and dlogits in place."""
+    the same reverse order. The fused classifier writes the losses again (the same values) and
+    dlogits in place."""
     if not model.has_targets:
         raise RuntimeError("llama3_backward needs a forward pass with targets")
+    backward_launches(model, loss_scale, *upload_segments(model, padded=False))
+
+
+def upload_segments(model, padded):
+    """The host half of llama3_backward (gpt2_cuda.upload_segments'): sort the last forward's token
+    ids into the dwte scatter-add's chunks (gpt2_cuda.wte_segments) and copy them into their
+    device buffers. Returns (num_chunks, num_reduce), the counts the kernels are launched over;
+    padded: every slot filled, empty chunks past the real ones, so that a CUDA graph's launches
+    always have the same counts (the empty chunks change nothing)."""
+    A = llama3_activations(model, *model.BT)
+    seg, K, M = gpt2_cuda.wte_segments(model.host_inputs, padded)
+    for name in seg._fields:
+        A[name][:getattr(seg, name).size].set(getattr(seg, name))
+    return K, M
+
+
+def backward_launches(model, loss_scale, num_chunks, num_reduce):
+    """The device half of llama3_backward: every launch of the backward pass of the (B,T) forward,
+    the dwte segments already on the device (upload_segments' counts). Launches only, with the
+    same arguments every call for given (B,T), loss_scale and counts: graph-capturable."""
     cfg = model.config
     B, T = model.BT
     C, L, NH, NKV, HS, H, V = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
@@ -449,13 +491,47 @@ def llama3_backward(model, loss_scale=1.0):
         mm.backward(A["dln1"], g["qkvw"], None, A["dqkv"], A["ln1"][l], p["qkvw"], partial, B, T, C, QKV)
         rmsnorm_backward(dresidual, g["ln1w"], partial, A["dln1"], residual, p["ln1w"], A["ln1_rstd"][l], B, T, C)
     # backward of the encoder: encoded = wte[inputs]
-    seg = encoder_backward_segments(model.host_inputs)
-    K, M = seg.chunk_token.size, seg.reduce_token.size
-    for name in seg._fields:
-        A[name][:getattr(seg, name).size].set(getattr(seg, name))
+    K, M = num_chunks, num_reduce
     encoder_backward(G["wte"], A["wte_partial"], dresidual, A["positions"], A["chunk_start"][:K + 1],
                      A["chunk_token"][:K], A["chunk_slot"][:K], A["reduce_start"][:M + 1], A["reduce_token"][:M], K, M,
                      B, T, C)
+
+
+def micro_batch_launches(model, B, T, loss_scale, num_chunks, num_reduce):
+    """The device work of one micro-batch, launches only (graph-capturable): the forward without
+    the classifier, then the backward, whose fused classifier writes the losses (B,T) and dlogits
+    in one pass."""
+    forward_launches(model, B, T, with_loss=False)
+    backward_launches(model, loss_scale, num_chunks, num_reduce)
+
+
+def llama3_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
+    """One micro-batch of a training step (gpt2_cuda.gpt2_micro_batch's): inputs, targets (B,T)
+    token ids on the host; the forward, and the backward accumulating the gradient of
+    loss_scale * mean(losses) into model.grads; the losses (B,T) fp32 left in the `losses` buffer
+    (llama3_mean_loss). The fused classifier runs once, in the backward. With cuda_graph the
+    micro-batch's launches (dozens per layer) are captured into a CUDA graph per ((B,T),
+    loss_scale) and replayed as one launch; the first micro-batch of each key runs eagerly (the
+    warm-up: cuBLAS's workspace, cuDNN's plans and CuPy's memory pool are set up then, not inside
+    the capture, which follows it). The host part, upload_batch's token ids and targets and upload_segments' dwte chunks
+    padded to their fixed size, runs outside the graph into fixed device buffers; RoPE's tables
+    are the model's, uploaded once. Both paths give bitwise the same results: the same kernels
+    with the same arguments in the same order (the padding chunks do nothing). The capture needs
+    a created stream as the current one (the legacy stream cannot capture) and nvmath-python's
+    cuBLAS bindings (llmc.cuda.cuda_graph_unavailable_reason)."""
+    cp = cuda.cupy()
+    B, T = upload_batch(model, inputs, targets)
+    if not cuda_graph:
+        micro_batch_launches(model, B, T, loss_scale, *upload_segments(model, padded=False))
+        return
+    counts = upload_segments(model, padded=True)
+    stream = cp.cuda.get_current_stream()
+    key = (B, T, loss_scale)
+    if key in model.graphs:
+        model.graphs[key].launch(stream)
+        return
+    micro_batch_launches(model, B, T, loss_scale, *counts)                 # the warm-up: this micro-batch, eagerly
+    model.graphs[key] = capture_graph(stream, lambda: micro_batch_launches(model, B, T, loss_scale, *counts))
 
 
 # ----------------------------------------------------------------------------
@@ -568,6 +644,12 @@ def train(args):
     run = TrainingRun(args, comm)
     _, _, capability = cuda.select_device(comm)
     nccl = comm.connect()                                # the NCCL communicator (None for one process)
+    if args.cuda_graph:                                  # refused now, not at the first capture
+        reason = cuda.cuda_graph_unavailable_reason()
+        if reason:
+            raise InputError(f"--cuda-graph 1: {reason}")
+        graph_stream = cuda.cupy().cuda.Stream()         # a created stream: the legacy one cannot capture
+        graph_stream.use()                               # (blocking: ordered after any work on the legacy stream)
     model = setup_model(args, capability, run.model_spec(), say=run.say, comm=comm)
     cuda.load_modules(KERNEL_FILES + model.attention.kernel_files, model.precision)
 
@@ -598,7 +680,7 @@ def train(args):
     cfg = model.config
     run.say(f"llama3: NKV={cfg.num_kv_heads} H={cfg.hidden_dim} rope_theta={cfg.rope_theta:g} "
             f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g} | {model.precision}, "
-            f"{model.attention.name} attention")
+            f"{model.attention.name} attention{' | CUDA graph' if args.cuda_graph else ''}")
     sample_rng = SamplerRNG(args.sample_seed)
     start_step, outliers = 0, None
     if run.resuming:
@@ -628,8 +710,8 @@ def train(args):
             if args.overfit_single_batch:
                 run.train_loader.reset()
             inputs, targets = run.train_loader.next_batch()
-            llama3_forward(model, inputs, targets)
-            llama3_backward(model, loss_scale=1.0 / run.grad_accum_steps)
+            # forward + backward: eager, or a CUDA graph (captured once, replayed)
+            llama3_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, bool(args.cuda_graph))
             loss += llama3_mean_loss(model) / run.grad_accum_steps
         if nccl is not None:
             gpt2_average_gradients(model, nccl)          # data parallel (-z 1: this rank's shard)

@@ -24,14 +24,15 @@ one line per configuration, in a fixed form that later runs can be compared with
 power-of-two B that fits each trainer (B = 8, 16, 32, ...), as the first version of this script did.
 
 Llama 3 (`-e llama3:d4`, any llama3_cpu.py descriptor llama3:dX): llama3_cuda.py's training step as
-its train() runs it (bf16 with fp32 master weights; zero_grad, forward, backward, the global norm,
-AdamW on the clipped gradient; cuBLAS, its only matmul backend; --attention as for GPT-2) against
+its train() runs it (bf16 with fp32 master weights; zero_grad, forward + backward
+(llama3_cuda.llama3_micro_batch, a CUDA graph with --cuda-graph 1), the global norm, AdamW on the
+clipped gradient; cuBLAS, its only matmul backend; --attention as for GPT-2) against
 dev/torch_reference_llama3.py's model and training step (Twin.train_steps) with what that twin has:
 it has no autocast, so its parameters and AdamW state are bf16 (no fp32 master weights); it has no
 fused AdamW, so torch.optim.AdamW runs unfused; SDPA flash attention; --compile 1 compiles its module
 with torch.compile as the GPT-2 twin compiles its own (inductor leaves its complex-number RoPE
-uncompiled). The heading of the table says so. --cublaslt 1 and --cuda-graph 1 are refused in one
-`error:` line (llama3_cuda.py has neither). The MFU uses the same 6N + 6LCT per token, which holds
+uncompiled). The heading of the table says so. --cublaslt 1 is refused in one `error:` line
+(llama3_cuda.py has no cuBLASLt backend). The MFU uses the same 6N + 6LCT per token, which holds
 for grouped-query attention too: the attention core's FLOPs are those of all NH query heads (the
 NKV key/value heads only shrink the qkv projection, which N counts). N is every parameter of
 llama3_cpu.parameter_shapes except wte: llm.c's formula counts GPT-2's wte because it is also the
@@ -187,15 +188,14 @@ def llama3_cupy_model(model_name, B, T, attention, precision="bf16"):
     return model, cfg, fixed_batch(cfg, B, T)
 
 
-def llama3_cupy_step(model, x, y, step):
+def llama3_cupy_step(model, x, y, step, cuda_graph):
     """One training step of llama3_cuda.py as its train() runs it (one micro-batch): zero_grad,
-    forward, backward, the global norm, AdamW (weight decay 0) on the clipped gradient; returns
-    the summed loss as a device scalar."""
+    forward + backward (eager, or replayed as a CUDA graph), the global norm, AdamW (weight decay
+    0) on the clipped gradient; returns the summed loss as a device scalar."""
     B, T = x.shape
     A = llama3_cuda.llama3_activations(model, B, T)
     gpt2_cuda.gpt2_zero_grad(model)
-    llama3_cuda.llama3_forward(model, x, y)
-    llama3_cuda.llama3_backward(model, loss_scale=1.0)
+    llama3_cuda.llama3_micro_batch(model, x, y, 1.0, cuda_graph)
     loss = A["losses"].sum(dtype=np.float64)                      # queued now, read after the update
     norm = gpt2_cuda.gpt2_grad_norm(model)
     llama3_cuda.llama3_update(model, LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
@@ -207,7 +207,7 @@ def cupy_step(model, x, y, step, cuda_graph):
     """One training step of gpt2_cuda.py (or llama3_cuda.py, for its model) as its train() runs it
     (one micro-batch); returns the summed loss as a device scalar (reading it waits for the step)."""
     if isinstance(model, llama3_cuda.Llama3):
-        return llama3_cupy_step(model, x, y, step)
+        return llama3_cupy_step(model, x, y, step, cuda_graph)
     B, T = x.shape
     A = gpt2_cuda.gpt2_activations(model, B, T)
     gpt2_cuda.gpt2_zero_grad(model)
@@ -455,7 +455,8 @@ def options_line(args):
     """What was timed, for the heading of the table."""
     if is_llama3(args.model):
         return (f"Llama 3 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
-                f"warm-up; ours: {args.attention} attention, cuBLAS; twin (dev/torch_reference_llama3.py): "
+                f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, cuBLAS; "
+                f"twin (dev/torch_reference_llama3.py): "
                 f"bf16 parameters and AdamW state (it has no autocast), unfused AdamW, SDPA flash attention, "
                 f"torch.compile {args.compile}")
     return (f"GPT-2 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
@@ -498,7 +499,8 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=512, help="largest B the search tries")
     p.add_argument("--attention", default=llmc.attention.DEFAULT_ATTENTION, choices=llmc.attention.ATTENTION_CHOICES,
                    help="gpt2_cuda.py's attention (auto: as the trainer chooses)")
-    p.add_argument("--cuda-graph", type=int, default=0, choices=(0, 1), help="gpt2_cuda.py: 1 replays a CUDA graph")
+    p.add_argument("--cuda-graph", type=int, default=0, choices=(0, 1),
+                   help="gpt2_cuda.py, llama3_cuda.py: 1 replays a CUDA graph")
     p.add_argument("--cublaslt", type=llmc.gpu_cli.auto_or_bit, default="auto", metavar="{auto,0,1}",
                    help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable), "
                         "0 through cuBLAS, auto as the trainer chooses (cuBLASLt where it loads)")
@@ -511,11 +513,9 @@ def parse_args(argv=None):
     p.add_argument("--worker", choices=tuple(TRAINERS), help=argparse.SUPPRESS)
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if is_llama3(args.model):
-        for flag, value, what in (("--cublaslt", args.cublaslt, "cuBLASLt backend (cuBLAS is its only one)"),
-                                  ("--cuda-graph", args.cuda_graph, "CUDA graph replay (its steps run eagerly)")):
-            if value == 1:
-                p.error(f"{flag} 1: llama3_cuda.py has no {what}; drop {flag} for -e {args.model}")
+    if is_llama3(args.model) and args.cublaslt == 1:
+        p.error(f"--cublaslt 1: llama3_cuda.py has no cuBLASLt backend (cuBLAS is its only one); drop --cublaslt "
+                f"for -e {args.model}")
     return args
 
 

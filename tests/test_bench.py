@@ -3,10 +3,11 @@
 per-kernel breakdown's aggregation and table, the one-line exit without a GPU, and the driver
 around the workers with their subprocesses faked (each line printed as it completes, ours before
 the twin, a failed worker one line among the others, --cublaslt and --compile passed on), and
-for Llama 3 (-e llama3:dX): the driver's lines, the options it refuses in one line, and the
-emulated device's llama3_cuda.py step as the bench builds and runs it, against llama3_cpu.py's
-losses. The timings themselves need a GPU (`make bench`).
-Run: pytest tests/test_bench.py   (half a minute: two emulated steps)
+for Llama 3 (-e llama3:dX): the driver's lines, --cublaslt 1 refused in one line and --cuda-graph 1
+passed on, and the emulated device's llama3_cuda.py step as the bench builds and runs it, against
+llama3_cpu.py's losses, and with --cuda-graph 1 bitwise the eager step. The timings themselves need
+a GPU (`make bench`).
+Run: pytest tests/test_bench.py   (about a minute: six emulated steps)
 """
 
 import json
@@ -15,6 +16,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -237,13 +239,43 @@ def test_llama3_reaches_the_workers_and_its_summary_lines(workers, capsys):
     assert all(LINE.match(line).group(1) == "llama3:d4" for line in summary)
 
 
-@pytest.mark.parametrize("flag", [["--cublaslt", "1"], ["--cuda-graph", "1"]])
-def test_llama3_refuses_cublaslt_and_cuda_graph_in_one_line(flag, capsys):
+def test_llama3_refuses_cublaslt_in_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
-        bench.main(["-e", "llama3:d4", *flag])
+        bench.main(["-e", "llama3:d4", "--cublaslt", "1"])
     err = capsys.readouterr().err
     assert exit_.value.code == 1 and err.count("\n") == 1, err
-    assert err.startswith(f"error: {flag[0]} 1: llama3_cuda.py has no "), err
+    assert err.startswith("error: --cublaslt 1: llama3_cuda.py has no cuBLASLt backend"), err
+
+
+def test_llama3_passes_cuda_graph_to_the_workers(workers, capsys):
+    fake = workers()
+    assert bench.main(["-e", "llama3:d4", "-b", "16", "--cuda-graph", "1"]) == 0
+    assert [key for key, _ in fake.calls] == [("cupy", 16), ("torch", 16)]
+    assert all(bench.parse_args(cmd[2:]).cuda_graph == 1 for _, cmd in fake.calls)
+    assert "CUDA graph 1" in capsys.readouterr().out
+
+
+def test_llama3_step_with_cuda_graph_equals_the_eager_step(monkeypatch):
+    """The bench's llama3_cuda.py step with --cuda-graph 1 (llama3:d2, B=1, T=32, fp32 on the emulated
+    device, the global norm's grid cut to 16 blocks): the first step runs eagerly and captures,
+    the second replays; both give the eager steps' losses and parameters bit for bit."""
+    import gpt2_cuda
+    from llmc import cuda
+    from llmc.emulator import device
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    monkeypatch.setattr(device.cuda.Stream, "_current", device.cuda.Stream._current)   # llama3_cupy_model sets it
+    monkeypatch.setattr(gpt2_cuda, "GLOBAL_NORM_GRID", 16)
+    replays = []
+    launch = device.cuda.Graph.launch
+    monkeypatch.setattr(device.cuda.Graph, "launch", lambda self, *a: (replays.append(self), launch(self, *a))[1])
+    results = {}
+    for graph in (False, True):
+        model, cfg, (x, y) = bench.llama3_cupy_model("llama3:d2", 1, 32, "naive", precision="fp32")
+        losses = [float(bench.cupy_step(model, x, y, t, cuda_graph=graph)) for t in (1, 2)]
+        results[graph] = losses, model.params.get()
+    assert list(model.graphs) == [(1, 32, 1.0)] and len(replays) == 1
+    assert results[True][0] == results[False][0]
+    np.testing.assert_array_equal(results[True][1], results[False][1])
 
 
 def test_mfu_counts_the_parameters_a_token_multiplies():
