@@ -16,6 +16,7 @@ one log shows everything:
     python -m pytest -m gpu -v -rs --continue-on-collection-errors tests   # every test marked gpu
     python dev/bench.py --only torch -b 16                        # the PyTorch twin at B=16
     python gpt2_cuda.py --check -e d12 -b 1 -t 1024 --precision bf16 --attention <naive, flash, cudnn>
+    python dev/bench.py -e llama3:d4 -b 16 --steps 10 --warmup 3  # llama3_cuda.py against its twin, last
 The bench of ours comes right after the checks, before the long test run, so that a run cut short
 still brings back a number; a test module that fails to import is one error among the results,
 not the end of the test run (--continue-on-collection-errors).
@@ -89,7 +90,8 @@ QUICK_DEADLINE_S = 540                  # one device command may run 600 s; 60 s
 # measures them (dev/results/README.md): the first --check compiles every kernel (NVRTC) and each
 # builds the 124M reference with gpt2_cpu.py on the host; the bench compiles the twin (torch.compile).
 LIMITS_S = {"wheels": (120, 60), "data": (300, 120), "check": (300, 40), "check-long": (300, 50),
-            "train": (300, 60), "pytest": (1800, 200), "bench": (600, 90), "twin": (1800, 180)}
+            "train": (300, 60), "pytest": (1800, 200), "bench": (600, 90), "twin": (1800, 180),
+            "bench-llama3": (900, 150)}
 BENCH_STEPS = ["--steps", "10", "--warmup", "3"]      # ours' bench: a few steps, so that it comes back early
 PACKAGES = ["numpy", "cupy-cuda13x", "cupy-cuda12x", "torch", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12",
             "nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvmath-python", "tiktoken", "pytest"]
@@ -112,10 +114,11 @@ def emulated_commands(quick):
 
 
 def _commands(quick, emulated=False):
-    """The checks, the bench of ours, the training run, the tests, the twin's bench and the long
-    checks. emulated: the same list for the emulated device (EMULATED_SHAPES in place of the GPU
+    """The checks, the bench of ours, the training run, the tests, the twin's bench, the long
+    checks and Llama 3's bench (llama3_cuda.py against its twin). emulated: the same list for the emulated device (EMULATED_SHAPES in place of the GPU
     shapes, `--device cpu`, the emulated kernel tests in place of `pytest -m gpu`,
-    dev/bench_emulator.py in place of our bench and a few CPU steps of the twin in place of its)."""
+    dev/bench_emulator.py in place of our bench and of Llama 3's, and a few CPU steps of the twin in
+    place of its)."""
     python = sys.executable
     shapes = EMULATED_SHAPES if emulated else GPU_SHAPES
     trainer = [python, "gpt2_cuda.py"] + (["--device", "cpu"] if emulated else [])
@@ -123,11 +126,13 @@ def _commands(quick, emulated=False):
     readable = ["--attention", "naive", "--cublaslt", "0"]   # the others run the default --cublaslt auto
     check, long = ["--check"] + shapes["check"], ["--check"] + shapes["check-long"]
     if emulated:
+        llama3_bench = [python, "dev/bench_emulator.py", "-e", "llama3:d2", "-b", "1", "-t", "16", "--repeats", "1"]
         tests = [python, "-m", "pytest", "-q", "-rs", "--continue-on-collection-errors", "-m", "not slow",
                  "tests/test_emulated_kernels.py"]
         bench = [python, "dev/bench_emulator.py"] + (["-e", "d2", "-b", "2", "--repeats", "1"] if quick else [])
         twin = [python, "dev/torch_reference.py", "-e", "d2", "-b", "2", "-t", "32", "-x", "4"]
     else:
+        llama3_bench = [python, "dev/bench.py", "-e", "llama3:d4", "-b", "16"] + BENCH_STEPS   # ours and its twin
         tests = [python, "-m", "pytest", "-m", "gpu", "-v", "-rs", "--continue-on-collection-errors", "tests"]
         bench = [python, "dev/bench.py", "--only", "cupy", "-b", "16"] + BENCH_STEPS
         twin = [python, "dev/bench.py", "--only", "torch", "-b", "16"] + (BENCH_STEPS if quick else [])
@@ -141,7 +146,7 @@ def _commands(quick, emulated=False):
         trainer + shapes["train"],
         tests,
         twin,
-    ] + [trainer + long + bf16 + ["--attention", path] for path in ("naive", "flash", "cudnn")]
+    ] + [trainer + long + bf16 + ["--attention", path] for path in ("naive", "flash", "cudnn")] + [llama3_bench]
 
 
 def kind_of(cmd):
@@ -149,7 +154,8 @@ def kind_of(cmd):
     text = " ".join(cmd)
     if "pip install" in text or (len(cmd) > 2 and cmd[1:3] == ["-m", "pip"]):
         return "wheels"
-    for key, marker in (("data", "tinyshakespeare.py"), ("pytest", "pytest"), ("twin", "--only torch"),
+    for key, marker in (("data", "tinyshakespeare.py"), ("bench-llama3", "llama3:"), ("pytest", "pytest"),
+                        ("twin", "--only torch"),
                         ("twin", "torch_reference.py"), ("bench", "bench.py"), ("bench", "bench_emulator.py"),
                         ("check-long", "-b 1 -t"), ("check", "--check")):
         if marker in text:

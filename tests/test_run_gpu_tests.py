@@ -5,10 +5,10 @@ precisions and attention paths, in the same order), changed only by `--device cp
 and batch shapes, with the GPU-only steps (pytest -m gpu, the bench) replaced one for one; and
 that main() with --emulated passes the GPU gate, names its log `_test-gpu-emulated.log` and says
 in the header that no GPU ran; the order of the first contact (the five checks, the bench of ours,
-the training run, the tests, the twin, the long checks), and that with a planted failure in a later
-step (a test module that does not import, run by the real pytest) the bench line is in the log and
-the steps after the failure still run. The rehearsal itself (minutes) is run by hand and its log
-kept under dev/results/.
+the training run, the tests, the twin, the long checks, Llama 3's bench), and that with a planted
+failure in a later step (a test module that does not import, run by the real pytest) the bench line
+is in the log and the steps after the failure still run. The rehearsal itself (minutes) is run by
+hand and its log kept under dev/results/.
 Run: python -m pytest -q tests/test_run_gpu_tests.py
 """
 
@@ -45,7 +45,7 @@ def test_emulated_rehearsal_runs_the_gpu_commands_on_the_cpu_device():
     rgt = _load_run_gpu_tests()
     for quick in (False, True):
         gpu, emulated = rgt._commands(quick), rgt._commands(quick, emulated=True)
-        assert len(gpu) == len(emulated) == 12
+        assert len(gpu) == len(emulated) == 13
         for g, e in zip(gpu, emulated):
             assert rgt.kind_of(g) == rgt.kind_of(e), (g, e)
             if "gpt2_cuda.py" not in g:                                  # pytest -m gpu and the bench: replaced
@@ -71,12 +71,13 @@ def test_emulated_main_passes_the_gate_and_names_its_log(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "gpu")
 
 
-ORDER = ["check"] * 5 + ["bench", "train", "pytest", "twin"] + ["check-long"] * 3
+ORDER = ["check"] * 5 + ["bench", "train", "pytest", "twin"] + ["check-long"] * 3 + ["bench-llama3"]
 
 
 def test_first_contact_order_brings_a_bench_number_early():
     """The five checks, then our bench (B=16, a few steps), the training run, the GPU tests (a module
-    that fails to import does not stop them), the twin, the long checks; the same on the emulated device."""
+    that fails to import does not stop them), the twin, the long checks, and last Llama 3's bench
+    against its twin (it runs if time is left); the same on the emulated device."""
     rgt = _load_run_gpu_tests()
     for quick in (False, True):
         for emulated in (False, True):
@@ -120,5 +121,5 @@ def test_a_failing_later_step_keeps_the_bench_line(tmp_path, monkeypatch):
     assert re.search(r"1 passed, 1 error", text) and "module_that_does_not_exist" in text
     summary = text.split("# summary")[1].splitlines()[1:len(ORDER) + 1]
     verdicts = [line.split()[1] for line in summary]
-    assert verdicts == ["PASS"] * 7 + ["FAIL"] + ["PASS"] * 4, summary
+    assert verdicts == ["PASS"] * 7 + ["FAIL"] + ["PASS"] * 5, summary
     assert text.index("\nbench: model=d2") < text.index("module_that_does_not_exist") < text.index("\ntwin ran\n")
