@@ -357,7 +357,8 @@ def llama3_forward(model, inputs, targets=None):
 def upload_batch(model, inputs, targets):
     """The host half of llama3_forward and llama3_micro_batch (gpt2_cuda.upload_batch's): check the
     token ids, copy them (and the targets) into the int32 device buffers of their (B,T), and
-    remember them for the backward's dwte segments. Returns (B,T)."""
+    remember them for the backward's dwte segments. Returns (B,T). Raises InputError if T passes
+    maxT or a token id is out of range."""
     inputs = np.asarray(inputs)
     B, T = inputs.shape
     check_inputs(model.config, inputs, targets)
@@ -370,18 +371,19 @@ def upload_batch(model, inputs, targets):
     return B, T
 
 
-def forward_launches(model, B, T, with_loss):
+def forward_launches(model, B, T, with_loss, attention=None, pos=0):
     """The device half of llama3_forward: every launch of the forward pass, reading the token ids
     (and targets) upload_batch put on the device. Launches only, with the same arguments every call
     for a given (B,T), so that a CUDA graph can capture it (llama3_micro_batch): RoPE's tables are
-    row slices of model.freqs_cos and freqs_sin, uploaded once when the model is built. Returns the
-    logits view (B,T,V)."""
+    row slices of model.freqs_cos and freqs_sin, uploaded once when the model is built. attention,
+    pos: as block_forward's (the sampler's cached attention at position pos). Returns the logits
+    view (B,T,V)."""
     cfg = model.config
     C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
     P, A = model.P, llama3_activations(model, B, T)
     encoder_forward(A["encoded"], A["inputs"], P["wte"], model.no_wpe, B, T, C)      # (B,T,C) = wte[inputs]
     for l in range(L):
-        block_forward(model, A, l, B, T)
+        block_forward(model, A, l, B, T, attention, pos)
     # forward pass 3: final RMSNorm, untied classifier, softmax + cross-entropy (one kernel)
     rmsnorm_forward(A["lnf"], A["lnf_rstd"], A["residual3"][L - 1], P["lnfw"], B, T, C)
     logits = prefix(A["logits"], (B, T, V))
@@ -574,22 +576,13 @@ def llama3_forward_cached(model, inputs, cache):
     to the cached keys and values and appending theirs (gpt2_cuda.CachedAttention); the training
     forward's blocks and buffers otherwise. Returns the last position's logits (B,V), float32 on
     the host. Raises InputError if the positions pass maxT or a token id is out of range."""
-    cfg = model.config
     inputs = np.asarray(inputs)
     B, T = inputs.shape
     pos = cache.length
-    check_inputs(cfg, inputs, None, pos)
-    C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
-    P, A = model.P, llama3_activations(model, B, T)
-    A["inputs"].set(np.ascontiguousarray(inputs, dtype=np.int32))
+    check_inputs(model.config, inputs, None, pos)
+    llama3_activations(model, B, T)["inputs"].set(np.ascontiguousarray(inputs, dtype=np.int32))
     model.BT, model.has_targets = (B, T), False                                     # no backward follows
-    attention = gpt2_cuda.CachedAttention(cache, pos)
-    encoder_forward(A["encoded"], A["inputs"], P["wte"], model.no_wpe, B, T, C)      # (B,T,C) = wte[inputs]
-    for l in range(L):
-        block_forward(model, A, l, B, T, attention, pos)
-    rmsnorm_forward(A["lnf"], A["lnf_rstd"], A["residual3"][L - 1], P["lnfw"], B, T, C)
-    logits = prefix(A["logits"], (B, T, V))
-    model.matmul.forward(logits, A["lnf"], P["wlmhead"], None, B, T, C, V)           # (B,T,C) @ (C,V) -> (B,T,V)
+    logits = forward_launches(model, B, T, False, gpt2_cuda.CachedAttention(cache, pos), pos)   # (B,T,V)
     cache.length = pos + T
     return as_float32(logits[:, T - 1].get())                                       # (B,V) to the host
 

@@ -12,9 +12,7 @@ emulated device's kernels are built; mostly the mpiexec runs)
 """
 
 import os
-import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -24,7 +22,7 @@ import llama3_cpu
 import llama3_cuda
 from emulated_gpu import _train_losses, _write_shards
 from llmc import checkpoint, cuda, zero
-from mpi_marks import needs_mpi
+from mpi_marks import logged_norms, needs_mpi, run_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NH = 4, NKV = 2: n_rep = 2; C = 64: HS = 16 (flash attention's smallest tile); V = 75
@@ -76,21 +74,12 @@ class Runs:
 
 
 def _run(cmd):
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return r.stdout
+    return run_ok(cmd, ROOT)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("llama3_dp"))
-
-
-def _norms(out):
-    """[norm of each step] from a main.log."""
-    with open(out / "main.log") as f:
-        return [float(x) for x in re.findall(r"norm:(\S+)", f.read())]
 
 
 def _params(out, step=STEPS):
@@ -124,8 +113,8 @@ def test_two_processes_fp32_are_llama3_cpu_on_the_whole_batch(runs, zero_stage):
     dp, cpu = runs.llama3_cuda("fp32", zero_stage, grad_clip=CLIP), runs.llama3_cpu()
     losses, ref = _train_losses(dp / "main.log"), _train_losses(cpu / "main.log")
     assert len(losses) == STEPS and losses == pytest.approx(ref, rel=1e-5)
-    np.testing.assert_allclose(_norms(dp), _norms(cpu), rtol=1e-4)       # main.log keeps 4 decimals
-    assert min(_norms(dp)) > CLIP                                        # clipping did happen
+    np.testing.assert_allclose(logged_norms(dp), logged_norms(cpu), rtol=1e-4)       # main.log keeps 4 decimals
+    assert min(logged_norms(dp)) > CLIP                                        # clipping did happen
     got, want = _params(dp), _params(cpu)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     assert np.isclose(got, want, rtol=1e-5, atol=1e-6).mean() > 0.999
@@ -141,7 +130,7 @@ def test_zero1_on_two_processes_equals_zero0_bitwise_bf16(runs):
     z0, z1 = runs.llama3_cuda("bf16", 0, grad_clip=0), runs.llama3_cuda("bf16", 1, grad_clip=0)
     losses = _train_losses(z1 / "main.log")
     assert len(losses) == STEPS and losses == _train_losses(z0 / "main.log")
-    assert _norms(z1) == _norms(z0)
+    assert logged_norms(z1) == logged_norms(z0)
     shards, whole = _states(z1, 1), _states(z0, 0)
     S = zero.zero_shard(TINY_N, 0, K).size
     assert all(st["zero_stage"] == 1 and st["m"].size == S < TINY_N for st in shards)

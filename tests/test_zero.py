@@ -25,7 +25,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 import types
 
@@ -39,7 +38,7 @@ import llmc.cuda
 from emulated_gpu import TINY, _train_losses, _write_shards
 from llmc import checkpoint, zero
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
-from mpi_marks import needs_mpi
+from mpi_marks import logged_norms, needs_mpi, run_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_SHAPES = gpt2_cpu.parameter_shapes(TINY)
@@ -311,21 +310,12 @@ class Runs:
 
 
 def _run(cmd):
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return r.stdout
+    return run_ok(cmd, ROOT)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("zero"))
-
-
-def _norms(out):
-    """[norm of each step] from a main.log."""
-    with open(out / "main.log") as f:
-        return [float(x) for x in re.findall(r"norm:(\S+)", f.read())]
 
 
 def _model_file(out, step):
@@ -351,7 +341,7 @@ def test_zero1_on_two_processes_equals_zero0_bitwise_bf16(runs):
     z0, z1 = runs.gpt2_cuda("bf16", 0, grad_clip=0), runs.gpt2_cuda("bf16", 1, grad_clip=0)
     losses = _train_losses(z1 / "main.log")
     assert len(losses) == STEPS and losses == _train_losses(z0 / "main.log")
-    assert _norms(z1) == _norms(z0)                                      # the global norm, from shards
+    assert logged_norms(z1) == logged_norms(z0)                                      # the global norm, from shards
     # each rank's state file holds its shard of m, v and master weights, 1/K of -z 0's
     shards, whole = _states(z1, 1), _states(z0, 0)
     S = zero.zero_shard(TINY_N, 0, K).size
@@ -385,8 +375,8 @@ def test_zero1_on_two_processes_fp32_is_gpt2_cpu_on_the_whole_batch(runs):
     z1, cpu = runs.gpt2_cuda("fp32", 1, grad_clip=CLIP), runs.gpt2_cpu()
     losses, ref = _train_losses(z1 / "main.log"), _train_losses(cpu / "main.log")
     assert len(losses) == STEPS and losses == pytest.approx(ref, rel=1e-5)
-    np.testing.assert_allclose(_norms(z1), _norms(cpu), rtol=1e-4)       # main.log keeps 4 decimals
-    assert min(_norms(z1)) > CLIP                                        # clipping did happen
+    np.testing.assert_allclose(logged_norms(z1), logged_norms(cpu), rtol=1e-4)       # main.log keeps 4 decimals
+    assert min(logged_norms(z1)) > CLIP                                        # clipping did happen
     got = gpt2_cpu.read_model(_model_file(z1, STEPS)).params
     want = gpt2_cpu.read_model(_model_file(cpu, STEPS)).params
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
