@@ -308,35 +308,37 @@ def kernel_breakdown(model, x, y, step):
     return summarize_breakdown([(name, cupy.cuda.get_elapsed_time(start, end)) for name, start, end in events])
 
 
-def torch_steps(model_name, B, T, num_steps, compile_model):
+def torch_steps(model_name, B, T, num_steps, compile_model, device="cuda"):
     """Train the PyTorch twin num_steps steps (bf16 autocast, flash attention, fused AdamW, and
-    torch.compile if compile_model); return (seconds per step, losses)."""
+    torch.compile if compile_model) on `device` (the bench's "cuda"; a test's "cpu"); return
+    (seconds per step, losses, config)."""
     import torch
     import torch_reference as tr
     cfg = gpt2_cpu.config_from_descriptor(model_name)
-    twin = tr.Twin.init(cfg, SEED, dtype=torch.float32, device="cuda", flash=True, autocast=torch.bfloat16,
+    twin = tr.Twin.init(cfg, SEED, dtype=torch.float32, device=device, flash=True, autocast=torch.bfloat16,
                         compile=compile_model)
     x, y = fixed_batch(cfg, B, T)
     times = []
     losses = twin.train_steps(((x, y) for _ in range(num_steps)), learning_rate=LEARNING_RATE, num_steps=num_steps,
                               schedule="constant", grad_clip=1.0, fused=True,
                               on_step=lambda step, loss, norm, lr, dt: times.append(dt))
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return times, losses, cfg
 
 
-def torch_llama3_steps(model_name, B, T, num_steps, compile_model):
+def torch_llama3_steps(model_name, B, T, num_steps, compile_model, device="cuda"):
     """Train dev/torch_reference_llama3.py's model num_steps steps with its own training step
     (Twin.train_steps: torch.optim.AdamW; the global norm summed in float64, one read to the host
     per parameter tensor; clipped at GRAD_CLIP)
     and what that twin has: parameters and AdamW state in bf16 (it has no autocast, so no fp32
     master weights), SDPA flash attention, the optimizer unfused (it has no fused option);
-    torch.compile on its module if compile_model, as the GPT-2 twin compiles its own. Returns
-    (seconds per step, losses, config)."""
+    torch.compile on its module if compile_model, as the GPT-2 twin compiles its own; on `device`
+    (the bench's "cuda"; a test's "cpu"). Returns (seconds per step, losses, config)."""
     import torch
     import torch_reference_llama3 as tr
     cfg = llama3_cpu.model_config(model_name)
-    twin = tr.Twin.init(cfg, SEED, dtype=torch.bfloat16, device="cuda", flash=True)
+    twin = tr.Twin.init(cfg, SEED, dtype=torch.bfloat16, device=device, flash=True)
     if compile_model:
         twin.model = torch.compile(twin.model)
     x, y = fixed_batch(cfg, B, T)
@@ -344,7 +346,8 @@ def torch_llama3_steps(model_name, B, T, num_steps, compile_model):
     losses = twin.train_steps(((x, y) for _ in range(num_steps)), learning_rate=LEARNING_RATE, num_steps=num_steps,
                               schedule="constant", grad_clip=GRAD_CLIP,
                               on_step=lambda step, loss, norm, lr, dt: times.append(dt))
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return times, losses, cfg
 
 

@@ -287,3 +287,28 @@ def test_mfu_counts_the_parameters_a_token_multiplies():
     cfg = llama3_cpu.model_config("llama3:d4")
     total = gpt2_cpu.num_elements(llama3_cpu.parameter_shapes(cfg))
     assert bench.num_parameters("llama3:d4", cfg) == total - cfg.vocab_size * cfg.channels
+
+
+@pytest.mark.parametrize("model_name", ["d2", "llama3:d2"])
+def test_the_twins_bench_step_runs_and_starts_at_the_reference_loss(model_name):
+    """The twin's side of the bench (torch_steps, torch_llama3_steps: what `make bench` times on the
+    GPU) on the CPU, uncompiled, 3 steps at B=1, T=16 on the fixed batch: the first loss is the
+    NumPy reference's loss of the same init and batch (within bf16's error: autocast for GPT-2,
+    bf16 parameters for Llama 3), and three AdamW steps on that one batch lower it."""
+    torch = pytest.importorskip("torch")
+    import gpt2_cpu
+    import llama3_cpu
+    torch.manual_seed(0)
+    if bench.is_llama3(model_name):
+        cfg = llama3_cpu.model_config(model_name)
+        times, losses, _ = bench.torch_llama3_steps(model_name, 1, 16, 3, compile_model=False, device="cpu")
+        reference, forward = llama3_cpu.llama3_init(cfg, bench.SEED), llama3_cpu.llama3_forward
+    else:
+        cfg = gpt2_cpu.config_from_descriptor(model_name)
+        times, losses, _ = bench.torch_steps(model_name, 1, 16, 3, compile_model=False, device="cpu")
+        reference, forward = gpt2_cpu.gpt2_init(cfg, bench.SEED), gpt2_cpu.gpt2_forward
+    x, y = bench.fixed_batch(cfg, 1, 16)
+    forward(reference, x, y)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert losses[0] == pytest.approx(reference.mean_loss, rel=1e-2), (losses, reference.mean_loss)
+    assert losses[2] < losses[0], losses
