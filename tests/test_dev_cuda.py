@@ -366,3 +366,26 @@ def test_a_full_run_writes_its_table(tmp_path, monkeypatch):
     for row in rows:
         ms, gbs = float(row.split("|")[4]), float(row.split("|")[5])
         assert ms > 0 and gbs > 0
+
+
+def test_run_all_sends_every_table_to_OUT_when_set(monkeypatch, tmp_path):
+    """On the device machine only $OUT comes back: run_all passes -o $OUT (else dev/results, or -o's
+    folder) with the precision and repeats to every op script, in OPS order, and exits 1 when one fails."""
+    calls = []
+
+    def fake_run(cmd, cwd):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1 if cmd[1].endswith("gelu.py") else 0)
+    monkeypatch.setattr(run_all.cuda, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(run_all.subprocess, "run", fake_run)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert run_all.main(["-p", "fp32", "-r", "5"]) == 1
+    assert [os.path.basename(c[1]) for c in calls] == [f"{op}.py" for op in OPS]
+    assert all(c[2:] == ["-p", "fp32", "-o", str(tmp_path), "-r", "5"] for c in calls)
+    calls.clear()
+    monkeypatch.delenv("OUT")
+    run_all.main([])
+    assert calls[0][2:] == ["-p", "bf16", "-o", os.path.join(ROOT, "dev", "results")]
+    calls.clear()
+    run_all.main(["-o", "tables"])
+    assert calls[0][2:] == ["-p", "bf16", "-o", "tables"]

@@ -1,14 +1,15 @@
 """
 dev/cuda/run_all.py: run every kernel progression of dev/cuda/ on a GPU (`make dev-cuda`): each
 dev/cuda/<op>.py in turn, each validating all its versions against gpt2_cpu.py (llama3_cpu.py for Llama 3's ops), timing them and
-writing its table to dev/results/dev_cuda_<op>.md.
+writing its table to <dir>/dev_cuda_<op>.md, where <dir> is -o, else $OUT when set (the device
+tool's folder that comes back, as for dev/run_gpu_tests.py), else dev/results/.
 
 What it deliberately is not: a harness of its own; dev/cuda/common.py is. This only runs the
 scripts in OPS, one process each (so a failing op does not stop the others), and sums up.
 
 Run it:
     python dev/cuda/run_all.py           # bf16
-    python dev/cuda/run_all.py -p fp32 -r 50
+    python dev/cuda/run_all.py -p fp32 -r 50 -o /tmp/tables
 prints each script's output, then one line per op with its exit status; exits 0 if all passed,
 1 if any failed, 2 (one line, nothing run) without a CUDA GPU or CuPy.
 """
@@ -31,17 +32,25 @@ OPS = ("encoder", "layernorm", "gelu", "classifier", "global_norm", "adamw", "ma
 NO_GPU_EXIT = 2
 
 
+def default_output_dir(environ=os.environ):
+    """$OUT when set and not empty (a device machine's folder that comes back), else dev/results."""
+    return environ.get("OUT") or os.path.join(REPO_ROOT, "dev", "results")
+
+
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("-p", "--precision", default="bf16", choices=cuda.PRECISIONS, help="storage precision (default bf16)")
     parser.add_argument("-r", "--repeats", type=int, default=None, help="timed runs per version (default: the scripts')")
+    parser.add_argument("-o", "--output-dir", default=None,
+                        help="where the dev_cuda_<op>.md tables go (default: $OUT when set, else dev/results)")
     args = parser.parse_args(argv)
     reason = cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/cuda/run_all.py: no CUDA GPU found ({reason}); nothing to run "
               "(`make compile-kernels` compiles the kernels without one)", file=sys.stderr)
         return NO_GPU_EXIT
-    extra = ["-p", args.precision] + (["-r", str(args.repeats)] if args.repeats else [])
+    extra = ["-p", args.precision, "-o", args.output_dir or default_output_dir()]
+    extra += ["-r", str(args.repeats)] if args.repeats else []
     status = {}
     for op in OPS:
         status[op] = subprocess.run([sys.executable, os.path.join(HERE, f"{op}.py")] + extra, cwd=REPO_ROOT).returncode
