@@ -22,10 +22,18 @@ The rules, in order:
      CuPy over the first, both owning cupy/): the reason is printed, nothing is installed for it.
   3. CuPy: only where an NVIDIA driver is present (`nvidia-smi` prints "CUDA Version: 13.0") and no
      CuPy distribution is installed: the wheel for the driver's CUDA major, cupy-cuda12x or
-     cupy-cuda13x. The CPU test suite's NVRTC compile check needs CuPy's NVRTC binding: there, and
-     only where no CuPy exists, requirements-dev.txt's cupy-cuda12x and the NVRTC wheels.
-  4. Versions come from requirements.txt and requirements-dev.txt (one place for the pins); the
-     CUDA-13 forms are in CUDA13_PACKAGES below.
+     cupy-cuda13x, with its [ctk] extra (CUDA's NVRTC, runtime and cuBLAS as wheels: a machine
+     with only the driver has none of them, and CuPy compiles every kernel with NVRTC). The CPU
+     test suite's NVRTC compile check needs CuPy's NVRTC binding: there, and only where no CuPy
+     exists, requirements-dev.txt's cupy-cuda12x and the NVRTC wheels.
+  4. The GPU extras (GPU_EXTRAS): where a driver is present, the GPU targets also ask for the
+     libraries behind a GPU run's default fast paths, the cuDNN frontend and library (--attention
+     auto picks cuDNN) and nvmath-python (--cublaslt auto picks cuBLASLt), at the versions the
+     first GPU run used. They are optional, installed after the rest in a pip call with a short
+     network timeout: offline that costs seconds and one line, and the trainer takes its own
+     attention and cuBLAS instead, saying so.
+  5. Versions come from requirements.txt and requirements-dev.txt (one place for the pins); the
+     CUDA-13 forms are in CUDA13_PACKAGES below, the GPU extras' in GPU_EXTRAS.
 A package that cannot be installed (no network, PIP_NO_INDEX=1) ends the target with one
 `error:` line naming it when the target cannot run without it, and is reported in one line and
 skipped when it is optional (the tests that need it skip).
@@ -60,11 +68,11 @@ NVIDIA_SMI_TIMEOUT_S = 30
 # "nvrtc" CuPy's NVRTC binding plus the CUDA headers (what dev/cuda/nvrtc_compile.py needs).
 NEEDS = {
     "data":            {"required": ["numpy", "tiktoken"], "optional": []},
-    "train":           {"required": ["numpy", "tiktoken"], "optional": ["cupy"]},
-    "bench":           {"required": ["numpy", "tiktoken", "cupy", "torch"], "optional": []},
+    "train":           {"required": ["numpy", "tiktoken"], "optional": ["cupy", "cudnn", "nvmath"]},
+    "bench":           {"required": ["numpy", "tiktoken", "cupy", "torch"], "optional": ["cudnn", "nvmath"]},
     "bench-cpu":       {"required": ["numpy"], "optional": []},
-    "test-gpu":        {"required": ["numpy", "tiktoken", "pytest", "cupy"], "optional": ["torch"]},
-    "dev-cuda":        {"required": ["numpy", "cupy"], "optional": []},
+    "test-gpu":        {"required": ["numpy", "tiktoken", "pytest", "cupy"], "optional": ["torch", "cudnn", "nvmath"]},
+    "dev-cuda":        {"required": ["numpy", "cupy"], "optional": ["cudnn", "nvmath"]},
     "compile-kernels": {"required": ["numpy", "nvrtc"], "optional": []},
     "test":            {"required": ["numpy", "tiktoken", "pytest"],
                         "optional": ["torch", "mpi4py", "mpich", "transformers", "safetensors", "matplotlib",
@@ -85,6 +93,17 @@ PACKAGES = {
     "tqdm": (["tqdm"], "tqdm"),
 }
 CUPY_FOR_CUDA = {12: "cupy-cuda12x", 13: "cupy-cuda13x"}
+CUPY_EXTRA = "ctk"          # cupy-cudaXXx[ctk]: CUDA's libraries from PyPI (cuda-toolkit[nvrtc,cublas,...])
+# The GPU extras (rule 4), per driver CUDA major: key -> (the module whose import says it works,
+# the requirements). The pins are the ones the first GPU run used (GPU_WHEELS below); nvmath's
+# cuda-bindings must match the driver's major (nvmath-python's sysctk12/sysctk13 extras say so,
+# without their cuTENSOR, which llmc does not use); cuBLAS comes with CuPy's [ctk] or with torch.
+FRONTEND_PIN, NVMATH_PIN = "nvidia-cudnn-frontend==1.32.0", "nvmath-python==1.0.0"
+GPU_EXTRAS = {
+    "cudnn": ("cudnn", {12: [FRONTEND_PIN, "nvidia-cudnn-cu12"], 13: [FRONTEND_PIN, "nvidia-cudnn-cu13"]}),
+    "nvmath": ("nvmath", {12: [NVMATH_PIN, "cuda-bindings>=12.9.2,<13"], 13: [NVMATH_PIN, "cuda-bindings>=13.0.1,<14"]}),
+}
+EXTRAS_PIP_OPTIONS = ["--retries", "0", "--timeout", "5"]    # offline: seconds, not pip's minutes
 # The CUDA-13 wheels carry no -cu13 suffix: nvidia-cuda-nvrtc 13.x is CUDA 13's NVRTC.
 CUDA13_PACKAGES = {"cupy-cuda13x": "cupy-cuda13x==14.2.0",
                    "nvrtc": ["nvidia-cuda-nvrtc==13.*", "nvidia-cuda-runtime==13.*"]}
@@ -113,12 +132,13 @@ def plan(target, works, installed, cuda_major, specs):
     """What to install for `target`, as (install, notes, missing_required).
 
     works:      {key: None if it imports and works, else the one-line reason}, for every key NEEDS
-                names for the target ("cupy", "nvrtc", "mpich" and the PACKAGES keys)
+                names for the target ("cupy", "nvrtc", "mpich", the GPU_EXTRAS and PACKAGES keys)
     installed:  set of installed distribution names, lower case (e.g. {"cupy-cuda13x", "torch"})
     cuda_major: the driver's CUDA major version from nvidia-smi (12, 13, ...), None without a driver
     specs:      read_requirements()'s {name: requirement}
-    Returns install (requirements for pip, in order), notes (one line each: what is not installed
-    and why) and missing_required (the required keys that will still not work afterwards)."""
+    Returns install (requirements for pip, in order; the GPU extras' last, is_gpu_extra tells them
+    apart), notes (one line each: what is not installed and why) and missing_required (the
+    required keys that will still not work afterwards)."""
     need = NEEDS[target]
     install, notes, missing = [], [], []
     cupy_installed = sorted(d for d in installed if d == "cupy" or d.startswith("cupy-"))
@@ -130,15 +150,31 @@ def plan(target, works, installed, cuda_major, specs):
         wanted, why_not = _packages_for(key, target, installed, cupy_installed, cuda_major, specs, reason)
         if wanted:
             install += [w for w in wanted if w not in install]
-        else:
+        elif why_not:
             notes.append(why_not)
             if required:
                 missing.append(key)
+    install.sort(key=is_gpu_extra)             # stable: the others first, in their order
     return install, notes, missing
 
 
+def is_gpu_extra(requirement):
+    """True for a requirement of GPU_EXTRAS (installed last, optional, with a short timeout)."""
+    return any(_name(requirement) == _name(r) for _, by_major in GPU_EXTRAS.values()
+               for requirements in by_major.values() for r in requirements)
+
+
 def _packages_for(key, target, installed, cupy_installed, cuda_major, specs, reason):
-    """(requirements to install for one key that does not work, or [] and the reason why not)."""
+    """(requirements to install for one key that does not work, or [] and the reason why not;
+    None as the reason for a GPU extra on a machine without a driver: the CuPy line says it)."""
+    if key in GPU_EXTRAS:
+        by_major = GPU_EXTRAS[key][1]
+        if cuda_major not in by_major:
+            return [], None
+        wanted = by_major[cuda_major]            # pip leaves alone what already meets them
+        if _name(wanted[0]) in installed:
+            return [], f"{_name(wanted[0])} is installed but does not import ({reason}); not replacing it"
+        return list(wanted), None
     if key == "cupy":
         if cupy_installed:
             return [], (f"CuPy ({', '.join(cupy_installed)}) is installed but does not work ({reason}); "
@@ -148,7 +184,7 @@ def _packages_for(key, target, installed, cupy_installed, cuda_major, specs, rea
             return [], f"no NVIDIA driver (nvidia-smi reports no CUDA version): no CuPy installed; {where}"
         if cuda_major not in CUPY_FOR_CUDA:
             return [], f"the driver supports CUDA {cuda_major}: no CuPy wheel chosen for it (12 and 13 are known)"
-        return [_cupy_spec(cuda_major, specs)], None
+        return [_cupy_spec(cuda_major, specs, extra=CUPY_EXTRA)], None
     if key == "nvrtc":
         if cupy_installed:                    # keep that CuPy; add the NVRTC wheels of its CUDA major
             major = 13 if "cupy-cuda13x" in cupy_installed else 12
@@ -168,9 +204,12 @@ def _packages_for(key, target, installed, cupy_installed, cuda_major, specs, rea
     return [specs.get(n, n) for n in names], None
 
 
-def _cupy_spec(major, specs):
+def _cupy_spec(major, specs, extra=None):
+    """The pinned requirement of the CuPy for CUDA `major`, e.g. cupy-cuda13x==14.2.0, or with
+    extra="ctk" cupy-cuda13x[ctk]==14.2.0."""
     name = CUPY_FOR_CUDA[major]
-    return specs.get(name) or CUDA13_PACKAGES.get(name, name)
+    spec = specs.get(name) or CUDA13_PACKAGES.get(name, name)
+    return spec.replace(name, f"{name}[{extra}]", 1) if extra else spec
 
 
 def _name(requirement):
@@ -260,6 +299,8 @@ def probe(target):
             works[key] = probe_nvrtc()
         elif key == "mpich":
             works[key] = probe_mpiexec()
+        elif key in GPU_EXTRAS:
+            works[key] = probe_import(GPU_EXTRAS[key][0])
         else:
             works[key] = probe_import(PACKAGES[key][1])
     return works
@@ -268,9 +309,9 @@ def probe(target):
 # ----------------------------------------------------------------------------
 # doing it
 
-def pip_install(requirements):
+def pip_install(requirements, options=()):
     """pip install the requirements into this interpreter; None on success, else pip's last error line."""
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements],
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *options, *requirements],
                        capture_output=True, text=True)
     if r.returncode == 0:
         return None
@@ -290,16 +331,26 @@ def setup(target, dry_run):
     if dry_run:
         print(f"setup ({target}): would install: {' '.join(install) or 'nothing'}")
         return 0
+    extras = [r for r in install if is_gpu_extra(r)]
+    install = [r for r in install if not is_gpu_extra(r)]
+    failure = None
     if install:
         print(f"setup ({target}): installing {' '.join(install)}")
         failure = pip_install(install)
         if failure and len(install) > 1:      # one that cannot be had must not keep out the others
             failures = [pip_install([requirement]) for requirement in install]
             failure = next((f for f in failures if f), None)
+    if extras:                                # optional: a short timeout, one line if they cannot be had
+        print(f"setup ({target}): installing the GPU fast paths' libraries (optional): {' '.join(extras)}")
+        extras_failure = pip_install(extras, EXTRAS_PIP_OPTIONS)
+        if extras_failure:
+            print(f"setup ({target}): could not install them ({extras_failure}); the GPU trainer "
+                  "takes its own attention and cuBLAS instead, and says so")
+    if install or extras:
         works = probe(target)
         still = [k for k in NEEDS[target]["required"] if works[k] is not None]
         if failure:
-            optional = [k for k in NEEDS[target]["optional"] if works[k] is not None]
+            optional = [k for k in NEEDS[target]["optional"] if works[k] is not None and k not in GPU_EXTRAS]
             if optional and not still:
                 print(f"setup ({target}): could not install ({failure}); the tests that need "
                       f"{', '.join(optional)} will skip")
@@ -343,8 +394,8 @@ GPU_WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manyli
 # cupy's cuda-pathfinder (==1.*,>=1.3.4) may be older than nvmath's; numpy and the CUDA 13 cuBLAS are
 # there (nvidia-cudss-cu13 and cutensor-cu13 of nvmath's [cu13] serve solvers and tensor contractions
 # that llmc does not use).
-NVMATH_WHEELS = ["nvmath-python==1.0.0", "cuda-core==1.2.2", "cuda-bindings==13.5.0", "cuda-pathfinder==1.9.0"]
-GPU_WHEELS = ["nvidia-cudnn-frontend==1.32.0"] + NVMATH_WHEELS
+NVMATH_WHEELS = [NVMATH_PIN, "cuda-core==1.2.2", "cuda-bindings==13.5.0", "cuda-pathfinder==1.9.0"]
+GPU_WHEELS = [FRONTEND_PIN] + NVMATH_WHEELS
 
 
 def gpu_wheels(dest=WHEEL_DIR):

@@ -42,8 +42,33 @@ def cupys(requirements):
 
 @pytest.mark.parametrize("major, wheel", [(12, "cupy-cuda12x"), (13, "cupy-cuda13x")])
 def test_train_installs_the_cupy_of_the_drivers_cuda_major(major, wheel):
+    """With CUDA's libraries as wheels ([ctk]): a machine with only the driver has no NVRTC."""
     install, notes, missing = setup_env.plan("train", all_work("train", cupy=BROKEN), set(), major, SPECS)
-    assert install == [f"{wheel}==14.2.0"] and not notes and not missing
+    assert install == [f"{wheel}[ctk]==14.2.0"] and not notes and not missing
+
+
+@pytest.mark.parametrize("target", ["train", "bench", "test-gpu", "dev-cuda"])
+@pytest.mark.parametrize("major, library, bindings", [(12, "nvidia-cudnn-cu12", "cuda-bindings>=12.9.2,<13"),
+                                                      (13, "nvidia-cudnn-cu13", "cuda-bindings>=13.0.1,<14")])
+def test_gpu_targets_add_the_fast_paths_libraries_of_the_drivers_major_last(target, major, library, bindings):
+    """cuDNN's frontend and library, nvmath-python with the cuda-bindings of the driver's CUDA
+    major, at the first GPU run's pins (GPU_WHEELS), after everything else; none without a driver
+    and no line about them (the CuPy line says there is no driver)."""
+    works = all_work(target, numpy=BROKEN, cupy=BROKEN, cudnn=BROKEN, nvmath=BROKEN)
+    install, notes, missing = setup_env.plan(target, works, set(), major, SPECS)
+    extras = ["nvidia-cudnn-frontend==1.32.0", library, "nvmath-python==1.0.0", bindings]
+    assert install == [SPECS["numpy"], f"cupy-cuda{major}x[ctk]==14.2.0"] + extras and not notes and not missing
+    assert [setup_env.is_gpu_extra(r) for r in install] == [False, False, True, True, True, True]
+    assert {r for r in extras if "==" in r} <= set(setup_env.GPU_WHEELS)
+    install, notes, _ = setup_env.plan(target, works, set(), None, SPECS)
+    assert install == [SPECS["numpy"]] and len(notes) == 1 and "no NVIDIA driver" in notes[0]
+
+
+def test_a_broken_gpu_extra_is_reported_and_not_replaced():
+    works = all_work("train", nvmath="ImportError: cuda.core", cudnn="ImportError: libcudnn")
+    install, notes, _ = setup_env.plan("train", works, {"cupy-cuda13x", "nvmath-python", "nvidia-cudnn-cu13"}, 13, SPECS)
+    assert install == ["nvidia-cudnn-frontend==1.32.0", "nvidia-cudnn-cu13"]   # the frontend is not there
+    assert notes == ["nvmath-python is installed but does not import (ImportError: cuda.core); not replacing it"]
 
 
 def test_train_installs_only_numpy_and_tiktoken_without_a_driver():
@@ -166,22 +191,40 @@ def run_script(python, args, tmp_path, cuda_version, site=None):
     return subprocess.run([str(python), SCRIPT] + args, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("version, wheel", [("12.8", "cupy-cuda12x==14.2.0"), ("13.0", "cupy-cuda13x==14.2.0")])
+@pytest.mark.parametrize("version, wheel", [("12.8", "cupy-cuda12x[ctk]==14.2.0"), ("13.0", "cupy-cuda13x[ctk]==14.2.0")])
 def test_script_chooses_the_cupy_of_the_fake_driver(bare_venv, tmp_path, version, wheel):
     r = run_script(bare_venv / "bin" / "python", ["train", "--dry-run"], tmp_path, version)
     assert r.returncode == 0, r.stderr
+    major = version.split(".")[0]
+    extras = setup_env.GPU_EXTRAS["cudnn"][1][int(major)] + setup_env.GPU_EXTRAS["nvmath"][1][int(major)]
     assert r.stdout.strip().splitlines()[-1] == \
-        f"setup (train): would install: {SPECS['numpy']} {SPECS['tiktoken']} {wheel}"
+        f"setup (train): would install: {SPECS['numpy']} {SPECS['tiktoken']} {wheel} {' '.join(extras)}"
 
 
-def test_script_installs_nothing_when_cupy_imports(bare_venv, tmp_path):
+def test_script_installs_nothing_when_cupy_and_the_gpu_extras_import(bare_venv, tmp_path):
     """Not a dry run, and pip has no index: any install would fail the run."""
     site = tmp_path / "site"
     for module in ("numpy", "tiktoken"):
         fake_package(str(site), module)
     fake_package(str(site), "cupy", "cupy-cuda13x")
+    fake_package(str(site), "cudnn", "nvidia-cudnn-frontend")
+    fake_package(str(site), "nvmath", "nvmath-python")
     r = run_script(bare_venv / "bin" / "python", ["train"], tmp_path, "13.0", site)
     assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stdout + r.stderr
+
+
+def test_script_offline_without_the_gpu_extras_is_one_line_and_trains(bare_venv, tmp_path):
+    """The project's GPU machine (CuPy there, no cuDNN frontend, no nvmath, no network): make train
+    tries the optional libraries once, says in one line that it could not, and exits 0."""
+    site = tmp_path / "site"
+    for module in ("numpy", "tiktoken"):
+        fake_package(str(site), module)
+    fake_package(str(site), "cupy", "cupy-cuda13x")
+    r = run_script(bare_venv / "bin" / "python", ["train"], tmp_path, "13.0", site)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("setup (train): installing the GPU fast paths' libraries (optional): ")
+    assert lines[1].startswith("setup (train): could not install them (") and "takes its own attention" in lines[1]
 
 
 def test_script_reports_a_broken_cupy_and_does_not_install_another(bare_venv, tmp_path):
