@@ -94,11 +94,22 @@ def run_cli(*args):
     return result.returncode, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("precision,attention", [("fp32", "naive"), ("bf16", "flash")])
+@pytest.mark.parametrize("precision,attention", [("fp32", "naive"), ("bf16", "flash"), ("bf16", "cudnn")])
 def test_cli_check_on_the_emulated_device(precision, attention):
+    """cudnn: what --attention auto takes on a GPU with the cuDNN frontend (the emulated cuDNN here)."""
     rc, out = run_cli("--device", "cpu", "--check", "-e", "llama3:d2", "-b", "1", "-t", "16", "--precision", precision,
                       "--attention", attention)
-    assert "kernels run on the emulated device" in out
+    assert "kernels run on the emulated device" in out and f"{attention} attention" in out
+    assert rc == 0 and "check: all tensors OK" in out, out[-3000:]
+    assert out.count("TENSOR OK") == 29 and "NOT OK" not in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cli_check_on_the_gpu_with_the_defaults(precision):
+    """On a GPU, llama3_cuda.py --check with its defaults (--attention auto: cuDNN in bf16 where the
+    frontend loads, else naive, which the output names) against llama3_cpu.py, every tensor."""
+    rc, out = run_cli("--check", "-e", "llama3:d4", "-b", "4", "-t", "64", "--precision", precision)
     assert rc == 0 and "check: all tensors OK" in out, out[-3000:]
     assert out.count("TENSOR OK") == 29 and "NOT OK" not in out
 
