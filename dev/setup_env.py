@@ -190,7 +190,8 @@ def _packages_for(key, target, installed, cupy_installed, cuda_major, specs, rea
             major = 13 if "cupy-cuda13x" in cupy_installed else 12
         else:                                 # no CuPy: the driver's, else CUDA 12 (the CPU check)
             major = 13 if cuda_major == 13 else 12
-        wanted = [] if cupy_installed else [_cupy_spec(major, specs)]
+        with_libraries = CUPY_EXTRA if cuda_major in CUPY_FOR_CUDA else None   # a GPU: the CuPy train would install
+        wanted = [] if cupy_installed else [_cupy_spec(major, specs, extra=with_libraries)]
         wanted += CUDA13_PACKAGES["nvrtc"] if major == 13 else [specs.get(n, n) for n in CUDA12_NVRTC]
         if all(_name(w) in installed for w in wanted):
             return [], f"NVRTC does not work ({reason}), though {' '.join(_name(w) for w in wanted)} are installed"

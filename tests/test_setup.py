@@ -118,6 +118,13 @@ def test_cpu_machine_gets_the_cuda12_nvrtc_packages_only_without_a_cupy():
     assert install == setup_env.CUDA13_PACKAGES["nvrtc"]                 # its CuPy's CUDA major, no CuPy
 
 
+def test_a_gpu_machine_without_cupy_gets_from_make_test_the_cupy_make_train_would_install():
+    """make test before make train on a driver-only GPU machine: the CuPy with CUDA's libraries
+    ([ctk]), not the CPU check's bare one, which would leave make train a CuPy without cuBLAS."""
+    install, _, _ = setup_env.plan("test", all_work("test", nvrtc="NvrtcUnavailable"), set(), 13, SPECS)
+    assert install == ["cupy-cuda13x[ctk]==14.2.0"] + setup_env.CUDA13_PACKAGES["nvrtc"]
+
+
 def test_a_present_torch_is_never_replaced():
     install, notes, missing = setup_env.plan("bench", all_work("bench", torch=BROKEN), {"torch"}, 13, SPECS)
     assert install == [] and missing == ["torch"] and "not replacing it" in notes[0]
