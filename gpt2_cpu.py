@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 from llmc.interrupt import quiet_ctrl_c_while_importing
 quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
-
+from llmc.utils import require  # noqa: E402
+require("gpt2_cpu.py", "numpy")          # no NumPy (the environment not activated): one line, exit 1
 import numpy as np  # noqa: E402
 
 from llmc.checkpoint import load_checkpoint, save_checkpoint

@@ -39,7 +39,8 @@ from typing import NamedTuple
 
 from llmc.interrupt import quiet_ctrl_c_while_importing
 quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
-
+from llmc.utils import require  # noqa: E402
+require("gpt2_cuda.py", "numpy")         # no NumPy (the environment not activated): one line, exit 1
 import numpy as np  # noqa: E402
 
 import gpt2_cpu

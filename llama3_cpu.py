@@ -44,7 +44,11 @@ import sys
 import time
 from dataclasses import dataclass, fields
 
-import numpy as np
+from llmc.interrupt import quiet_ctrl_c_while_importing
+quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
+from llmc.utils import require  # noqa: E402
+require("llama3_cpu.py", "numpy")        # no NumPy (the environment not activated): one line, exit 1
+import numpy as np  # noqa: E402
 
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, INIT_STD, LR_SCHEDULES, KVCache,
                       SamplingForward, attention_forward, attention_backward, causal_softmax,

@@ -11,6 +11,7 @@ What it is not: a handler for the run itself (run_main is), or anything that cha
 module imported by another program (tests, notebooks): then it does nothing.
 """
 
+import os
 import signal
 import sys
 
@@ -18,9 +19,16 @@ INTERRUPTED_EXIT_CODE = 130            # 128 + SIGINT (2): what a shell reports 
 
 
 def exit_on_interrupt(signum, frame):
-    """The SIGINT handler while a program imports. SystemExit unwinds the half-done imports and
-    ends the program with exit code 130, without a traceback."""
-    sys.exit(INTERRUPTED_EXIT_CODE)
+    """The SIGINT handler while a program imports: flush what was printed, then end the process
+    at once with exit code 130 (os._exit). Not sys.exit: its SystemExit, raised inside a C
+    extension's import (NumPy's), comes back out as an ImportError with a traceback; and
+    nothing a half-done import could leave needs cleaning up."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):   # closed, or None: nothing to flush
+            pass
+    os._exit(INTERRUPTED_EXIT_CODE)
 
 
 def quiet_ctrl_c_while_importing(module_name):

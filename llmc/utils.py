@@ -20,7 +20,7 @@ TMP_SUFFIX = ".tmp"                    # atomic_write writes `<path>.tmp<pid>`, 
 
 # The pip package that provides each third-party module a tool may need (where the names differ,
 # the pip name is the one to install).
-PIP_PACKAGES = {"matplotlib": "matplotlib", "tiktoken": "tiktoken", "torch": "torch", "transformers": "transformers",
+PIP_PACKAGES = {"numpy": "numpy", "matplotlib": "matplotlib", "tiktoken": "tiktoken", "torch": "torch", "transformers": "transformers",
                 "safetensors": "safetensors", "mpi4py": "mpi4py", "tqdm": "tqdm"}
 
 

@@ -188,17 +188,38 @@ def test_an_overflowing_learning_rate_is_one_line_naming_the_step(tmp_path):
     assert "step 2: the loss is nan" in r.stderr or "step 1:" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("tool", ["gpt2_cpu.py", "gpt2_cuda.py", "tests/check_gpt2.py", "dev/eval/import_hf.py",
-                                  "dev/data/hellaswag.py"])
+PROGRAMS = ["gpt2_cpu.py", "gpt2_cuda.py", "llama3_cpu.py", "llama3_cuda.py", "tests/check_gpt2.py",
+            "dev/eval/import_hf.py", "dev/data/hellaswag.py"]
+
+
+@pytest.mark.parametrize("tool", PROGRAMS)
 def test_ctrl_c_during_the_imports_exits_130_without_a_traceback(tmp_path, tool):
-    """A stand-in numpy, first on the path, interrupts its own import as a Ctrl-C would: the
-    program must exit 130 (128 + SIGINT, the shell's convention) and print no traceback."""
+    """A stand-in numpy, first on the path, interrupts its own import as a Ctrl-C would, and, as
+    NumPy's C extension does, turns whatever that raises into an ImportError: the program must
+    exit 130 (128 + SIGINT, the shell's convention) and print no traceback."""
     fake = tmp_path / "numpy"
     fake.mkdir()
-    (fake / "__init__.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n")
+    (fake / "__init__.py").write_text("import os, signal, time\n"
+                                      "try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(30)\n"
+                                      "except BaseException as e:\n"
+                                      "    raise ImportError('PyCapsule_Import could not import module') from e\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     r = run(tool.split() + ["--help"], timeout=60, env=env)
     assert r.returncode == 130 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+
+
+@pytest.mark.parametrize("tool", ["gpt2_cpu.py", "gpt2_cuda.py", "llama3_cpu.py", "llama3_cuda.py"])
+def test_a_python_without_numpy_is_one_line_naming_it(tmp_path, tool):
+    """The trainers run by a Python without NumPy (the README's environment not activated): one
+    error line naming the pip package and the environment, exit 1 (a stand-in numpy, first on the
+    path, is missing as an uninstalled one is)."""
+    fake = tmp_path / "numpy"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = run([tool, "--help"], timeout=60, env=env)
+    assert r.returncode == 1 and one_error_line(r.stderr), r.stderr
+    assert "needs the pip package numpy" in r.stderr and "source .venv/bin/activate" in r.stderr
 
 
 def test_quiet_ctrl_c_leaves_a_debuggers_handler_alone():
