@@ -9,7 +9,8 @@ that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
 What it deliberately is not (yet): gpt2_cuda.py's other trainer options (recomputation, fused
-residual + norm kernels, cuBLASLt); it trains with llama3_cpu.py's flags and loop, data-parallel
+residual + norm kernels, cuBLASLt, bf16 without master weights: it has no -r, --cublaslt or -w,
+and refuses them as unknown flags); it trains with llama3_cpu.py's flags and loop, data-parallel
 over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs: NCCL all-reduce of the
 gradients, or with -z 1 ZeRO-1's reduce-scatter, sharded AdamW and all-gather), with --cuda-graph 1
 replays each micro-batch's forward + backward as one CUDA graph (llama3_micro_batch, as
@@ -20,7 +21,7 @@ other's run; one state file per rank), and checks one batch against it (--check)
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
     step    1/3 | loss 10.87... | norm ... | lr 3.00e-04 | ... ms | ... tok/s
-    python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 6 -n 3 -o out   # then -y 1 resumes at step 3
+    python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3 -n 3 -o out   # then -x 6 -y 1 goes on from step 3
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3 --cuda-graph 1   # the same losses, replayed
     mpiexec -n 2 python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3 -z 1   # 2 processes, ZeRO-1
     batch: B=2 T=16 processes=2 grad_accum=1 -> 64 tokens/step | ...
@@ -37,7 +38,11 @@ residual stream's gradient; parameter gradients always accumulate.
 import sys
 import time
 
-import numpy as np
+from llmc.interrupt import quiet_ctrl_c_while_importing
+quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
+from llmc.utils import require  # noqa: E402
+require("llama3_cuda.py", "numpy")       # no NumPy (the environment not activated): one line, exit 1
+import numpy as np  # noqa: E402
 
 import gpt2_cuda
 import llama3_cpu
@@ -56,7 +61,7 @@ from llmc.cuda import (BLOCK_SIZE, FLOATX_DTYPES, MAX_THREADS_PER_BLOCK, PRECISI
                        KernelCompileError, ceil_div, check_launch, elementwise_grid, require, vector_size,
                        warp_row_grid)
 from llmc.cuda_check import check_llama3_against_cpu, run_check
-from llmc.gpu_cli import choose_precision
+from llmc.gpu_cli import choose_precision, gpu_status_line
 from llmc.matmul import Cublas
 from llmc.sampler import SamplerRNG
 from llmc.utils import InputError, prefix
@@ -635,7 +640,7 @@ def train(args):
     honour."""
     comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
-    _, _, capability = cuda.select_device(comm)
+    device, _, capability = cuda.select_device(comm)
     nccl = comm.connect()                                # the NCCL communicator (None for one process)
     if args.cuda_graph:                                  # refused now, not at the first capture
         reason = cuda.cuda_graph_unavailable_reason()
@@ -719,6 +724,8 @@ def train(args):
                           nccl)
         cuda.cupy().cuda.get_current_stream().synchronize()  # the step's time includes the update
         run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
+        if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
+            run.say(gpu_status_line(device))
     return model
 
 
@@ -728,7 +735,7 @@ def train(args):
 def parse_args(argv=None):
     """llama3_cpu.py's flags plus the GPU options (llmc.gpu_cli.build_parser) -> argparse.Namespace;
     -e names a Llama 3 model file or descriptor (default llama3_cpu.DEFAULT_MODEL)."""
-    parser = gpu_cli.build_parser(llama3_cpu.LR_SCHEDULES, prog="llama3_cuda.py")
+    parser = gpu_cli.build_parser(llama3_cpu.LR_SCHEDULES, prog="llama3_cuda.py", gpt2_options=False)
     parser.set_defaults(model=llama3_cpu.DEFAULT_MODEL)
     if parser.parse_known_args(argv)[0].device == "cpu":   # the emulated device's reference: llama3_cpu.py, fp32
         parser.set_defaults(precision="fp32", tf32=0)

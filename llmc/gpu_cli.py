@@ -15,32 +15,37 @@ from llmc.utils import InputError
 BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores (and TF32)
 
 GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
+GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt")   # what llama3_cuda.py lacks (see build_parser)
 
 
-def build_parser(lr_schedules, prog="gpt2_cuda.py"):
+def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True):
     """gpt2_cpu.py's flags (the same letters, defaults and meaning, llmc.cli.build_parser, with the
     trainer's lr_schedules) with the GPU flags in their own group (llm.c's -f, -w, -r letters): one
-    --help lists them all."""
+    --help lists them all. gpt2_options=False (llama3_cuda.py) leaves out GPT2_ONLY_FLAGS, which
+    only gpt2_cuda.py reads (bf16 there always keeps fp32 master weights, nothing is recomputed,
+    its matmuls are cuBLAS): given to it, they are an unknown flag's one error line."""
     p = build_cli_parser(prog, "Train GPT-2 on NVIDIA GPUs (CuPy, our CUDA kernels, cuBLAS); "
                                "gpt2_cpu.py's flags plus GPU options.", lr_schedules)
-    a = p.add_argument_group(GPU_FLAGS_TITLE).add_argument
+    a = p.add_argument_group(GPU_FLAGS_TITLE if prog == "gpt2_cuda.py" else f"GPU options ({prog} only)").add_argument
     a("--precision", default="auto", choices=("auto",) + PRECISIONS,
       help="storage precision; auto: bf16 on compute capability >= 8.0, else fp32")
     a("-f", "--tf32", type=int, default=1, choices=(0, 1), help="1: TF32 tensor cores for fp32 matmuls")
-    a("-w", "--master-weights", type=int, default=1, choices=(0, 1), help="1: fp32 master weights in bf16")
-    a("-r", "--recompute", type=int, default=1, choices=(0, 1, 2),
-      help="activations the backward computes again instead of keeping: 0 none; 1 GELU's output (saves L-1 "
-           "(B,T,4C) buffers); 2 GELU's and both LayerNorms' outputs (saves 2(L-1) (B,T,C) more)")
+    if gpt2_options:
+        a("-w", "--master-weights", type=int, default=1, choices=(0, 1), help="1: fp32 master weights in bf16")
+        a("-r", "--recompute", type=int, default=1, choices=(0, 1, 2),
+          help="activations the backward computes again instead of keeping: 0 none; 1 GELU's output (saves L-1 "
+               "(B,T,4C) buffers); 2 GELU's and both LayerNorms' outputs (saves 2(L-1) (B,T,C) more)")
     a("-z", "--zero-stage", type=int, default=0, help="ZeRO stage: 0 off; 1 shards AdamW's m, v and the master "
                                                       "weights over the data-parallel ranks (2, 3: refused)")
     a("--attention", default=DEFAULT_ATTENTION, choices=ATTENTION_CHOICES,
       help="naive: the (T,T) matrix (cuBLAS + softmax); flash: ours, kernels/flash_attention.cu; "
            "cudnn: cuDNN's fused attention (bf16; falls back to flash, saying so, where unavailable); "
            "auto: cudnn on a GPU where it can run, else naive (naive on the emulated device)")
-    a("--cublaslt", type=auto_or_bit, default="auto", metavar="{auto,0,1}",
-      help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused; "
-           "0: cuBLAS and our bias and GELU kernels; auto: 1 on a GPU (cuBLAS, saying so, where nvmath-python "
-           "is missing), 0 on the emulated device")
+    if gpt2_options:
+        a("--cublaslt", type=auto_or_bit, default="auto", metavar="{auto,0,1}",
+          help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused; "
+               "0: cuBLAS and our bias and GELU kernels; auto: 1 on a GPU (cuBLAS, saying so, where nvmath-python "
+               "is missing), 0 on the emulated device")
     a("--cuda-graph", type=int, default=0, choices=(0, 1),
       help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch "
            "(needs nvmath-python: CuPy's cuBLAS refuses calls during a capture)")

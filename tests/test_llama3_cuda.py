@@ -121,7 +121,7 @@ def test_cli_training_equals_llama3_cpu():
     # three steps of llama3:d2 in fp32 on the emulated device: the losses and gradient norms of
     # llama3_cpu.py, then its validation loss and its sample (the same SamplerRNG draws)
     args = ("-e", "llama3:d2", "-b", "2", "-t", "16", "-x", "3", "-v", "3", "-m", "1", "-s", "3", "-g", "6")
-    rc_gpu, out_gpu = run_cli("--device", "cpu", *args)
+    rc_gpu, out_gpu = run_cli("--device", "cpu", "-lg", "2", *args)
     cpu = subprocess.run([sys.executable, os.path.join(ROOT, "llama3_cpu.py"), *args], capture_output=True, text=True,
                          timeout=900, cwd=ROOT)
     out_cpu = cpu.stdout + cpu.stderr
@@ -136,6 +136,17 @@ def test_cli_training_equals_llama3_cpu():
     assert [float(v) for v in val_gpu] == pytest.approx([float(v) for v in val_cpu], rel=2e-6)
     sample = out_cpu.split("generating:")[1].split("---")[1]
     assert sample.strip() and sample in out_gpu.split("generating:")[1]
+    # -lg 2: the device's memory line after step 2 (of 3), once
+    assert len(re.findall(r"^gpu 0: memory [0-9.]+ of [0-9.]+ GiB in use", out_gpu, re.M)) == 1, out_gpu[-2000:]
+
+
+@pytest.mark.parametrize("flags", [["--cublaslt", "1"], ["-r", "2"], ["-w", "0"]])
+def test_gpt2_cuda_only_flags_are_refused_in_one_line(flags):
+    """llama3_cuda.py has no cuBLASLt backend, no recomputation and always keeps fp32 master weights
+    in bf16: gpt2_cuda.py's flags for them are unknown here (before, accepted and ignored)."""
+    rc, out = run_cli("--device", "cpu", *flags)
+    lines = out.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith(f"error: unrecognized arguments: {' '.join(flags)}"), out
 
 
 # ----------------------------------------------------------------------------
