@@ -182,7 +182,7 @@ def main(argv=None):
         modes = [argv[1]]
     elif argv:
         print(f"error: unknown arguments {' '.join(argv)} ({USAGE})", file=sys.stderr)
-        return 2
+        return 1
     kernels = all_kernels()
     failed = False
     for mode in modes:
