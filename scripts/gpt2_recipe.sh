@@ -5,7 +5,8 @@
 # (-e), data and output (-i -j -o), tokens per step (-d), learning rate (-l), steps (-x), the
 # sample and checkpoint intervals (-s -n), and how processes start (-pm ...).
 
-# validation every 250 steps of 144 batches, HellaSwag, micro-batches of 64 x 1024 tokens, no
+# validation every 250 steps (of -m's 20 batches), samples of 144 tokens (-g), HellaSwag,
+# micro-batches of 64 x 1024 tokens, no
 # recomputation (-r 0), ZeRO-1, weight decay 0.1, 700 warmup steps, the learning rate decayed to 0
 # shellcheck disable=SC2034  # used by the scripts that source this file
 GPT2_RECIPE=(-v 250 -g 144 -h 1 -b 64 -t 1024 -r 0 -z 1 -c 0.1 -u 700 -q 0.0)
