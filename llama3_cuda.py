@@ -273,8 +273,8 @@ class Llama3:
     RoPE's cos and sin tables (maxT, HS/2) in fp32, and the activation buffers of each (B,T)
     (llama3_activations). precision "bf16" or "fp32"; attention "naive" or "flash"; zero_stage 0,
     or 1 (ZeRO-1: m, v and the master weights hold only this rank's shard of the num_processes,
-    gpt2_cuda.GPT2's layout). Raises InputError for a shape the kernels cannot run or another
-    zero_stage."""
+    gpt2_cuda.GPT2's layout). Raises InputError for a shape the kernels cannot run, a norm_eps
+    other than the one compiled into kernels/rmsnorm.cu, or another zero_stage."""
 
     def __init__(self, config, precision="fp32", attention="naive", matmul=None, zero_stage=0, process_rank=0,
                  num_processes=1):
@@ -286,6 +286,10 @@ class Llama3:
         if config.head_size % vec or config.hidden_dim % vec:
             raise InputError(f"the CUDA kernels need the head size {config.head_size} and the SwiGLU width "
                              f"{config.hidden_dim} to be whole multiples of {vec} in {precision}")
+        if config.norm_eps != llama3_cpu.NORM_EPS:           # kernels/rmsnorm.cu compiles it in
+            raise InputError(f"this model's RMSNorm epsilon is {config.norm_eps:g}; llama3_cuda.py's kernel has "
+                             f"Llama 3's {llama3_cpu.NORM_EPS:g} built in (kernels/rmsnorm.cu's RMSNORM_EPS): "
+                             "train it with llama3_cpu.py")
         self.config, self.precision = config, precision
         self.attention = attention_path(attention)
         self.matmul = matmul or Cublas()

@@ -275,7 +275,8 @@ def read_llama3_model_shape(path):
     floats as truncated ints, also "layout" and "hidden_dim" (H, from the file's size), with
     ffn_dim_multiplier None (the model picks one that gives H), norm_eps LLAMA3_NORM_EPS and
     rope_theta as stored. Raises InputError on a missing file or a bad header (a model dimension
-    <= 0, NH not a multiple of NKV, C not of NH)."""
+    <= 0, NH not a multiple of NKV, C not of NH, a float field infinite, NaN or out of its range,
+    use_scaled_rope other than 0 or 1)."""
     check_model_path(path)
     with open(path, "rb") as f:
         layout, h, hf = read_llama3_headers(f, path)
@@ -288,12 +289,16 @@ def read_llama3_model_shape(path):
         # a float32 as the shortest decimal that rounds to it (1.3, not 1.2999999523), the value the
         # writer was given: the model computes H from ffn_dim_multiplier in float64, as Meta's does
         shape.update({name: float(str(hf[slot])) for name, slot in LLAMA3_FLOAT_SLOTS.items()})
-    shape["use_scaled_rope"] = bool(shape["use_scaled_rope"])
+    scaled_rope = shape["use_scaled_rope"]
+    shape["use_scaled_rope"] = bool(scaled_rope)
     dims = ("max_seq_len", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "channels", "multiple_of")
+    multiplier = shape["ffn_dim_multiplier"]
     if min(shape[k] for k in dims) <= 0 or shape["num_heads"] % shape["num_kv_heads"] \
-            or shape["channels"] % shape["num_heads"] or not (shape["ffn_dim_multiplier"] is None or shape["ffn_dim_multiplier"] > 0) \
-            or not shape["norm_eps"] >= 0 or not shape["rope_theta"] > 0:
-        raise InputError(f"{path}: impossible Llama 3 model header {shape}")
+            or shape["channels"] % shape["num_heads"] or scaled_rope not in (0, 1) \
+            or not (multiplier is None or 0 < multiplier < math.inf) \
+            or not 0 <= shape["norm_eps"] < math.inf or not 0 < shape["rope_theta"] < math.inf:
+        raise InputError(f"{path}: impossible Llama 3 model header {shape} (dimensions > 0, NH a multiple of NKV, "
+                         "C of NH, finite ffn_dim_multiplier > 0, norm_eps >= 0, rope_theta > 0, use_scaled_rope 0 or 1)")
     if layout == LLAMA3_LAYOUT_MASTER:           # the branch's dict keeps exactly LlamaConfig's fields
         shape["layout"] = layout
         shape["hidden_dim"] = master_hidden_dim(path, shape, MODEL_DTYPES[int(h[SLOT_VERSION])].itemsize)

@@ -313,8 +313,18 @@ def test_model_file_refusals(tmp_path):
              "bias": raw[:2048 + 4 * (2 * 64 * 32 + 2 * 32)] + np.float32(0.5).tobytes()
              + raw[2048 + 4 * (2 * 64 * 32 + 2 * 32) + 4:]}            # the first element of ln1b
     messages = {"truncated": "holds", "bad magic": "bad magic", "bias": "not zero"}
+    # the header's values a model cannot have (an infinite multiplier used to reach int() and end in
+    # an internal error; an infinite norm_eps or rope_theta, or use_scaled_rope 7, trained)
+    int_slot = lambda slot, value: raw[:4 * slot] + np.int32(value).tobytes() + raw[4 * slot + 4:]   # noqa: E731
+    float_slot = lambda slot, value: (raw[:1024 + 4 * slot] + np.float32(value).tobytes()          # noqa: E731
+                                      + raw[1024 + 4 * slot + 4:])
+    for name, content in {"use_scaled_rope 7": int_slot(9, 7), "ffn multiplier inf": float_slot(0, np.inf),
+                          "ffn multiplier 0": float_slot(0, 0), "ffn multiplier nan": float_slot(0, np.nan),
+                          "norm_eps inf": float_slot(1, np.inf), "norm_eps -1": float_slot(1, -1),
+                          "rope_theta inf": float_slot(2, np.inf), "rope_theta nan": float_slot(2, np.nan)}.items():
+        cases[name], messages[name] = content, "impossible Llama 3 model header"
     for name, content in cases.items():
-        path = tmp_path / f"{name.replace(' ', '_')}.bin"
+        path = tmp_path / f"{name.replace(' ', '_').replace('-', 'minus')}.bin"
         path.write_bytes(content)
         with pytest.raises(InputError, match=messages[name]):
             m.read_model(str(path))

@@ -14,6 +14,7 @@ Run: python -m pytest -q tests/test_llama3_cuda.py   (~1 minute on 2 cores once 
 device's kernels are built; the first run compiles them, a few minutes)
 """
 
+import dataclasses
 import os
 import re
 import shutil
@@ -331,3 +332,11 @@ def test_shapes_the_kernels_cannot_run_are_refused(emulated):
     with pytest.raises(llama3_cuda.InputError, match="head size 12 .* whole multiples of 8 in bf16"):
         llama3_cuda.Llama3(config, "bf16")
     assert llama3_cuda.Llama3(config, "fp32").num_parameters == llama3_cpu.Llama3(config).num_parameters
+
+
+def test_a_norm_eps_the_kernel_does_not_have_is_refused(emulated):
+    """kernels/rmsnorm.cu compiles in Llama 3's 1e-5: a model file with another norm_eps (which
+    llama3_cpu.py honours) is refused, not trained with the wrong epsilon (before: silently)."""
+    config = dataclasses.replace(TINY, norm_eps=0.1)
+    with pytest.raises(llama3_cuda.InputError, match="RMSNorm epsilon is 0.1; .* 1e-05 built in"):
+        llama3_cuda.Llama3(config, "fp32")
