@@ -11,6 +11,7 @@ this module imports neither trainer when it loads.
 import numpy as np
 
 from llmc.check import check_against
+from llmc.cli import check_args
 from llmc.dataloader import DataLoader
 
 
@@ -145,7 +146,9 @@ def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float
 
 def run_check(trainer, args, model, check=check_against_cpu):
     """--check: one batch (the first of -i) through the CPU reference and the GPU with `check`
-    (check_against_cpu for GPT-2, check_llama3_against_cpu for Llama 3); 0 if all tensors agree."""
+    (check_against_cpu for GPT-2, check_llama3_against_cpu for Llama 3); 0 if all tensors agree.
+    Raises InputError for flags that make no sense (llmc.cli.check_args, as a training run's)."""
+    check_args(args)
     loader = DataLoader(args.input_bin, args.batch_size, args.seq_len)
     x, y = loader.next_batch()
     ok = check(trainer, model, x, y, np.dtype(args.check_dtype).type)

@@ -243,3 +243,13 @@ def test_quiet_ctrl_c_leaves_a_debuggers_handler_alone():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("tool, model", [("gpt2_cuda.py", "d2"), ("llama3_cuda.py", "llama3:d2")])
+@pytest.mark.parametrize("flags", [["-b", "0"], ["-t", "0"], ["-b", "-2"]])
+def test_check_refuses_the_flags_a_training_run_refuses(tool, model, flags):
+    """--check runs llmc.cli.check_args as training does: -b 0 was an internal ZeroDivisionError."""
+    r = run([tool, "--device", "cpu", "-e", model, "--check"] + flags, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        "error: batch size and sequence length must be positive"), r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr
