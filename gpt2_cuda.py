@@ -1111,7 +1111,7 @@ def train(args):
         cuda.load_modules(kernel_files(model), model.precision)
         rng, forward = SamplerRNG(args.sample_seed), sampling_forward(model)    # allocates (1, window) itself
         return sample_from_prompt(args, lambda prompt, n, on_token: generate(
-            model, prompt, n, rng, args.temperature, args.top_k, on_token, forward), model.config.max_seq_len)
+            model, prompt, n, rng, args.temperature, args.top_k, on_token, forward), model.config)
     if run.resuming:
         run.check_resumed_model(model_config(args.model), model.config)
     run.prepare(model.config)

@@ -678,7 +678,7 @@ def train(args):
     if args.generate > 0:
         rng = SamplerRNG(args.sample_seed)
         return sample_from_prompt(args, lambda prompt, n, on_token: llama3_generate(
-            model, prompt, n, rng, args.temperature, args.top_k, on_token), model.config.max_seq_len)
+            model, prompt, n, rng, args.temperature, args.top_k, on_token), model.config)
     if run.resuming:
         run.check_resumed_model(model_config(args.model, vocab_size), model.config)
     run.prepare(model.config)

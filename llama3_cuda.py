@@ -661,7 +661,7 @@ def train(args):
     if args.generate > 0:
         rng = SamplerRNG(args.sample_seed)
         return sample_from_prompt(args, lambda prompt, n, on_token: generate_ids(prompt, n, rng, on_token),
-                                  model.config.max_seq_len)
+                                  model.config)
     if run.resuming:
         run.check_resumed_model(llama3_cpu.model_config(args.model), model.config)
     run.prepare(model.config)

@@ -257,15 +257,27 @@ def check_ranks_agree(args, comm):
 # ----------------------------------------------------------------------------
 # --generate: a prompt in, sampled text streamed out
 
-def sample_from_prompt(args, generate, max_seq_len):
+def check_tokenizer_vocabulary(tokenizer, path, V, fix):
+    """The tokenizer read from `path` must have the model's V tokens: an id the model has and the
+    tokenizer lacks could not be decoded, and a prompt id past V could not be looked up. Raises
+    InputError ending with `fix` (what to pass instead)."""
+    tokens = len(tokenizer.token_bytes)
+    if tokens != V:
+        raise InputError(f"{path}: the tokenizer has {tokens:,} tokens, but the model's vocabulary is V={V:,}, so "
+                         f"its samples could not be decoded: {fix}")
+
+
+def sample_from_prompt(args, generate, config):
     """--generate N: encode --prompt, then stream N sampled tokens to stdout as they come (bytes
     are decoded incrementally, so a character split across tokens prints whole).
-    generate(prompt ids, n, on_token) -> ids runs the trainer's sampler. Returns the ids.
-    Raises InputError (before printing anything) if the prompt is longer than max_seq_len tokens."""
+    generate(prompt ids, n, on_token) -> ids runs the trainer's sampler; config: the model's
+    (its max_seq_len and vocab_size V). Returns the ids. Raises InputError, before printing
+    anything, if the tokenizer's size is not V or the prompt is longer than max_seq_len tokens."""
     tokenizer = Tokenizer(args.tokenizer)
+    check_tokenizer_vocabulary(tokenizer, args.tokenizer, config.vocab_size, "pass the model's --tokenizer")
     prompt = prompt_encoding(tokenizer).encode(args.prompt, allowed_special="all") if args.prompt else [tokenizer.eot_token]
-    if len(prompt) > max_seq_len:
-        raise InputError(f"--prompt is {len(prompt)} tokens, longer than max_seq_len {max_seq_len}")
+    if len(prompt) > config.max_seq_len:
+        raise InputError(f"--prompt is {len(prompt)} tokens, longer than max_seq_len {config.max_seq_len}")
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
 
@@ -369,11 +381,9 @@ class TrainingRun:
         """Before the first step, not at the first sample: the model's vocabulary V must be the
         tokenizer's (a sampled id it lacks could not be decoded), and the samples' first token,
         <|endoftext|>, must be inside V. Raises InputError naming the fix."""
-        tokens = len(self.tokenizer.token_bytes) if self.tokenizer else None
-        if tokens is not None and tokens != V:
-            raise InputError(f"{self.args.tokenizer}: the tokenizer has {tokens:,} tokens, but the model's vocabulary "
-                             f"is V={V:,}, so its samples could not be decoded: pass the model's --tokenizer, or "
-                             f"-s 0 for no samples")
+        if self.tokenizer:
+            check_tokenizer_vocabulary(self.tokenizer, self.args.tokenizer, V,
+                                       "pass the model's --tokenizer, or -s 0 for no samples")
         eot = self.tokenizer.eot_token if self.tokenizer else GPT2_EOT
         if eot >= V:
             raise InputError(f"samples start from <|endoftext|> (token {eot}), outside the model's vocabulary "

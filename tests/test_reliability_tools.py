@@ -253,3 +253,20 @@ def test_check_refuses_the_flags_a_training_run_refuses(tool, model, flags):
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
         "error: batch size and sequence length must be positive"), r.stderr
     assert "internal error" not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("tool", ["gpt2_cpu.py", "llama3_cpu.py"])
+def test_generate_with_a_tokenizer_the_model_cannot_use_is_one_line_before_any_output(tmp_path, tool):
+    """--generate with a model of V=100 and the GPT-2 tokenizer (50,257 tokens): one line naming
+    both sizes, nothing printed before it (it used to print the prompt, then fail on its ids)."""
+    path = str(tmp_path / "m.bin")
+    if tool == "gpt2_cpu.py":
+        g.write_model(path, g.gpt2_init(TINY, 0))
+    else:
+        import llama3_cpu
+        config = llama3_cpu.LlamaConfig(max_seq_len=32, vocab_size=100, num_layers=1, num_heads=2, num_kv_heads=1,
+                                        channels=16, multiple_of=16)
+        llama3_cpu.write_model(path, llama3_cpu.llama3_init(config, 0))
+    r = run([tool, "-e", path, "--generate", "3", "--prompt", "hello world"])
+    assert r.returncode == 1 and one_error_line(r.stderr) and r.stdout == "", (r.stdout, r.stderr)
+    assert "the tokenizer has 50,257 tokens, but the model's vocabulary is V=100" in r.stderr
