@@ -609,3 +609,14 @@ def test_a_truncated_cached_library_is_rebuilt_with_a_note(tmp_path):
     assert "is damaged" in err and "rebuilding it" in err
     (code, out, err), = _build_in_subprocesses(tmp_path, cache, 1)
     assert code == 0 and err == ""                            # whole again: no note
+
+
+def test_the_sanitizer_python_finds_this_environments_numpy():
+    """The sanitizer python is the base installation's interpreter: in a virtual environment on a
+    stock Debian python3 (numpy only in the venv) it found no numpy, and every sanitizer test and
+    `make sanitize` failed on a fresh machine. Its PYTHONPATH must hold numpy's folder."""
+    import numpy
+    env = build.sanitizer_environment("asan")
+    site_dir = os.path.dirname(os.path.dirname(os.path.abspath(numpy.__file__)))
+    assert site_dir in env["PYTHONPATH"].split(os.pathsep), env["PYTHONPATH"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == build.ROOT

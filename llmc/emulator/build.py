@@ -349,9 +349,13 @@ def sanitizer_python(mode):
 
 def sanitizer_environment(mode):
     """Environment for a sanitizer run: the build mode for llmc.emulator.device, the
-    sanitizer's options (stop at the first report, with exit code SANITIZER_EXIT_CODE), and
-    OpenBLAS on one thread."""
-    env = dict(os.environ, LLMC_EMULATOR_MODE=mode, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    sanitizer's options (stop at the first report, with exit code SANITIZER_EXIT_CODE), OpenBLAS
+    on one thread, and on PYTHONPATH the repository and this interpreter's site-packages: the
+    sanitizer python (sanitizer_python) is the base installation's interpreter and knows nothing
+    of a virtual environment, where NumPy usually is (a stock Debian python3 has none of its own)."""
+    import site
+    path = [ROOT, *site.getsitepackages(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, LLMC_EMULATOR_MODE=mode, PYTHONPATH=os.pathsep.join(path))
     env["TSAN_OPTIONS"] = f"halt_on_error=1 exitcode={SANITIZER_EXIT_CODE} report_signal_unsafe=0"
     # NumPy's OpenBLAS (the emulated cuBLAS, the CPU references) synchronizes its worker threads in
     # uninstrumented code: ThreadSanitizer reports its larger sgemms as races. One thread: no such reports
