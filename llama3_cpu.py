@@ -139,6 +139,7 @@ GPT2_TOKENIZER_VOCAB = 50257
 SMALL_MAX_SEQ_LEN = 1024
 LLAMA3_8B = LlamaConfig()                   # Llama 3.1 8B's shape, the dataclass's defaults (32 GB in fp32)
 DEFAULT_MODEL = "llama3:d4"
+MODEL_HELP = f"Llama 3 model file .bin to start from, or a descriptor ({' '.join(LLAMA3_DESCRIPTORS)})"   # -e's
 
 
 def config_from_descriptor(name, vocab_size=GPT2_TOKENIZER_VOCAB):
@@ -753,10 +754,8 @@ def train(args):
 def parse_args(argv=None):
     """The command line (argv: list of str, default sys.argv[1:]) -> argparse.Namespace: gpt2_cpu.py's
     flags, -e naming a Llama 3 model file or descriptor (default DEFAULT_MODEL)."""
-    parser = build_parser("llama3_cpu.py", "Train Llama 3 in NumPy (the llm.cupy reference for Llama 3).", LR_SCHEDULES)
-    for action in parser._actions:
-        if action.dest == "model":
-            action.help = f"Llama 3 model file .bin to start from, or a descriptor ({' '.join(LLAMA3_DESCRIPTORS)})"
+    parser = build_parser("llama3_cpu.py", "Train Llama 3 in NumPy (the llm.cupy reference for Llama 3).", LR_SCHEDULES,
+                          model_help=MODEL_HELP)
     parser.set_defaults(model=DEFAULT_MODEL)
     return parser.parse_args(argv)
 

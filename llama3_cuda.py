@@ -739,7 +739,10 @@ def train(args):
 def parse_args(argv=None):
     """llama3_cpu.py's flags plus the GPU options (llmc.gpu_cli.build_parser) -> argparse.Namespace;
     -e names a Llama 3 model file or descriptor (default llama3_cpu.DEFAULT_MODEL)."""
-    parser = gpu_cli.build_parser(llama3_cpu.LR_SCHEDULES, prog="llama3_cuda.py", gpt2_options=False)
+    parser = gpu_cli.build_parser(llama3_cpu.LR_SCHEDULES, prog="llama3_cuda.py", gpt2_options=False,
+                                  description="Train Llama 3 on NVIDIA GPUs (CuPy, our CUDA kernels, cuBLAS); "
+                                              "llama3_cpu.py's flags plus GPU options.",
+                                  model_help=llama3_cpu.MODEL_HELP)
     parser.set_defaults(model=llama3_cpu.DEFAULT_MODEL)
     if parser.parse_known_args(argv)[0].device == "cpu":   # the emulated device's reference: llama3_cpu.py, fp32
         parser.set_defaults(precision="fp32", tf32=0)

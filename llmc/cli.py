@@ -77,20 +77,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
 
 
-def build_parser(prog, description, lr_schedules):
+def build_parser(prog, description, lr_schedules, model_help=None):
     """The trainers' argparse parser: llm.c's one-letter flags, each with a long alias and llm.c's
     default (train_gpt2.cu), then NEWCOMER_DEFAULTS on top (see there). -h is HellaSwag in llm.c,
     so help is --help only. lr_schedules: the names -k accepts (the trainer's learning_rate_at
-    implements them). gpt2_cuda.py adds its GPU flags to this parser."""
+    implements them); model_help: -e's help where it names other models than GPT-2's (Llama 3's
+    trainers). gpt2_cuda.py adds its GPU flags to this parser."""
     p = ArgumentParser(prog=prog, add_help=False, description=description,
                        formatter_class=HelpFormatter)
     a = p.add_argument
     a("--help", action="help", help="show this help and exit")
     a("-i", "--input-bin", default=DEFAULT_TRAIN, help="train data: file or glob of shards")
     a("-j", "--input-val-bin", default=DEFAULT_VAL, help="validation data: file or glob ('' for none)")
-    a("-e", "--model", default="gpt2_124M_bf16.bin", help="checkpoint .bin to start from, or a descriptor as in llm.c: GPT-2 dX or gpt2:dX by depth "
-      "(X = 2 4 6 12 24 36 48 60 72 84; 124M = d12 ...), GPT-3 gpt3:cX by channels (X = 384 768 1024 "
-      "1536 2048 2560 4096 12288; maxT 2048)")
+    a("-e", "--model", default="gpt2_124M_bf16.bin", help=model_help or "checkpoint .bin to start from, or a descriptor as in "
+      "llm.c: GPT-2 dX or gpt2:dX by depth (X = 2 4 6 12 24 36 48 60 72 84; 124M = d12 ...), GPT-3 gpt3:cX by "
+      "channels (X = 384 768 1024 1536 2048 2560 4096 12288; maxT 2048)")
     a("-o", "--output-dir", default=None, help="directory for main.log and checkpoints")
     a("-b", "--batch-size", type=int, default=4, help="micro-batch size B (sequences)")
     a("-t", "--seq-len", type=int, default=1024, help="sequence length T (tokens)")
@@ -128,6 +129,8 @@ def build_parser(prog, description, lr_schedules):
     a("--sample-seed", type=int, default=SAMPLE_SEED, help="seed of the sampler's xorshift RNG (nonzero)")
     a("--traceback", action="store_true", help="an internal error prints its full traceback (also: LLMC_TRACEBACK=1)")
     newcomer_defaults(p)
+    if model_help:                             # llm.c's default model is GPT-2's: no such note for another family
+        next(action for action in p._actions if action.dest == "model").help = model_help
     return p
 
 

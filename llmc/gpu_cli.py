@@ -18,14 +18,15 @@ GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
 GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt")   # what llama3_cuda.py lacks (see build_parser)
 
 
-def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True):
+def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, description=None, model_help=None):
     """gpt2_cpu.py's flags (the same letters, defaults and meaning, llmc.cli.build_parser, with the
     trainer's lr_schedules) with the GPU flags in their own group (llm.c's -f, -w, -r letters): one
     --help lists them all. gpt2_options=False (llama3_cuda.py) leaves out GPT2_ONLY_FLAGS, which
     only gpt2_cuda.py reads (bf16 there always keeps fp32 master weights, nothing is recomputed,
-    its matmuls are cuBLAS): given to it, they are an unknown flag's one error line."""
-    p = build_cli_parser(prog, "Train GPT-2 on NVIDIA GPUs (CuPy, our CUDA kernels, cuBLAS); "
-                               "gpt2_cpu.py's flags plus GPU options.", lr_schedules)
+    its matmuls are cuBLAS): given to it, they are an unknown flag's one error line. description,
+    model_help: --help's first line and -e's help, where they are not GPT-2's (llmc.cli.build_parser)."""
+    p = build_cli_parser(prog, description or "Train GPT-2 on NVIDIA GPUs (CuPy, our CUDA kernels, cuBLAS); "
+                                              "gpt2_cpu.py's flags plus GPU options.", lr_schedules, model_help)
     a = p.add_argument_group(GPU_FLAGS_TITLE if prog == "gpt2_cuda.py" else f"GPU options ({prog} only)").add_argument
     a("--precision", default="auto", choices=("auto",) + PRECISIONS,
       help="storage precision; auto: bf16 on compute capability >= 8.0, else fp32")

@@ -340,3 +340,17 @@ def test_a_norm_eps_the_kernel_does_not_have_is_refused(emulated):
     config = dataclasses.replace(TINY, norm_eps=0.1)
     with pytest.raises(llama3_cuda.InputError, match="RMSNorm epsilon is 0.1; .* 1e-05 built in"):
         llama3_cuda.Llama3(config, "fp32")
+
+
+@pytest.mark.parametrize("tool", ["llama3_cuda.py", "llama3_cpu.py"])
+def test_help_describes_llama3_not_gpt2(tool):
+    """--help's first line and -e's help name Llama 3 and its descriptors (llama3_cuda.py's said
+    "Train GPT-2" and listed GPT-2's and GPT-3's descriptors)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, tool), "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "Train Llama 3" in text and "Train GPT-2" not in text
+    model_help = text.split("-e MODEL, --model MODEL", 1)[1].split(" -o OUTPUT_DIR")[0]
+    assert "llama3:d2 llama3:d4 llama3:d6" in model_help and "(default: llama3:d4)" in model_help
+    assert "GPT-2" not in model_help and "gpt3" not in model_help and "llm.c's default" not in model_help
