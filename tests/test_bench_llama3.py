@@ -1,5 +1,6 @@
 """
-tests/test_bench_llama3.py: dev/bench_cpu.py and dev/bench_emulator.py take -e llama3:dX.
+tests/test_bench_llama3.py: dev/bench_cpu.py and dev/bench_emulator.py take -e llama3:dX, and a Llama 3
+model file; bad input (an unknown -e, B or T out of range, a bad model file) is one `error:` line and exit 1.
 
 A benchmark's numbers depend on the machine, so nothing here asserts a time: a tiny run must
 print its lines (the table, the ratio) for llama3_cpu.py's step, and the matmul workload must

@@ -5,7 +5,8 @@ tests/test_llama3_twin.py: llama3_cpu.py against its independent PyTorch twin
 Checked: the random init (bit for bit), logits / loss / all 10 gradients in fp32 and in fp64,
 ten AdamW steps (llama3_cpu.py's training step: cosine schedule with warmup, weight decay on the
 matrices only, global-norm clipping that fires on some steps) on the losses, the grad norms and
-the final parameters, and the model file both ways (fp32 and bf16, byte for byte).
+the final parameters, and the model file both ways (fp32 and bf16, byte for byte); the twin's command
+line: bad flags and bad model files are the trainers' one `error:` line, exit 1.
 Tolerances: llmc/check.py's TOLERANCES (each entry says how it was chosen; the Llama 3 numbers
 measured here are in its comments). Run: python -m pytest -q tests/test_llama3_twin.py -s (a few seconds).
 """

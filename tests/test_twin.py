@@ -7,7 +7,8 @@ the random init (bit for bit), logits / loss / all 16 gradients in fp32 (small c
 the GPT-2 124M shape d12) and in fp64 (much tighter), ten AdamW steps with clipping, a cosine
 schedule with warmup and weight decay, the checkpoint files (fp32 and bf16) both ways, and
 tests/check_gpt2.py end to end (a pass, a corrupted gradient, bad files, a valid model whose
-training losses bounce, expected losses from --losses FILE and --gpt2-124M-losses).
+training losses bounce, expected losses from --losses FILE and --gpt2-124M-losses), and the twin's
+command line: bad flags and bad checkpoints are the trainers' one `error:` line, exit 1.
 
 Run it (about a minute on 2 cores; -s prints the error reached on every tensor):
     python -m pytest -q tests/test_twin.py
