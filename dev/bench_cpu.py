@@ -10,12 +10,12 @@ measures, in the same run:
      calls, random data): the forward and both backward products of every linear
      layer, the attention products and the tied classifier;
 and prints their ratio (goal: <= 1.3) and the peak resident memory.
-With -e llama3:d4 (any of llama3_cpu.py's descriptors) the same for llama3_cpu.py's step: its
+With -e llama3:d4 (any of llama3_cpu.py's descriptors, or a Llama 3 model file) the same for llama3_cpu.py's step: its
 matmuls are the five linear layers of a block (qkv with NKV key/value heads, attproj, the SwiGLU
 pair c_fc and c_fc2, c_proj), the attention products over NH heads (after the K/V repeat) and the
 untied classifier wlmhead.
 
-Run:  python dev/bench_cpu.py [-e d12 | -e llama3:d4] [-b 4] [-t 64] [-n 5]
+Run:  python dev/bench_cpu.py [-e d12 | -e llama3:d4 | -e model.bin] [-b 4] [-t 64] [-n 5]
 Prints a small table; numbers depend on the machine, so only the ratio travels.
 """
 
@@ -30,7 +30,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2_cpu as g  # noqa: E402
 import llama3_cpu  # noqa: E402
-from llmc.cli import ArgumentParser  # noqa: E402
+from llmc.cli import ArgumentParser, is_checkpoint_path, run_main  # noqa: E402
+from llmc.formats import LLAMA3_MODEL_MAGIC  # noqa: E402
 from llmc.utils import InputError  # noqa: E402
 
 
@@ -49,14 +50,15 @@ def median_time(fn, repeats):
 # the two model families: what differs is the trainer's step and a block's linear layers
 
 class GPT2Family:
-    """gpt2_cpu.py: d12 and the other GPT-2 descriptors."""
+    """gpt2_cpu.py: d12 and the other GPT-2 descriptors, or a GPT-2 model file's shape."""
     trainer = "gpt2_cpu.py"
 
     def config(self, spec):
-        return g.config_from_descriptor(spec)
+        return g.model_config(spec)
 
-    def init(self, cfg):
-        return g.gpt2_init(cfg, seed=0)
+    def build(self, spec):
+        """The model -e names: the file's (read and checked whole), or a descriptor's random init."""
+        return g.build_model(spec, seed=0)
 
     def forward(self, model, x, y):
         g.gpt2_forward(model, x, y)
@@ -74,14 +76,15 @@ class GPT2Family:
 
 
 class Llama3Family:
-    """llama3_cpu.py: the llama3:dX descriptors (GPT-2's vocabulary)."""
+    """llama3_cpu.py: the llama3:dX descriptors (GPT-2's vocabulary), or a Llama 3 model file's shape."""
     trainer = "llama3_cpu.py"
 
     def config(self, spec):
-        return llama3_cpu.config_from_descriptor(spec)
+        return llama3_cpu.model_config(spec)
 
-    def init(self, cfg):
-        return llama3_cpu.llama3_init(cfg, seed=0)
+    def build(self, spec):
+        """The model -e names: the file's (read and checked whole), or a descriptor's random init."""
+        return llama3_cpu.build_model(spec, seed=0)
 
     def forward(self, model, x, y):
         llama3_cpu.llama3_forward(model, x, y)
@@ -102,9 +105,21 @@ class Llama3Family:
 LLAMA3_PREFIX = "llama3:"
 
 
+def is_llama3(spec):
+    """Whether -e names a Llama 3: a llama3:dX descriptor, or a file that opens with the Llama 3
+    model file's magic (any other file is GPT-2's to read, and to refuse in one line)."""
+    if spec.startswith(LLAMA3_PREFIX):
+        return True
+    if not (is_checkpoint_path(spec) and os.path.isfile(spec)):
+        return False
+    with open(spec, "rb") as f:
+        magic = f.read(4)
+    return len(magic) == 4 and int.from_bytes(magic, "little", signed=True) == LLAMA3_MODEL_MAGIC
+
+
 def model_family(spec):
-    """The family that -e names: Llama 3 for llama3:dX, else GPT-2."""
-    return Llama3Family() if spec.startswith(LLAMA3_PREFIX) else GPT2Family()
+    """The family that -e names: Llama 3 for llama3:dX or a Llama 3 model file, else GPT-2."""
+    return Llama3Family() if is_llama3(spec) else GPT2Family()
 
 
 def matmul_workload(family, cfg, B, T, rng):
@@ -151,27 +166,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_batch(B, T, cfg):
+    """Raise InputError unless B >= 1 and 1 <= T <= the model's maxT (also bench_emulator.py's check)."""
+    if B < 1 or not 1 <= T <= cfg.max_seq_len:
+        raise InputError(f"-b {B} -t {T}: B must be positive and T in [1, {cfg.max_seq_len}]")
+
+
 def check_args(args):
     """The model's config for args, or InputError for flags that cannot be benchmarked."""
     cfg = model_family(args.model).config(args.model)
     if args.repeats < 1:
         raise InputError(f"-n {args.repeats}: the number of repeats must be at least 1")
-    if args.batch_size < 1 or not 1 <= args.seq_len <= cfg.max_seq_len:
-        raise InputError(f"-b {args.batch_size} -t {args.seq_len}: B must be positive and T in [1, {cfg.max_seq_len}]")
+    check_batch(args.batch_size, args.seq_len, cfg)
     return cfg
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        cfg = check_args(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+def bench(args):
+    """Time the step and its matmuls, and print the table. Raises InputError for bad flags."""
+    cfg = check_args(args)
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
     family = model_family(args.model)
-    model = family.init(cfg)
+    model = family.build(args.model)
     x = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
     y = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
     step_no = [0]
@@ -216,6 +232,16 @@ def main(argv=None):
     print(f"{'matmuls alone':<22}{mm_med * 1e3:>12.1f}")
     print(f"ratio step / matmuls: {step_med / mm_med:.2f}   (goal <= 1.3)")
     print(f"tokens/s: {B * T / step_med:.0f}   peak resident memory: {peak_mib:.0f} MiB")
+
+
+def main(argv=None):
+    """Command-line entry point. Returns the exit code: 0; 1 with one `error:` line for bad input
+    or any other error (llmc.cli.run_main, as the trainers')."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:                               # --help (0), or a bad flag (1, its error line printed)
+        return e.code
+    return run_main(bench, args)
 
 
 if __name__ == "__main__":

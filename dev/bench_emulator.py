@@ -1,8 +1,9 @@
 """dev/bench_emulator.py: how slow is the emulated CUDA device (llmc/emulator/)? One training step
 of gpt2_cuda.py's code on it against the same step of gpt2_cpu.py, measured in one run, and the
-cost of each kernel per CUDA thread. With -e llama3:d2 (a llama3_cpu.py descriptor): llama3_cuda.py's
-step against llama3_cpu.py's (zero_grad, forward, backward, the norm, AdamW on Llama 3's decayed
-tensors); a checkout without llama3_cuda.py says so in one line.
+cost of each kernel per CUDA thread. With -e llama3:d2 (a llama3_cpu.py descriptor) or a Llama 3
+model file: llama3_cuda.py's step against llama3_cpu.py's
+(zero_grad, forward, backward, the norm, AdamW on Llama 3's decayed tensors); a checkout without
+llama3_cuda.py says so in one line. Bad flags are one `error:` line and exit 1, as for the trainers.
 
 What it measures: the d4 model (-e d4), B=4, T=64, fp32, full fp32 matmuls; a step is zero_grad,
 forward, backward, the global norm and AdamW. After one warm-up step (which also builds or loads
@@ -34,12 +35,13 @@ sys.path.insert(0, ROOT)
 import gpt2_cpu  # noqa: E402
 import gpt2_cuda  # noqa: E402
 import llama3_cpu  # noqa: E402
+from bench_cpu import check_batch, is_llama3  # noqa: E402  (this script's directory is on the path)
 from llmc import cuda  # noqa: E402
-from llmc.cli import ArgumentParser  # noqa: E402
+from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.emulator import build  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY = 3e-4, 0.9, 0.95, 1e-8, 0.0
-LLAMA3_PREFIX = "llama3:"
 INIT_SEED = 42
 
 
@@ -51,14 +53,15 @@ class GPT2Family:
     cpu_name = "gpt2_cpu.py"
 
     def __init__(self, spec):
-        self.config = gpt2_cpu.model_config(spec)
+        self.spec, self.config = spec, gpt2_cpu.model_config(spec)
 
     def cpu_model(self):
-        return gpt2_cpu.gpt2_init(self.config, INIT_SEED)
+        """The model -e names: the file's (read and checked whole), or a descriptor's random init."""
+        return gpt2_cpu.build_model(self.spec, INIT_SEED)
 
     def emulated_model(self):
         model = gpt2_cuda.GPT2(self.config, "fp32", master_weights=False, recompute=True)
-        gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(self.config, INIT_SEED).params)
+        gpt2_cuda.upload_parameters(model, self.cpu_model().params)
         return model
 
     def step(self, on_device, model, x, y, t):
@@ -78,14 +81,15 @@ class Llama3Family:
     def __init__(self, spec):
         import llama3_cuda
         self.llama3_cuda = llama3_cuda
-        self.config = llama3_cpu.model_config(spec)
+        self.spec, self.config = spec, llama3_cpu.model_config(spec)
 
     def cpu_model(self):
-        return llama3_cpu.llama3_init(self.config, INIT_SEED)
+        """The model -e names: the file's (read and checked whole), or a descriptor's random init."""
+        return llama3_cpu.build_model(self.spec, INIT_SEED)
 
     def emulated_model(self):
         model = self.llama3_cuda.Llama3(self.config, "fp32")
-        self.llama3_cuda.upload_parameters(model, llama3_cpu.llama3_init(self.config, INIT_SEED).params)
+        self.llama3_cuda.upload_parameters(model, self.cpu_model().params)
         return model
 
     def step(self, on_device, model, x, y, t):
@@ -105,9 +109,15 @@ class Llama3Family:
 
 
 def model_family(spec):
-    """The family -e names (llama3:dX: Llama 3, else GPT-2), built once. Raises ImportError for
-    Llama 3 without llama3_cuda.py."""
-    return Llama3Family(spec) if spec.startswith(LLAMA3_PREFIX) else GPT2Family(spec)
+    """The family -e names (llama3:dX or a Llama 3 model file: Llama 3, else GPT-2), built once.
+    Raises InputError for a model it cannot name, or Llama 3 without llama3_cuda.py."""
+    if not is_llama3(spec):
+        return GPT2Family(spec)
+    try:
+        return Llama3Family(spec)
+    except ImportError as e:
+        raise InputError(f"-e {spec}: the emulated Llama 3 step needs llama3_cuda.py, which this checkout "
+                         f"lacks ({e})") from None
 
 
 def timed_steps(family, on_device, model, x, y, repeats, before_step=lambda t: None):
@@ -153,23 +163,28 @@ class KernelTimes:
         self.step = t
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The flags; a bad one is one `error:` line and exit 1 (llmc.cli.ArgumentParser)."""
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("-e", "--model", default="d4", help="model spec, as gpt2_cpu.py -e, or llama3:dX as llama3_cpu.py -e")
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-e", "--model", default="d4", help="model spec, as gpt2_cpu.py -e, or llama3:dX or a Llama 3 "
+                                                       "model file, as llama3_cpu.py -e")
     p.add_argument("-b", "--batch-size", type=int, default=4, help="B")
     p.add_argument("-t", "--seq-len", type=int, default=64, help="T")
     # long only: -r is llm.c's recompute flag
     p.add_argument("--repeats", type=int, default=3, help="timed steps of each; the fastest counts")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def bench(args):
+    """Time the two steps and print the kernel table and the ratio. Raises InputError for bad
+    flags, before anything is built."""
     if args.repeats < 1:
-        p.error(f"--repeats must be at least 1, not {args.repeats}")
-    try:
-        family = model_family(args.model)
-    except ImportError as e:
-        p.error(f"-e {args.model}: the emulated Llama 3 step needs llama3_cuda.py, which this checkout lacks ({e})")
+        raise InputError(f"--repeats {args.repeats}: must be at least 1")
+    family = model_family(args.model)
     cfg = family.config
     B, T = args.batch_size, args.seq_len
+    check_batch(B, T, cfg)
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
@@ -197,7 +212,16 @@ def main(argv=None):
     print(f"rest of the step (emulated cuBLAS matmuls, Python): {1e3 * (emulated_seconds - kernels):.1f} ms")
     print(f"step (the fastest of {args.repeats}): emulated device {1e3 * emulated_seconds:.0f} ms, "
           f"{family.cpu_name} {1e3 * cpu_seconds:.0f} ms, ratio {emulated_seconds / cpu_seconds:.1f}")
-    return 0
+
+
+def main(argv=None):
+    """Command-line entry point. Returns the exit code: 0; 1 with one `error:` line for bad input
+    or any other error (llmc.cli.run_main, as the trainers')."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:                               # --help (0), or a bad flag (1, its error line printed)
+        return e.code
+    return run_main(bench, args)
 
 
 if __name__ == "__main__":

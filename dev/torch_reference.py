@@ -7,8 +7,11 @@ from torch.autograd instead of a hand-written backward pass.
 What it deliberately is not: a second copy of gpt2_cpu.py. It does not import gpt2_cpu.py
 (an oracle that shares code with what it checks cannot catch that code's bugs); it has its own
 config, file readers and writers, token loader and learning-rate schedules, written from the
-format docs (doc/file_formats.md). It is not a trainer with validation, sampling or
-checkpoints for resume either: it trains a few steps and writes test vectors.
+format docs (doc/file_formats.md). From llmc it takes only the command line's shell, so that bad
+input gets the trainers' one `error:` line: the flag checks (llmc.cli.check_args), the error lines
+and exit codes (llmc.cli.run_main), and the trainers' check of a model file (llmc.formats: header,
+size, finite parameters) before its own reader reads it. It is not a trainer with validation,
+sampling or checkpoints for resume either: it trains a few steps and writes test vectors.
 
 Run it (--write-model and --write-debug-state save the starting model and llm.c-style test
 vectors for the first batch, before any training, as llm.c's train_gpt2.py does; check_gpt2.py
@@ -44,7 +47,7 @@ import numpy as np
 
 try:
     import torch
-except ModuleNotFoundError as e:       # run as a script without torch: one line (this file imports no llmc)
+except ModuleNotFoundError as e:       # run as a script without torch: one line
     if __name__ != "__main__" or e.name != "torch":
         raise
     sys.exit(f"error: dev/torch_reference.py needs the pip package torch, which this Python ({sys.executable}) "
@@ -52,6 +55,11 @@ except ModuleNotFoundError as e:       # run as a script without torch: one line
              f"installs every package into it)")
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llmc import formats  # noqa: E402
+from llmc.cli import ArgumentParser, build_parser, check_args, run_main  # noqa: E402
+from llmc.utils import InputError  # noqa: E402
 
 # ----------------------------------------------------------------------------
 # constants: file magics and versions (doc/file_formats.md)
@@ -77,8 +85,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAIN = os.path.join(REPO_ROOT, "data", "tinyshakespeare", "tiny_shakespeare_train.bin")
 
 
-class TwinError(Exception):
-    """Bad user input or a bad file. The CLI prints it as one line and exits 1."""
+class TwinError(InputError):
+    """Bad user input or a bad file. The CLI prints it as one line and exits 1 (llmc.cli.run_main)."""
 
 
 # ----------------------------------------------------------------------------
@@ -636,20 +644,68 @@ class Twin:
 # ----------------------------------------------------------------------------
 # command line
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """A bad flag is one `error:` line and exit 1, as for every tool of the project (this file
-    imports no llmc, so it has its own)."""
+# the twin's flags that mean what the trainers' do, checked by llmc.cli.check_args with its messages
+TRAINER_FLAGS = ("batch_size", "seq_len", "total_batch_size", "learning_rate", "warmup_iters", "final_lr_frac",
+                 "weight_decay", "grad_clip", "seed")
+DEVICE_TYPES = ("cpu", "cuda")
 
-    def error(self, message):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(1)
+
+def check_flags(args):
+    """Raise InputError for flags that make no sense, before anything is built: the trainers'
+    rules (llmc.cli.check_args on TRAINER_FLAGS, the trainers' other flags at their defaults),
+    the twin's -x (0: only write the files) and --device. args: either twin's parsed flags."""
+    if args.max_steps < 0:
+        raise TwinError(f"-x {args.max_steps}: the number of steps must be >= 0 (0: only write the files)")
+    trainer_args = build_parser(os.path.basename(sys.argv[0]), "", LR_SCHEDULES).parse_args([])
+    for dest in TRAINER_FLAGS:
+        if hasattr(args, dest):
+            setattr(trainer_args, dest, getattr(args, dest))
+    check_args(trainer_args)
+    check_device(args.device)
+
+
+def check_device(name):
+    """Raise InputError unless name is cpu, or cuda / cuda:N of a GPU this PyTorch sees."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise TwinError(f"--device {name}: expected one of cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TwinError(f"--device {name}: CUDA is not available to this PyTorch")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise TwinError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
+def write_output(flag, path, write):
+    """write(path) for an output flag (--write-model ...); a path that cannot be written (a missing
+    directory, no permission, a full disk) is InputError naming the flag."""
+    try:
+        write(path)
+    except OSError as e:
+        raise TwinError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def check_model_file(path, num_parameters_of):
+    """The trainers' check of a model checkpoint (llmc.formats.read_model_file: header, size,
+    finite parameters), so a bad file gets their one line before the twin's own reader reads it.
+    num_parameters_of(shape dict) -> the parameter count of that header's model. Raises InputError."""
+    formats.read_model_file(path, num_parameters_of)
+
+
+def num_file_parameters(shape):
+    """The parameter count of the model of a checkpoint's header (llmc.formats' shape dict; an
+    old file's padded_vocab_size is 0)."""
+    config = Config(**{**shape, "padded_vocab_size": shape["padded_vocab_size"] or pad_vocab(shape["vocab_size"])})
+    return sum(math.prod(s) for _, s in file_shapes(config))
 
 
 def parse_args(argv=None):
     """llm.c's flags where they exist; -h is HellaSwag in llm.c, so help is --help only."""
-    p = OneLineErrorParser(prog="torch_reference.py", add_help=False,
-                                description="GPT-2 in PyTorch: the independent reference (twin) of gpt2_cpu.py.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="torch_reference.py", add_help=False,
+                       description="GPT-2 in PyTorch: the independent reference (twin) of gpt2_cpu.py.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--help", action="help", help="show this help and exit")
     a("-e", "--model", default="d4", help="checkpoint .bin, or a descriptor (d2 d4 d6 d12 d24 d36 d48, 124M ...)")
@@ -680,11 +736,10 @@ def parse_args(argv=None):
 
 
 def run(args):
+    """The command: build (or read) the model, write the requested files, train -x steps. Raises
+    InputError (TwinError) for bad input."""
+    check_flags(args)
     B, T = args.batch_size, args.seq_len
-    if B <= 0 or T <= 0:
-        raise TwinError(f"batch size and sequence length must be positive (got -b {B} -t {T})")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise TwinError(f"--device {args.device}: CUDA is not available to this PyTorch")
     if args.tensorcores:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -693,6 +748,7 @@ def run(args):
     if args.hf:
         twin = Twin.from_hf(args.hf, **kwargs)
     elif args.model.endswith(".bin") or os.path.sep in args.model:
+        check_model_file(args.model, num_file_parameters)
         twin = Twin.from_checkpoint(args.model, **kwargs)
     else:
         twin = Twin.init(config_from_name(args.model), args.seed, **kwargs)
@@ -709,13 +765,15 @@ def run(args):
           f"{args.dtype} on {args.device}")
 
     if args.write_model:
-        twin.save_checkpoint(args.write_model, "bfloat16" if args.bf16_model else "float32")
+        write_output("--write-model", args.write_model,
+                     lambda path: twin.save_checkpoint(path, "bfloat16" if args.bf16_model else "float32"))
         print(f"wrote {args.write_model}")
         if args.bf16_model:    # continue from exactly what the file holds, so the debug state fits it
             twin.set_parameters(read_checkpoint(args.write_model)[1])
     if args.write_debug_state:
         x, y = loader.next_batch()
-        twin.write_debug_state(args.write_debug_state, x.numpy(), y.numpy())
+        write_output("--write-debug-state", args.write_debug_state,
+                     lambda path: twin.write_debug_state(path, x.numpy(), y.numpy()))
         print(f"wrote {args.write_debug_state} (B={B} T={T})")
         loader = TokenLoader(args.input_bin, B, T)     # training starts from the first batch again
 
@@ -734,13 +792,13 @@ def run(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    """Command-line entry point. Returns the exit code: 0; 1 with one `error:` line for bad input
+    or any other error (llmc.cli.run_main, as the trainers'); 130 on Ctrl-C."""
     try:
-        run(args)
-    except TwinError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        args = parse_args(argv)
+    except SystemExit as e:                               # --help (0), or a bad flag (1, its error line printed)
+        return e.code
+    return run_main(run, args)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,15 @@ llama3_cpu.py is checked against (tests/test_llama3_twin.py), as dev/torch_refer
 gpt2_cpu.py's. Same model (Meta's Llama 3.1 reference structure, llm.c's train_llama3.py), same
 initialization draws, same model file; every gradient comes from torch.autograd.
 
-What it deliberately is not: a second copy of llama3_cpu.py. It imports neither llama3_cpu.py nor
-llmc (an oracle that shares code with what it checks cannot catch that code's bugs): its RoPE
-multiplies complex numbers (Meta's way) where llama3_cpu.py rotates real pairs, its attention
-repeats K/V with repeat_interleave, its model file reader and writer are its own. What it shares
-with GPT-2's twin (dev/torch_reference.py, itself independent of the trainers) is imported from
-there: the learning-rate schedules, the token loader, the debug-state writer, the one-line CLI.
+What it deliberately is not: a second copy of llama3_cpu.py. It does not import llama3_cpu.py,
+nor any of llmc's model code (an oracle that shares code with what it checks cannot catch that
+code's bugs): its RoPE multiplies complex numbers (Meta's way) where llama3_cpu.py rotates real
+pairs, its attention repeats K/V with repeat_interleave, its model file reader and writer are its
+own. What it shares with GPT-2's twin (dev/torch_reference.py, itself independent of the trainers)
+is imported from there: the learning-rate schedules, the token loader, the debug-state writer, the
+command line's shell (the trainers' flag checks and one-line errors, llmc.cli). A model file is
+first checked by llama3_cpu.py's reader (llmc.formats: header, size, finite parameters), so a bad
+file gets the trainers' one line; the twin's own reader then reads it.
 It is not a trainer with validation, sampling or checkpoints: it trains a few steps and writes
 test vectors.
 
@@ -42,8 +45,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_reference as gpt2_twin  # noqa: E402  (exits with one line if torch is missing)
 from torch_reference import (ADAMW_BETAS, ADAMW_EPS, DEFAULT_TRAIN, HEADER_BYTES, HEADER_INTS, INIT_STD,  # noqa: E402
-                             LR_SCHEDULES, OneLineErrorParser, TokenLoader, TwinError, learning_rate_at,
-                             write_debug_state_file)
+                             LR_SCHEDULES, TokenLoader, TwinError, check_flags, learning_rate_at,
+                             write_debug_state_file, write_output)
+from llmc import formats  # noqa: E402  (on the path: torch_reference puts the repository there)
+from llmc.cli import ArgumentParser, run_main  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -312,6 +317,18 @@ def write_model_file(path, config, arrays, dtype="float32"):
     gpt2_twin._write_file(path, [ints.tobytes(), floats.tobytes()] + [encode(a) for a in file_arrays(arrays)])
 
 
+def check_model_file(path):
+    """The trainers' check of a Llama 3 model file (llmc.formats.read_llama3_model_file: header,
+    size against it, zero biases, finite parameters), so a bad file gets their one line; the twin
+    reads llm.c's llama3-branch layout only, so master's is refused here. Raises InputError."""
+    def hidden_dim_of(shape):
+        return Config(**{field: shape[field] for field in Config.__dataclass_fields__}).hidden_dim
+    shape, _ = formats.read_llama3_model_file(path, hidden_dim_of)
+    if shape.get("layout") == formats.LLAMA3_LAYOUT_MASTER:
+        raise TwinError(f"{path}: llm.c master's Llama 3 layout (one header, no float fields); the twin reads the "
+                        f"llama3 branch's (rewrite it with llama3_cpu.write_model)")
+
+
 def read_model_file(path):
     """-> (Config, the 10 arrays in table order). Raises TwinError."""
     if not os.path.isfile(path):
@@ -457,7 +474,7 @@ class Twin:
 # command line
 
 def parse_args(argv=None):
-    p = OneLineErrorParser(prog="torch_reference_llama3.py", add_help=False,
+    p = ArgumentParser(prog="torch_reference_llama3.py", add_help=False,
                            description="Llama 3 in PyTorch: the independent reference (twin) of llama3_cpu.py.")
     a = p.add_argument
     a("--help", action="help", help="show this help and exit")
@@ -482,12 +499,16 @@ def parse_args(argv=None):
 
 
 def run(args):
+    """The command: build (or read) the model, write the requested files, train -x steps. Raises
+    InputError (TwinError) for bad input."""
+    check_flags(args)
     B, T = args.batch_size, args.seq_len
-    if B <= 0 or T <= 0:
-        raise TwinError(f"batch size and sequence length must be positive (got -b {B} -t {T})")
     kwargs = dict(dtype=getattr(torch, args.dtype), device=args.device, flash=bool(args.flash))
-    twin = Twin.from_model_file(args.model, **kwargs) if args.model.endswith(".bin") or os.path.sep in args.model \
-        else Twin.init(config_from_name(args.model), args.seed, **kwargs)
+    if args.model.endswith(".bin") or os.path.sep in args.model:
+        check_model_file(args.model)
+        twin = Twin.from_model_file(args.model, **kwargs)
+    else:
+        twin = Twin.init(config_from_name(args.model), args.seed, **kwargs)
     c = twin.config
     if T > c.max_seq_len:
         raise TwinError(f"-t {T} exceeds the model's max_seq_len {c.max_seq_len}")
@@ -496,11 +517,12 @@ def run(args):
     print(f"model: L={c.num_layers} NH={c.num_heads} NKV={c.num_kv_heads} C={c.channels} H={c.hidden_dim} "
           f"maxT={c.max_seq_len} V={c.vocab_size} | {num_params:,} parameters | {args.dtype} on {args.device}")
     if args.write_model:
-        twin.write_model(args.write_model)
+        write_output("--write-model", args.write_model, twin.write_model)
         print(f"wrote {args.write_model}")
     if args.write_debug_state:
         x, y = loader.next_batch()
-        twin.write_debug_state(args.write_debug_state, x.numpy(), y.numpy())
+        write_output("--write-debug-state", args.write_debug_state,
+                     lambda path: twin.write_debug_state(path, x.numpy(), y.numpy()))
         print(f"wrote {args.write_debug_state} (B={B} T={T})")
         loader = TokenLoader(args.input_bin, B, T)     # training starts from the first batch again
 
@@ -518,13 +540,13 @@ def run(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    """Command-line entry point. Returns the exit code: 0; 1 with one `error:` line for bad input
+    or any other error (llmc.cli.run_main, as the trainers'); 130 on Ctrl-C."""
     try:
-        run(args)
-    except TwinError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        args = parse_args(argv)
+    except SystemExit as e:                               # --help (0), or a bad flag (1, its error line printed)
+        return e.code
+    return run_main(run, args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """
-tests/test_bench_llama3.py: dev/bench_cpu.py and dev/bench_emulator.py take -e llama3:dX.
+tests/test_bench_llama3.py: dev/bench_cpu.py and dev/bench_emulator.py take -e llama3:dX, and a Llama 3
+model file; bad input (an unknown -e, B or T out of range, a bad model file) is one `error:` line and exit 1.
 
 A benchmark's numbers depend on the machine, so nothing here asserts a time: a tiny run must
 print its lines (the table, the ratio) for llama3_cpu.py's step, and the matmul workload must
@@ -93,3 +94,61 @@ def test_bench_emulator_takes_llama3(flags):
     assert r.returncode == 0, r.stderr
     assert "llama3:d2, B=1, T=8, fp32" in r.stdout
     assert re.search(r"emulated device [0-9]+ ms, llama3_cpu.py [0-9]+ ms, ratio [0-9.]+", r.stdout), r.stdout
+
+
+# ----------------------------------------------------------------------------
+# bad input: one `error:` line and exit 1; a Llama 3 model file is benchmarked as Llama 3
+
+TINY = llama3_cpu.LlamaConfig(max_seq_len=32, vocab_size=256, num_layers=1, num_heads=4, num_kv_heads=2, channels=32,
+                              multiple_of=32)
+
+
+def tiny_llama3_file(tmp_path):
+    """A tiny Llama 3 model file (llama3_cpu's writer)."""
+    path = str(tmp_path / "tiny_llama3.bin")
+    llama3_cpu.write_model(path, llama3_cpu.llama3_init(TINY, 0))
+    return path
+
+
+def error_line(capsys):
+    """The one stderr line of a main that returned 1, else None."""
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[0] if len(err) == 1 and err[0].startswith("error: ") else None
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["-e", "llama3:d0"], "unknown model 'llama3:d0'"), (["-e", "llama3:dx"], "unknown model 'llama3:dx'"),
+    (["-e", "d0"], "unknown model 'd0'"), (["-b", "0"], "-b 0 -t 8"), (["-b", "-1"], "-b -1 -t 8"),
+    (["-t", "0"], "-b 1 -t 0"), (["-t", "2000"], "-b 1 -t 2000: B must be positive and T in [1, 1024]"),
+    (["--repeats", "0"], "--repeats 0"),
+])
+def test_bench_emulator_bad_input_is_one_line(capsys, flags, said):
+    """Checked before anything is built or run (these were InputError and ValueError tracebacks,
+    or a run with B = -1)."""
+    import bench_emulator
+    assert bench_emulator.main(["-e", "llama3:d2", "-b", "1", "-t", "8", "--repeats", "1"] + flags) == 1
+    line = error_line(capsys)
+    assert line and said in line and "internal error" not in line, line
+
+
+def test_bench_emulator_and_bench_cpu_take_a_llama3_model_file(tmp_path, capsys, monkeypatch):
+    """-e a Llama 3 model file benchmarks its model as Llama 3 (bench_emulator read it as GPT-2's
+    and died on the magic; bench_cpu said it was not a .bin file); a file that is no model, or a
+    truncated one, is the trainers' one line (the file is read whole, as the trainers read it)."""
+    import bench_emulator
+    from llmc import cuda
+    monkeypatch.setattr(cuda, "_device", cuda.device())    # the emulated run switches it to "cpu": put back
+    path = tiny_llama3_file(tmp_path)
+    assert bench_emulator.main(["-e", path, "-b", "1", "-t", "8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}, B=1, T=8, fp32" in out and re.search(r"emulated device [0-9]+ ms, llama3_cpu.py", out), out
+    assert bench_cpu.main(["-e", path, "-b", "1", "-t", "8", "-n", "1"]) == 0
+    assert capsys.readouterr().out.startswith(f"llama3_cpu.py step, {path} (")
+    junk, truncated = tmp_path / "junk.bin", tmp_path / "truncated.bin"
+    junk.write_bytes(b"\0" * 2048)
+    truncated.write_bytes(open(path, "rb").read()[:-4])
+    for main, flags in ((bench_emulator.main, ["--repeats", "1"]), (bench_cpu.main, ["-n", "1"])):
+        for bad, said in ((junk, "bad magic number 0"), (truncated, "but the file holds")):
+            assert main(["-e", str(bad), "-b", "1", "-t", "8"] + flags) == 1
+            line = error_line(capsys)
+            assert line and str(bad) in line and said in line, line

@@ -5,7 +5,8 @@ tests/test_llama3_twin.py: llama3_cpu.py against its independent PyTorch twin
 Checked: the random init (bit for bit), logits / loss / all 10 gradients in fp32 and in fp64,
 ten AdamW steps (llama3_cpu.py's training step: cosine schedule with warmup, weight decay on the
 matrices only, global-norm clipping that fires on some steps) on the losses, the grad norms and
-the final parameters, and the model file both ways (fp32 and bf16, byte for byte).
+the final parameters, and the model file both ways (fp32 and bf16, byte for byte); the twin's command
+line: bad flags and bad model files are the trainers' one `error:` line, exit 1.
 Tolerances: llmc/check.py's TOLERANCES (each entry says how it was chosen; the Llama 3 numbers
 measured here are in its comments). Run: python -m pytest -q tests/test_llama3_twin.py -s (a few seconds).
 """
@@ -162,3 +163,79 @@ def test_cli_writes_a_debug_state_llama3_cpu_agrees_with(tmp_path, capsys):
     assert twin.main(["-e", "llama3:d5", "-i", shard]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown model 'llama3:d5'" in err
+
+
+# ----------------------------------------------------------------------------
+# the command line's promise (the trainers'): bad input is one `error:` line and exit 1
+
+def patched(path, offset, value, dtype):
+    """Overwrite the one `dtype` item at byte `offset` of the file with value (a bad header or
+    parameter, made from a good file)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.asarray([value], dtype).tobytes())
+    return path
+
+
+def tiny_files(tmp_path):
+    """A token shard and a tiny Llama 3 model file (llama3_cpu's writers): (shard, model path)."""
+    from llmc.formats import write_shard
+    shard, model_path = str(tmp_path / "train.bin"), str(tmp_path / "tiny.bin")
+    write_shard(shard, np.arange(2000) % CONFIG.vocab_size)
+    m.write_model(model_path, m.llama3_init(CONFIG, SEED))
+    return shard, model_path
+
+
+def one_error_line(capsys):
+    """The one stderr line of a twin.main that returned 1 (asserted), else None."""
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[0] if len(err) == 1 and err[0].startswith("error: ") else None
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["-x", "-5"], "-x -5"), (["-q", "2"], "-q 2.0: must be in [0, 1]"), (["-u", "-1"], "-u -1"),
+    (["-c", "-1"], "-c -1.0"), (["--grad-clip", "-1"], "--grad-clip -1.0"), (["-l", "-1"], "-l -1.0"),
+    (["-l", "nan"], "-l nan"), (["--seed", "-1"], "--seed -1"), (["-b", "0"], "-b 0"),
+    (["--device", "foo"], "--device foo"),
+    pytest.param(["--device", "cuda"], "--device cuda", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_cli_bad_flags_are_one_line(tmp_path, capsys, flags, said):
+    """llmc.cli.check_args' rules and messages, before any model is built (the twin would train
+    on -q 2, -u -1, -c -1 or --grad-clip -1, and did nothing with exit 0 on -x -5)."""
+    shard, model_path = tiny_files(tmp_path)
+    assert twin.main(["-e", model_path, "-i", shard, "-b", "1", "-t", "8", "-x", "1"] + flags) == 1
+    line = one_error_line(capsys)
+    assert line and said in line and "internal error" not in line, line
+
+
+@pytest.mark.parametrize("flag", ["--write-model", "--write-debug-state"])
+def test_cli_an_output_that_cannot_be_written_is_one_line(tmp_path, capsys, flag):
+    shard, model_path = tiny_files(tmp_path)
+    out = str(tmp_path / "missing" / "out.bin")
+    assert twin.main(["-e", model_path, "-i", shard, "-b", "1", "-t", "8", "-x", "0", flag, out]) == 1
+    line = one_error_line(capsys)
+    assert line and f"{flag} {out}: cannot write there" in line, line
+
+
+HEADER_BYTES = 1024                     # llm.c's int32 header; the float32 header follows it
+
+
+@pytest.mark.parametrize("slot, value, dtype, said", [
+    (2, -5, "<i4", "impossible Llama 3 model header"),                       # maxT -5
+    (4, 100000, "<i4", "but the file holds"),                                # L = 100000: 40 GiB, not allocated
+    (HEADER_BYTES // 4, 0.0, "<f4", "impossible Llama 3 model header"),      # ffn_dim_multiplier 0
+    (HEADER_BYTES // 4, np.inf, "<f4", ""),                                  # ffn_dim_multiplier inf (see below)
+    (2 * HEADER_BYTES // 4 + 7, np.nan, "<f4", "parameters are not finite"),  # a NaN in wte
+])
+def test_cli_a_bad_model_file_is_the_trainers_one_line(tmp_path, capsys, slot, value, dtype, said):
+    """The file is checked by llama3_cpu.py's reader (llmc.formats) before the twin's own reads it,
+    so a bad file gets the trainers' message (it was an OverflowError, ZeroDivisionError or
+    MemoryError traceback, "-t 8 exceeds the model's max_seq_len -5", or training on NaN). An
+    infinite ffn_dim_multiplier is one line either way; its message is the trainers' header line
+    once llmc.formats refuses non-finite header floats."""
+    shard, model_path = tiny_files(tmp_path)
+    patched(model_path, 4 * slot, value, dtype)
+    assert twin.main(["-e", model_path, "-i", shard, "-b", "1", "-t", "8", "-x", "1"]) == 1
+    line = one_error_line(capsys)
+    assert line and said in line, line

@@ -7,7 +7,8 @@ the random init (bit for bit), logits / loss / all 16 gradients in fp32 (small c
 the GPT-2 124M shape d12) and in fp64 (much tighter), ten AdamW steps with clipping, a cosine
 schedule with warmup and weight decay, the checkpoint files (fp32 and bf16) both ways, and
 tests/check_gpt2.py end to end (a pass, a corrupted gradient, bad files, a valid model whose
-training losses bounce, expected losses from --losses FILE and --gpt2-124M-losses).
+training losses bounce, expected losses from --losses FILE and --gpt2-124M-losses), and the twin's
+command line: bad flags and bad checkpoints are the trainers' one `error:` line, exit 1.
 
 Run it (about a minute on 2 cores; -s prints the error reached on every tensor):
     python -m pytest -q tests/test_twin.py
@@ -442,3 +443,55 @@ def test_check_gpt2_expected_losses(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and r.stdout == "" and len(lines) == 1, r.stdout + r.stderr
         assert lines[0].startswith("error: ") and str(path) in lines[0] and reason in lines[0]
+
+
+# ----------------------------------------------------------------------------
+# the command line's promise (the trainers'): bad input is one `error:` line and exit 1
+
+def tiny_files(tmp_path):
+    """A token shard and a small GPT-2 checkpoint (gpt2_cpu's writers): (shard, model path)."""
+    shard, model_path = str(tmp_path / "train.bin"), str(tmp_path / "small.bin")
+    formats.write_shard(shard, np.arange(2000) % SMALL.vocab_size)
+    cpu.write_model(model_path, cpu.gpt2_init(SMALL, SEED))
+    return shard, model_path
+
+
+def twin_error_line(capsys):
+    """The one stderr line of a twin.main that returned 1, else None."""
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[0] if len(err) == 1 and err[0].startswith("error: ") else None
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["-x", "-5"], "-x -5"), (["-q", "2"], "-q 2.0: must be in [0, 1]"), (["-u", "-1"], "-u -1"),
+    (["-c", "-1"], "-c -1.0"), (["--grad-clip", "-1"], "--grad-clip -1.0"), (["-l", "nan"], "-l nan"),
+    (["--seed", "-1"], "--seed -1"), (["-d", "-5"], "-d -5"), (["--device", "foo"], "--device foo"),
+    (["--write-model", "missing/out.bin"], "--write-model missing/out.bin: cannot write there"),
+    (["--write-debug-state", "missing/out.bin"], "--write-debug-state missing/out.bin: cannot write there"),
+])
+def test_twin_cli_bad_flags_are_one_line(tmp_path, capsys, monkeypatch, flags, said):
+    """llmc.cli.check_args' rules and messages (the twin trained on -q 2, -u -1, -c -1 or
+    --grad-clip -1, exited 0 on -x -5, and gave tracebacks for -l nan, --seed -1, --device foo and
+    an output in a missing directory)."""
+    shard, model_path = tiny_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert twin.main(["-e", model_path, "-i", shard, "-b", "1", "-t", "8", "-x", "1"] + flags) == 1
+    line = twin_error_line(capsys)
+    assert line and said in line and "internal error" not in line, line
+
+
+@pytest.mark.parametrize("slot, value, dtype, said", [
+    (formats.MODEL_SLOTS["max_seq_len"], -5, "<i4", "impossible model header"),
+    (formats.MODEL_SLOTS["num_layers"], 100000, "<i4", "truncated: the header's model has"),   # never allocated
+    (formats.HEADER_INTS + 7, np.nan, "<f4", "parameters are not finite"),                   # a NaN in wte
+])
+def test_twin_cli_a_bad_model_file_is_the_trainers_one_line(tmp_path, capsys, slot, value, dtype, said):
+    """The checkpoint is checked by gpt2_cpu.py's reader (llmc.formats) before the twin's own reads
+    it: a bad file gets the trainers' message (a NaN parameter trained, exit 0)."""
+    shard, model_path = tiny_files(tmp_path)
+    with open(model_path, "r+b") as f:
+        f.seek(4 * slot)
+        f.write(np.asarray([value], dtype).tobytes())
+    assert twin.main(["-e", model_path, "-i", shard, "-b", "1", "-t", "8", "-x", "1"]) == 1
+    line = twin_error_line(capsys)
+    assert line and model_path in line and said in line, line
