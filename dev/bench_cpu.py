@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2_cpu as g  # noqa: E402
 import llama3_cpu  # noqa: E402
 from llmc.cli import ArgumentParser, is_checkpoint_path, run_main  # noqa: E402
-from llmc.formats import LLAMA3_MODEL_MAGIC  # noqa: E402
+from llmc.formats import is_llama3_model_file  # noqa: E402
 from llmc.utils import InputError  # noqa: E402
 
 
@@ -108,13 +108,7 @@ LLAMA3_PREFIX = "llama3:"
 def is_llama3(spec):
     """Whether -e names a Llama 3: a llama3:dX descriptor, or a file that opens with the Llama 3
     model file's magic (any other file is GPT-2's to read, and to refuse in one line)."""
-    if spec.startswith(LLAMA3_PREFIX):
-        return True
-    if not (is_checkpoint_path(spec) and os.path.isfile(spec)):
-        return False
-    with open(spec, "rb") as f:
-        magic = f.read(4)
-    return len(magic) == 4 and int.from_bytes(magic, "little", signed=True) == LLAMA3_MODEL_MAGIC
+    return spec.startswith(LLAMA3_PREFIX) or (is_checkpoint_path(spec) and is_llama3_model_file(spec))
 
 
 def model_family(spec):

@@ -242,6 +242,18 @@ def llama3_layout(h, path):
                      f"(llm.c's llama3 branch) or {LLAMA3_MASTER_SLOT_MAJOR} (llm.c master's train_llama3.py)")
 
 
+def is_llama3_model_file(path):
+    """Whether `path` is a file that opens with the Llama 3 model file's magic (LLAMA3_MODEL_MAGIC),
+    so that a tool taking either family's file knows which reader to call; False for any other
+    file or one that cannot be read (the reader then says why in one line)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return False
+    return len(magic) == 4 and int.from_bytes(magic, "little", signed=True) == LLAMA3_MODEL_MAGIC
+
+
 def read_llama3_headers(f, path):
     """The headers of an open Llama 3 model file -> (layout, int32 header, float32 header or None
     for master's layout, which has none). Raises InputError."""

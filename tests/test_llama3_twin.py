@@ -225,15 +225,13 @@ HEADER_BYTES = 1024                     # llm.c's int32 header; the float32 head
     (2, -5, "<i4", "impossible Llama 3 model header"),                       # maxT -5
     (4, 100000, "<i4", "but the file holds"),                                # L = 100000: 40 GiB, not allocated
     (HEADER_BYTES // 4, 0.0, "<f4", "impossible Llama 3 model header"),      # ffn_dim_multiplier 0
-    (HEADER_BYTES // 4, np.inf, "<f4", ""),                                  # ffn_dim_multiplier inf (see below)
+    (HEADER_BYTES // 4, np.inf, "<f4", "impossible Llama 3 model header"),   # ffn_dim_multiplier inf
     (2 * HEADER_BYTES // 4 + 7, np.nan, "<f4", "parameters are not finite"),  # a NaN in wte
 ])
 def test_cli_a_bad_model_file_is_the_trainers_one_line(tmp_path, capsys, slot, value, dtype, said):
     """The file is checked by llama3_cpu.py's reader (llmc.formats) before the twin's own reads it,
     so a bad file gets the trainers' message (it was an OverflowError, ZeroDivisionError or
-    MemoryError traceback, "-t 8 exceeds the model's max_seq_len -5", or training on NaN). An
-    infinite ffn_dim_multiplier is one line either way; its message is the trainers' header line
-    once llmc.formats refuses non-finite header floats."""
+    MemoryError traceback, "-t 8 exceeds the model's max_seq_len -5", or training on NaN)."""
     shard, model_path = tiny_files(tmp_path)
     patched(model_path, 4 * slot, value, dtype)
     assert twin.main(["-e", model_path, "-i", shard, "-b", "1", "-t", "8", "-x", "1"]) == 1

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpt2_cpu import LN_EPS, read_model  # noqa: E402
 from llmc.tokenizer import GPT2_EOT  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
-from llmc.formats import LLAMA3_MODEL_MAGIC  # noqa: E402
+from llmc.formats import is_llama3_model_file  # noqa: E402
 from llmc.utils import InputError, atomic_write, require  # noqa: E402
 
 HF_PREFIX = "transformer."          # GPT2LMHeadModel keeps the transformer under this name
@@ -99,16 +99,6 @@ def export_hf(model, out_dir):
     config = (json.dumps(hf_config(cfg), indent=2) + "\n").encode()
     for name, payload in ((HF_WEIGHTS, weights), (HF_CONFIG, config)):
         atomic_write(os.path.join(out_dir, name), lambda f: f.write(payload))   # open()'s mode: the umask's
-
-
-def is_llama3_model_file(path):
-    """Whether path is a file that opens with a Llama 3 model file's magic (export_hf_llama3.py's to export)."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError:
-        return False                            # read_model below reports it in one line
-    return len(magic) == 4 and int(np.frombuffer(magic, "<i4")[0]) == LLAMA3_MODEL_MAGIC
 
 
 def parse_args(argv=None):
