@@ -113,6 +113,24 @@ def test_llama3_step_on_the_emulated_device_matches_llama3_cpu(monkeypatch):
     assert dict((name, calls) for name, calls, _ in rows)["adamw.cu:adamw_update"] == len(model.param_shapes)
 
 
+def test_llama3_bench_with_cudnn_times_both_cudnn_calls(monkeypatch):
+    """What `dev/bench.py -e llama3:d4` runs on a GPU by default (--attention auto: cuDNN, bf16),
+    here on the emulated device (llama3:d2, B=1, T=32): the first loss is llama3_cpu.py's within
+    bf16's error, and the breakdown times cuDNN's forward and backward (once each per step)."""
+    import llama3_cpu
+    from llmc import cuda
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    model, cfg, (x, y) = bench.llama3_cupy_model("llama3:d2", 1, 32, "cudnn", precision="bf16")
+    assert model.attention.name == "cudnn"
+    loss = float(bench.cupy_step(model, x, y, 1, cuda_graph=False)) / x.size
+    cpu = llama3_cpu.llama3_init(cfg, bench.SEED)
+    llama3_cpu.llama3_forward(cpu, x, y)
+    assert loss == pytest.approx(cpu.mean_loss, rel=1e-2), (loss, cpu.mean_loss)
+    calls = {name: n for name, n, _ in bench.kernel_breakdown(model, x, y, 2)}
+    L = cfg.num_layers
+    assert calls["cuDNN attention_forward_cudnn"] == L and calls["cuDNN attention_backward_cudnn"] == L, calls
+
+
 def test_no_gpu_is_one_line_exit_2():
     from llmc.cuda import cuda_unavailable_reason
     if cuda_unavailable_reason() is None:
