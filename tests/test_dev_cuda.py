@@ -368,6 +368,16 @@ def test_a_full_run_writes_its_table(tmp_path, monkeypatch):
         assert ms > 0 and gbs > 0
 
 
+def test_a_written_table_is_named_relative_to_the_repository_only_inside_it(tmp_path):
+    """The first GPU session's tables went to $OUT (/root/out) and were announced as
+    ../../root/out/dev_cuda_matmul.md; a path outside the repository is now printed whole."""
+    inside = os.path.join(ROOT, "dev", "results", "dev_cuda_gelu.md")
+    assert common.shown_path(inside) == os.path.join("dev", "results", "dev_cuda_gelu.md")
+    outside = tmp_path / "out" / "dev_cuda_gelu.md"
+    assert common.shown_path(str(outside)) == str(outside)
+    assert common.shown_path(ROOT + "-other/x.md") == ROOT + "-other/x.md"   # a sibling with the same prefix
+
+
 def test_run_all_sends_every_table_to_OUT_when_set(monkeypatch, tmp_path):
     """On the device machine only $OUT comes back: run_all passes -o $OUT (else dev/results, or -o's
     folder) with the precision and repeats to every op script, in OPS order, and exits 1 when one fails."""
@@ -389,3 +399,14 @@ def test_run_all_sends_every_table_to_OUT_when_set(monkeypatch, tmp_path):
     calls.clear()
     run_all.main(["-o", "tables"])
     assert calls[0][2:] == ["-p", "bf16", "-o", "tables"]
+    calls.clear()
+    run_all.main(["rmsnorm", "attention"])                     # a cut-short run's remainder, in OPS order
+    assert [os.path.basename(c[1]) for c in calls] == ["attention.py", "rmsnorm.py"]
+
+
+def test_run_all_refuses_an_unknown_op_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_all.main(["attention", "softmax"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: no such op: softmax (the ops: encoder,") and err.count("\n") == 1

@@ -477,6 +477,13 @@ def results_header(op, precision, description, limits):
     return "\n".join(lines) + "\n"
 
 
+def shown_path(path):
+    """How a written file is named to the reader: relative to the repository when inside it
+    (dev/results/dev_cuda_gelu.md), else absolute ($OUT on the device machine, not ../../root/out)."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT + os.sep) else path
+
+
 def main(op, progressions, argv=None):
     """Validate and time every progression of dev/cuda/<op>.py. Returns the exit status: 0; 1 a
     version failed validation or does not exist; 2 no CUDA GPU (one line, no traceback)."""
@@ -510,6 +517,6 @@ def main(op, progressions, argv=None):
         path = os.path.join(args.output_dir, f"dev_cuda_{op}.md")
         with open(path, "w", encoding="utf-8") as f:
             f.write(results_header(op, args.precision, description, limits) + "\n" + "\n".join(tables))
-        print(f"wrote {os.path.relpath(path, REPO_ROOT)}")
+        print(f"wrote {shown_path(path)}")
     return 0
 

@@ -10,6 +10,7 @@ scripts in OPS, one process each (so a failing op does not stop the others), and
 Run it:
     python dev/cuda/run_all.py           # bf16
     python dev/cuda/run_all.py -p fp32 -r 50 -o /tmp/tables
+    python dev/cuda/run_all.py attention rmsnorm   # only these ops (e.g. what a cut-short run missed)
 prints each script's output, then one line per op with its exit status; exits 0 if all passed,
 1 if any failed, 2 (one line, nothing run) without a CUDA GPU or CuPy.
 """
@@ -39,11 +40,16 @@ def default_output_dir(environ=os.environ):
 
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser.add_argument("ops", nargs="*", metavar="op",
+                        help=f"the ops to run, in OPS order (default: all of {', '.join(OPS)})")
     parser.add_argument("-p", "--precision", default="bf16", choices=cuda.PRECISIONS, help="storage precision (default bf16)")
     parser.add_argument("-r", "--repeats", type=int, default=None, help="timed runs per version (default: the scripts')")
     parser.add_argument("-o", "--output-dir", default=None,
                         help="where the dev_cuda_<op>.md tables go (default: $OUT when set, else dev/results)")
     args = parser.parse_args(argv)
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        parser.error(f"no such op: {', '.join(unknown)} (the ops: {', '.join(OPS)})")
     reason = cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/cuda/run_all.py: no CUDA GPU found ({reason}); nothing to run "
@@ -52,7 +58,7 @@ def main(argv=None):
     extra = ["-p", args.precision, "-o", args.output_dir or default_output_dir()]
     extra += ["-r", str(args.repeats)] if args.repeats else []
     status = {}
-    for op in OPS:
+    for op in [op for op in OPS if op in args.ops or not args.ops]:
         status[op] = subprocess.run([sys.executable, os.path.join(HERE, f"{op}.py")] + extra, cwd=REPO_ROOT).returncode
     print("\n" + "\n".join(f"dev/cuda/{op}.py: {'OK' if rc == 0 else f'FAILED (exit {rc})'}" for op, rc in status.items()))
     return 0 if all(rc == 0 for rc in status.values()) else 1
