@@ -408,6 +408,44 @@ def roofline_experiment(fig_dir):
     return numbers
 
 
+# the measured times: dev/cuda/layernorm.py's table from the H100 (`make dev-cuda`, kept in dev/results/)
+MEASURED_TABLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev", "results",
+                               "2026-11-26_nvidia-h100-80gb-hbm3_session2_layernorm.md")
+
+
+def measured_times(path, progression):
+    """{version: [(time in seconds, block size), ...] fastest first} of one progression of a
+    dev/cuda table (rows `| version | kernel | block | time (ms) | ...`), and the measured copy
+    bandwidth (bytes/s) of its header."""
+    times, section, copy = {}, None, None
+    for line in open(path, encoding="utf-8"):
+        if line.startswith("- measured copy bandwidth:"):
+            copy = float(line.split(":")[1].split()[0]) * 1e9
+        elif line.startswith("### "):
+            section = line.split()[1]
+        elif section == progression and line.startswith("| ") and line.split("|")[1].strip().isdigit():
+            version, block, ms = (line.split("|")[i].strip() for i in (1, 3, 4))
+            times.setdefault(int(version), []).append((float(ms) / 1e3, int(block)))
+    return {version: sorted(rows) for version, rows in times.items()}, copy
+
+
+def measured_experiment():
+    """Section 4's measurement: the three layernorm_forward versions on the H100, bf16, N = 8192 rows
+    of C = 768 (the running example), each at its fastest block size, against traffic()'s bytes."""
+    times, copy = measured_times(MEASURED_TABLE, "layernorm_forward")
+    moved = traffic(B * T, GPT2.channels, BF16_BYTES)
+    t1, t2, (t3, block3), t3_slowest = times[1][0][0], times[2][0][0], times[3][0], times[3][-1][0]
+    return {"measured_v1_us": f"{t1 * 1e6:.0f}", "measured_v2_us": f"{t2 * 1e6:.1f}",
+            "measured_v3_us": f"{t3 * 1e6:.1f}", "measured_v3_block": f"{block3}",
+            "measured_v3_slowest_us": f"{t3_slowest * 1e6:.1f}",
+            "measured_v3_tbs": f"{moved / t3 / 1e12:.2f}",
+            "measured_v3_of_datasheet": f"{100 * moved / t3 / H100_BANDWIDTH:.0f}",
+            "measured_copy_tbs": f"{copy / 1e12:.2f}",
+            "measured_v3_of_copy": f"{100 * moved / t3 / copy:.0f}",
+            "measured_v3_over_bound": f"{t3 / (moved / H100_BANDWIDTH):.1f}",
+            "measured_v1_over_v3": f"{t1 / t3:.0f}"}
+
+
 # ----------------------------------------------------------------------------
 # the tutorial's numbers
 
@@ -421,6 +459,7 @@ def compute(fig_dir):
     numbers |= emulation_experiment(rng)
     numbers |= variance_experiment(rng, fig_dir)
     numbers |= roofline_experiment(fig_dir)
+    numbers |= measured_experiment()
     return numbers
 
 
