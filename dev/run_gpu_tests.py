@@ -88,9 +88,10 @@ TIMEOUT_EXIT = 124                      # as timeout(1) reports it
 QUICK_DEADLINE_S = 540                  # one device command may run 600 s; 60 s to spare
 # Time limits per command, in seconds, (full run, --quick). The first GPU run (H100, 2026-11-26,
 # dev/results/README.md) took 11-13 s per --check, 17-25 s per long one, 10 s for our bench, 55 s
-# for the twin's (torch.compile first), 192 s for `pytest -m gpu` (then 257 tests; the quick limit
-# leaves room for the tests added since); the first --check compiles every kernel (NVRTC) and
-# each builds the 124M reference with gpt2_cpu.py on the host.
+# for the twin's (torch.compile first), 192 s for `pytest -m gpu` (then 257 tests); the second
+# (the same day, 259 tests) 224 s for it, 92 s for the Llama 3 bench, 511 s in all (the quick limit
+# leaves room for the five CUDA-graph GPU tests added since); the first --check compiles every
+# kernel (NVRTC) and each builds the 124M reference with gpt2_cpu.py on the host.
 LIMITS_S = {"wheels": (120, 60), "data": (300, 120), "check": (300, 40), "check-long": (300, 50),
             "train": (300, 60), "pytest": (1800, 260), "bench": (600, 90), "twin": (1800, 180),
             "bench-llama3": (900, 150)}

@@ -19,9 +19,12 @@ captures), llmc.cuda.gemm sets that stream outside captures only, and without nv
 capture per key, replays after; an error inside the capture propagates as itself, not as the
 "capture invalidated" of ending it; a reallocation drops the graphs (they point into the old
 buffers); and a whole training run with --cuda-graph 1 prints the same losses as --cuda-graph 0.
-What a GPU must still show: that CuPy's stream capture accepts cuBLAS through nvmath-python
-(cublasSetStream before the capture, the default workspace inside it), cuBLASLt, our kernels and
-(for --attention cudnn) cuDNN's execution, and the speed-up.
+With --attention cudnn, cuDNN's graphs execute on the handle's stream and are recorded with the rest
+(the emulated cuDNN did not record them until 2026-11-26: replays then skipped the attention, and the
+bf16 cudnn case here caught it). The first H100 run showed CuPy's stream capture accepting cuBLAS
+through nvmath-python, our kernels and flash attention (the GPU test below); what a GPU must still
+show: cuBLASLt's and cuDNN's execution under capture (the GPU defaults, the last case below, added
+after that run) and the speed-up.
 Run: pytest tests/test_cuda_graph.py   (~1 minute on 2 cores once the emulated device's kernels are
 built, see tests/test_emulated_kernels.py)
 """
@@ -37,7 +40,7 @@ import gpt2_cpu
 import gpt2_cuda
 import llmc.cuda
 import llmc.matmul
-from llmc import cublaslt
+from llmc import cublaslt, cudnn_attention
 from emulated_gpu import TINY, _train_losses, _write_shards
 from llmc.emulator import device
 
@@ -77,8 +80,8 @@ def _capturing():
     return device.cuda.get_current_stream().is_capturing()
 
 
-def _model(precision, matmul=None):
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True, matmul=matmul)
+def _model(precision, matmul=None, attention="naive"):
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True, matmul=matmul, attention=attention)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     return model
 
@@ -108,15 +111,17 @@ def _batches(B, T, n, seed):
 # updated in place), fp32 over one: each step's global norm costs seconds on the emulated device.
 # cuBLASLt (--cublaslt 1): its products take the stream as an argument, and the bias and GELU
 # pointers of its shared descriptors change from layer to layer: a graph must hold each call's own.
-@pytest.mark.parametrize("precision,steps,backend", [("fp32", 1, "cublas"), ("bf16", 2, "cublas"),
-                                                     ("bf16", 1, "cublaslt")])
-def test_graph_steps_equal_eager_steps_bitwise(capture, precision, steps, backend):
+# cuDNN attention (bf16 only): its graphs execute on the handle's stream, recorded while it captures.
+@pytest.mark.parametrize("precision,steps,backend,attention", [
+    ("fp32", 1, "cublas", "naive"), ("bf16", 2, "cublas", "naive"), ("bf16", 1, "cublaslt", "naive"),
+    ("bf16", 2, "cublas", "cudnn")])
+def test_graph_steps_equal_eager_steps_bitwise(capture, precision, steps, backend, attention):
     batches = _batches(2, 16, 3, seed=5)
     batches[1][0][0, :6] = 7                                    # repeated tokens: fewer segments than B*T
     if backend == "cublaslt":
         cublaslt.clear_cache()
     matmul = {"cublas": llmc.matmul.Cublas, "cublaslt": llmc.matmul.CublasLt}[backend]
-    eager, graphed = _model(precision, matmul()), _model(precision, matmul())
+    eager, graphed = _model(precision, matmul(), attention), _model(precision, matmul(), attention)
     eager_sums = _train(eager, batches, cuda_graph=False, steps=steps)
     assert capture.captures == 0
     graph_sums = _train(graphed, batches, cuda_graph=True, steps=steps)
@@ -373,16 +378,24 @@ def test_cuda_graph_without_nvmath_is_refused_at_startup(capture, monkeypatch, t
 # on a GPU: CuPy's stream capture of the real kernels, cuBLAS calls and CuPy operations
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision,attention", [("bf16", "naive"), ("fp32", "naive"), ("bf16", "flash")])
-def test_gpu_graph_steps_equal_eager_steps_bitwise(precision, attention):
+@pytest.mark.parametrize("precision,attention,backend", [
+    ("bf16", "naive", "cublas"), ("fp32", "naive", "cublas"), ("bf16", "flash", "cublas"),
+    ("bf16", "cudnn", "cublaslt")])                                             # the last: the GPU defaults
+def test_gpu_graph_steps_equal_eager_steps_bitwise(precision, attention, backend):
     import cupy as cp
     cfg = gpt2_cpu.GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2,
                               channels=128)                                     # HS = 64: every path has kernels
+    if attention == "cudnn" and cudnn_attention.unavailable_reason(precision, 64):
+        pytest.skip(cudnn_attention.unavailable_reason(precision, 64))
+    if backend == "cublaslt" and cublaslt.unavailable_reason():
+        pytest.skip(cublaslt.unavailable_reason())
+    matmul = {"cublas": llmc.matmul.Cublas, "cublaslt": llmc.matmul.CublasLt}[backend]
     batches = _batches(4, 64, 2, seed=3)
     results = {}
     with cp.cuda.Stream():                                                      # capture needs a created stream
         for graph in (False, True):
-            model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True, attention=attention)
+            model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True, attention=attention,
+                                   matmul=matmul())
             gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
             llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), precision)
             sums = _train(model, batches, cuda_graph=graph, steps=2)

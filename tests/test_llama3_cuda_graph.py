@@ -37,8 +37,8 @@ def graphs(capture, monkeypatch):
     return capture
 
 
-def _model(precision):
-    model = llama3_cuda.Llama3(TINY, precision)
+def _model(precision, attention="naive"):
+    model = llama3_cuda.Llama3(TINY, precision, attention=attention)
     llama3_cuda.upload_parameters(model, llama3_cpu.llama3_init(TINY, seed=3).params)
     return model
 
@@ -64,11 +64,11 @@ def _train(model, batches, cuda_graph, steps):
     return sums
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_graph_steps_equal_eager_steps_bitwise(graphs, precision):
+@pytest.mark.parametrize("precision,attention", [("fp32", "naive"), ("bf16", "naive"), ("bf16", "cudnn")])
+def test_graph_steps_equal_eager_steps_bitwise(graphs, precision, attention):
     steps = 2                                # the second step replays on the parameters AdamW updated in place
     batches = _batches(MICRO_BATCHES, seed=5)
-    eager, graphed = _model(precision), _model(precision)
+    eager, graphed = _model(precision, attention), _model(precision, attention)
     eager_sums = _train(eager, batches, cuda_graph=False, steps=steps)
     assert graphs.captures == 0
     graph_sums = _train(graphed, batches, cuda_graph=True, steps=steps)
@@ -133,3 +133,37 @@ def test_cuda_graph_without_nvmath_is_refused_at_startup(graphs, monkeypatch, tm
     assert len(err) == 1 and err[0].startswith("error: --cuda-graph 1: CUDA graphs need nvmath-python's cuBLAS "
                                                "bindings"), err
     assert "--cuda-graph 0" in err[0] and graphs.captures == captures                # refused before any step
+
+
+# ----------------------------------------------------------------------------
+# on a GPU: CUDA's own stream capture of the real kernels, cuBLAS (nvmath-python) and cuDNN
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,attention", [("fp32", "naive"), ("bf16", "naive"), ("bf16", "flash"),
+                                                 ("bf16", "cudnn")])
+def test_gpu_graph_steps_equal_eager_steps_bitwise(precision, attention):
+    """tests/test_cuda_graph.py's GPU test for llama3_cuda.py: two steps of two micro-batches with the
+    graph equal eager steps bitwise (losses, parameters, gradients, AdamW moments), on a tiny Llama 3
+    with head size 64 (so that flash and cuDNN attention run) and grouped-query attention."""
+    import cupy as cp
+    from llmc import cudnn_attention
+    cfg = llama3_cpu.LlamaConfig(max_seq_len=64, vocab_size=TINY.vocab_size, num_layers=2, num_heads=4,
+                                 num_kv_heads=2, channels=256, multiple_of=32)          # HS = 64
+    if attention == "cudnn" and cudnn_attention.unavailable_reason(precision, 64):
+        pytest.skip(cudnn_attention.unavailable_reason(precision, 64))
+    if llmc.cuda.cuda_graph_unavailable_reason():
+        pytest.skip(llmc.cuda.cuda_graph_unavailable_reason())
+    batches = _batches(MICRO_BATCHES, seed=5)
+    results = {}
+    with cp.cuda.Stream():                                                  # capture needs a created stream
+        for graph in (False, True):
+            model = llama3_cuda.Llama3(cfg, precision, attention=attention)
+            llama3_cuda.upload_parameters(model, llama3_cpu.llama3_init(cfg, seed=3).params)
+            llmc.cuda.load_modules(llama3_cuda.KERNEL_FILES + model.attention.kernel_files, precision)
+            sums = _train(model, batches, cuda_graph=graph, steps=2)
+            results[graph] = (sums, {name: getattr(model, name).get() for name in ("params", "grads", "m", "v")})
+            if graph:
+                assert list(model.graphs) == [(B, T, 1.0 / MICRO_BATCHES)]
+    assert results[True][0] == results[False][0] and all(np.isfinite(results[True][0]))
+    for name, eager in results[False][1].items():
+        np.testing.assert_array_equal(results[True][1][name], eager, err_msg=name)

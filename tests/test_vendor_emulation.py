@@ -427,6 +427,44 @@ def test_cudnn_wrong_strides_offsets_and_inputs_fail():
     np.testing.assert_array_equal(out, r["out"])
 
 
+def test_cudnn_execute_runs_on_the_handles_stream_and_is_recorded_while_it_captures():
+    """As cuDNN: execute is issued on the handle's stream; while that stream captures, nothing runs,
+    and each replay of the graph computes from what the pointers hold then (gpt2_cuda.py and
+    llama3_cuda.py with --attention cudnn --cuda-graph 1). Work on the legacy stream while a
+    blocking stream captures is CUDA's error, as for every emulated call."""
+    from llmc.emulator import device
+    B, T, NH, HS = 1, 5, 2, 8
+    rng = np.random.default_rng(6)
+    r = run_sdpa(B, T, NH, HS, "bf16", fused_layout, rng)                # eager, on the legacy stream
+    eager_out = r["out"].copy()
+    fwd, t = sdpa_graph("forward", B, T, NH, HS, r["layouts"], "bf16")
+    qkv, out, stats = r["qkv"], np.full_like(r["out"], 0x7FC0), np.full_like(r["stats"], np.nan)
+    pack = {t[name]: qkv.ctypes.data + off * qkv.itemsize for name, off in zip("QKV", r["offsets"])}
+    pack.update({t["O"]: out.ctypes.data, t["Stats"]: stats.ctypes.data})
+    stream = device.cuda.Stream()
+    stream.begin_capture()
+    with pytest.raises(device.cuda.runtime.CUDARuntimeError, match="legacy stream"):
+        fwd.execute(pack, 0, handle=fwd.handle)                        # the handle is on stream 0
+    cudnn.set_stream(fwd.handle, stream.ptr)
+    fwd.execute(pack, 0, handle=fwd.handle)
+    graph = stream.end_capture()
+    assert np.all(out == 0x7FC0) and np.all(np.isnan(stats))          # recorded, not run
+    graph.launch()
+    np.testing.assert_array_equal(out, eager_out)
+    qkv[:] = stored(rng.standard_normal(qkv.size), "bf16")             # new inputs at the same address
+    graph.launch()
+    assert not np.array_equal(out, eager_out)
+    q, k, v = (as_heads(r["layouts"][name], qkv, off) for name, off in zip("QKV", r["offsets"]))
+    qkv_btc = np.concatenate([x.transpose(0, 2, 1, 3).reshape(B, T, NH * HS) for x in (q, k, v)], axis=-1)
+    ref_out, _ = gpt2_cpu.attention_forward(qkv_btc, NH)
+    assert close(as_heads(r["layouts"]["O"], out, 0), ref_out.reshape(B, T, NH, HS).transpose(0, 2, 1, 3), "bf16",
+                 "O replayed")
+    replayed = out.copy()
+    out[:] = 0x7FC0
+    fwd.execute(pack, 0)                                               # handle=None: the graph's own, not capturing
+    np.testing.assert_array_equal(out, replayed)                       # runs at once, the same result
+
+
 def test_cudnn_refuses_graphs_outside_the_subset():
     B, T, NH, HS = 1, 4, 2, 8
     layouts, _ = fused_layout(B, T, NH, HS)

@@ -38,6 +38,7 @@ import math
 
 import numpy as np
 
+from llmc.emulator.device import enqueue, stream_at
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 __version__ = "1.32.0"                   # the frontend whose Python signatures this follows
@@ -83,7 +84,8 @@ _HANDLES = itertools.count(0x2000)
 
 
 class Handle:
-    """A cuDNN handle: which stream it runs on (the emulated device runs each call to completion)."""
+    """A cuDNN handle: which stream its graphs execute on (a cudaStream_t; 0, the legacy stream,
+    until set_stream). Execution is issued there: run at once, or recorded while it captures."""
 
     def __init__(self):
         self.id, self.stream = next(_HANDLES), 0
@@ -283,8 +285,12 @@ class pygraph:                           # noqa: N801 (the frontend's name)
     # execution
 
     def execute(self, variant_pack, workspace, handle=None):
-        """Run the built graph: variant_pack maps each of the graph's tensors to an integer host
-        address. Raises RuntimeError before the graph is built or when a tensor has no pointer."""
+        """Issue the built graph on the stream of `handle` (default: the graph's own handle), as
+        cuDNN does: it runs at once, or, while that stream captures, it is recorded with the
+        variant pack's pointers and runs at each replay on the data there then (a CUDA graph
+        holds pointers, not values). variant_pack maps each of the graph's tensors to an integer
+        host address. Raises RuntimeError before the graph is built or when a tensor has no
+        pointer; CUDARuntimeError for a stream that is not live."""
         if self.steps != list(BUILD_STEPS):
             raise RuntimeError(f"cuDNN: execute before the plans are built (steps run: {self.steps})")
         tensors = self.tensors()
@@ -293,10 +299,9 @@ class pygraph:                           # noqa: N801 (the frontend's name)
             raise RuntimeError(f"cuDNN: no pointer in the variant pack for {missing}")
         views = {key: _view(int(variant_pack[t]), t) for key, t in tensors.items()}
         scale = self.params["attn_scale"] if self.params["attn_scale"] is not None else 1.0
-        if self.op == "sdpa":
-            _sdpa_forward(views, scale)
-        else:
-            _sdpa_backward(views, scale)
+        run = _sdpa_forward if self.op == "sdpa" else _sdpa_backward
+        handle = handle if handle is not None else self.handle
+        enqueue(lambda: run(views, scale), stream_at(handle.stream if handle is not None else 0))
 
 
 # ----------------------------------------------------------------------------
