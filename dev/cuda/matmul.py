@@ -25,6 +25,9 @@ at GPT-2 124M's three shapes (B*T = 8192 rows): qkv (C -> 3C), fc (C -> 4C), fcp
 matmul_backward (the same products transposed; library calls only):
   version 4 (llmc.matmul.matmul_backward): dinp = dout @ weight and dweight += dout^T @ inp with
             cuBLAS, dbias += column sums of dout with kernels/bias.cu.
+The classifier's shapes (C -> the vocabulary; versions 4 and 5 forward, 4 backward): GPT-2's
+(768 -> Vp = 50304), llama3:d4's (256 -> V = 50257, odd) and d4's padded (256 -> 50304), to
+measure what an unpadded vocabulary costs cuBLAS (llama3_cuda.py pads nothing).
 
 Versions 1-3 compute in fp32 from floatX inputs and round each output once, as our kernels do.
 Napkin math: FLOPs = 2 N C OC per GEMM (one multiply and one add per term; the bias's N*OC adds
@@ -221,15 +224,32 @@ FORWARD_VERSIONS = [
     Version(5, "library call: cuBLASLt, bias in the epilogue (llmc.cublaslt)", (CUBLASLT_MATMUL,), forward_v5,
             LIBRARY_BLOCK_SIZES),
 ]
+BACKWARD_VERSIONS = [
+    Version(4, "library call: cuBLAS dinp, dweight + kernels/bias.cu (llmc.matmul.matmul_backward, production)",
+            (CUBLAS_GEMM,), backward_v4, LIBRARY_BLOCK_SIZES),
+]
+# The classifier, library calls only (the hand-written versions would take seconds a call): GPT-2's
+# (C -> Vp = 50304, padded to a multiple of 128), llama3:d4's (C = 256 -> V = 50257: Llama 3 pads
+# nothing, and with GPT-2's tokenizer V is odd), and d4's padded to 50304. On the H100 (2026-11-26,
+# dev/results/) llama3:d4's three classifier GEMMs ran at 85-146 TFLOP/s and GPT-2's at 720-830:
+# these three shapes tell the odd leading dimension's share from the small C's.
+CLASSIFIER_SHAPES = {"classifier_gpt2": (C_124M, 50304), "classifier_llama3_d4": (256, 50257),
+                     "classifier_llama3_d4_padded": (256, 50304)}
+CLASSIFIER_TEST_SIZES = {"classifier_gpt2": TEST_SIZES, "classifier_llama3_d4": dict(TEST_SIZES, OC=73),
+                         "classifier_llama3_d4_padded": TEST_SIZES}            # OC = 73: odd, as V
 PROGRESSIONS = [
     Progression(f"matmul_forward_{name}", make_forward_case, FORWARD_VERSIONS, dict(ROWS_124M, C=C, OC=OC), TEST_SIZES)
     for name, (C, OC) in SHAPES.items()
 ] + [
-    Progression(f"matmul_backward_{name}", make_backward_case, [
-        Version(4, "library call: cuBLAS dinp, dweight + kernels/bias.cu (llmc.matmul.matmul_backward, production)",
-                (CUBLAS_GEMM,), backward_v4, LIBRARY_BLOCK_SIZES),
-    ], dict(ROWS_124M, C=C, OC=OC), TEST_SIZES)
+    Progression(f"matmul_backward_{name}", make_backward_case, BACKWARD_VERSIONS, dict(ROWS_124M, C=C, OC=OC),
+                TEST_SIZES)
     for name, (C, OC) in SHAPES.items()
+] + [
+    Progression(f"matmul_{direction}_{name}", make_case, versions, dict(ROWS_124M, C=C, OC=OC),
+                CLASSIFIER_TEST_SIZES[name])
+    for name, (C, OC) in CLASSIFIER_SHAPES.items()
+    for direction, make_case, versions in (("forward", make_forward_case, FORWARD_VERSIONS[3:]),
+                                           ("backward", make_backward_case, BACKWARD_VERSIONS))
 ]
 
 
