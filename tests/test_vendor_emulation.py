@@ -591,6 +591,38 @@ def test_nccl_collectives_on_thread_ranks(K):
     assert results == [NCCL_CHECKS] * K
 
 
+def test_nccl_collectives_are_recorded_while_the_stream_captures_and_run_at_each_replay():
+    """As NCCL's kernels: a collective issued on a capturing stream does nothing then; each rank's
+    replay of its graph runs it, meeting the other ranks, on what the buffers hold at the replay."""
+    from llmc.emulator import device
+    K = 2
+
+    def captured(rank, communicator):
+        stream = device.cuda.Stream()
+        send = rank_data(rank, "fp32", K * COUNT)
+        summed, gathered = np.zeros(K * COUNT, np.float32), np.zeros(K * COUNT, np.float32)
+        stream.begin_capture()
+        communicator.allReduce(send.ctypes.data, summed.ctypes.data, K * COUNT, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                               stream.ptr)
+        communicator.allGather(send.ctypes.data, gathered.ctypes.data, COUNT, nccl.NCCL_FLOAT32, stream.ptr)
+        graph = stream.end_capture()
+        untouched = not summed.any() and not gathered.any()
+        replays = []
+        for scale in (1.0, 3.0):
+            send[:] = rank_data(rank, "fp32", K * COUNT) * np.float32(scale)
+            graph.launch()
+            replays.append((summed.copy(), gathered.copy()))
+        return untouched, replays
+
+    results = run_thread_ranks(K, nccl.get_unique_id(), captured)
+    for i, scale in enumerate((1.0, 3.0)):
+        sends = [rank_data(r, "fp32", K * COUNT) * np.float32(scale) for r in range(K)]
+        for untouched, replays in results:
+            assert untouched
+            np.testing.assert_array_equal(replays[i][0], rank_order_sum(sends, "fp32"))
+            np.testing.assert_array_equal(replays[i][1], np.concatenate([p[:COUNT] for p in sends]))
+
+
 def process_rank(K, uid, rank, folder, timeout_s, mode, queue):
     """One rank in a process of its own, started by multiprocessing's spawn without MPI (so it meets
     the others through the emulation's files): check_collectives, and in mode "abort" rank K-1

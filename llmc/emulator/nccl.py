@@ -27,8 +27,9 @@ Arithmetic: the reductions run elementwise in rank order, in float32 for bf16, f
 (bf16 and fp16 widened exactly, the result rounded once per element to the buffer's type, bf16
 to nearest even) and in float64 for fp64; NCCL_AVG is the sum divided by the number of ranks.
 The results are deterministic and the same on every rank. What it deliberately is not: NCCL's
-ring or tree order of summation, its average (a pre-multiplied sum for floats), streams (each
-call completes before it returns), or more than these three collectives.
+ring or tree order of summation, its average (a pre-multiplied sum for floats), asynchrony (a call
+issued on a stream completes before it returns; on a stream that captures a CUDA graph it is
+recorded, as NCCL's kernels are, and runs at each replay), or more than these three collectives.
 
 Run its tests: python -m pytest -q tests/test_vendor_emulation.py -k nccl   (mpiexec -n 2 and -n 3)
 """
@@ -44,6 +45,7 @@ import time
 
 import numpy as np
 
+from llmc.emulator.device import enqueue, stream_at
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 # ----------------------------------------------------------------------------
@@ -344,12 +346,16 @@ class NcclCommunicator:
         return [p for _, p in parts]
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):          # noqa: N802
-        """recv[i] = op over ranks of send[i], i < count; in place when recvbuf == sendbuf."""
+        """recv[i] = op over ranks of send[i], i < count; in place when recvbuf == sendbuf.
+        Issued on `stream` (a cudaStream_t): run now, or recorded while it captures (_issue)."""
         nbytes = count * STORAGE.get(datatype, np.dtype(np.uint8)).itemsize
         send = _buffer(sendbuf, count, datatype)
         _check_overlap(sendbuf, nbytes, recvbuf, nbytes, sendbuf, "allReduce")
-        parts = self._gather(("allReduce", count, datatype, op), send)
-        _buffer(recvbuf, count, datatype)[...] = _reduce(parts, _op(op), datatype)
+        recv = _buffer(recvbuf, count, datatype)
+        self._issue(stream, self._all_reduce, ("allReduce", count, datatype, op), send, recv)
+
+    def _all_reduce(self, call, send, recv):
+        recv[...] = _reduce(self._gather(call, send), _op(call[3]), call[2])
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
         """recv[i] = op over ranks of send[rank*recvcount + i], i < recvcount; send holds
@@ -358,9 +364,13 @@ class NcclCommunicator:
         send = _buffer(sendbuf, self._size * recvcount, datatype)
         _check_overlap(sendbuf, self._size * recvcount * itemsize, recvbuf, recvcount * itemsize,
                        sendbuf + self._rank * recvcount * itemsize, "reduceScatter")
-        parts = self._gather(("reduceScatter", recvcount, datatype, op), send)
+        recv = _buffer(recvbuf, recvcount, datatype)
+        self._issue(stream, self._reduce_scatter, ("reduceScatter", recvcount, datatype, op), send, recv)
+
+    def _reduce_scatter(self, call, send, recv):
+        recvcount = call[1]
         mine = slice(self._rank * recvcount, (self._rank + 1) * recvcount)
-        _buffer(recvbuf, recvcount, datatype)[...] = _reduce([p[mine] for p in parts], _op(op), datatype)
+        recv[...] = _reduce([p[mine] for p in self._gather(call, send)], _op(call[3]), call[2])
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):             # noqa: N802
         """recv[r*count + i] = send of rank r [i]; recv holds size*count elements; in place when
@@ -369,8 +379,18 @@ class NcclCommunicator:
         send = _buffer(sendbuf, count, datatype)
         _check_overlap(recvbuf, self._size * count * itemsize, sendbuf, count * itemsize,
                        recvbuf + self._rank * count * itemsize, "allGather")
-        parts = self._gather(("allGather", count, datatype), send)
-        _buffer(recvbuf, self._size * count, datatype)[...] = np.concatenate(parts)
+        recv = _buffer(recvbuf, self._size * count, datatype)
+        self._issue(stream, self._all_gather, ("allGather", count, datatype), send, recv)
+
+    def _all_gather(self, call, send, recv):
+        recv[...] = np.concatenate(self._gather(call, send))
+
+    def _issue(self, stream, collective, call, send, recv):
+        """Issue collective(call, send, recv) on the stream whose cudaStream_t is `stream`, as NCCL
+        enqueues its kernels: it runs now, or, while that stream captures a CUDA graph, is recorded
+        and runs (meeting the other ranks) at each replay, on what the buffers hold then. The
+        arguments were checked above, at the call, as NCCL checks them."""
+        enqueue(lambda: collective(call, send, recv), stream_at(int(stream)))
 
 
 def _op(op):
