@@ -4,8 +4,8 @@ No GPU needed:
 - every dev/cuda/*.cu compiles with NVRTC (dev/cuda/nvrtc_compile.py's functions, the trainer's
   options) in both precisions for compute_80/compute_90 (PTX) and sm_80/sm_90 (cubin);
 - every version of every op script names kernels that exist: the intermediate ones in the PTX of
-  its dev/cuda/<op>.cu, the last version's in kernels/<file>.cu, where it must be the kernel
-  gpt2_cuda.py launches (tests/test_kernels_compile.py's contract);
+  its dev/cuda/<op>.cu, the production version's (the last but any candidates) in kernels/<file>.cu,
+  where it must be the kernel gpt2_cuda.py launches (tests/test_kernels_compile.py's contract);
 - each op script takes its reference from gpt2_cpu (Llama 3's ops from llama3_cpu; imported, never
   redefined);
 - the harness's host parts against hand-computed values: napkin bytes and FLOPs, throughput,
@@ -114,19 +114,22 @@ def test_versions_name_existing_kernels(op):
         numbers = [v.number for v in progression.versions]
         assert numbers == list(range(1, len(numbers) + 1)), progression.name
         assert 2 <= len(numbers) <= 4
+        production = common.production_version(progression)
+        candidates = progression.versions[progression.versions.index(production) + 1:]
+        assert all(common.is_candidate(v) for v in candidates), progression.name    # only candidates after it
         for version in progression.versions:
-            last = version is progression.versions[-1]
             for kernel in version.kernels:
                 for precision in PRECISIONS:
                     assert kernel.name in ptx_entries(kernel.path, precision), (progression.name, kernel)
             own = [k for k in version.kernels if k.path == f"dev/cuda/{op}.cu"]
-            if last:           # the production kernel, by its real name, from kernels/
+            if version is production:   # the production kernel, by its real name, from kernels/
                 assert all(k.path.startswith("kernels/") for k in version.kernels), progression.name
                 assert "production" in version.about
-            else:              # an intermediate one: <name>_v<number> in dev/cuda/<op>.cu, or production
-                               # kernels on another plan (encoder_backward 2: one chunk per token)
+            else:              # an intermediate one or a candidate: <name>_v<number> in dev/cuda/<op>.cu, or
+                               # production kernels on another plan (encoder_backward 2: one chunk per token)
                 assert own or all(k.path.startswith("kernels/") for k in version.kernels), (progression.name, version)
                 assert all(k.name.endswith(f"_v{version.number}") for k in own), (progression.name, version)
+                assert not common.is_candidate(version) or own, (progression.name, version)   # a kernel of its own
 
 
 def test_last_versions_are_the_kernels_gpt2_cuda_launches():
@@ -135,7 +138,7 @@ def test_last_versions_are_the_kernels_gpt2_cuda_launches():
                                   "llama3_cuda.py"))
     for op in CHECKED:
         for progression in SCRIPTS[op].PROGRESSIONS:
-            for kernel in progression.versions[-1].kernels:
+            for kernel in common.production_version(progression).kernels:
                 file = os.path.basename(kernel.path)[:-3]
                 assert f'"{file}"' in source and f'"{kernel.name}"' in source, kernel
 

@@ -122,8 +122,19 @@ def dev_kernel(op, name):
 
 
 def production_kernel(file, name):
-    """A kernel of kernels/<file>.cu, the one gpt2_cuda.py launches: the last version."""
+    """A kernel of kernels/<file>.cu, the one gpt2_cuda.py launches: the production version's."""
     return Kernel(f"kernels/{file}.cu", name)
+
+
+def is_candidate(version):
+    """Whether a version comes after the production one: a faster kernel proposed for production
+    and not yet adopted (its about starts with "candidate:"), timed beside the one it would replace."""
+    return version.about.startswith("candidate:")
+
+
+def production_version(progression):
+    """The version the trainers launch: the last one that is not a candidate."""
+    return [v for v in progression.versions if not is_candidate(v)][-1]
 
 
 @dataclasses.dataclass
