@@ -14,9 +14,10 @@ What it is: the tutorial's experiments, all on the CPU:
   4. one-pass (E[x^2] - mean^2) against two-pass variance in float32 as |mean|/std grows
      (figure from_numpy_to_cuda_variance.png), and what the check says about a one-pass kernel;
   5. bytes moved, FLOPs and arithmetic intensity of one LayerNorm of GPT-2 124M against the H100's
-     roofline (figure from_numpy_to_cuda_roofline.png).
-What it is not: a GPU run. Nothing here ran on a GPU; the kernel has not yet run on one at all.
-The emulation reproduces the order of the kernel's float32 operations, not its speed; rsqrtf
+     roofline (figure from_numpy_to_cuda_roofline.png), and the three layernorm_forward versions'
+     times measured on an H100 (read from dev/results/'s dev/cuda table) against those bytes.
+What it is not: a GPU run. Nothing here runs on a GPU; section 4's measured times are read from
+the table `make dev-cuda` wrote on an H100 (dev/results/). The emulation reproduces the order of the kernel's float32 operations, not its speed; rsqrtf
 (an approximation on the GPU) is emulated by an exactly rounded 1/sqrt.
 
 Run:
