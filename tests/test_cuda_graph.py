@@ -244,6 +244,20 @@ def _gemm_args(m, n, k, at, bt, ct, alpha, beta, batch=None):
             llmc.cuda.CUBLAS_GEMM_DEFAULT)
 
 
+def test_set_while_the_stream_captures_is_refused(capture):
+    """ndarray.set is cudaMemcpyAsync on the current stream in CuPy; the emulated device does not
+    record it, so it refuses it while that stream captures rather than copying at once (a replay
+    would then not copy); outside a capture it copies."""
+    dev = device.zeros(4, np.float32)
+    stream = device.cuda.get_current_stream()
+    stream.begin_capture()
+    with pytest.raises(NotImplementedError, match="while the stream captures"):
+        dev.set(np.ones(4, np.float32))
+    stream.end_capture()
+    dev.set(np.ones(4, np.float32))
+    np.testing.assert_array_equal(dev.get(), np.ones(4, np.float32))
+
+
 def test_cupy_cublas_refuses_every_call_while_the_stream_captures(capture):
     # CuPy 14's gemmEx and gemmStridedBatchedEx set the handle's stream first, and setStream
     # raises while that stream captures (cupy_backends/cuda/libs/cublas.pyx v14.2.0, 642-668)

@@ -180,7 +180,13 @@ class ndarray(np.ndarray):
 
     def set(self, arr, stream=None):
         """Copy the host array `arr` in, as cupy.ndarray.set(): same shape and dtype, and `self`
-        C-contiguous. Raises TypeError / ValueError otherwise."""
+        C-contiguous. Raises TypeError / ValueError otherwise. CuPy issues the copy as
+        cudaMemcpyAsync on `stream` (default: the current one; cupy/_core/core.pyx, set); while
+        that stream captures a CUDA graph the emulated device does not record it and raises
+        NotImplementedError (narrower than CuPy: upload before the capture, as the trainers do)."""
+        if (stream or cuda.Stream._current)._captured is not None:
+            raise NotImplementedError("set: a host-to-device copy while the stream captures a CUDA graph is not "
+                                      "emulated; upload before the capture")
         if not isinstance(arr, np.ndarray) or isinstance(arr, ndarray):
             raise TypeError(f"set: expected a host numpy.ndarray, got {type(arr).__name__}")
         if self.shape != arr.shape:
