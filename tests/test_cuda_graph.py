@@ -245,13 +245,13 @@ def _gemm_args(m, n, k, at, bt, ct, alpha, beta, batch=None):
 
 
 def test_set_while_the_stream_captures_is_refused(capture):
-    """ndarray.set is cudaMemcpyAsync on the current stream in CuPy; the emulated device does not
-    record it, so it refuses it while that stream captures rather than copying at once (a replay
-    would then not copy); outside a capture it copies."""
+    """ndarray.set while its stream captures: CuPy 14 refuses the host-to-device copy itself
+    (cupy/cuda/memory.pyx v14.2.0, copy_from_host_async), and so does the emulated device, which
+    copied at once before (a replay would then not have copied); outside a capture it copies."""
     dev = device.zeros(4, np.float32)
     stream = device.cuda.get_current_stream()
     stream.begin_capture()
-    with pytest.raises(NotImplementedError, match="while the stream captures"):
+    with pytest.raises(RuntimeError, match="the current stream is capturing, so H2D transfers are disallowed"):
         dev.set(np.ones(4, np.float32))
     stream.end_capture()
     dev.set(np.ones(4, np.float32))

@@ -47,7 +47,8 @@ EXACT_ALLOCATIONS = BUILD_MODE == "asan"
 EMULATOR_OWN = ("EMULATOR_OWN", "ALLOCATION_ALIGNMENT", "UNINITIALIZED_BYTE", "MAX_DYNAMIC_SHARED_BYTES",
                 "EMULATED_COMPUTE_CAPABILITY", "DEVICE_NAME", "BUILD_MODE", "EXACT_ALLOCATIONS", "COMPARISONS",
                 "EMULATED_DEVICE_COUNT", "CUDA_ERRORS", "DYNAMIC_SHARED_PATTERN", "static_dynamic_shared",
-                "enqueue", "refuse_while_capturing", "stream_at", "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS")
+                "enqueue", "refuse_while_capturing", "refuse_transfer_while_capturing", "stream_at",
+                "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS")
 
 
 # ----------------------------------------------------------------------------
@@ -80,8 +81,9 @@ class ndarray(np.ndarray):
       - `dev[...] = host` with more than one element is a ValueError, as CuPy's fill;
       - a reduction to one value (dev.sum(), dev.max()) is a 0-d device array, not a NumPy
         scalar: float() and .item() read it, as on a GPU;
-      - reading to the host (.get(), float(), int(), bool(), .item(), .tolist()) while the stream
-        captures is CUDA's error (refuse_while_capturing);
+      - reading to the host (.get(), float(), int(), bool(), .item(), .tolist()) or .set() while
+        the stream captures is CuPy 14's RuntimeError (refuse_transfer_while_capturing), and a
+        synchronize then is CUDA's error (refuse_while_capturing);
       - a product that CuPy computes with cuBLAS (dev @ dev, np.matmul, np.dot, np.vdot, np.inner,
         np.tensordot on floating or complex operands) while the stream captures raises CuPy's
         NotImplementedError (llmc/emulator/cublas.py, setStream).
@@ -148,9 +150,10 @@ class ndarray(np.ndarray):
         enqueue(lambda: np.ndarray.__setitem__(self, index, value))
 
     def get(self, stream=None, out=None):
-        """A host (NumPy) copy, as cupy.ndarray.get(). While a stream captures this is CUDA's
-        error (a copy to host memory waits for work that a capture has not run)."""
-        refuse_while_capturing("a device-to-host copy (.get())")
+        """A host (NumPy) copy, as cupy.ndarray.get(). While `stream` (default: the current one)
+        captures, CuPy 14 refuses the copy itself (RuntimeError, refuse_transfer_while_capturing):
+        it would wait for work that the capture has not run."""
+        refuse_transfer_while_capturing("D2H", stream)
         host = np.array(self.view(np.ndarray), copy=True)
         if out is not None:
             out[...] = host
@@ -180,13 +183,10 @@ class ndarray(np.ndarray):
 
     def set(self, arr, stream=None):
         """Copy the host array `arr` in, as cupy.ndarray.set(): same shape and dtype, and `self`
-        C-contiguous. Raises TypeError / ValueError otherwise. CuPy issues the copy as
-        cudaMemcpyAsync on `stream` (default: the current one; cupy/_core/core.pyx, set); while
-        that stream captures a CUDA graph the emulated device does not record it and raises
-        NotImplementedError (narrower than CuPy: upload before the capture, as the trainers do)."""
-        if (stream or cuda.Stream._current)._captured is not None:
-            raise NotImplementedError("set: a host-to-device copy while the stream captures a CUDA graph is not "
-                                      "emulated; upload before the capture")
+        C-contiguous. Raises TypeError / ValueError otherwise. CuPy issues the copy on `stream`
+        (default: the current one) and refuses it while that stream captures a CUDA graph
+        (RuntimeError, refuse_transfer_while_capturing), as here: upload before the capture."""
+        refuse_transfer_while_capturing("H2D", stream)
         if not isinstance(arr, np.ndarray) or isinstance(arr, ndarray):
             raise TypeError(f"set: expected a host numpy.ndarray, got {type(arr).__name__}")
         if self.shape != arr.shape:
@@ -520,6 +520,15 @@ def refuse_while_capturing(what, stream=None):
     stream: the stream waited for (default: the current one). Raises CUDARuntimeError."""
     if (stream or cuda.Stream._current)._captured is not None:
         raise _cuda_error(900, f"{what} while the stream is capturing")
+
+
+def refuse_transfer_while_capturing(direction, stream=None):
+    """CuPy 14's own check before a copy between host and device (cupy/cuda/memory.pyx v14.2.0,
+    copy_to_host_async and copy_from_host_async, which ndarray.get and ndarray.set call): while
+    the stream (default: the current one) captures, a RuntimeError, before CUDA is asked.
+    direction: "D2H" or "H2D", as CuPy's message says."""
+    if (stream or cuda.Stream._current)._captured is not None:
+        raise RuntimeError(f"the current stream is capturing, so {direction} transfers are disallowed")
 
 
 def enqueue(fn, stream=None):
