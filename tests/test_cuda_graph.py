@@ -253,6 +253,9 @@ def test_set_while_the_stream_captures_is_refused(capture):
     stream.begin_capture()
     with pytest.raises(RuntimeError, match="the current stream is capturing, so H2D transfers are disallowed"):
         dev.set(np.ones(4, np.float32))
+    with pytest.raises(RuntimeError, match="the current stream is capturing, so H2D transfers are disallowed"):
+        device.asarray(np.ones(4, np.float32))                     # cupy.asarray of a host array: the same copy
+    assert device.asarray(dev) is dev                              # a device array: no copy, allowed
     stream.end_capture()
     dev.set(np.ones(4, np.float32))
     np.testing.assert_array_equal(dev.get(), np.ones(4, np.float32))
@@ -269,6 +272,8 @@ def test_cupy_cublas_refuses_every_call_while_the_stream_captures(capture):
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     cublas.gemmEx(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta))             # not capturing: computed
     np.testing.assert_allclose(ct.get(), expected, rtol=1e-5)
+    a = device.asarray(np.ones((2, 3), np.float32))             # uploaded before the capture (CuPy refuses it in one)
+    ints = device.asarray(np.ones((2, 3), np.int32))
     stream = device.cuda.get_current_stream()
     stream.begin_capture()
     with pytest.raises(NotImplementedError) as refused:
@@ -277,12 +282,10 @@ def test_cupy_cublas_refuses_every_call_while_the_stream_captures(capture):
     with pytest.raises(NotImplementedError, match=CUPY_CAPTURE_REFUSAL):
         cublas.gemmStridedBatchedEx(handle, *_gemm_args(m, n, k, at, bt, ct, alpha, beta, batch=1))
     # CuPy's own products of floating arrays are cuBLAS calls too (cupy/_core/_routines_linalg.pyx)
-    a = device.asarray(np.ones((2, 3), np.float32))
     for product in (lambda: a @ a.T, lambda: np.matmul(a, a.T), lambda: np.dot(a, a.T), lambda: np.inner(a, a),
                     lambda: np.tensordot(a, a.T, 1), lambda: np.vdot(a, a)):
         with pytest.raises(NotImplementedError, match=CUPY_CAPTURE_REFUSAL):
             product()
-    ints = device.asarray(np.ones((2, 3), np.int32))
     assert (ints @ ints.T).shape == (2, 2)                      # integer products are CuPy's own kernels
     assert stream.end_capture().work == []                     # nothing was recorded
 

@@ -379,9 +379,12 @@ def full_like(a, fill_value, dtype=None):
 
 
 def asarray(a, dtype=None):
-    """A device copy of a host array (or `a` itself if it is already a device array of `dtype`)."""
+    """A device copy of a host array (or `a` itself if it is already a device array of `dtype`).
+    From the host while the current stream captures: CuPy 14's RuntimeError, as ndarray.set."""
     if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
+    if not isinstance(a, ndarray):
+        refuse_transfer_while_capturing("H2D")
     host = np.asarray(a, dtype=dtype)
     out = _allocate(host.shape, host.dtype, 0)
     np.copyto(out.view(np.ndarray), host)
