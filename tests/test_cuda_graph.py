@@ -244,10 +244,11 @@ def _gemm_args(m, n, k, at, bt, ct, alpha, beta, batch=None):
             llmc.cuda.CUBLAS_GEMM_DEFAULT)
 
 
-def test_set_while_the_stream_captures_is_refused(capture):
-    """ndarray.set while its stream captures: CuPy 14 refuses the host-to-device copy itself
-    (cupy/cuda/memory.pyx v14.2.0, copy_from_host_async), and so does the emulated device, which
-    copied at once before (a replay would then not have copied); outside a capture it copies."""
+def test_copies_while_the_stream_captures(capture):
+    """While the stream captures, CuPy 14 refuses a copy from the host itself (ndarray.set,
+    cupy.asarray or cupy.array of host data: cupy/cuda/memory.pyx v14.2.0, copy_from_host_async),
+    and so does the emulated device, which copied at once before (a replay would then not have
+    copied); a device-to-device cupy.array is a kernel, recorded and run at the replay."""
     dev = device.zeros(4, np.float32)
     stream = device.cuda.get_current_stream()
     stream.begin_capture()
@@ -256,9 +257,14 @@ def test_set_while_the_stream_captures_is_refused(capture):
     with pytest.raises(RuntimeError, match="the current stream is capturing, so H2D transfers are disallowed"):
         device.asarray(np.ones(4, np.float32))                     # cupy.asarray of a host array: the same copy
     assert device.asarray(dev) is dev                              # a device array: no copy, allowed
-    stream.end_capture()
+    copied = device.array(dev, dtype=np.float64)                   # device to device: recorded, not run
+    with pytest.raises(RuntimeError, match="H2D transfers are disallowed"):
+        device.array([1.0, 2.0])
+    graph = stream.end_capture()
     dev.set(np.ones(4, np.float32))
     np.testing.assert_array_equal(dev.get(), np.ones(4, np.float32))
+    graph.launch()                                                 # the replay copies what dev holds now
+    assert copied.dtype == np.float64 and copied.get().tolist() == [1.0] * 4
 
 
 def test_cupy_cublas_refuses_every_call_while_the_stream_captures(capture):

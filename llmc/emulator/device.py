@@ -392,9 +392,14 @@ def asarray(a, dtype=None):
 
 
 def array(obj, dtype=None):
-    """A device copy of `obj` (a host array, a list or a device array), as cupy.array."""
-    host = obj.get() if isinstance(obj, ndarray) else np.asarray(obj)
-    return asarray(np.array(host, dtype=dtype))
+    """A device copy of `obj` (a host array, a list or a device array), as cupy.array: from a
+    device array a new allocation and a device-to-device copy (an elementwise kernel in CuPy,
+    recorded while the stream captures), from the host an upload (refused while it captures)."""
+    if isinstance(obj, ndarray):
+        out = _allocate(obj.shape, obj.dtype if dtype is None else dtype, UNINITIALIZED_BYTE)
+        enqueue(lambda: np.copyto(out.view(np.ndarray), obj.view(np.ndarray), casting="unsafe"))
+        return out
+    return asarray(np.array(obj, dtype=dtype))
 
 
 def asnumpy(a, stream=None):
