@@ -294,8 +294,12 @@ def load_function(kernel, precision):
             module = cuda.load_module(file[:-len(".cu")], precision)
         else:
             cp = cuda.cupy()
-            with open(os.path.join(REPO_ROOT, kernel.path), encoding="utf-8") as f:
-                module = cp.RawModule(code=f.read(), options=cuda.kernel_compile_options(precision))
+            path = os.path.join(REPO_ROOT, kernel.path)
+            with open(path, encoding="utf-8") as f:
+                code = f.read()
+            if cuda.device() == "cpu":               # g++'s messages and gdb's breakpoints name the real file
+                code = f'#line 1 "{path}"\n' + code
+            module = cp.RawModule(code=code, options=cuda.kernel_compile_options(precision))
             try:
                 module.compile()
             except cp.cuda.compiler.CompileException as e:
@@ -474,6 +478,9 @@ def parse_args(op, progressions, argv):
                         help=f"timed runs per version and block size (default {DEFAULT_REPEATS})")
     parser.add_argument("-o", "--output-dir", default=RESULTS_DIR,
                         help="where dev_cuda_<op>.md goes (default dev/results)")
+    parser.add_argument("-d", "--device", default="cuda", choices=cuda.DEVICES,
+                        help="cuda: validate, then time on a GPU (default); cpu: validate every version on the "
+                             "emulated device at the progression's small test size (no timing: it is a CPU)")
     return parser.parse_args(argv)
 
 
@@ -495,6 +502,25 @@ def shown_path(path):
     return os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT + os.sep) else path
 
 
+def validate_emulated(op, progressions, precision, versions):
+    """--device cpu: every selected version of every progression validated on the emulated device
+    (llmc/emulator/: the very kernel sources, compiled by g++) at the progression's test sizes.
+    Returns 0 when all pass, 1 otherwise (2 without a C++ compiler)."""
+    cuda.use_device("cpu")
+    reason = cuda.cuda_unavailable_reason()
+    if reason:
+        print(f"dev/cuda/{op}.py: the emulated device cannot run ({reason})", file=sys.stderr)
+        return NO_GPU_EXIT
+    ok = True
+    for progression in progressions:
+        if selected(progression, versions):
+            print(f"== {progression.name} [{precision}] {progression.test_sizes} on the emulated device: validating")
+            ok &= validate(progression, precision, progression.test_sizes, versions)
+    print(f"dev/cuda/{op}.py: every version {'validated' if ok else 'did NOT validate'} on the emulated device "
+          "(times need a GPU: run without --device cpu there)")
+    return 0 if ok else 1
+
+
 def main(op, progressions, argv=None):
     """Validate and time every progression of dev/cuda/<op>.py. Returns the exit status: 0; 1 a
     version failed validation or does not exist; 2 no CUDA GPU (one line, no traceback)."""
@@ -503,12 +529,15 @@ def main(op, progressions, argv=None):
     if args.version is not None and args.version not in numbers:
         print(f"dev/cuda/{op}.py: no version {args.version} (versions: {sorted(numbers)})", file=sys.stderr)
         return 1
+    versions = None if args.version is None else {args.version}
+    if args.device == "cpu":
+        return validate_emulated(op, progressions, args.precision, versions)
     reason = cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/cuda/{op}.py: no CUDA GPU found ({reason}); nothing to run "
-              f"(python dev/cuda/nvrtc_compile.py dev/cuda/{op}.cu compiles it without one)", file=sys.stderr)
+              f"(--device cpu validates every version on the emulated device; "
+              f"python dev/cuda/nvrtc_compile.py dev/cuda/{op}.cu compiles it)", file=sys.stderr)
         return NO_GPU_EXIT
-    versions = None if args.version is None else {args.version}
     props, description = device_description()
     print(f"dev/cuda/{op}.py on {description}")
     limits = {"bandwidth": measure_bandwidth()}

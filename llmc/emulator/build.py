@@ -47,7 +47,7 @@ MODE_FLAGS = {
              "-fno-omit-frame-pointer", "-DLLMC_EMU_OS_THREADS"),
 }
 KERNEL_PATTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
-SHIM_FILES = ("cuda_shim.h", "cuda_bf16.h", "emulator.cpp")
+SHIM_FILES = ("cuda_shim.h", "cuda_bf16.h", "tensor_cores.h", "emulator.cpp")
 MAX_PARAMETERS = 64
 
 

@@ -34,7 +34,8 @@ from llmc.emulator import build
 ALLOCATION_ALIGNMENT = 256             # bytes, as CuPy's memory pool
 UNINITIALIZED_BYTE = 0xFF              # what empty() leaves: NaN in fp32 and bf16
 MAX_DYNAMIC_SHARED_BYTES = 49152       # per block: CUDA's limit without cudaFuncSetAttribute's opt-in
-EMULATED_COMPUTE_CAPABILITY = (8, 0)   # bf16 kernels, as an A100 (no tensor cores: scalar tile ops)
+MAX_DYNAMIC_SHARED_OPTIN_BYTES = 166912    # per block with the opt-in on compute capability 8.0 (163 KiB)
+EMULATED_COMPUTE_CAPABILITY = (8, 0)   # as an A100: bf16, mma.sync, ldmatrix, cp.async (shim/tensor_cores.h)
 DEVICE_NAME = "emulated CUDA device (CPU)"
 # The sanitizer runs (dev/sanitize_kernels.py) set these: RawModule builds in that mode ("tsan",
 # "asan"), and allocations end exactly where the array does (16-byte aligned, as malloc gives),
@@ -45,6 +46,7 @@ EXACT_ALLOCATIONS = BUILD_MODE == "asan"
 # The emulator's own machinery and settings, which CuPy does not have (tests/test_cupy_conformance.py
 # checks that every other public name here is CuPy's, at the same place, and that none of these is)
 EMULATOR_OWN = ("EMULATOR_OWN", "ALLOCATION_ALIGNMENT", "UNINITIALIZED_BYTE", "MAX_DYNAMIC_SHARED_BYTES",
+                "MAX_DYNAMIC_SHARED_OPTIN_BYTES",
                 "EMULATED_COMPUTE_CAPABILITY", "DEVICE_NAME", "BUILD_MODE", "EXACT_ALLOCATIONS", "COMPARISONS",
                 "EMULATED_DEVICE_COUNT", "CUDA_ERRORS", "DYNAMIC_SHARED_PATTERN", "static_dynamic_shared",
                 "enqueue", "refuse_while_capturing", "refuse_transfer_while_capturing", "stream_at",
@@ -575,7 +577,8 @@ def get_elapsed_time(start_event, end_event):
 # the runtime: one device
 
 # the CUDA errors the emulated device raises: status -> (name, CUDA's description), cuda_runtime_api.h
-CUDA_ERRORS = {101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
+CUDA_ERRORS = {1: ("cudaErrorInvalidValue", "invalid argument"),
+               101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
                400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
                900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
                906: ("cudaErrorStreamCaptureImplicit",
@@ -615,7 +618,7 @@ def _device_properties(device):
     major, minor = EMULATED_COMPUTE_CAPABILITY
     return {"name": DEVICE_NAME.encode(), "major": major, "minor": minor, "totalGlobalMem": _host_memory()[1],
             "multiProcessorCount": os.cpu_count() or 1, "warpSize": 32, "maxThreadsPerBlock": 1024,
-            "sharedMemPerBlock": MAX_DYNAMIC_SHARED_BYTES}
+            "sharedMemPerBlock": MAX_DYNAMIC_SHARED_BYTES, "sharedMemPerBlockOptin": MAX_DYNAMIC_SHARED_OPTIN_BYTES}
 
 
 # as many emulated GPUs as one node of llm.c's recipes has, so that a data-parallel run of up to 8
@@ -700,11 +703,11 @@ DYNAMIC_SHARED_PATTERN = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\
 
 def static_dynamic_shared(code):
     """The kernel source with each dynamic shared memory array declared as a __shared__ array of
-    the most a launch may ask for (MAX_DYNAMIC_SHARED_BYTES, 16-byte aligned as CUDA's): like the
-    other __shared__ arrays, one copy per block in flight, filled with NaN before each block, so
-    that a read past what the kernel wrote shows. Line numbers do not change."""
+    the most a launch may ask for (MAX_DYNAMIC_SHARED_OPTIN_BYTES, 16-byte aligned as CUDA's): like
+    the other __shared__ arrays, one copy per block in flight, filled with NaN before each block,
+    so that a read past what the kernel wrote shows. Line numbers do not change."""
     return DYNAMIC_SHARED_PATTERN.sub(
-        lambda m: f"__shared__ __align__(16) {m[1]} {m[2]}[{MAX_DYNAMIC_SHARED_BYTES} / sizeof({m[1]})];", code)
+        lambda m: f"__shared__ __align__(16) {m[1]} {m[2]}[{MAX_DYNAMIC_SHARED_OPTIN_BYTES} / sizeof({m[1]})];", code)
 
 
 class RawModule:
@@ -751,6 +754,23 @@ class RawKernel:
         raw.kernel, raw.name = kernel, kernel.name
         return raw
 
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        """CuPy's RawKernel attribute (cuFuncSetAttribute's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES):
+        the dynamic shared memory a launch may ask for, MAX_DYNAMIC_SHARED_BYTES (48 KiB) until set.
+        Kept with the kernel (as CUDA keeps it with the function), so every RawKernel of it sees it."""
+        return getattr(self.kernel, "max_dynamic_shared_size_bytes", MAX_DYNAMIC_SHARED_BYTES)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        """Opt in to more than 48 KiB: up to MAX_DYNAMIC_SHARED_OPTIN_BYTES, as compute capability 8.0
+        allows; more is CUDA's invalid-value error (a CUDARuntimeError here; CuPy raises its
+        driver's CUDADriverError CUDA_ERROR_INVALID_VALUE)."""
+        if not hasattr(value, "__index__") or not 0 <= value <= MAX_DYNAMIC_SHARED_OPTIN_BYTES:
+            raise _cuda_error(1, f"kernel {self.name}: max_dynamic_shared_size_bytes {value}: a block of this "
+                                 f"device may opt in to at most {MAX_DYNAMIC_SHARED_OPTIN_BYTES} bytes")
+        self.kernel.max_dynamic_shared_size_bytes = int(value)
+
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         """grid, block: tuples of 1 to 3 ints; shared_mem: dynamic shared memory bytes, an int. A
         list grid or a float shared_mem is a TypeError, as Cython's `tuple grid` and `size_t
@@ -760,9 +780,10 @@ class RawKernel:
                 raise TypeError(f"Argument '{name}' has incorrect type (expected tuple, got {type(value).__name__})")
         if not hasattr(shared_mem, "__index__"):
             raise TypeError(f"shared_mem: 'size_t' from a {type(shared_mem).__name__}: CuPy needs an integer")
-        if not 0 <= shared_mem <= MAX_DYNAMIC_SHARED_BYTES:
+        if not 0 <= shared_mem <= self.max_dynamic_shared_size_bytes:
             raise ValueError(f"kernel {self.name}: {shared_mem} bytes of dynamic shared memory, a block may have "
-                             f"at most {MAX_DYNAMIC_SHARED_BYTES}")
+                             f"at most {self.max_dynamic_shared_size_bytes} (more needs the kernel's "
+                             f"max_dynamic_shared_size_bytes set first, up to {MAX_DYNAMIC_SHARED_OPTIN_BYTES})")
         grid, block = build.dims(grid), build.dims(block)
         storage, pointers = self.kernel.argument_buffer(args)
         enqueue(lambda: self.kernel.launch(grid, block, storage, pointers))

@@ -12,6 +12,9 @@ What it is: force-included (g++ -include) before each kernel file, it defines
   naming the kernel's block and thread, where a GPU would silently give garbage or hang;
 - __nv_bfloat16 with cuda_bf16.h's round-to-nearest-even conversions, atomics, CUDA's math
   functions, int4 / float4 and the cache-hint loads and stores;
+- the tensor-core and asynchronous-copy instructions (tensor_cores.h: mma.sync m16n8k16 bf16,
+  ldmatrix, cp.async with its commit and wait groups) with the PTX ISA's lane layouts, which
+  kernels reach through kernels/tensor_core.cuh;
 - the launcher: llmc_emu::launch runs a grid. Each CUDA thread is a fiber (a user-space context,
   switched by a few instructions, no system call; it takes a stack of its own when it first
   waits); a block's fibers run on one OS thread and switch only at a barrier or a
@@ -24,8 +27,8 @@ hide (a fiber runs until it waits, so a missing barrier rarely shows with fibers
 
 What it is not: a GPU. No timing, no memory model weaker than the CPU's, no warp lockstep (lanes
 of a warp run one after another between their synchronizing calls, as on Volta+ with independent
-thread scheduling), no bank conflicts, no tensor cores (the bf16 flash attention tiles take the
-kernel's scalar path), glibc's expf/logf instead of CUDA's.
+thread scheduling), no bank conflicts, glibc's expf/logf instead of CUDA's, and a tensor core's
+fp32 sums rounded once (a GPU's may differ in the last bits: tensor_cores.h).
 */
 #pragma once
 
@@ -86,13 +89,34 @@ extern dim3 gridDim;
 // synchronization (implemented in emulator.cpp)
 
 namespace llmc_emu {
-enum WarpOp { WARP_SYNC, WARP_SHFL, WARP_VOTE };
+enum WarpOp { WARP_SYNC, WARP_SHFL, WARP_VOTE, WARP_GATHER };
 // one warp-synchronous call of the calling lane: waits until every lane of `mask` has made the
 // same call, then returns the 8 bytes of lane `source` (WARP_SHFL), the ballot of `predicate`
-// over the mask (WARP_VOTE), or nothing (WARP_SYNC)
+// over the mask (WARP_VOTE), or nothing (WARP_SYNC, WARP_GATHER)
 unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what);
 void sync_threads();
 [[noreturn]] void fail(const char* format, ...);
+
+// The warp-collective instructions' exchange (tensor_cores.h): every one of the warp's 32 lanes
+// brings `bytes` bytes (its fragment registers, its row of a matrix); when the last arrives, each
+// lane receives all 32 lanes' bytes, lane l's at all + l * bytes. `what` names the instruction:
+// every lane must be in the same one (the PTX ISA's .sync.aligned rule), and a warp of fewer than
+// 32 lanes may not execute it.
+struct Gather {
+    const void* mine;
+    void* all;
+    int bytes;
+};
+inline void warp_gather(const void* mine, void* all, int bytes, const char* what) {
+    Gather g = {mine, all, bytes};
+    warp_call(WARP_GATHER, 0xffffffffu, (unsigned long long)(uintptr_t)&g, 0, what);
+}
+// whether [p, p + bytes) lies inside one __shared__ array of the running block
+bool is_shared(const void* p, size_t bytes);
+// cp.async (tensor_cores.h): the copy's source read now, its destination written at the wait
+void cp_async(void* dst, const void* src, int cp_size, int src_size, const char* what);
+void cp_async_commit_group();
+void cp_async_wait_group(int pending);
 }
 
 inline void __syncthreads() { llmc_emu::sync_threads(); }
@@ -310,3 +334,6 @@ inline __nv_bfloat16 __hneg(__nv_bfloat16 a) { return __ushort_as_bfloat16(a.__x
 inline bool __hisnan(__nv_bfloat16 a) { return (a.__x & 0x7fffu) > 0x7f80u; }
 inline __nv_bfloat16 __hmax(__nv_bfloat16 a, __nv_bfloat16 b) { return __float2bfloat16_rn(fmaxf((float)a, (float)b)); }
 inline __nv_bfloat16 __hmin(__nv_bfloat16 a, __nv_bfloat16 b) { return __float2bfloat16_rn(fminf((float)a, (float)b)); }
+
+// the tensor-core and asynchronous-copy instructions (mma.sync, ldmatrix, cp.async)
+#include "tensor_cores.h"

@@ -70,6 +70,15 @@ struct Context { ucontext_t uc; };
 
 enum Wait { RUNNING, AT_BARRIER, AT_WARP_CALL, FINISHED };
 
+// one cp.async in flight: its source bytes, read when it was issued, land at `dst` when the
+// thread waits for its group (cp.async.wait_group)
+struct AsyncCopy {
+    char* dst;
+    unsigned char data[16];
+    int bytes;
+    long group;                     // the commit group it belongs to: 1, 2, ... (groups_committed + 1 at issue)
+};
+
 struct CudaThread {
     uint3 idx;
     int linear;                     // x + y*bx + z*bx*by: lane = linear % 32, warp = linear / 32
@@ -80,6 +89,8 @@ struct CudaThread {
     int source;
     const char* what;
     bool started;                   // fiber mode: it has run (a fiber holds its stack while it waits)
+    std::vector<AsyncCopy> async_copies;   // issued cp.async copies that have not landed
+    long groups_committed;          // cp.async.commit_group calls so far
 #ifndef LLMC_EMU_OS_THREADS
     Context context;                // fiber mode: where it continues after a wait
 #endif
@@ -165,6 +176,18 @@ NO_TSAN static unsigned lanes_of_warp(const Block& b, int warp) {
     return lanes == WARP ? 0xffffffffu : (1u << lanes) - 1u;
 }
 
+// a warp-collective instruction completes: every lane receives every lane's bytes (warp_gather in
+// cuda_shim.h). The lanes' buffers are on their own stacks, which stay put while they wait.
+NO_TSAN static void gather_complete(CudaThread* lanes) {
+    for (int l = 0; l < WARP; l++) {
+        const Gather* to = (const Gather*)(uintptr_t)lanes[l].value;
+        for (int s = 0; s < WARP; s++) {
+            const Gather* from = (const Gather*)(uintptr_t)lanes[s].value;
+            memcpy((char*)to->all + (size_t)s * to->bytes, from->mine, to->bytes);
+        }
+    }
+}
+
 // lane t arrives at a warp call (what it brings: see warp_call in cuda_shim.h); completes its
 // group if it is the last of the mask to arrive
 template <class Wake>
@@ -182,6 +205,11 @@ NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mas
         return false;
     }
     const unsigned existing = lanes_of_warp(b, warp);
+    if (op == WARP_GATHER && existing != 0xffffffffu) {
+        record_error(block, &t, "%s: a warp-collective instruction needs all 32 lanes, and this block of %d threads "
+                     "leaves warp %d with lanes 0x%08x", t.what, b.n, warp, existing);
+        return false;
+    }
     if (t.mask & ~existing) {
         record_error(block, &t, "%s: mask 0x%08x names lanes that do not exist (this warp has lanes 0x%08x)",
                      t.what, t.mask, existing);
@@ -203,6 +231,12 @@ NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mas
                          t.what, t.mask, l, lanes[l].what, lanes[l].mask);
             return false;
         }
+        if (t.op == WARP_GATHER && (strcmp(lanes[l].what, t.what) != 0 ||
+                                    ((const Gather*)(uintptr_t)lanes[l].value)->bytes != ((const Gather*)(uintptr_t)t.value)->bytes)) {
+            record_error(block, &t, "%s: lane %d of the warp is in another warp-collective instruction, %s "
+                         "(every lane must execute the same one)", t.what, l, lanes[l].what);
+            return false;
+        }
         if (t.op == WARP_SHFL && !(t.mask >> lanes[l].source & 1u)) {
             record_error(block, &lanes[l], "%s with mask 0x%08x: lane %d reads lane %d, which is not in the mask",
                          t.what, t.mask, l, lanes[l].source);
@@ -210,6 +244,7 @@ NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mas
         }
         ballot |= (unsigned)(lanes[l].value != 0) << l;
     }
+    if (t.op == WARP_GATHER) gather_complete(lanes);
     for (int l = 0; l < WARP; l++) {
         if (!(t.mask >> l & 1u)) continue;
         lanes[l].result = t.op == WARP_SHFL ? lanes[lanes[l].source].value : ballot;
@@ -261,6 +296,8 @@ NO_TSAN static void init_block(Block& b, const dim3& block) {
         t.source = 0;
         t.what = "";
         t.started = false;
+        t.async_copies.clear();
+        t.groups_committed = 0;
     }
 }
 
@@ -440,6 +477,16 @@ static void fill_shared_with_nan() {
     char* base = &llmc_emu_tls_anchor - anchor_offset;
     for (auto& [offset, bytes] : shared_arrays) memset(base + offset, 0xff, bytes);
 }
+
+bool is_shared(const void* p, size_t bytes) {
+    const char* base = &llmc_emu_tls_anchor - anchor_offset;
+    for (auto& [offset, size] : shared_arrays) {
+        if ((const char*)p >= base + offset && (const char*)p + bytes <= base + offset + size) return true;
+    }
+    return false;
+}
+
+static CudaThread& current_thread() { return *this_worker->current; }
 
 static void run_block(Worker& w, long index) {
     Block& b = w.block;
@@ -636,6 +683,7 @@ extern "C" char __stop_llmc_emu_shared[] __attribute__((weak));
 extern "C" void llmc_emu_run_threads(int n, void (*body)(int, void*), void* context) __attribute__((weak));
 
 static Block& os_block = *new Block();
+static CudaThread& current_thread();
 static uint3 os_block_index;                     // blockIdx of the block in flight
 static int bookkeeping;                          // the bookkeeping's lock: 0 free, 1 held, 2 held and waited for
 static char start_sync, end_sync, barrier_sync[2], warp_sync[MAX_THREADS_PER_BLOCK / WARP][2];   // ThreadSanitizer's
@@ -755,6 +803,12 @@ NO_TSAN static void run_cuda_thread(int k, void*) {
     finish(t);
 }
 
+bool is_shared(const void* p, size_t bytes) {
+    return (const char*)p >= __start_llmc_emu_shared && (const char*)p + bytes <= __stop_llmc_emu_shared;
+}
+
+static CudaThread& current_thread() { return *this_thread; }
+
 NO_TSAN static void run_grid(long num_blocks) {
     if (!llmc_emu_run_threads) {
         fputs("llmc emulator: a sanitizer build runs in the python of llmc.emulator.build.sanitizer_python "
@@ -773,6 +827,46 @@ NO_TSAN static void run_grid(long num_blocks) {
     }
 }
 #endif
+
+// ----------------------------------------------------------------------------
+// cp.async (tensor_cores.h, the PTX ISA's "cp.async", "cp.async.commit_group" and
+// "cp.async.wait_group"): each CUDA thread keeps its copies in flight; a copy joins the group that
+// the thread's next commit_group closes, and wait_group N lands every copy of the committed groups
+// except the N most recent, in the order they were issued. Copies not yet committed are not
+// waited for (wait_all commits first).
+
+void cp_async(void* dst, const void* src, int cp_size, int src_size, const char* what) {
+    if (cp_size != 4 && cp_size != 8 && cp_size != 16) fail("%s: cp-size %d (4, 8 or 16 bytes)", what, cp_size);
+    if (src_size < 0 || src_size > cp_size) fail("%s: src-size %d outside 0..cp-size %d", what, src_size, cp_size);
+    if ((uintptr_t)dst % cp_size != 0) fail("%s: the shared address %p is not %d-byte aligned", what, dst, cp_size);
+    if ((uintptr_t)src % cp_size != 0) fail("%s: the global address %p is not %d-byte aligned", what, src, cp_size);
+    if (!is_shared(dst, cp_size)) fail("%s: the destination %p (%d bytes) is not inside the block's shared memory", what, dst, cp_size);
+    if (src_size > 0 && is_shared(src, src_size)) fail("%s: the source %p is in shared memory, not global", what, src);
+    CudaThread& t = current_thread();
+    AsyncCopy copy;
+    copy.dst = (char*)dst;
+    copy.bytes = cp_size;
+    memset(copy.data, 0, sizeof(copy.data));                 // src-size < cp-size: the rest is zero-filled
+    if (src_size > 0) memcpy(copy.data, src, src_size);
+    copy.group = t.groups_committed + 1;
+    t.async_copies.push_back(copy);
+}
+
+void cp_async_commit_group() { current_thread().groups_committed++; }
+
+void cp_async_wait_group(int pending) {
+    CudaThread& t = current_thread();
+    size_t kept = 0;
+    for (size_t i = 0; i < t.async_copies.size(); i++) {
+        AsyncCopy& copy = t.async_copies[i];
+        if (copy.group <= t.groups_committed - pending) {
+            memcpy(copy.dst, copy.data, copy.bytes);
+        } else {
+            t.async_copies[kept++] = copy;
+        }
+    }
+    t.async_copies.resize(kept);
+}
 
 // ----------------------------------------------------------------------------
 // the launch
