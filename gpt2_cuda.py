@@ -1205,7 +1205,8 @@ def main(argv=None):
     def check(args):
         _, _, capability = cuda.select_device(Comm())
         return run_check(sys.modules[__name__], args, setup_model(args, capability))
-    return run_main(check if args.check else train, args, (InputError, KernelCompileError))
+    return gpu_cli.with_memory_report(
+        args, lambda: run_main(check if args.check else train, args, (InputError, KernelCompileError)))
 
 if __name__ == "__main__":
     sys.exit(main())

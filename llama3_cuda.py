@@ -788,7 +788,8 @@ def main(argv=None):
         print(f"llama3_cuda.py: {where} ({reason}); add --device cpu to run the same kernels on the emulated "
               f"device (slowly), or use llama3_cpu.py", file=sys.stderr)
         return 2
-    return run_main(check if args.check else train, args, (InputError, KernelCompileError))
+    return gpu_cli.with_memory_report(
+        args, lambda: run_main(check if args.check else train, args, (InputError, KernelCompileError)))
 
 
 if __name__ == "__main__":

@@ -183,8 +183,8 @@ def select_device(comm):
 # ----------------------------------------------------------------------------
 # kernel modules: each kernels/<file>.cu compiled once per process per precision
 
-_MODULES = {}      # (device, file, precision) -> cupy.RawModule, compiled
-_FUNCTIONS = {}    # (device, file, precision, kernel name) -> cupy.RawKernel
+_MODULES = {}      # (device, file, precision, build_variant()) -> cupy.RawModule, compiled
+_FUNCTIONS = {}    # (device, file, precision, build_variant(), kernel name) -> cupy.RawKernel
 
 
 def cuda_include_dirs():
@@ -244,11 +244,18 @@ def kernel_compile_options(precision):
             f"-DCOMMON_CUH_DIGEST=sha256_{common_header_digest()}")
 
 
+def build_variant():
+    """What tells one compiled module of a kernel file from another besides the device and the
+    precision: on the emulated device, whether its memory counters trace the launches
+    (llmc/emulator/memory.py compiles traced builds while it traces); nothing on a GPU."""
+    return _device == "cpu" and cupy().MEMORY_TRACE is not None
+
+
 def load_module(file, precision):
     """kernels/<file>.cu compiled for `precision`, once per process and device (CuPy also caches
     the binary on disk, the emulated device its g++ build). Raises KernelCompileError naming the
     file, with the compiler's log."""
-    key = (_device, file, precision)
+    key = (_device, file, precision, build_variant())
     if key not in _MODULES:
         cp = cupy()
         path = os.path.join(KERNELS_DIR, f"{file}.cu")
@@ -278,7 +285,7 @@ def launch(file, precision, name, grid, block, args):
     """Launch kernel `name` of kernels/<file>.cu. grid: int or (x, y); block: threads; args: CuPy
     arrays and NumPy scalars typed exactly as the C signature (np.int32, np.float32, np.uint64,
     ...), since CuPy does not check them against it."""
-    key = (_device, file, precision, name)
+    key = (_device, file, precision, build_variant(), name)
     if key not in _FUNCTIONS:
         _FUNCTIONS[key] = load_module(file, precision).get_function(name)
     grid = grid if isinstance(grid, tuple) else (grid,)

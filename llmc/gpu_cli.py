@@ -5,6 +5,7 @@ prints about the device (the banner, -lg's status line).
 """
 
 import argparse
+import sys
 
 from llmc import cuda, multinode
 from llmc.attention import ATTENTION_CHOICES, DEFAULT_ATTENTION
@@ -56,8 +57,30 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
       help="cpu: the emulated CUDA device (llmc/emulator/: our kernels compiled by g++ and run on the CPU, "
            "slow; defaults --precision fp32 -f 0, so the losses are gpt2_cpu.py's)")
     a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
+    a("--memory-report", action="store_true",
+      help="with --device cpu: count every kernel's global-memory sectors and shared-memory bank conflicts "
+           "(llmc/emulator/memory.py, as Nsight Compute defines them) and print them per kernel and worst "
+           "line at the end (slower; e.g. -e d2 -x 1)")
     multinode.add_flags(p)                     # -pm -pn -pr -pg -ps -pp -pj: one node or many
     return p
+
+
+def with_memory_report(args, run):
+    """run() (the trainer's main work, returning its exit code), inside the emulated device's memory
+    counters when --memory-report asks for them (llmc/emulator/memory.py), printing their table
+    afterwards. --memory-report without --device cpu: one error line, exit 1 (a GPU has Nsight
+    Compute for this)."""
+    if not getattr(args, "memory_report", False):
+        return run()
+    if args.device != "cpu":
+        print("error: --memory-report counts memory accesses on the emulated device: add --device cpu "
+              "(on a GPU, Nsight Compute's ncu counts them)", file=sys.stderr)
+        return 1
+    from llmc.emulator import memory             # the emulated device's module: loaded only when asked for
+    with memory.tracing() as report:
+        code = run()
+    print(report.format())
+    return code
 
 
 def auto_or_bit(value):

@@ -66,6 +66,7 @@ Run an op (without a CUDA GPU or CuPy it says so in one line and exits 2):
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -287,7 +288,7 @@ def load_function(kernel, precision):
     """The compiled kernel (each file compiled once per process, device and precision, with the
     trainer's options, llmc.cuda.kernel_compile_options; CuPy also caches it on disk, the emulated
     device, llmc.cuda.use_device("cpu"), its g++ build)."""
-    key = (cuda.device(), kernel.path, precision, kernel.name)
+    key = (cuda.device(), kernel.path, precision, cuda.build_variant(), kernel.name)
     if key not in _FUNCTIONS:
         directory, file = os.path.split(kernel.path)
         if directory == "kernels":                   # the trainer's own module and cache
@@ -481,6 +482,9 @@ def parse_args(op, progressions, argv):
     parser.add_argument("-d", "--device", default="cuda", choices=cuda.DEVICES,
                         help="cuda: validate, then time on a GPU (default); cpu: validate every version on the "
                              "emulated device at the progression's small test size (no timing: it is a CPU)")
+    parser.add_argument("--memory", action="store_true",
+                        help="with --device cpu: print each version's memory counters (global sectors per request, "
+                             "shared-memory bank conflicts, as Nsight Compute defines them: llmc/emulator/memory.py)")
     return parser.parse_args(argv)
 
 
@@ -502,23 +506,62 @@ def shown_path(path):
     return os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT + os.sep) else path
 
 
-def validate_emulated(op, progressions, precision, versions):
+def validate_emulated(op, progressions, precision, versions, memory_counters=False):
     """--device cpu: every selected version of every progression validated on the emulated device
-    (llmc/emulator/: the very kernel sources, compiled by g++) at the progression's test sizes.
-    Returns 0 when all pass, 1 otherwise (2 without a C++ compiler)."""
+    (llmc/emulator/: the very kernel sources, compiled by g++) at the progression's test sizes;
+    with memory_counters (--memory), each version's memory counters after its validation lines
+    (llmc/emulator/memory.py). Returns 0 when all pass, 1 otherwise (2 without a C++ compiler)."""
     cuda.use_device("cpu")
     reason = cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/cuda/{op}.py: the emulated device cannot run ({reason})", file=sys.stderr)
         return NO_GPU_EXIT
+    from llmc.emulator import memory             # the emulated device's counters (its kernels are traced builds)
     ok = True
-    for progression in progressions:
-        if selected(progression, versions):
+    with memory.tracing() if memory_counters else contextlib.nullcontext():
+        for progression in progressions:
+            if not selected(progression, versions):
+                continue
             print(f"== {progression.name} [{precision}] {progression.test_sizes} on the emulated device: validating")
-            ok &= validate(progression, precision, progression.test_sizes, versions)
+            for version in selected(progression, versions):
+                with memory.tracing() if memory_counters else contextlib.nullcontext() as report:
+                    ok &= validate(progression, precision, progression.test_sizes, {version.number})
+                if memory_counters:
+                    print(memory_summary(version, report))
     print(f"dev/cuda/{op}.py: every version {'validated' if ok else 'did NOT validate'} on the emulated device "
           "(times need a GPU: run without --device cpu there)")
     return 0 if ok else 1
+
+
+def memory_summary(version, report):
+    """The lines --memory prints after a version's validation: per kernel, its global loads and
+    stores (sectors per request, share of the moved bytes used) and shared memory (wavefronts per
+    request, bank conflicts), then its worst line."""
+    if not report.launches:
+        return f"   v{version.number} memory: no kernel of ours ran (a library call)"
+    lines = []
+    for kernel in sorted(report.launches):
+        parts = []
+        for access in ("load", "store"):
+            c = report.kernel_counters(kernel, "global", access)
+            if c.requests:
+                parts.append(f"global {access}s {c.sectors_per_request:.1f} sectors/request ({c.efficiency:.0%} used)")
+        shared = report.kernel_counters(kernel, "shared", "load")
+        shared.add(report.kernel_counters(kernel, "shared", "store"))
+        if shared.requests:
+            parts.append(f"shared {shared.wavefronts_per_request:.2f} wavefronts/request "
+                         f"({shared.bank_conflicts} bank conflicts)")
+        lines.append(f"   v{version.number} memory, {kernel}: " + "; ".join(parts or ["no memory access counted"]))
+        lines += [f"      worst: {memory_line(site, c)}" for site, c, _ in report.worst_lines(kernel, 1)]
+    return "\n".join(lines)
+
+
+def memory_line(site, c):
+    """A worst line, without the kernel's name (it heads the line above)."""
+    if site.space == "global":
+        return (f"{site.line} global {site.access}: {c.sectors_per_request:.1f} sectors/request, "
+                f"{c.efficiency:.0%} of the moved bytes used")
+    return f"{site.line} shared {site.access}: {c.wavefronts_per_request:.2f} wavefronts/request, {c.bank_conflicts} conflicts"
 
 
 def main(op, progressions, argv=None):
@@ -530,8 +573,12 @@ def main(op, progressions, argv=None):
         print(f"dev/cuda/{op}.py: no version {args.version} (versions: {sorted(numbers)})", file=sys.stderr)
         return 1
     versions = None if args.version is None else {args.version}
+    if args.memory and args.device != "cpu":
+        print(f"dev/cuda/{op}.py: --memory counts on the emulated device: add --device cpu "
+              "(on a GPU, Nsight Compute's ncu counts them)", file=sys.stderr)
+        return 1
     if args.device == "cpu":
-        return validate_emulated(op, progressions, args.precision, versions)
+        return validate_emulated(op, progressions, args.precision, versions, args.memory)
     reason = cuda.cuda_unavailable_reason()
     if reason:
         print(f"dev/cuda/{op}.py: no CUDA GPU found ({reason}); nothing to run "

@@ -45,9 +45,16 @@ MODE_FLAGS = {
     "tsan": ("-O1", "-fsanitize=thread", "-DLLMC_EMU_OS_THREADS"),
     "asan": ("-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
              "-fno-omit-frame-pointer", "-DLLMC_EMU_OS_THREADS"),
+    # the memory counters (llmc/emulator/memory.py, shim/tracer.cpp): fibers as "fibers", no
+    # auto-vectorization (it would merge or split accesses as no GPU compiler would); the kernel's
+    # unit is instrumented (TRACE_KERNEL_FLAGS), the launcher and the tracer are not
+    "trace": ("-O1", "-fno-tree-vectorize", "-fno-tree-slp-vectorize", "-DLLMC_EMU_TRACE"),
 }
+# ThreadSanitizer's instrumentation without its runtime: every load and store calls __tsan_readN /
+# __tsan_writeN, which shim/tracer.cpp defines
+TRACE_KERNEL_FLAGS = ("-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0")
 KERNEL_PATTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
-SHIM_FILES = ("cuda_shim.h", "cuda_bf16.h", "tensor_cores.h", "emulator.cpp")
+SHIM_FILES = ("cuda_shim.h", "cuda_bf16.h", "tensor_cores.h", "emulator.cpp", "tracer.cpp", "launcher_and_tracer.cpp")
 MAX_PARAMETERS = 64
 
 
@@ -68,10 +75,13 @@ def compiler_flags(defines, include_dirs, mode="fibers"):
             + tuple(f"-I{d}" for d in include_dirs))
 
 
-def unit_source(kernel_path, names):
-    """The generated C++ unit: the kernel file, the launcher, one launch and one parameters entry
-    per kernel."""
-    lines = [f'#include "{kernel_path}"', f'#include "{os.path.join(SHIM_DIR, "emulator.cpp")}"', ""]
+def unit_source(kernel_path, names, with_launcher=True):
+    """The generated C++ unit: the kernel file, the launcher (unless with_launcher is False: the
+    traced build compiles it apart, uninstrumented), one launch and one parameters entry per kernel."""
+    lines = [f'#include "{kernel_path}"']
+    if with_launcher:
+        lines.append(f'#include "{os.path.join(SHIM_DIR, "emulator.cpp")}"')
+    lines.append("")
     for name in names:
         lines += [
             f"static void llmc_emu_body_{name}(void* args) {{ llmc_emu::invoke({name}, (void**)args); }}",
@@ -146,6 +156,16 @@ def library_path(path, defines, include_dirs, mode="fibers"):
     return base + ".so"
 
 
+def traced_build_commands(flags, unit, so):
+    """The traced build (mode "trace") in three steps: the kernel's unit compiled with the
+    instrumentation, the launcher and the tracer (shim/emulator.cpp, shim/tracer.cpp) without it,
+    linked without ThreadSanitizer's runtime (the tracer stands in for it)."""
+    kernel_object, launcher_object = unit + ".kernel.o", unit + ".launcher.o"
+    return [[CXX, *flags, *TRACE_KERNEL_FLAGS, "-c", unit, "-o", kernel_object],
+            [CXX, *flags, "-c", "-x", "c++", os.path.join(SHIM_DIR, "launcher_and_tracer.cpp"), "-o", launcher_object],
+            [CXX, *flags, kernel_object, launcher_object, "-ldl", "-o", so]]
+
+
 def file_digest(path):
     """(size in bytes, sha256 hex) of a file."""
     with open(path, "rb") as f:
@@ -179,12 +199,18 @@ def build_library(base, path, source, flags, defines):
     so_fd, so_tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
     os.close(so_fd)
     try:
+        traced = "-DLLMC_EMU_TRACE" in flags
         with os.fdopen(unit_fd, "w") as f:
-            f.write(unit_source(os.path.abspath(path), kernel_names(source)))
-        result = subprocess.run([CXX, *flags, unit_tmp, "-o", so_tmp], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise EmulatorError(f"{path}: g++ failed to compile it for the emulated device "
-                                f"({' '.join(defines)}):\n{result.stderr[-4000:]}")
+            f.write(unit_source(os.path.abspath(path), kernel_names(source), with_launcher=not traced))
+        if traced:
+            commands = traced_build_commands(flags, unit_tmp, so_tmp)
+        else:
+            commands = [[CXX, *flags, unit_tmp, "-o", so_tmp]]
+        for command in commands:
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise EmulatorError(f"{path}: g++ failed to compile it for the emulated device "
+                                    f"({' '.join(defines)}):\n{result.stderr[-4000:]}")
         size, digest = file_digest(so_tmp)
         os.replace(unit_tmp, base + ".cpp")
         os.replace(so_tmp, base + ".so")
@@ -193,7 +219,7 @@ def build_library(base, path, source, flags, defines):
             f.write(f"{size} {digest}\n")
         os.replace(record_tmp, base + ".sha256")
     finally:
-        for tmp in (unit_tmp, so_tmp):
+        for tmp in (unit_tmp, so_tmp, unit_tmp + ".kernel.o", unit_tmp + ".launcher.o"):
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
@@ -226,6 +252,7 @@ class Kernel:
 
     def __init__(self, library, name):
         self.name = name
+        self.traced = False                      # set by Library.kernel: a traced build (memory counters)
         try:
             self._launch = getattr(library, f"llmc_emu_launch_{name}")
             parameters = getattr(library, f"llmc_emu_parameters_{name}")
@@ -299,7 +326,8 @@ class Library:
         self.library = ctypes.CDLL(self.path)
         with open(path) as f:
             self.names = kernel_names(f.read())
-        if mode == "fibers":
+        self.mode = mode
+        if mode in ("fibers", "trace"):
             offsets, sizes, anchor = shared_arrays(self.path)
             n = len(offsets)
             self.library.llmc_emu_set_shared(ctypes.c_int(n), (ctypes.c_long * max(1, n))(*offsets),
@@ -309,6 +337,8 @@ class Library:
     def kernel(self, name):
         if name not in self._kernels:
             self._kernels[name] = Kernel(self.library, name)
+            self._kernels[name].traced = self.mode == "trace"
+            self._kernels[name].library = self
         return self._kernels[name]
 
 

@@ -50,7 +50,7 @@ EMULATOR_OWN = ("EMULATOR_OWN", "ALLOCATION_ALIGNMENT", "UNINITIALIZED_BYTE", "M
                 "EMULATED_COMPUTE_CAPABILITY", "DEVICE_NAME", "BUILD_MODE", "EXACT_ALLOCATIONS", "COMPARISONS",
                 "EMULATED_DEVICE_COUNT", "CUDA_ERRORS", "DYNAMIC_SHARED_PATTERN", "static_dynamic_shared",
                 "enqueue", "refuse_while_capturing", "refuse_transfer_while_capturing", "stream_at",
-                "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS")
+                "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS", "ALLOCATIONS", "MEMORY_TRACE")
 
 
 # ----------------------------------------------------------------------------
@@ -310,6 +310,12 @@ class MemoryPool:
 
 
 _POOL = MemoryPool()
+# every live allocation: its first byte's address -> its size in bytes (the memory counters,
+# llmc/emulator/memory.py, count an access as global when it falls inside one)
+ALLOCATIONS = {}
+# the memory counters' recorder while llmc.emulator.memory traces (None otherwise): kernel modules
+# compiled then are traced builds, and their launches go through MEMORY_TRACE.launch
+MEMORY_TRACE = None
 
 
 def get_default_memory_pool():
@@ -338,6 +344,9 @@ def _allocate(shape, dtype, fill_byte, order="C"):
     buffer.fill(fill_byte)
     _POOL.used += nbytes
     weakref.finalize(raw, _POOL._release, nbytes)
+    address = raw.ctypes.data + offset
+    ALLOCATIONS[address] = nbytes
+    weakref.finalize(raw, ALLOCATIONS.pop, address, None)
     return buffer.view(dtype).reshape(shape).view(ndarray)
 
 
@@ -728,8 +737,9 @@ class RawModule:
         defines = [o for o in self.options if o.startswith("-D")]
         include_dirs = [o[2:] for o in self.options if o.startswith("-I")]
         path = build.source_file(static_dynamic_shared(self.code))
+        mode = "trace" if MEMORY_TRACE is not None and BUILD_MODE == "fibers" else BUILD_MODE
         try:
-            self.library = build.Library(path, defines, include_dirs, BUILD_MODE)
+            self.library = build.Library(path, defines, include_dirs, mode)
         except build.EmulatorError as e:
             raise cuda.compiler.CompileException(str(e), self.code, path, self.options, "g++") from None
 
@@ -786,7 +796,10 @@ class RawKernel:
                              f"max_dynamic_shared_size_bytes set first, up to {MAX_DYNAMIC_SHARED_OPTIN_BYTES})")
         grid, block = build.dims(grid), build.dims(block)
         storage, pointers = self.kernel.argument_buffer(args)
-        enqueue(lambda: self.kernel.launch(grid, block, storage, pointers))
+        if self.kernel.traced and MEMORY_TRACE is not None:
+            enqueue(lambda: MEMORY_TRACE.launch(self.kernel, grid, block, storage, pointers))
+        else:
+            enqueue(lambda: self.kernel.launch(grid, block, storage, pointers))
 
 
 cuda = types.SimpleNamespace(

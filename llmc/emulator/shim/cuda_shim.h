@@ -27,7 +27,8 @@ hide (a fiber runs until it waits, so a missing barrier rarely shows with fibers
 
 What it is not: a GPU. No timing, no memory model weaker than the CPU's, no warp lockstep (lanes
 of a warp run one after another between their synchronizing calls, as on Volta+ with independent
-thread scheduling), no bank conflicts, glibc's expf/logf instead of CUDA's, and a tensor core's
+thread scheduling), no timing of memory (llmc/emulator/memory.py counts sectors and bank conflicts
+in a traced build, shim/tracer.cpp), glibc's expf/logf instead of CUDA's, and a tensor core's
 fp32 sums rounded once (a GPU's may differ in the last bits: tensor_cores.h).
 */
 #pragma once
@@ -117,6 +118,29 @@ bool is_shared(const void* p, size_t bytes);
 void cp_async(void* dst, const void* src, int cp_size, int src_size, const char* what);
 void cp_async_commit_group();
 void cp_async_wait_group(int pending);
+#ifdef LLMC_EMU_TRACE
+// the memory counters' hooks (tracer.cpp, in the traced builds of llmc/emulator/memory.py)
+void trace_access(const void* p, int size, bool write, const void* pc);
+void trace_block_end();
+#endif
+
+// the launcher (emulator.cpp) and what each kernel's entry points need from it (build.py's unit)
+int launch(const char* name, const unsigned* grid, const unsigned* block, void (*body)(void*), void* args);
+
+// the parameter sizes and pointer flags of a kernel, so that Python can check its arguments
+template <class... P> int parameters(void (*)(P...), int* sizes, int* pointers) {
+    int i = 0;
+    ((sizes[i] = (int)sizeof(P), pointers[i] = std::is_pointer_v<P>, i++), ...);
+    return (int)sizeof...(P);
+}
+
+// call the kernel with args[i] pointing at its i-th argument, as cuLaunchKernel takes them
+template <class... P, size_t... I> void invoke(void (*kernel)(P...), void** args, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_reference_t<P>*>(args[I])...);
+}
+template <class... P> void invoke(void (*kernel)(P...), void** args) {
+    invoke(kernel, args, std::index_sequence_for<P...>{});
+}
 }
 
 inline void __syncthreads() { llmc_emu::sync_threads(); }

@@ -496,6 +496,9 @@ static void run_block(Worker& w, long index) {
     w.head = w.tail = 0;
     for (int i = 0; i < b.n; i++) enqueue(w, b.threads[i]);
     run_next(w, w.scheduler, next_thread(w));    // back when the queue is empty or the launch failed
+#ifdef LLMC_EMU_TRACE
+    trace_block_end();                           // the memory counters of the block (tracer.cpp)
+#endif
     if (!failed.load() && b.live > 0) {
         record_error(blockIdx, nullptr, "deadlock: every unfinished thread waits and no wait can complete: %s",
                      describe_waits(b).c_str());
@@ -842,6 +845,11 @@ void cp_async(void* dst, const void* src, int cp_size, int src_size, const char*
     if ((uintptr_t)src % cp_size != 0) fail("%s: the global address %p is not %d-byte aligned", what, src, cp_size);
     if (!is_shared(dst, cp_size)) fail("%s: the destination %p (%d bytes) is not inside the block's shared memory", what, dst, cp_size);
     if (src_size > 0 && is_shared(src, src_size)) fail("%s: the source %p is in shared memory, not global", what, src);
+#ifdef LLMC_EMU_TRACE
+    // one instruction, two requests: its global read and its shared write (tracer.cpp), at the kernel's call
+    trace_access(src, src_size, false, __builtin_return_address(0));
+    trace_access(dst, cp_size, true, __builtin_return_address(0));
+#endif
     CudaThread& t = current_thread();
     AsyncCopy copy;
     copy.dst = (char*)dst;
@@ -899,21 +907,6 @@ int launch(const char* name, const unsigned* grid, const unsigned* block, void (
     l.num_blocks = (long)grid[0] * grid[1] * grid[2];
     run_grid(l.num_blocks);
     return failed.load() ? 1 : 0;
-}
-
-// the parameter sizes and pointer flags of a kernel, so that Python can check its arguments
-template <class... P> int parameters(void (*)(P...), int* sizes, int* pointers) {
-    int i = 0;
-    ((sizes[i] = (int)sizeof(P), pointers[i] = std::is_pointer_v<P>, i++), ...);
-    return (int)sizeof...(P);
-}
-
-// call the kernel with args[i] pointing at its i-th argument, as cuLaunchKernel takes them
-template <class... P, size_t... I> void invoke(void (*kernel)(P...), void** args, std::index_sequence<I...>) {
-    kernel(*static_cast<std::remove_reference_t<P>*>(args[I])...);
-}
-template <class... P> void invoke(void (*kernel)(P...), void** args) {
-    invoke(kernel, args, std::index_sequence_for<P...>{});
 }
 
 }  // namespace llmc_emu

@@ -103,6 +103,17 @@ inline void mma_m16n8k16_row_col_f32_bf16(float d[4], const unsigned a[4], const
 // which is, for x4 without .trans, exactly an mma.m16n8k16 A fragment when the four matrices are
 // A's quadrants in the order (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15),
 // (rows 8-15, cols 8-15).
+// a lane's read of its 16-byte row; in a traced build (memory.py) counted as one shared-memory
+// access at the kernel's call site, and hidden from the instrumentation that would count it again
+#ifdef LLMC_EMU_TRACE
+__attribute__((noinline, no_sanitize_thread)) inline void ldmatrix_read_row(void* mine, const void* row) {
+    memcpy(mine, row, 16);
+    trace_access(row, 16, false, __builtin_return_address(0));
+}
+#else
+inline void ldmatrix_read_row(void* mine, const void* row) { memcpy(mine, row, 16); }
+#endif
+
 inline void ldmatrix_m8n8_b16(unsigned* d, int num, bool trans, const void* row, const char* what) {
     struct Row {
         unsigned short x[8];
@@ -116,7 +127,7 @@ inline void ldmatrix_m8n8_b16(unsigned* d, int num, bool trans, const void* row,
         if (!is_shared(row, 16)) {
             fail("%s: lane %d's row address %p (16 bytes) is not inside the block's shared memory", what, lane, row);
         }
-        memcpy(&mine, row, sizeof(Row));
+        ldmatrix_read_row(&mine, row);
     }
     warp_gather(&mine, all, sizeof(Row), what);
     const int group = lane >> 2, pair = (lane % 4) * 2;
