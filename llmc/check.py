@@ -123,7 +123,8 @@ def check_against(a, ref, label, group, kind, verbose=True):
 # One .npz (numpy.savez, no pickles): "meta" is a JSON string {"format", "group" (the TOLERANCES
 # row), "tensors": [{"label", "kind"}, ...] in comparison order, and whatever the caller adds
 # (model shape, B, T, precision, device)}; "got_<i>" and "ref_<i>" are tensor i's values as
-# compared, float32 (the GPU's upcast from bf16 where it stored bf16).
+# compared: float32 (the GPU's upcast from bf16 where it stored bf16), or float64 where the
+# comparison was in float64 (the mean loss).
 
 COMPARISON_FORMAT = "llmc-check-1"
 
@@ -133,9 +134,11 @@ def save_comparison(path, entries, group, **meta):
     .npz, written atomically), with meta's keys in its "meta"."""
     arrays = {"meta": np.array(json.dumps({"format": COMPARISON_FORMAT, "group": group, **meta,
                                            "tensors": [{"label": l, "kind": k} for l, k, _, _ in entries]}))}
+    def as_saved(x):
+        x = np.asarray(x)
+        return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
     for i, (_, _, got, ref) in enumerate(entries):
-        arrays[f"got_{i}"] = np.asarray(got, dtype=np.float32)
-        arrays[f"ref_{i}"] = np.asarray(ref, dtype=np.float32)
+        arrays[f"got_{i}"], arrays[f"ref_{i}"] = as_saved(got), as_saved(ref)
     atomic_write(path, lambda f: np.savez(f, **arrays))
 
 

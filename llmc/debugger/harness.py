@@ -133,10 +133,27 @@ def click_and_wait(page, selector, timeout_ms=600_000):
     return wait_ready(page, before, timeout_ms)
 
 
+def redrawn(page, action, timeout_ms=120_000):
+    """Do action() (a click, a choice in a list) and wait until the page has finished the drawing
+    it starts (body[data-drawn] counts finished drawings)."""
+    before = page.get_attribute("body", "data-drawn") or ""
+    action()
+    page.wait_for_function(f"(document.body.dataset.drawn || '') !== '{before}'", timeout=timeout_ms)
+
+
 def show_view(page, name):
-    """Click a view's tab and wait for its drawing requests to finish."""
-    page.click(f"#tabs button[data-view='{name}']")
-    page.wait_for_load_state("networkidle")
+    """Click a view's tab and wait until it is drawn."""
+    redrawn(page, lambda: page.click(f"#tabs button[data-view='{name}']"))
+
+
+def choose(page, selector, value):
+    """Choose `value` in the <select> `selector` and wait until the page has redrawn."""
+    redrawn(page, lambda: page.select_option(selector, value))
+
+
+def click(page, selector):
+    """Click something that redraws (an op in the list, a table row, a link) and wait for it."""
+    redrawn(page, lambda: page.click(selector))
 
 
 def hover_cell(page, div_id, row, col):
@@ -148,4 +165,5 @@ def hover_cell(page, div_id, row, col):
     }""", [div_id, row, col])
     page.mouse.move(x, y)
     page.wait_for_selector(f"#{div_id} .hoverlayer .hovertext")
-    return page.inner_text(f"#{div_id} .hoverlayer .hovertext")
+    return page.eval_on_selector(f"#{div_id} .hoverlayer .hovertext",      # SVG: one tspan per line
+                                 "e => [...e.querySelectorAll('tspan.line')].map(t => t.textContent).join('\\n') || e.textContent")

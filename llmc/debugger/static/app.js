@@ -115,7 +115,7 @@ function renderOpList(ops) {
     li.dataset.op = op.index;
     li.title = op.statement;
     li.textContent = `${String(op.index + 1).padStart(3)} ${op.layer !== null ? "L" + op.layer + " " : ""}${op.label}`;
-    li.addEventListener("click", () => { S.follow = false; selectOp(op.index); });
+    li.addEventListener("click", () => { S.follow = false; redraw(() => selectOp(op.index)); });
     ol.appendChild(li);
   }
   markOps();
@@ -213,6 +213,14 @@ function statsTable(table, st, extra) {
 }
 
 // ---------------------------------------------------------------------------- the views
+
+let DRAWN = 0;
+
+// Run a drawing function; then body[data-drawn] counts one more finished drawing (what a test or
+// the benchmark waits for after a click).
+async function redraw(fn) {
+  try { await fn(); } finally { document.body.dataset.drawn = String(++DRAWN); }
+}
 
 function showView(name) {
   S.view = name;
@@ -321,7 +329,7 @@ function drawParams(detail) {
     tr.dataset.param = p.name;
     const label = `model.P["${p.name}"]` + (p.layer !== null ? `[${p.layer}]` : "");
     tr.innerHTML = `<td>${esc(label)}</td><td colspan="6">...</td>`;
-    tr.addEventListener("click", () => { S.param = p; drawParamDetail(); });
+    tr.addEventListener("click", () => { S.param = p; redraw(() => drawParamDetail()); });
     table.appendChild(tr);
     api("/api/param", { name: p.name, layer: p.layer === null ? "-" : p.layer }).then((d) => {
       tr.innerHTML = `<td>${esc(label)}</td><td>(${d.shape.join(",")})</td><td>${fmt(d.P.mean)}</td><td>${fmt(d.P.std)}</td>` +
@@ -484,7 +492,7 @@ async function drawCheck(zoom) {
       tr.innerHTML = `<td>${esc(r.label)}</td><td>${r.kind}</td><td>(${r.shape.join(",")})</td><td>${r.atol.toExponential(2)}</td>` +
         `<td>${r.rtol.toExponential(1)}</td><td>${r.maxdiff.toExponential(3)}</td><td>${r.rel.toExponential(3)}</td>` +
         `<td class="${r.ok ? "" : "bad"}">${r.max_ratio.toFixed(4)}</td><td class="${r.ok ? "" : "bad"}">${r.bad}</td>`;
-      tr.addEventListener("click", () => { S.checkTensor = r.label; drawCheck(); });
+      tr.addEventListener("click", () => { S.checkTensor = r.label; redraw(() => drawCheck()); });
       table.appendChild(tr);
     }
   }
@@ -573,26 +581,26 @@ function wire() {
     if (act) $(act).click();
   });
   for (const b of document.querySelectorAll("#tabs button")) {
-    b.addEventListener("click", () => { showView(b.dataset.view); if (b.dataset.view !== "source") drawView(); });
+    b.addEventListener("click", () => { showView(b.dataset.view); redraw(() => b.dataset.view !== "source" && drawView()); });
   }
   document.addEventListener("click", (e) => {
     const a = e.target.closest("a[data-src]");
-    if (a) { e.preventDefault(); showSource(a.dataset.src, Number(a.dataset.line)); }
+    if (a) { e.preventDefault(); redraw(() => showSource(a.dataset.src, Number(a.dataset.line))); }
   });
-  $("tensor-select").addEventListener("change", (e) => { S.tensor = e.target.value; S.h = 0; drawOp(); });
-  $("seq-select").addEventListener("change", (e) => { S.b = Number(e.target.value); drawTensor(); });
-  $("head-select").addEventListener("change", (e) => { S.h = Number(e.target.value); drawTensor(); });
-  $("param-which").addEventListener("change", () => drawParamDetail());
-  $("att-layer").addEventListener("change", (e) => { S.attLayer = Number(e.target.value); drawAttention(); });
-  $("att-head").addEventListener("change", (e) => { S.attHead = Number(e.target.value); drawAttention(); });
-  $("att-seq").addEventListener("change", (e) => { S.attSeq = Number(e.target.value); drawAttention(); });
-  $("att-kind").addEventListener("change", (e) => { S.attKind = e.target.value; drawAttention(); });
-  $("loss-seq").addEventListener("change", (e) => { S.b = Number(e.target.value); drawLoss(); });
-  $("check-run").addEventListener("change", (e) => { S.checkRun = Number(e.target.value); S.checkTensor = null; drawCheck(); });
-  $("check-layer").addEventListener("change", (e) => { S.checkLayer = Number(e.target.value); drawCheck(); });
-  $("check-seq").addEventListener("change", (e) => { S.checkSeq = Number(e.target.value); drawCheck(); });
-  $("check-head").addEventListener("change", (e) => { S.checkHead = Number(e.target.value); drawCheck(); });
-  for (const id of ["kernel-buffer", "kernel-block", "kernel-op"]) $(id).addEventListener("change", () => drawKernel());
+  $("tensor-select").addEventListener("change", (e) => { S.tensor = e.target.value; S.h = 0; redraw(drawOp); });
+  $("seq-select").addEventListener("change", (e) => { S.b = Number(e.target.value); redraw(() => drawTensor()); });
+  $("head-select").addEventListener("change", (e) => { S.h = Number(e.target.value); redraw(() => drawTensor()); });
+  $("param-which").addEventListener("change", () => redraw(() => drawParamDetail()));
+  $("att-layer").addEventListener("change", (e) => { S.attLayer = Number(e.target.value); redraw(() => drawAttention()); });
+  $("att-head").addEventListener("change", (e) => { S.attHead = Number(e.target.value); redraw(() => drawAttention()); });
+  $("att-seq").addEventListener("change", (e) => { S.attSeq = Number(e.target.value); redraw(() => drawAttention()); });
+  $("att-kind").addEventListener("change", (e) => { S.attKind = e.target.value; redraw(() => drawAttention()); });
+  $("loss-seq").addEventListener("change", (e) => { S.b = Number(e.target.value); redraw(drawLoss); });
+  $("check-run").addEventListener("change", (e) => { S.checkRun = Number(e.target.value); S.checkTensor = null; redraw(() => drawCheck()); });
+  $("check-layer").addEventListener("change", (e) => { S.checkLayer = Number(e.target.value); redraw(() => drawCheck()); });
+  $("check-seq").addEventListener("change", (e) => { S.checkSeq = Number(e.target.value); redraw(() => drawCheck()); });
+  $("check-head").addEventListener("change", (e) => { S.checkHead = Number(e.target.value); redraw(() => drawCheck()); });
+  for (const id of ["kernel-buffer", "kernel-block", "kernel-op"]) $(id).addEventListener("change", () => redraw(drawKernel));
 }
 
 async function start() {
