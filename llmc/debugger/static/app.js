@@ -290,9 +290,8 @@ async function drawOp() {
   if (t) {
     $("tensor-where").textContent = `${t.name}: ${t.dtype} (${t.shape.join(", ")})` +
       (t.where ? ` = ${t.where}` : " (the op's own array)") + (detail.current ? "" : " (kept from when the op ran)");
-    await drawTensor();
   }
-  drawParams(detail);
+  await Promise.all([t ? drawTensor() : Promise.resolve(), drawParams(detail)]);
   $("scalars").innerHTML = Object.entries(detail.scalars).map(([k, v]) => `<tr><td>${esc(k)}</td><td>${fmt(v, 8)}</td></tr>`).join("");
 }
 
@@ -313,7 +312,7 @@ async function drawTensor(zoom) {
   }
 }
 
-function drawParams(detail) {
+async function drawParams(detail) {
   const table = $("params");
   if (!detail.params.length) {
     table.innerHTML = `<tr><td>this op has no parameters</td></tr>`;
@@ -338,7 +337,7 @@ function drawParams(detail) {
     }).catch(() => {});
   }
   $("param-detail").classList.remove("hidden");
-  drawParamDetail();
+  await drawParamDetail();
 }
 
 async function drawParamDetail(zoom) {
