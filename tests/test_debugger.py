@@ -92,7 +92,7 @@ class Stepper:
         family = cli.choose_family(self.args.model, self.args.resume)
         module = importlib.import_module(family.module)
         ops = discover_ops(module, family, cli.model_config(module, family, self.args))
-        self.session = Session(module, family, ops)
+        self.session = Session(module, family, ops, self.args.keep_mib)
 
         def run():
             try:
@@ -202,6 +202,26 @@ def test_run_to_an_op_and_llama3_loss():
     assert state["loss"] == model.mean_loss
     np.testing.assert_array_equal(s.tensor(target, "out0"), model.acts["losses"])
     assert st.go("finish")["op"] == len(s.ops) - 1
+    assert st.go("next_step")["state"] == "finished"
+
+
+def test_gradient_accumulation_runs_each_micro_batch_and_keep_mib_lets_go():
+    """-d 2*B*T: two micro-batches a step, the ops of forward and backward twice, AdamW once; with
+    --keep-mib 0 a past op's own arrays are let go (the forward's stay, as views of model.acts)."""
+    st = Stepper(["-e", "d2", "-b", str(B), "-t", str(T), "-x", "1", "-d", str(2 * B * T), "--keep-mib", "0"])
+    s = st.session
+    encoder_backward = next(op.index for op in s.ops if op.function == "encoder_backward")
+    state = st.go("to", encoder_backward)
+    assert (state["micro"], state["op"]) == (0, encoder_backward)
+    dlogits = next(op.index for op in s.ops if op.function == "crossentropy_softmax_backward")
+    assert s.op_json(dlogits)["evicted"]
+    with pytest.raises(NotFound, match="let go"):
+        s.tensor(dlogits, "out0")
+    assert s.names.name(s.tensor(1, "out0")) == 'model.acts["ln1"][0]'          # a forward result: never let go
+    state = st.go("op")
+    assert (state["step"], state["micro"], state["op"]) == (1, 1, 0)             # the second micro-batch
+    state = st.go("finish")
+    assert (state["micro"], state["op"]) == (1, len(s.ops) - 1)
     assert st.go("next_step")["state"] == "finished"
 
 

@@ -173,9 +173,10 @@ class Session:
             for i, name in enumerate(op.acts):
                 if name and name in acts and i < len(record.returned):
                     table = acts[name] if op.layer is None or not in_block else acts[name][op.layer]
-                    value = record.returned[i][1]
-                    if isinstance(value, np.ndarray) and table.shape == value.shape:
+                    value = record.returned[i][1]                  # None: let go before the copy
+                    if value is None or isinstance(value, np.ndarray) and table.shape == value.shape:
                         record.returned[i] = (record.returned[i][0], table)
+            record.evicted = any(v is None for _, v in record.returned)
             record.acts_done = True
         self._account(None)
 
