@@ -147,7 +147,7 @@ class Handler(BaseHTTPRequestHandler):
             args = Query(query)
             if route is route_state:                   # a long poll: must not hold the views back
                 return self._json(route(self.server, args))
-            with self.server.session.view_lock:        # the trainer stays where it is meanwhile
+            with self.server.session.gate.reading():   # the trainer stays where it is meanwhile
                 result = route(self.server, args)
             return self._json(result)
         except HttpError as e:

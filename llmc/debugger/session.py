@@ -6,7 +6,7 @@ What it is: the listener of stepper.StepHook. The trainer runs in the main threa
 the hook calls op_returned here, which keeps references to the op's arrays and, if the page asked
 to stop there, blocks until the page says go on (the controls: next op, run to an op, finish the
 step, next step). The page's requests run in the server's threads and read the arrays only while
-the trainer stands still (a lock makes a control wait for a view being computed).
+the trainer stands still (ViewGate: a control waits for the views being computed).
 
 What is kept of an op, and for how long:
     its returned values      as the arrays the op returned; a forward result the trainer copies
@@ -23,6 +23,7 @@ Everything shown is read from these arrays; what is derived (statistics, histogr
 update-to-parameter ratio, a tile's block means) is computed here and labelled so on the page.
 """
 
+import contextlib
 import math
 import threading
 import time
@@ -88,7 +89,7 @@ class Session:
         self.current = None                    # the OpRecord the trainer stands after
         self.state, self.error = "starting", None
         self.cond = threading.Condition()
-        self.view_lock = threading.RLock()
+        self.gate = ViewGate()
         self.target = ("op", None, None)       # stop at the first op
         self.before = None                     # the parameters before AdamW, then the update
         self.update_step = None
@@ -251,7 +252,7 @@ class Session:
             raise BadRequest(f"unknown action {action!r}")
         if action == "to" and (not isinstance(op, int) or not 0 <= op < len(self.ops)):
             raise BadRequest(f"op must be an integer in [0, {len(self.ops)})")
-        with self.view_lock, self.cond:
+        with self.gate.writing(), self.cond:
             if self.state != "paused":
                 raise Conflict(f"the trainer is {self.state}")
             self.target = (action, op, self.step)
@@ -279,10 +280,11 @@ class Session:
         return self.state_json()
 
     # ------------------------------------------------------------------
-    # what the page reads (server threads; under view_lock)
+    # what the page reads (server threads; inside gate.reading())
 
     def readable(self):
-        """Raise Conflict unless the arrays stand still (paused or finished)."""
+        """Raise Conflict unless the arrays stand still (paused or finished): call it inside
+        gate.reading()."""
         if self.state not in ("paused", "finished"):
             raise Conflict(f"the trainer is {self.state}: ask again when it stops")
 
@@ -424,9 +426,8 @@ class Session:
         if self.update_step is not None:
             u = self.parameter("update", name, layer)
             out["update"] = tensors.clean(tensors.summary(u))
-            norm_p = float(np.linalg.norm(p.astype(np.float64).ravel()))
-            norm_u = float(np.linalg.norm(u.astype(np.float64).ravel()))
-            out["ratio"] = norm_u / norm_p if norm_p > 0 else None
+            norm_p, norm_u = out["P"]["norm"], out["update"]["norm"]
+            out["ratio"] = norm_u / norm_p if norm_p else None
         return out
 
     def adamw_json(self):
@@ -442,8 +443,7 @@ class Session:
             for l in layers:
                 p = self.model.P[name] if l is None else self.model.P[name][l]
                 u = views[name] if l is None else views[name][l]
-                norm_p = float(np.linalg.norm(p.astype(np.float64).ravel()))
-                norm_u = float(np.linalg.norm(u.astype(np.float64).ravel()))
+                norm_p, norm_u = _norm(p), _norm(u)
                 rows.append({"name": name, "layer": l, "norm_p": norm_p, "norm_update": norm_u,
                              "ratio": norm_u / norm_p if norm_p > 0 else None})
         return {"step": self.update_step + 1, "rows": rows}
@@ -487,6 +487,48 @@ class Session:
         if self.tokenizer is None:
             return f"<{token}>"
         return self.tokenizer.token_bytes[token].decode("utf-8", errors="replace")
+
+
+def _norm(x):
+    """||x||, the squares summed by BLAS a chunk at a time (tensors.summary's rule)."""
+    flat = x.reshape(-1)
+    return math.sqrt(sum(float(np.dot(c, c)) for c in (flat[i:i + tensors.STATS_CHUNK]
+                                                         for i in range(0, flat.size, tensors.STATS_CHUNK))))
+
+
+class ViewGate:
+    """Many views at once, or one control: reading() is held while a view reads the arrays,
+    writing() while a control sets the trainer going; each waits for the other."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.readers, self.writer = 0, False
+
+    @contextlib.contextmanager
+    def reading(self):
+        with self.cond:
+            while self.writer:
+                self.cond.wait()
+            self.readers += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.readers -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def writing(self):
+        with self.cond:
+            while self.writer or self.readers:
+                self.cond.wait()
+            self.writer = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.writer = False
+                self.cond.notify_all()
 
 
 def _find_model(frame):
