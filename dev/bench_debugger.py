@@ -12,6 +12,9 @@ What it measures, each from the click (or the URL being opened) to the page havi
 The time the trainer takes to reach an op (seconds per d12 layer on a CPU) is not a view's time
 and is reported apart. What it is not: a test (nothing is asserted), or a measure of the trainer.
 
+The machine's 1-minute load average before and after is recorded too: on a shared machine the
+figures are only as good as it was quiet.
+
 Run (several minutes; d12 at T=1024 holds about 10 GiB):
     python dev/bench_debugger.py [--skip-d12] [-o dev/results/visual_debugger_bench.json]
 prints one line per figure and writes them as JSON for doc/visual_debugger.md (doc/visual_debugger.py
@@ -98,11 +101,12 @@ def main(argv=None):
         print(f"error: {reason}", file=sys.stderr)
         return 1
     result = {"date": datetime.date.today().isoformat(), "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-              "d4": bench_d4()}
+              "load_average_before": round(os.getloadavg()[0], 1), "d4": bench_d4()}
     print("d4 B=4 T=64:", json.dumps(result["d4"]))
     if not args.skip_d12:
         result["d12"] = bench_d12()
         print("d12 B=4 T=1024:", json.dumps(result["d12"]))
+    result["load_average_after"] = round(os.getloadavg()[0], 1)     # other work on the machine meanwhile
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")

@@ -111,6 +111,8 @@ def compute(fig_dir):
         bench = json.load(f)
     d4, d12 = bench["d4"], bench.get("d12", {})
     numbers["bench_date"] = bench["date"]
+    numbers["bench_load_before"] = f"{bench['load_average_before']:.1f}"
+    numbers["bench_load_after"] = f"{bench['load_average_after']:.1f}"
     numbers["bench_d4_first_view"] = f"{d4['first_view_s']:.2f}"
     numbers["bench_d4_step_median"] = f"{d4['op_step_median_s']:.2f}"
     numbers["bench_d4_step_max"] = f"{d4['op_step_max_s']:.2f}"

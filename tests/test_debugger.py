@@ -225,6 +225,18 @@ def test_gradient_accumulation_runs_each_micro_batch_and_keep_mib_lets_go():
     assert st.go("next_step")["state"] == "finished"
 
 
+def test_a_checkpoint_file_is_debugged_with_its_family(tmp_path):
+    """-e a .bin: GPT-2's or Llama 3's model file, told apart by its header, stepped from its values."""
+    gpt2_file, llama_file = str(tmp_path / "g.bin"), str(tmp_path / "l.bin")
+    g.write_model(gpt2_file, g.gpt2_init(g.config_from_descriptor("d2"), 7))
+    llama3_cpu.write_model(llama_file, llama3_cpu.llama3_init(llama3_cpu.config_from_descriptor("llama3:d2"), 7))
+    assert cli.choose_family(gpt2_file, 0) is GPT2 and cli.choose_family(llama_file, 0) is cli.LLAMA3
+    st = Stepper(["-e", gpt2_file, "-b", str(B), "-t", str(T), "-x", "1"])
+    np.testing.assert_array_equal(st.session.model.params, g.read_model(gpt2_file).params)
+    assert st.go("finish")["op"] == len(st.session.ops) - 1
+    assert st.go("next_step")["state"] == "finished"
+
+
 # ---------------------------------------------------------------------------- --check-save and its table
 
 def test_saved_comparison_table_is_llmc_check_rule(tmp_path):

@@ -133,6 +133,7 @@ function markOps() {
 
 async function refresh() {
   const [state, ops] = await Promise.all([api("/api/state"), api("/api/ops")]);
+  S.ops = ops.ops;                      // first: the status line links to the current op's call
   setState(state);
   renderOpList(ops.ops);
   if (S.follow && state.op !== null) S.selected = state.op;
