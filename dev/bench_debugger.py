@@ -21,7 +21,6 @@ prints one line per figure and writes them as JSON for doc/visual_debugger.md (d
 reads that file).
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -31,6 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llmc.cli import ArgumentParser  # noqa: E402  (a bad flag: one error line, exit 1)
 from llmc.debugger.harness import (DebuggerProcess, browser_page, chromium_unavailable_reason,  # noqa: E402
                                    click_and_wait, redrawn, show_view, wait_ready)
 
@@ -92,7 +92,7 @@ def bench_d12():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="the visual debugger's page speed, in Chromium")
+    p = ArgumentParser(prog="dev/bench_debugger.py", description="the visual debugger's page speed, in Chromium")
     p.add_argument("--skip-d12", action="store_true", help="only the d4 figures")
     p.add_argument("-o", "--output", default=RESULT, help="JSON file to write the figures to")
     args = p.parse_args(argv)
