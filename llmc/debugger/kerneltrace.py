@@ -27,8 +27,10 @@ from llmc.utils import InputError
 
 TRACE_FORMAT = "llmc-kernel-trace-1"
 MAX_ACCESSES = 1 << 20                 # warp requests of one launch the page is sent
-NO_TRACE = ("No kernel trace loaded. The emulated device's memory-trace recorder writes one launch's accesses "
-            "as JSON (format in doc/visual_debugger.md); pass it with --kernel-trace FILE.")
+# what the page says without --kernel-trace (the one place that says the recorder is still to come)
+NO_TRACE = ("No kernel trace loaded. This view shows one launch's memory accesses from a JSON file given with "
+            "--kernel-trace FILE (format: doc/visual_debugger.md, 'A kernel's threads'). The emulated device "
+            "does not record such traces yet: its memory-trace recorder is still to be built.")
 
 
 class KernelTrace:
