@@ -7,7 +7,7 @@ SETUP   = $(PYTHON) dev/setup_env.py
 PY     := $(shell $(PYTHON) dev/setup_env.py --python)
 export PATH := $(dir $(PY)):$(PATH)
 
-.PHONY: help data train train-cpu test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels sanitize clean
+.PHONY: help data train train-cpu debug test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels sanitize clean
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -23,6 +23,10 @@ train: data      ## train GPT-2 on Shakespeare (GPU if present, else CPU; ARGS="
 
 train-cpu: data  ## train with the NumPy trainer (ARGS="-x 50" passes flags)
 	$(PY) gpt2_cpu.py $(ARGS)
+
+debug: data      ## the visual debugger: a training step op by op in the browser (prints a URL; ARGS="-e llama3:d4")
+	$(SETUP) debug
+	$(PY) -m llmc.debugger $(ARGS)
 
 test:            ## run the test suite (GPU tests skip without a GPU)
 	$(SETUP) test

@@ -9,7 +9,7 @@ before anything is installed.
                                                   (and, on stderr, why the GPU trainer cannot run)
     python3 dev/setup_env.py gpu-wheels           download the wheels a GPU machine without network
                                                   lacks into .whl/ (see dev/results/README.md)
-TARGET is one of data, train, bench, bench-cpu, test, test-gpu, dev-cuda, compile-kernels.
+TARGET is one of data, train, debug, bench, bench-cpu, test, test-gpu, dev-cuda, compile-kernels.
 
 The rules, in order:
   1. Where: the active virtual environment when there is one (sys.prefix != sys.base_prefix, or
@@ -34,6 +34,9 @@ The rules, in order:
      attention and cuBLAS instead, saying so.
   5. Versions come from requirements.txt and requirements-dev.txt (one place for the pins); the
      CUDA-13 forms are in CUDA13_PACKAGES below, the GPU extras' in GPU_EXTRAS.
+  6. Chromium (the browser tests drive it with Playwright): Debian's package, with apt-get, where
+     /usr/bin/chromium is missing and this runs as root with apt-get; otherwise one line saying so,
+     and the browser tests skip (Playwright's own browser download cannot be fetched here).
 A package that cannot be installed (no network, PIP_NO_INDEX=1) ends the target with one
 `error:` line naming it when the target cannot run without it, and is reported in one line and
 skipped when it is optional (the tests that need it skip).
@@ -69,6 +72,7 @@ NVIDIA_SMI_TIMEOUT_S = 30
 NEEDS = {
     "data":            {"required": ["numpy", "tiktoken"], "optional": []},
     "train":           {"required": ["numpy", "tiktoken"], "optional": ["cupy", "cudnn", "nvmath"]},
+    "debug":           {"required": ["numpy", "tiktoken", "plotly"], "optional": []},
     "bench":           {"required": ["numpy", "tiktoken", "cupy", "torch"], "optional": ["cudnn", "nvmath"]},
     "bench-cpu":       {"required": ["numpy"], "optional": []},
     "test-gpu":        {"required": ["numpy", "tiktoken", "pytest", "cupy"], "optional": ["torch", "cudnn", "nvmath"]},
@@ -76,7 +80,7 @@ NEEDS = {
     "compile-kernels": {"required": ["numpy", "nvrtc"], "optional": []},
     "test":            {"required": ["numpy", "tiktoken", "pytest"],
                         "optional": ["torch", "mpi4py", "mpich", "transformers", "safetensors", "matplotlib",
-                                     "tqdm", "nvrtc"]},
+                                     "tqdm", "nvrtc", "plotly", "playwright", "chromium"]},
 }
 GPU_TARGETS = ("bench", "test-gpu", "dev-cuda")   # need a GPU: without a driver they install no CuPy
 
@@ -91,7 +95,12 @@ PACKAGES = {
     "safetensors": (["safetensors"], "safetensors"),
     "matplotlib": (["matplotlib"], "matplotlib"),
     "tqdm": (["tqdm"], "tqdm"),
+    "plotly": (["plotly"], "plotly"),
+    "playwright": (["playwright"], "playwright.sync_api"),
 }
+# key -> (Debian package, the file that shows it is installed): installed with apt-get (rule 6)
+APT_PACKAGES = {"chromium": ("chromium", "/usr/bin/chromium")}
+APT_TIMEOUT_S = 900
 CUPY_FOR_CUDA = {12: "cupy-cuda12x", 13: "cupy-cuda13x"}
 CUPY_EXTRA = "ctk"          # cupy-cudaXXx[ctk]: CUDA's libraries from PyPI (cuda-toolkit[nvrtc,cublas,...])
 # The GPU extras (rule 4), per driver CUDA major: key -> (the module whose import says it works,
@@ -145,7 +154,7 @@ def plan(target, works, installed, cuda_major, specs):
     for key in need["required"] + need["optional"]:
         required = key in need["required"]
         reason = works.get(key, "not probed")
-        if reason is None:
+        if reason is None or key in APT_PACKAGES:            # apt's are apt_install's
             continue
         wanted, why_not = _packages_for(key, target, installed, cupy_installed, cuda_major, specs, reason)
         if wanted:
@@ -302,6 +311,9 @@ def probe(target):
             works[key] = probe_mpiexec()
         elif key in GPU_EXTRAS:
             works[key] = probe_import(GPU_EXTRAS[key][0])
+        elif key in APT_PACKAGES:
+            path = APT_PACKAGES[key][1]
+            works[key] = None if os.path.isfile(path) else f"no {path}"
         else:
             works[key] = probe_import(PACKAGES[key][1])
     return works
@@ -321,6 +333,29 @@ def pip_install(requirements, options=()):
     return (errors or lines or ["pip failed"])[-1].strip()
 
 
+def apt_install(target, key):
+    """Install APT_PACKAGES[key] with apt-get where this runs as root and has apt-get (updating the
+    package lists once if the first try fails); otherwise, or if it fails, one line: the tests
+    that need it skip."""
+    package, path = APT_PACKAGES[key]
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        print(f"setup ({target}): no {path}; `sudo apt-get install {package}` adds it (the tests that need it skip)")
+        return
+    print(f"setup ({target}): installing Debian's {package} (apt-get install -y {package}) for the browser tests")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    command = ["apt-get", "install", "-y", "-q", package]
+    try:
+        r = subprocess.run(command, capture_output=True, text=True, env=env, timeout=APT_TIMEOUT_S)
+        if r.returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=APT_TIMEOUT_S)
+            r = subprocess.run(command, capture_output=True, text=True, env=env, timeout=APT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        r = None
+    if r is None or r.returncode != 0 or not os.path.isfile(path):
+        last = ((r.stderr or r.stdout).strip().splitlines() or ["no output"])[-1] if r else "timed out"
+        print(f"setup ({target}): could not install {package} ({last}); the tests that need it skip")
+
+
 def setup(target, dry_run):
     """Probe, plan, install, probe again. Returns the exit status (0, or 1 after an error line)."""
     specs = read_requirements()
@@ -330,7 +365,10 @@ def setup(target, dry_run):
     for note in notes:
         print(f"setup ({target}): {note}")
     if dry_run:
-        print(f"setup ({target}): would install: {' '.join(install) or 'nothing'}")
+        apt = [APT_PACKAGES[k][0] for k in NEEDS[target]["required"] + NEEDS[target]["optional"]
+               if k in APT_PACKAGES and works.get(k) is not None]
+        print(f"setup ({target}): would install: {' '.join(install) or 'nothing'}"
+              + (f"; with apt-get: {' '.join(apt)}" if apt else ""))
         return 0
     extras = [r for r in install if is_gpu_extra(r)]
     install = [r for r in install if not is_gpu_extra(r)]
@@ -347,6 +385,10 @@ def setup(target, dry_run):
         if extras_failure:
             print(f"setup ({target}): could not install them ({extras_failure}); the GPU trainer "
                   "takes its own attention and cuBLAS instead, and says so")
+    apt = [key for key in NEEDS[target]["required"] + NEEDS[target]["optional"]
+           if key in APT_PACKAGES and works.get(key) is not None]
+    for key in apt:
+        apt_install(target, key)
     if install or extras:
         works = probe(target)
         still = [k for k in NEEDS[target]["required"] if works[k] is not None]

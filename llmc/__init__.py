@@ -26,6 +26,9 @@ model's shape it takes it as an argument (a config object, a parameter table).
     cudnn_attention.py  cuDNN's fused attention through the cudnn frontend package (optional;
                    gpt2_cuda --attention cudnn)
     mfu.py         model FLOPs utilization
+    debugger/      the visual debugger (python -m llmc.debugger): the reference trainer's step op
+                   by op in the browser; it imports the trainer it runs when it runs, as
+                   cuda_check.py imports gpt2_cpu
 
 Files are byte-compatible with llm.c's (doc/file_formats.md).
 """

@@ -1,9 +1,15 @@
 """
 llmc/check.py: comparing tensors against a reference (tests, tests/check_gpt2.py, gpt2_cuda.py
---check, dev/cuda), and the one table of tolerances every such comparison uses.
+--check, dev/cuda), the one table of tolerances every such comparison uses, and the file a
+--check run saves its comparison in (--check-save, read by the visual debugger).
 """
 
+import io
+import json
+
 import numpy as np
+
+from llmc.utils import InputError, atomic_write
 
 # ----------------------------------------------------------------------------
 # the tolerances: one table, each entry with how it was chosen
@@ -95,10 +101,57 @@ def check_tensor(a, ref, label, atol, rtol, show=3, verbose=True):
     return ok
 
 
-def check_against(a, ref, label, group, kind, verbose=True):
-    """check_tensor with the tolerance TOLERANCES[group][kind], its atol scaled by max|ref| when
-    the group is SCALED. Returns True/False."""
+def scaled_tolerance(ref, group, kind):
+    """(atol, rtol) of TOLERANCES[group][kind] for the reference array ref, atol scaled by max|ref|
+    when the group is SCALED."""
     atol, rtol = TOLERANCES[group][kind]
     if group in SCALED:
         atol *= float(np.abs(np.asarray(ref, dtype=np.float64)).max()) if np.size(ref) else 0.0
+    return atol, rtol
+
+
+def check_against(a, ref, label, group, kind, verbose=True):
+    """check_tensor with the tolerance TOLERANCES[group][kind], its atol scaled by max|ref| when
+    the group is SCALED. Returns True/False."""
+    atol, rtol = scaled_tolerance(ref, group, kind)
     return check_tensor(a, ref, label, atol, rtol, verbose=verbose)
+
+
+# ----------------------------------------------------------------------------
+# a saved comparison (--check-save): every tensor's two sides, and what they were compared under
+#
+# One .npz (numpy.savez, no pickles): "meta" is a JSON string {"format", "group" (the TOLERANCES
+# row), "tensors": [{"label", "kind"}, ...] in comparison order, and whatever the caller adds
+# (model shape, B, T, precision, device)}; "got_<i>" and "ref_<i>" are tensor i's values as
+# compared: float32 (the GPU's upcast from bf16 where it stored bf16), or float64 where the
+# comparison was in float64 (the mean loss).
+
+COMPARISON_FORMAT = "llmc-check-1"
+
+
+def save_comparison(path, entries, group, **meta):
+    """Write entries [(label, kind, got, ref), ...] compared under TOLERANCES[group] to path (an
+    .npz, written atomically), with meta's keys in its "meta"."""
+    arrays = {"meta": np.array(json.dumps({"format": COMPARISON_FORMAT, "group": group, **meta,
+                                           "tensors": [{"label": l, "kind": k} for l, k, _, _ in entries]}))}
+    def as_saved(x):
+        x = np.asarray(x)
+        return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+    for i, (_, _, got, ref) in enumerate(entries):
+        arrays[f"got_{i}"], arrays[f"ref_{i}"] = as_saved(got), as_saved(ref)
+    atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def load_comparison(path):
+    """(meta, [(label, kind, got, ref), ...]) of a file save_comparison wrote. Raises InputError
+    for a file that is not one."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            meta = json.loads(str(npz["meta"]))
+            if meta.get("format") != COMPARISON_FORMAT or meta.get("group") not in TOLERANCES:
+                raise InputError(f"{path}: not a --check-save file (format {meta.get('format')!r})")
+            entries = [(t["label"], t["kind"], npz[f"got_{i}"], npz[f"ref_{i}"])
+                       for i, t in enumerate(meta["tensors"])]
+    except (OSError, ValueError, KeyError, TypeError, EOFError, io.UnsupportedOperation) as e:
+        raise InputError(f"{path}: cannot read a --check-save file ({type(e).__name__}: {e})") from None
+    return meta, entries

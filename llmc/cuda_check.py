@@ -10,7 +10,7 @@ this module imports neither trainer when it loads.
 
 import numpy as np
 
-from llmc.check import check_against
+from llmc.check import check_against, save_comparison
 from llmc.cli import check_args
 from llmc.dataloader import DataLoader
 
@@ -32,12 +32,12 @@ def attention_lse(qkv, NH):
     return (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
 
 
-def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, verbose=True):
+def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, verbose=True, record=None):
     """Run one batch through gpt2_cpu (in cpu_dtype, with exactly the GPU's parameter values) and
     through `model` of `trainer` (the gpt2_cuda module: its forward, backward and buffers), and
     compare every activation (forward order), the loss, then every parameter gradient (backward
     order) with llmc.check's TOLERANCES. Returns True if all are within tolerance. Overwrites the
-    model's gradients."""
+    model's gradients. record: a list to append each comparison to, as (label, kind, gpu, ref)."""
     cfg = model.config
     B, T = inputs.shape
     L, NH, C, V = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.vocab_size
@@ -55,6 +55,8 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
 
     def compare(label, gpu, ref, kind):
         results.append(check_against(gpu, ref, label, group, kind, verbose=verbose))
+        if record is not None:
+            record.append((label, kind, gpu, ref))
 
     CA = cpu.acts
     # the attention buffers of the path (activation_shapes), and their gpt2_cpu counterparts
@@ -92,14 +94,14 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
     return all(results)
 
 
-def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, verbose=True):
+def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, verbose=True, record=None):
     """check_against_cpu for Llama 3: one batch through llama3_cpu (in cpu_dtype, with exactly the
     GPU's parameter values) and through `model` of `trainer` (the llama3_cuda module), every
     activation (forward order), the logits, the loss, then every parameter gradient (backward
     order) compared with llmc.check's TOLERANCES. The GPU's qkv_proj is llama3_cpu's qkv; the
     attention path's buffers (qkvr, att or qkv, lse) are compared with the values they hold in
     llama3_cpu's qkv_att, GPT-2's layout. Returns True if all are within tolerance. Overwrites the
-    model's gradients."""
+    model's gradients. record: as check_against_cpu's."""
     cfg = model.config
     B, T = inputs.shape
     L, NH, C, V = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.vocab_size
@@ -117,6 +119,8 @@ def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float
 
     def compare(label, gpu, ref, kind):
         results.append(check_against(gpu, ref, label, group, kind, verbose=verbose))
+        if record is not None:
+            record.append((label, kind, gpu, ref))
 
     CA = cpu.acts
     refs = {"qkv_proj": CA["qkv"], "qkv": CA["qkv_att"],
@@ -151,6 +155,14 @@ def run_check(trainer, args, model, check=check_against_cpu):
     check_args(args)
     loader = DataLoader(args.input_bin, args.batch_size, args.seq_len)
     x, y = loader.next_batch()
-    ok = check(trainer, model, x, y, np.dtype(args.check_dtype).type)
+    record = [] if getattr(args, "check_save", None) else None
+    ok = check(trainer, model, x, y, np.dtype(args.check_dtype).type, record=record)
     print("check: all tensors OK" if ok else "check: SOME TENSORS NOT OK")
+    if record is not None:
+        cfg = model.config
+        save_comparison(args.check_save, record, tolerance_group(model), model=args.model, B=args.batch_size,
+                        T=args.seq_len, L=cfg.num_layers, NH=cfg.num_heads, C=cfg.channels, V=cfg.vocab_size,
+                        precision=model.precision, attention=model.attention.name, device=args.device,
+                        reference_dtype=args.check_dtype, ok=bool(ok))
+        print(f"check: every compared tensor saved to {args.check_save}")
     return 0 if ok else 1

@@ -53,6 +53,9 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
            "(needs nvmath-python: CuPy's cuBLAS refuses calls during a capture)")
     a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
     a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
+    a("--check-save", default=None, metavar="FILE.npz", action=CheckSaveAction,
+      help="run --check and also save every compared tensor, both sides, to this .npz (python -m llmc.debugger "
+           "--check-run FILE shows it)")
     a("--device", default="cuda", choices=cuda.DEVICES,
       help="cpu: the emulated CUDA device (llmc/emulator/: our kernels compiled by g++ and run on the CPU, "
            "slow; defaults --precision fp32 -f 0, so the losses are gpt2_cpu.py's)")
@@ -81,6 +84,14 @@ def with_memory_report(args, run):
         code = run()
     print(report.format())
     return code
+
+
+class CheckSaveAction(argparse.Action):
+    """--check-save FILE: the file to save --check's comparison in; it implies --check."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.check = True
 
 
 def auto_or_bit(value):
