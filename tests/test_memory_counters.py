@@ -216,3 +216,37 @@ def test_a_training_step_reports_every_kernel_it_launched_with_its_worst_line():
     for kernel in rows:                                            # each kernel: its worst line, or none wasted
         assert any(l.strip().startswith(f"{kernel} ") or l.strip().startswith(f"{kernel}:") for l in worst), kernel
     assert "step    1/1 | loss" in out
+
+
+def test_a_launch_becomes_the_visual_debuggers_kernel_trace(traced):
+    """memory.kernel_trace: the strided kernel's launch as the debugger's file (its checker accepts
+    it): buffers named by the kernel's pointer parameters, each lane's element, each warp's counters."""
+    from llmc.debugger.kerneltrace import check_trace
+    with memory.tracing(raw_kernel=("strided", 0)) as report:
+        module = cp.RawModule(code=KERNELS, options=("-DENABLE_FP32",))
+        out, inp = cp.zeros(64, np.float32), cp.ones(64 * 32, np.float32)
+        module.get_function("strided")((1,), (64,), (out, inp))
+    trace = check_trace(memory.kernel_trace(report.raw, "fp32"), "test")
+    assert {(b["name"], b["elements"]) for b in trace["buffers"]} == {("out", 64), ("inp", 64 * 32)}
+    loads = [a for a in trace["accesses"] if a["op"] == "read"]
+    assert sorted((a["warp"], a["lanes"] == list(range(32))) for a in loads) == [(0, True), (1, True)]
+    for a in loads:
+        assert a["elements"] == [32 * (32 * a["warp"] + lane) for lane in a["lanes"]] and a["line"] == 8
+    assert [w["sectors_per_request"] for w in trace["warps"]] == [18.0, 18.0]   # (32 load + 4 store) / 2 requests
+
+
+@pytest.mark.slow
+def test_the_recorder_writes_one_launch_of_a_training_step(tmp_path):
+    from llmc.debugger.kerneltrace import KernelTrace
+    path = tmp_path / "trace.json"
+    result = run("dev/kernel_trace.py", "layernorm_forward", "-o", str(path), "--",
+                 "-e", "d2", "-b", "1", "-t", "32", "-x", "1", "-v", "0", "-s", "0")
+    assert result.returncode == 0, result.stderr
+    trace = KernelTrace(str(path)).trace
+    assert trace["kernel"] == "layernorm_forward" and trace["source"] == "kernels/layernorm.cu"
+    assert {"inp", "out", "mean", "rstd", "weight", "bias"} == {b["name"] for b in trace["buffers"]}
+    reads = {e for a in trace["accesses"] if a["buffer"] == "inp" for e in a["elements"]}
+    assert reads == set(range(32 * 128))                                   # every input element read (T=32, C=128)
+    missing = run("dev/kernel_trace.py", "no_such_kernel", "-o", str(path), "--", "-e", "d2", "-b", "1", "-t", "8",
+                  "-x", "1", "-v", "0", "-s", "0")
+    assert missing.returncode == 1 and "was not launched" in missing.stderr.strip().splitlines()[-1]

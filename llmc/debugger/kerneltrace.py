@@ -14,11 +14,12 @@ The file (JSON, format "llmc-kernel-trace-1") describes one launch on the emulat
      "warps":    [{"block": [x, y, z], "warp": w, "requests": n, "sectors_per_request": s,
                    "bank_conflicts": k}, ...]}         the counters per warp (global sectors per
                                                        request; shared-memory extra wavefronts)
-The memory-trace recorder of the emulated device (llmc/emulator/) writes it; the page draws each
-buffer's elements coloured by the thread that touched them, and the warps' counters as a table.
+dev/kernel_trace.py writes it from the emulated device's memory counters (llmc/emulator/memory.py,
+kernel_trace); the page draws each buffer's elements coloured by the thread that touched them, and
+the warps' counters as a table.
 
 What it is: the reader and checker of that file (a bad file is one error line at start-up).
-What it is not: the recorder.
+What it is not: the recorder (dev/kernel_trace.py).
 """
 
 import json
@@ -27,10 +28,11 @@ from llmc.utils import InputError
 
 TRACE_FORMAT = "llmc-kernel-trace-1"
 MAX_ACCESSES = 1 << 20                 # warp requests of one launch the page is sent
-# what the page says without --kernel-trace (the one place that says the recorder is still to come)
-NO_TRACE = ("No kernel trace loaded. This view shows one launch's memory accesses from a JSON file given with "
-            "--kernel-trace FILE (format: doc/visual_debugger.md, 'A kernel's threads'). The emulated device "
-            "does not record such traces yet: its memory-trace recorder is still to be built.")
+# what the page says without --kernel-trace
+NO_TRACE = ("No kernel trace loaded. This view shows one launch's memory accesses, thread by thread, from a JSON "
+            "file given with --kernel-trace FILE. Record one on the emulated device with, for example, "
+            "python dev/kernel_trace.py layernorm_forward -o trace.json -- -e d2 -b 1 -t 32 -x 1 "
+            "(format: doc/visual_debugger.md, 'A kernel's threads').")
 
 
 class KernelTrace:

@@ -322,6 +322,7 @@ class Library:
     file's kernels in order. Compiled (or found in the cache) on construction."""
 
     def __init__(self, path, defines, include_dirs=(KERNELS_DIR,), mode="fibers"):
+        self.source_path = path
         self.path = library_path(path, defines, include_dirs, mode)
         self.library = ctypes.CDLL(self.path)
         with open(path) as f:

@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import re
 import subprocess
 
 from llmc.emulator import device
@@ -230,10 +231,12 @@ def _shown(path):
 class Tracer:
     """What device.MEMORY_TRACE holds while tracing: runs each launch of a traced build between
     the tracer's begin and end, then adds its counters to the report. raw_launch: the index
-    (0, 1, ...) of the launch whose every access is also kept (report.raw), or None."""
+    (0, 1, ...) of the launch whose every access is also kept (report.raw), or None; raw_kernel:
+    (kernel name, n) keeps the n-th launch of that kernel instead."""
 
-    def __init__(self, report, raw_launch=None):
-        self.report, self.raw_launch, self.count = report, raw_launch, 0
+    def __init__(self, report, raw_launch=None, raw_kernel=None):
+        self.report, self.raw_launch, self.raw_kernel, self.count = report, raw_launch, raw_kernel, 0
+        self.kernel_counts = {}
 
     def launch(self, kernel, grid, block, storage, pointers):
         lib = kernel.library.library
@@ -241,8 +244,12 @@ class Tracer:
         n = len(ranges)
         begins = (ctypes.c_ulonglong * max(1, n))(*[a for a, _ in ranges])
         ends = (ctypes.c_ulonglong * max(1, n))(*[a + size for a, size in ranges])
-        keep_raw = self.raw_launch is not None and self.count == self.raw_launch
+        nth = self.kernel_counts.get(kernel.name, 0)
+        self.kernel_counts[kernel.name] = nth + 1
+        keep_raw = ((self.raw_launch is not None and self.count == self.raw_launch)
+                    or self.raw_kernel == (kernel.name, nth))
         self.count += 1
+        self.arguments = [s.value if isinstance(s, ctypes.c_void_p) else None for s in storage]
         lib.llmc_emu_trace_begin(ctypes.c_int(n), begins, ends, ctypes.c_long(RAW_CAPACITY if keep_raw else 0))
         try:
             kernel.launch(grid, block, storage, pointers)
@@ -271,7 +278,8 @@ class Tracer:
             lib.llmc_emu_trace_raw(raw, ctypes.c_long(count), ctypes.byref(dropped))
             where = source_lines(kernel.library.path, [r.pc_offset for r in raw[:count]])
             report.raw = {"kernel": kernel.name, "grid": list(grid), "block": list(block), "dropped": dropped.value,
-                          "allocations": [[a, size] for a, size in ranges],
+                          "allocations": [[a, size] for a, size in ranges], "arguments": self.arguments,
+                          "source": kernel.library.source_path,
                           "accesses": [{"block": [r.block_x, r.block_y, r.block_z], "thread": r.thread,
                                         "warp": r.thread // 32, "lane": r.thread % 32, "addr": r.addr,
                                         "size": r.size, "space": SPACES[r.space], "access": ACCESSES[r.write],
@@ -279,15 +287,136 @@ class Tracer:
 
 
 @contextlib.contextmanager
-def tracing(raw_launch=None):
+def tracing(raw_launch=None, raw_kernel=None):
     """Count the memory accesses of every kernel launched on the emulated device inside the block;
     yields the MemoryReport. Modules compiled inside it are traced builds (cached apart from the
     untraced ones): enter it before the kernels are loaded. raw_launch: keep every access of that
-    launch (0 = the first) in report.raw."""
+    launch (0 = the first) in report.raw; raw_kernel: (name, n), the n-th launch of kernel `name`."""
     report = MemoryReport()
     previous = device.MEMORY_TRACE
-    device.MEMORY_TRACE = Tracer(report, raw_launch)
+    device.MEMORY_TRACE = Tracer(report, raw_launch, raw_kernel)
     try:
         yield report
     finally:
         device.MEMORY_TRACE = previous
+
+
+# ----------------------------------------------------------------------------
+# one launch, thread by thread: the visual debugger's kernel trace (llmc/debugger/kerneltrace.py)
+
+KERNEL_TRACE_FORMAT = "llmc-kernel-trace-1"
+# bytes of one element of a pointer parameter, by the type it points to (floatX by the build's precision)
+ELEMENT_BYTES = {"float": 4, "int": 4, "unsigned": 4, "unsigned int": 4, "uint32_t": 4, "int32_t": 4,
+                 "__nv_bfloat16": 2, "nv_bfloat16": 2, "unsigned short": 2, "double": 8, "long": 8,
+                 "size_t": 8, "float4": 16, "int4": 16, "char": 1}
+
+
+def kernel_parameters(source, kernel):
+    """[(name, element type)] of the kernel's pointer parameters in its source text, in order
+    (non-pointer parameters as (name, None))."""
+    match = re.search(rf'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?{kernel}\s*\(([^)]*)\)',
+                      source)
+    if match is None:
+        return []
+    parameters = []
+    for declaration in match.group(1).split(","):
+        declaration = re.sub(r"\b(const|__restrict__|volatile)\b", " ", declaration).strip()
+        name = re.findall(r"\w+", declaration)[-1]
+        kind = declaration[:declaration.rfind(name)].strip()
+        parameters.append((name, " ".join(kind.rstrip("*").split()) if kind.endswith("*") else None))
+    return parameters
+
+
+def kernel_trace(raw, precision):
+    """report.raw (one launch's accesses, tracing(raw_kernel=...)) as the visual debugger's kernel
+    trace (format KERNEL_TRACE_FORMAT, llmc/debugger/kerneltrace.py): each global buffer named by
+    the pointer parameter that points into it, element indices counted from that pointer, the
+    accesses regrouped into warp-level requests (a lane's n-th access of a source line in its warp
+    joins the warp's n-th request of that line, as tracer.cpp groups them), and per warp its
+    requests, global sectors per request and shared-memory bank conflicts. Shared accesses are one
+    buffer, "shared", in 4-byte words."""
+    with open(raw["source"]) as f:
+        source = f.read()
+    floatx_bytes = 2 if precision == "bf16" else 4
+    pointers = []                      # (pointer, name, element bytes, end of its allocation)
+    for (name, kind), pointer in zip(kernel_parameters(source, raw["kernel"]), raw["arguments"]):
+        if kind is None or pointer is None:
+            continue
+        end = next((base + size for base, size in raw["allocations"] if base <= pointer < base + size), None)
+        if end is not None and all(p != pointer for p, *_ in pointers):
+            pointers.append((pointer, name, floatx_bytes if kind == "floatX" else ELEMENT_BYTES.get(kind, 4), end))
+    pointers.sort()
+    # each buffer runs from its pointer to the next pointer into the same allocation, or to its end
+    owners, buffers = [], []
+    for i, (pointer, name, eb, end) in enumerate(pointers):
+        if i + 1 < len(pointers) and pointers[i + 1][0] < end:
+            end = pointers[i + 1][0]
+        owners.append((pointer, end, name, eb))
+        buffers.append({"name": name, "space": "global", "elements": max(1, (end - pointer) // eb), "element_bytes": eb})
+    shared = [a["addr"] for a in raw["accesses"] if a["space"] == "shared"]
+    shared_base = min(shared) if shared else 0
+    if shared:
+        words = (max(a["addr"] + a["size"] for a in raw["accesses"] if a["space"] == "shared") - shared_base + 3) // 4
+        buffers.append({"name": "shared", "space": "shared", "elements": words, "element_bytes": 4})
+    requests, occurrences = {}, {}
+    for a in raw["accesses"]:
+        if a["space"] == "shared":
+            buffer, first, eb = "shared", shared_base, 4
+        else:
+            owner = next(((n, p, e) for p, end, n, e in owners if p <= a["addr"] < end), None)
+            if owner is None:
+                continue                                   # outside every pointer argument's range
+            buffer, first, eb = owner
+        line = int(a["line"].rsplit(":", 1)[1]) if a["line"].rsplit(":", 1)[-1].isdigit() else 0
+        key = (tuple(a["block"]), a["warp"], line, a["access"], buffer)
+        lane_key = key + (a["lane"],)
+        n = occurrences.get(lane_key, 0)
+        occurrences[lane_key] = n + 1
+        request = requests.setdefault(key + (n,), {"block": list(a["block"]), "warp": a["warp"], "line": line,
+                                                   "op": "read" if a["access"] == "load" else "write",
+                                                   "buffer": buffer, "lanes": [], "elements": [], "bytes": []})
+        for e in range((a["addr"] - first) // eb, (a["addr"] + a["size"] - 1 - first) // eb + 1):
+            request["lanes"].append(a["lane"])
+            request["elements"].append(e)
+        request["bytes"].append((a["lane"], a["addr"], a["size"]))
+    warps = {}
+    for r in requests.values():
+        w = warps.setdefault((tuple(r["block"]), r["warp"]), {"block": r["block"], "warp": r["warp"], "requests": 0,
+                                                              "sectors": 0, "global_requests": 0, "bank_conflicts": 0})
+        w["requests"] += 1
+        spans = r.pop("bytes")
+        if r["buffer"] == "shared":
+            w["bank_conflicts"] += _bank_conflicts(spans)
+        else:
+            w["global_requests"] += 1
+            w["sectors"] += len({s for _, addr, size in spans for s in range(addr >> 5, ((addr + size - 1) >> 5) + 1)})
+    warp_rows = [{"block": w["block"], "warp": w["warp"], "requests": w["requests"],
+                  "sectors_per_request": round(w["sectors"] / w["global_requests"], 2) if w["global_requests"] else 0.0,
+                  "bank_conflicts": w["bank_conflicts"]} for w in warps.values()]
+    return {"format": KERNEL_TRACE_FORMAT, "kernel": raw["kernel"], "source": _shown(_real_source(source, raw["source"])),
+            "grid": raw["grid"], "block": raw["block"], "warp_size": 32, "buffers": buffers,
+            "accesses": list(requests.values()), "warps": warp_rows}
+
+
+def _bank_conflicts(spans):
+    """Extra wavefronts of one shared request, spans [(lane, address, size)] (tracer.cpp's rule):
+    phases of 32, 16 or 8 lanes by the access size, per phase the most distinct 4-byte words of one
+    bank, minus one per active phase."""
+    size = max(s for _, _, s in spans)
+    phase = 8 if size > 8 else (16 if size > 4 else 32)
+    extra = 0
+    for p in range(0, 32, phase):
+        words = {w for lane, addr, s in spans if p <= lane < p + phase
+                 for w in range(addr >> 2, ((addr + s - 1) >> 2) + 1)}
+        if words:
+            banks = {}
+            for w in words:
+                banks[w % 32] = banks.get(w % 32, 0) + 1
+            extra += max(banks.values()) - 1
+    return extra
+
+
+def _real_source(text, path):
+    """The file a cached kernel source names in its leading #line directive, else the path itself."""
+    match = re.match(r'#line 1 "([^"]+)"', text)
+    return match.group(1) if match else path
