@@ -3,10 +3,12 @@
 No GPU needed:
 - dev/cuda/matmul.cu and attention.cu compile with NVRTC (dev/cuda/nvrtc_compile.py's functions,
   the trainer's options), both precisions, compute_80/compute_90 PTX and sm_80/sm_90 cubins; the
-  PTX defines exactly the kernels the versions launch; ptxas reports no register spills (v3 keeps
-  its 8x8 tile in registers);
+  PTX defines exactly the kernels the versions launch (matmul's tensor-core versions 6-8 in the
+  bf16 build only); ptxas reports no register spills (v3 keeps its 8x8 tile in registers, and
+  versions 6-8 their 64x64 warp tiles, on sm_80 and sm_90, with no stack frame);
 - every launcher of a hand-written kernel passes what the kernel's C signature declares (floatX
-  pointers, float pointers, np.int32), found by recording the launches and parsing the .cu file;
+  pointers, float pointers, np.int32), found by recording the launches and parsing the .cu file,
+  and asks for more than 48 KiB of dynamic shared memory only for a kernel that opted in;
 - the FLOP counts and napkin bytes against numbers worked out by hand;
 - every version of every progression validates against gpt2_cpu.py through the harness's own
   validate(), both precisions, at its small test size (and matmul's hand-written versions at two

@@ -1,9 +1,11 @@
 /*
-dev/cuda/matmul.cu: the hand-written matmul kernels of dev/cuda/matmul.py, versions 1-3 of
+dev/cuda/matmul.cu: the hand-written matmul kernels of dev/cuda/matmul.py, versions 1-3 (CUDA
+cores) and 6-8 (tensor cores, bf16 builds only) of
     out (N,OC) = inp (N,C) @ weight^T + bias,   weight (OC,C) (nn.Linear's layout), bias (OC,),
-N = B*T rows. Versions 4 and 5 are library calls (cuBLAS, cuBLASLt), launched from matmul.py.
-Every kernel reads floatX, computes in fp32 and rounds each output to floatX once, as the
-trainer's kernels do; bias is required (GPT-2 has one on every linear layer).
+N = B*T rows, and version 8 of the backward's dinp = dout @ weight and dweight += dout^T @ inp.
+Versions 4 and 5 are library calls (cuBLAS, cuBLASLt), launched from matmul.py. Every kernel
+reads floatX, computes in fp32 (the tensor cores: bf16 products, fp32 sums) and rounds each output
+to floatX once, as the trainer's kernels do; bias is required (GPT-2 has one on every linear layer).
 
 Both operands are read along C ("K-contiguous"): out[n,o] is the dot product of row n of inp
 with row o of weight. The three versions differ only in how often each loaded value is reused:
@@ -26,9 +28,17 @@ with row o of weight. The three versions differ only in how often each loaded va
   FMAs with them: an outer product. That is 4 FMAs per shared-memory load instead of v2's 0.5;
   the arithmetic intensity against shared memory grows with the thread's tile (TM*TN FMAs for
   TM+TN loads), which is what moves the kernel from shared-memory-bound towards compute-bound.
-  (What remains between v3 and cuBLAS: tensor cores (mma/wgmma), double-buffered asynchronous
-  copies (cp.async/TMA) that overlap loading the next slice with computing this one, and
-  per-shape tuning.)
+  What remains between v3 and cuBLAS, the rest of the file: the tensor cores, asynchronous copies
+  that overlap loading the next slice with computing this one, and per-shape tuning.
+- matmul_forward_v6: v3's 128 x 128 block on the tensor cores: 4 warps of 64 x 64 outputs, each a
+  4 x 8 grid of mma.sync.m16n8k16 accumulators fed by ldmatrix.x4 from shared memory.
+- matmul_forward_v7: v6's tiles through a 4-stage cp.async pipeline, the stages XOR-swizzled so
+  that ldmatrix reads are free of bank conflicts.
+- matmul_forward_<tile>_v8 (and _gelu_, matmul_backward_dinp_, _dweight_, matmul_split_k_reduce_v8):
+  v7's pipeline with a tile per shape, grouped block order, the epilogue (bias, GELU) staged
+  through shared memory with 16-byte stores, and the backward's transposed operands (ldmatrix
+  .trans) with dweight's sum over tokens split across blocks.
+doc/tensor_cores.md walks through versions 6-8 (fragments, ldmatrix, the swizzle, the pipeline).
 
 Indexing is int for rows and columns and size_t for element offsets (N*OC passes 2^31 at
 N = 8192 rows of the 50304-wide classifier). Compile check:
@@ -188,8 +198,8 @@ matmul_forward_v3(floatX* out, const floatX* inp, const floatX* weight, const fl
 
 // The instruction: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (kernels/tensor_core.cuh),
 // one warp computes D (16x8, fp32) = A (16x16, bf16) B (16x8, bf16) + C. 16*8*16 = 2048 FMAs per
-// instruction instead of one: an H100 SM issues 1024 dense bf16 FMAs per clock on its tensor cores
-// against 128 fp32 FMAs per clock on its CUDA cores (NVIDIA H100 whitepaper, "SM architecture").
+// instruction instead of one: an H100 SXM's tensor cores reach 989 dense bf16 TFLOP/s against the
+// 67 fp32 TFLOP/s of its CUDA cores (NVIDIA's datasheet; llmc/mfu.py), which cap versions 1-3.
 #define MMA_M 16
 #define MMA_N 8
 #define MMA_K 16
