@@ -348,9 +348,16 @@ def dweight_splits(tiles, k_tiles, slots, partial_bytes):
 
 
 def multiprocessor_count():
-    """The device's SMs (the emulated device: its CPU cores)."""
+    """The current device's SMs (the emulated device: its CPU cores), asked once per device: a
+    launcher that queried the driver at every call would put that time between its kernels."""
     cp = cuda.cupy()
-    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    key = (cuda.device(), cp.cuda.Device().id)
+    if key not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[key] = cp.cuda.runtime.getDeviceProperties(key[1])["multiProcessorCount"]
+    return _MULTIPROCESSORS[key]
+
+
+_MULTIPROCESSORS = {}     # (llmc.cuda.device(), device id) -> SMs
 
 
 def backward_v8(d, block_size):
