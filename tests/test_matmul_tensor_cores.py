@@ -14,15 +14,18 @@ layouts, copies landing at their wait), each against gpt2_cpu.py through the har
   fails validation; the unchanged copy passes (the control);
 - the launchers refuse fp32 arrays and C or OC not a multiple of 8, naming the rule;
 - dweight_splits (the split of dweight's K sum) worked out by hand at the model's shapes;
-- matmul.py's tile table matches matmul.cu's TileConfig constants.
+- matmul.py's tile table matches matmul.cu's TileConfig constants;
+- dev/cuda/matmul_tiles.py's variants differ from matmul.cu in their two TileConfig lines only, its
+  table is worked out by hand, and every variant validates on the emulated device (slow).
 Marked gpu: the same shapes validated on a GPU.
 
-Run: pytest tests/test_matmul_tensor_cores.py   (~20 s on 2 cores once g++ has built matmul.cu;
--m slow adds the 2181-token case, ~1 minute)
+Run: pytest tests/test_matmul_tensor_cores.py   (~40 s on 2 cores once g++ has built matmul.cu;
+the slow ones, the 2181-token case and the tile variants, ~1.5 minutes more)
 """
 
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -36,6 +39,7 @@ sys.path.insert(0, DEV_CUDA)
 
 import common  # noqa: E402  (dev/cuda/common.py)
 import matmul  # noqa: E402  (dev/cuda/matmul.py)
+import matmul_tiles  # noqa: E402  (dev/cuda/matmul_tiles.py)
 
 TENSOR_CORE_VERSIONS = {6, 7, 8}
 EDGES = dict(B=2, T=65, C=200, OC=264)           # N = 130: see the module docstring
@@ -182,3 +186,49 @@ def test_tile_table_matches_matmul_cu():
     assert (matmul.V6_TILE.bm, matmul.V6_TILE.bn, matmul.V6_TILE.bk) == (
         int(defines["V6_BLOCK_ROWS"]), int(defines["V6_BLOCK_COLS"]), int(defines["V6_SLICE"]))
     assert matmul.V8_TILES[128].shared_bytes == 64 * 1024 and matmul.V8_TILES[256].shared_bytes == 72 * 1024
+
+
+# ----------------------------------------------------------------------------
+# dev/cuda/matmul_tiles.py: version 8 at other tiles
+
+def test_tile_variants_change_only_the_two_config_lines(tmp_path):
+    with open(os.path.join(DEV_CUDA, "matmul.cu"), encoding="utf-8") as f:
+        source = f.read()
+    variants = matmul_tiles.write_variants(str(tmp_path))
+    assert [v.name for v in variants] == [name for name, _, _ in matmul_tiles.VARIANTS]
+    for variant, (name, small, large) in zip(variants, matmul_tiles.VARIANTS):
+        with open(variant.path, encoding="utf-8") as f:
+            text = f.read()
+        configs = matmul_tiles.shipped_configs(text)
+        assert configs == variant.configs
+        if small is None:
+            assert text == source                                          # "shipped" is matmul.cu itself
+        else:
+            assert configs == {"V8SmallConfig": small, "V8LargeConfig": large}
+            assert matmul_tiles.CONFIG_LINE.sub("", text) == matmul_tiles.CONFIG_LINE.sub("", source)
+
+
+def test_tile_table_by_hand():
+    variants = [matmul_tiles.Variant("shipped", {"V8SmallConfig": (128, 128, 32, 2, 2, 4),
+                                                  "V8LargeConfig": (128, 256, 32, 2, 4, 3)}, "")]
+    times = {"shipped": {}}
+    for shape in matmul.SHAPES:
+        times["shipped"] |= {(shape, "v4"): (2.0, 4.0), (shape, "v5"): (1.0, 2.0), (shape, 128): (2.0, 2.0),
+                             (shape, 256): (1.0, 8.0)}
+    text = matmul_tiles.table(times, variants, {4: None, 5: None})
+    # qkv forward: 2 x 16384 x 768 x 2304 = 57,982,058,496 FLOPs, in 1 ms 58 TFLOP/s; the backward
+    # twice that: in 2 ms 58, in 8 ms 14.5 (rounded to even: 14). Shares of cuBLASLt's (v5) time.
+    assert "### qkv (768 -> 2304), B=16, T=1024" in text
+    assert "| library v5 | 0 | - | 58 | 100 | 58 | 100 |" in text
+    assert "| library v4 | 0 | - | 29 | 50 | 29 | 50 |" in text
+    assert "| shipped | 128 | 128 x 128 x 32, 4 | 29 | 50 | 58 | 100 |" in text
+    assert "| shipped | 256 | 128 x 256 x 32, 3 | 58 | 100 | 14 | 25 |" in text
+
+
+@pytest.mark.slow
+def test_every_tile_variant_validates_on_the_emulated_device():
+    result = subprocess.run([sys.executable, os.path.join(DEV_CUDA, "matmul_tiles.py"), "--device", "cpu"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAILED" not in result.stdout and result.stdout.count(": OK") == 4 * 3 * 2 * 2   # variants, progressions,
+                                                                                          # sizes, blocks
