@@ -107,23 +107,28 @@ def test_no_register_spills(op, precision):
     # v3's 8x8 accumulators alone are 64 registers; __launch_bounds__(256) caps it at 255
     if op == "matmul":
         assert 64 < usage["matmul_forward_v3"][0] <= 255
+    if op == "matmul" and precision == "bf16":
+        check_tensor_core_registers(usage, nc.RESOURCE_USAGE_ARCH)
 
 
-@needs_nvrtc
-@pytest.mark.parametrize("arch", nc.CUBIN_ARCHS)
-def test_tensor_core_kernels_keep_their_tiles_in_registers(arch):
+def check_tensor_core_registers(usage, arch):
     """Versions 6-8 hold a 64 x 64 warp tile: 4 x 8 mma accumulators of 4 floats, 128 registers a
-    lane, plus the fragments (v7, v8: two k16 steps' worth, 64 more). ptxas on A100 and H100 must fit
-    them in the 255 registers a thread may have, with no stack frame (a spill in the hot loop
-    would cost more than the tensor cores save), and at most 255 x 128 threads x 2 blocks fit an
-    SM's 65536 registers, as matmul.py's V8_BLOCKS_PER_SM assumes."""
-    usage = nc.resource_usage(cu_path("matmul"), "bf16", arch)
+    lane, plus the fragments (v7, v8: two k16 steps' worth, 64 more). ptxas must fit them in the
+    255 registers a thread may have, with no stack frame (a spill in the hot loop would cost more
+    than the tensor cores save), and 255 x 128 threads x 2 blocks fit an SM's 65536 registers, as
+    matmul.py's V8_BLOCKS_PER_SM assumes."""
     for name in MATMUL_TENSOR_CORE_KERNELS:
         registers, stack, spill_stores, spill_loads = usage[name]
         assert (stack, spill_stores, spill_loads) == (0, 0, 0), (arch, name, usage[name])
         assert registers <= 255, (arch, name, registers)
     for name in ("matmul_forward_v6", "matmul_forward_v7"):
         assert usage[name][0] > 128, (arch, name)             # the accumulators are in registers
+
+
+@needs_nvrtc
+def test_tensor_core_kernels_keep_their_tiles_in_registers_on_sm_80():
+    """test_no_register_spills checks them for sm_90 (the H100); the same for the A100's sm_80."""
+    check_tensor_core_registers(nc.resource_usage(cu_path("matmul"), "bf16", "sm_80"), "sm_80")
 
 
 @needs_nvrtc

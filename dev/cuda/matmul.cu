@@ -653,8 +653,10 @@ __device__ inline void store_tile(floatX* out, floatX* pre_gelu, const floatX* b
 #pragma unroll
         for (int mi = 0; mi < Cfg::MI; mi++) {
             const int row = warp_m0 + acc_row(mi, 0);
-            *reinterpret_cast<unsigned*>(&smem[row * LD + col]) = pack_bf16x2(acc[mi][ni][0] + bias0, acc[mi][ni][1] + bias1);
-            *reinterpret_cast<unsigned*>(&smem[(row + 8) * LD + col]) = pack_bf16x2(acc[mi][ni][2] + bias0, acc[mi][ni][3] + bias1);
+            *reinterpret_cast<unsigned*>(&smem[row * LD + col]) =
+                pack_bf16x2(acc[mi][ni][0] + bias0, acc[mi][ni][1] + bias1);
+            *reinterpret_cast<unsigned*>(&smem[(row + 8) * LD + col]) =
+                pack_bf16x2(acc[mi][ni][2] + bias0, acc[mi][ni][3] + bias1);
         }
     }
     __syncthreads();
@@ -692,7 +694,8 @@ __device__ inline void store_partial(float* partial, float (&acc)[Cfg::MI][Cfg::
                 *reinterpret_cast<float2*>(&partial[(size_t)row * N + col]) = make_float2(acc[mi][ni][0], acc[mi][ni][1]);
             }
             if (col < N && row + 8 < M) {
-                *reinterpret_cast<float2*>(&partial[(size_t)(row + 8) * N + col]) = make_float2(acc[mi][ni][2], acc[mi][ni][3]);
+                *reinterpret_cast<float2*>(&partial[(size_t)(row + 8) * N + col]) =
+                    make_float2(acc[mi][ni][2], acc[mi][ni][3]);
             }
         }
     }

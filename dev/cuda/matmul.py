@@ -274,14 +274,19 @@ def forward_v5(d, block_size):
 
 # the tensor-core versions (bf16; rows of whole 16-byte chunks)
 
-def check_tensor_core_launch(name, d):
+def check_tensor_core_launch(name, d, arrays):
     """The shapes and precision versions 6-8 take: bf16, C and OC multiples of 8 (every row of
     inp, weight, out, dout, dinp and dweight is whole 16-byte chunks: cp.async and ldmatrix move
-    chunks, and the epilogue stores them). N (the tokens) may be anything. Raises ValueError."""
+    chunks, and the epilogue stores them). N (the tokens) may be anything. arrays: the names of
+    d's bf16 arrays the kernels read or write, each contiguous, 16-byte aligned, of its shape's size.
+    Raises ValueError (TypeError for an array of the wrong kind)."""
     require(d.precision == "bf16", f"{name}: the tensor-core kernels take bf16 (mma.sync .bf16), not {d.precision}")
     require(d.C % TENSOR_CORE_ROW_MULTIPLE == 0 and d.OC % TENSOR_CORE_ROW_MULTIPLE == 0,
             f"{name}: C={d.C} and OC={d.OC} must be multiples of {TENSOR_CORE_ROW_MULTIPLE} "
             f"(rows of whole 16-byte chunks)")
+    sizes = {"inp": d.N * d.C, "dinp": d.N * d.C, "out": d.N * d.OC, "pre_gelu": d.N * d.OC, "dout": d.N * d.OC,
+             "weight": d.OC * d.C, "dweight": d.OC * d.C, "bias": d.OC, "dbias": d.OC}
+    cuda.check_launch(name, [(a, getattr(d, a), sizes[a]) for a in arrays], aligned=True)
 
 
 def launch_tiled(kernel, d, grid, tile, args):
@@ -297,14 +302,14 @@ def launch_tiled(kernel, d, grid, tile, args):
 
 
 def forward_v6(d, block_size):
-    check_tensor_core_launch("matmul_forward_v6", d)
+    check_tensor_core_launch("matmul_forward_v6", d, ("out", "inp", "weight", "bias"))
     grid = (ceil_div(d.OC, V6_TILE.bn), ceil_div(d.N, V6_TILE.bm))
     launch_tiled(MATMUL_V6, d, grid, V6_TILE, (d.out, d.inp, d.weight, d.bias, np.int32(d.N), np.int32(d.C),
                                                np.int32(d.OC)))
 
 
 def forward_v7(d, block_size):
-    check_tensor_core_launch("matmul_forward_v7", d)
+    check_tensor_core_launch("matmul_forward_v7", d, ("out", "inp", "weight", "bias"))
     grid = (ceil_div(d.OC, V7_TILE.bn), ceil_div(d.N, V7_TILE.bm))
     launch_tiled(MATMUL_V7, d, grid, V7_TILE, (d.out, d.inp, d.weight, d.bias, np.int32(d.N), np.int32(d.C),
                                                np.int32(d.OC)))
@@ -316,14 +321,14 @@ def tile_count(tile, M, N):
 
 
 def forward_v8(d, block_size):
-    check_tensor_core_launch("matmul_forward_v8", d)
+    check_tensor_core_launch("matmul_forward_v8", d, ("out", "inp", "weight", "bias"))
     tile = V8_TILES[block_size]
     launch_tiled(MATMUL_FORWARD_V8[block_size], d, (tile_count(tile, d.N, d.OC),), tile,
                  (d.out, d.inp, d.weight, d.bias, np.int32(d.N), np.int32(d.C), np.int32(d.OC)))
 
 
 def forward_gelu_v8(d, block_size):
-    check_tensor_core_launch("matmul_forward_gelu_v8", d)
+    check_tensor_core_launch("matmul_forward_gelu_v8", d, ("out", "pre_gelu", "inp", "weight", "bias"))
     tile = V8_TILES[block_size]
     launch_tiled(MATMUL_FORWARD_GELU_V8[block_size], d, (tile_count(tile, d.N, d.OC),), tile,
                  (d.out, d.pre_gelu, d.inp, d.weight, d.bias, np.int32(d.N), np.int32(d.C), np.int32(d.OC)))
@@ -364,7 +369,7 @@ def backward_v8(d, block_size):
     """dinp = dout @ weight (weight read transposed), dweight += dout^T @ inp (both read transposed,
     the K sum over tokens split in fp32 partials, then added in order), dbias += column sums of
     dout (kernels/bias.cu, as version 4)."""
-    check_tensor_core_launch("matmul_backward_v8", d)
+    check_tensor_core_launch("matmul_backward_v8", d, ("dinp", "dweight", "dbias", "dout", "inp", "weight"))
     tile = V8_TILES[block_size]
     launch_tiled(DINP_V8[block_size], d, (tile_count(tile, d.N, d.C),), tile,
                  (d.dinp, d.dout, d.weight, np.int32(d.N), np.int32(d.C), np.int32(d.OC)))
@@ -490,9 +495,9 @@ GELU_VERSIONS = [
             tuple(MATMUL_FORWARD_GELU_V8.values()), forward_gelu_v8, tuple(V8_TILES)),
 ]
 # The classifier, library calls and version 8, the fastest hand-written one (versions 1-3 would
-# take seconds a call, and validating a (16384, 50304) output takes seconds of its own): GPT-2's (C -> Vp = 50304, padded to a multiple of 128), llama3:d4's (C = 256 -> V = 50257:
-# Llama 3 pads nothing, and with GPT-2's tokenizer V is odd, which versions 6-8 refuse), and d4's
-# padded to 50304. On the H100 (2026-11-26, dev/results/) llama3:d4's three classifier GEMMs ran at
+# take seconds a call, and validating a (16384, 50304) output takes seconds of its own): GPT-2's
+# (C -> Vp = 50304, padded to a multiple of 128), llama3:d4's (C = 256 -> V = 50257: Llama 3 pads
+# nothing, and with GPT-2's tokenizer V is odd, which versions 6-8 refuse), and d4's padded to 50304. On the H100 (2026-11-26, dev/results/) llama3:d4's three classifier GEMMs ran at
 # 85-146 TFLOP/s and GPT-2's at 720-830: these three shapes tell the odd leading dimension's share
 # from the small C's.
 CLASSIFIER_FORWARD_VERSIONS = [v for v in FORWARD_VERSIONS if v.number in (4, 5, 8)]
