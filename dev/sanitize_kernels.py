@@ -15,8 +15,14 @@ threads of a block and hide their races). Inside, through gpt2_cuda.py's own lau
   tiny model in fp32);
 - the optimizer's kernels at n = OPTIMIZER_N values (a multiple of neither the vector nor the
   block size) in fp32 and in bf16 (with master weights: the stochastic rounding), against NumPy;
-then it checks that every `extern "C" __global__` kernel of kernels/ was launched. A sanitizer
-report stops the run (exit code 66); a report, a failed check or a kernel left out fails it.
+- DEV_WORKLOAD, the tensor-core kernels of dev/cuda/matmul.cu (versions 6-8: mma.sync, ldmatrix,
+  the cp.async pipeline, the split-K reduction) through dev/cuda/matmul.py's launchers, validated
+  against gpt2_cpu at tests/test_matmul_tensor_cores.py's shape with every edge (ragged rows,
+  columns and K sum, the stage ring wrapping around, dweight split over the tokens);
+then it checks that every `extern "C" __global__` kernel of kernels/, and every kernel of the bf16
+build of a DEV_FILES file that its fp32 build does not have (matmul.cu's tensor-core kernels), was
+launched. A sanitizer report stops the run (exit code 66); a report, a failed check or a kernel
+left out fails it.
 
 The global norm's launcher runs a fixed grid (gpt2_cuda.GLOBAL_NORM_GRID = 1024 blocks of 512
 threads, so that its slot layout and its result do not depend on n): 524,288 OS threads per call
@@ -29,8 +35,8 @@ of the kernels that an out-of-bounds write (cast.cu, adamw.cu), a missing __sync
 wrong shuffle mask are each caught.
 
 Run: python dev/sanitize_kernels.py          (or: make sanitize; --only tsan or --only asan: one)
-Expect: "tsan: OK, 48 kernels in ..." and "asan+ubsan: OK, 48 kernels in ..." (~4 minutes on 2
-busy cores once built; the first run compiles every kernel file twice per sanitizer, ~5 more
+Expect: "tsan: OK, 59 kernels in ..." and "asan+ubsan: OK, 59 kernels in ..." (~6 minutes on 2
+busy cores once built; the first run compiles every kernel file twice per sanitizer, ~6 more
 minutes, cached in .emulator-cache/)
 """
 
@@ -66,16 +72,26 @@ WORKLOAD = [f"{TESTS}::{test}" for test in (
     "test_llama3_kernels.py::test_grid_stride_loops[cpu-bf16]",
     "test_llama3_cuda.py::test_tiny_model_matches_llama3_cpu[fp32-naive]",
 )]
+MATMUL_TESTS = os.path.join(ROOT, "tests", "test_matmul_tensor_cores.py")
+DEV_WORKLOAD = [f"{MATMUL_TESTS}::test_every_edge_at_once[{name}-cpu]"
+                for name in ("matmul_forward_qkv", "matmul_backward_qkv", "matmul_forward_gelu_fc")]
+DEV_FILES = ("dev/cuda/matmul.cu",)    # their bf16-only kernels: the tensor-core versions
 SANITIZER_GLOBAL_NORM_GRID = 5         # blocks of global_norm_squared (odd, and fewer than the data's groups)
 OPTIMIZER_N = 1001                     # values: 1001 % 8 = 1 (the scalar tail), 1001 % 256 = 233 (idle threads)
 
 
 def all_kernels():
-    """The `extern "C" __global__` kernel names of kernels/*.cu."""
+    """The `extern "C" __global__` kernel names of kernels/*.cu, and of each DEV_FILES file those
+    its bf16 build has and its fp32 build has not (the preprocessor decides, as for NVRTC)."""
     names = set()
     for path in glob.glob(os.path.join(ROOT, "kernels", "*.cu")):
         with open(path) as f:
             names.update(build.kernel_names(f.read()))
+    for file in DEV_FILES:
+        path = os.path.join(ROOT, file)
+        built = {precision: set(build.built_kernel_names(path, build.compiler_flags([define], [build.KERNELS_DIR])))
+                 for precision, define in build.PRECISION_DEFINES.items()}
+        names.update(built["bf16"] - built["fp32"])
     return names
 
 
@@ -142,7 +158,7 @@ def inside(executed_path):
     gpt2_cuda.GLOBAL_NORM_GRID = SANITIZER_GLOBAL_NORM_GRID
     # --capture=sys: a sanitizer's report is written to file descriptor 2 and ends the process
     # at once, so pytest must not be holding that descriptor's output
-    ok = pytest.main(["-q", "-p", "no:cacheprovider", "--capture=sys", *WORKLOAD]) == 0
+    ok = pytest.main(["-q", "-p", "no:cacheprovider", "--capture=sys", *WORKLOAD, *DEV_WORKLOAD]) == 0
     cuda.use_device("cpu")
     for precision in ("fp32", "bf16"):
         ok = optimizer_check(precision) and ok

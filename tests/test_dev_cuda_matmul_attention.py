@@ -3,10 +3,12 @@
 No GPU needed:
 - dev/cuda/matmul.cu and attention.cu compile with NVRTC (dev/cuda/nvrtc_compile.py's functions,
   the trainer's options), both precisions, compute_80/compute_90 PTX and sm_80/sm_90 cubins; the
-  PTX defines exactly the kernels the versions launch; ptxas reports no register spills (v3 keeps
-  its 8x8 tile in registers);
+  PTX defines exactly the kernels the versions launch (matmul's tensor-core versions 6-8 in the
+  bf16 build only); ptxas reports no register spills (v3 keeps its 8x8 tile in registers, and
+  versions 6-8 their 64x64 warp tiles, on sm_80 and sm_90, with no stack frame);
 - every launcher of a hand-written kernel passes what the kernel's C signature declares (floatX
-  pointers, float pointers, np.int32), found by recording the launches and parsing the .cu file;
+  pointers, float pointers, np.int32), found by recording the launches and parsing the .cu file,
+  and asks for more than 48 KiB of dynamic shared memory only for a kernel that opted in;
 - the FLOP counts and napkin bytes against numbers worked out by hand;
 - every version of every progression validates against gpt2_cpu.py through the harness's own
   validate(), both precisions, at its small test size (and matmul's hand-written versions at two
@@ -45,10 +47,16 @@ import nvrtc_compile as nc  # noqa: E402
 
 SCRIPTS = {"matmul": matmul, "attention": attention}
 PRECISIONS = ("bf16", "fp32")
-# the hand-written kernels of each dev/cuda/<op>.cu, written out (not read from the scripts)
+# the hand-written kernels of each dev/cuda/<op>.cu per precision, written out (not read from the
+# scripts): matmul's tensor-core versions 6-8 are in the bf16 build only
+MATMUL_TENSOR_CORE_KERNELS = {"matmul_forward_v6", "matmul_forward_v7", "matmul_split_k_reduce_v8"} | {
+    f"matmul_{kind}_{tile}_v8" for kind in ("forward", "forward_gelu", "backward_dinp", "backward_dweight")
+    for tile in ("128x128", "128x256")}
+MATMUL_FP32_KERNELS = {"matmul_forward_v1", "matmul_forward_v2", "matmul_forward_v3"}
+ATTENTION_KERNELS = {"attention_forward_v1", "attention_backward_v1", "attention_backward_cast_v1"}
 DEV_KERNELS = {
-    "matmul": {"matmul_forward_v1", "matmul_forward_v2", "matmul_forward_v3"},
-    "attention": {"attention_forward_v1", "attention_backward_v1", "attention_backward_cast_v1"},
+    "matmul": {"fp32": MATMUL_FP32_KERNELS, "bf16": MATMUL_FP32_KERNELS | MATMUL_TENSOR_CORE_KERNELS},
+    "attention": {"fp32": ATTENTION_KERNELS, "bf16": ATTENTION_KERNELS},
 }
 
 
@@ -74,8 +82,8 @@ def dev_kernels_of(op):
 @pytest.mark.parametrize("op", sorted(SCRIPTS))
 def test_ptx_defines_every_version_kernel(op, precision, arch):
     ptx = nc.compile_kernel(cu_path(op), precision, arch)
-    assert set(nc.ptx_entry_names(ptx)) == DEV_KERNELS[op]
-    assert dev_kernels_of(op) == DEV_KERNELS[op]
+    assert set(nc.ptx_entry_names(ptx)) == DEV_KERNELS[op][precision]
+    assert dev_kernels_of(op) == DEV_KERNELS[op]["bf16"]
     assert f".target sm_{arch.split('_')[1]}" in ptx
     assert ("cvt.rn.bf16.f32" in ptx) == (precision == "bf16")      # floatX reached the kernels
 
@@ -93,12 +101,34 @@ def test_cubin_compiles(op, precision, arch):
 @pytest.mark.parametrize("op", sorted(SCRIPTS))
 def test_no_register_spills(op, precision):
     usage = nc.resource_usage(cu_path(op), precision)
-    assert set(usage) == DEV_KERNELS[op]
+    assert set(usage) == DEV_KERNELS[op][precision]
     for name, (registers, _, spill_stores, spill_loads) in usage.items():
         assert spill_stores == 0 and spill_loads == 0, (name, usage[name])
     # v3's 8x8 accumulators alone are 64 registers; __launch_bounds__(256) caps it at 255
     if op == "matmul":
         assert 64 < usage["matmul_forward_v3"][0] <= 255
+    if op == "matmul" and precision == "bf16":
+        check_tensor_core_registers(usage, nc.RESOURCE_USAGE_ARCH)
+
+
+def check_tensor_core_registers(usage, arch):
+    """Versions 6-8 hold a 64 x 64 warp tile: 4 x 8 mma accumulators of 4 floats, 128 registers a
+    lane, plus the fragments (v7, v8: two k16 steps' worth, 64 more). ptxas must fit them in the
+    255 registers a thread may have, with no stack frame (a spill in the hot loop would cost more
+    than the tensor cores save), and 255 x 128 threads x 2 blocks fit an SM's 65536 registers, as
+    matmul.py's V8_BLOCKS_PER_SM assumes."""
+    for name in MATMUL_TENSOR_CORE_KERNELS:
+        registers, stack, spill_stores, spill_loads = usage[name]
+        assert (stack, spill_stores, spill_loads) == (0, 0, 0), (arch, name, usage[name])
+        assert registers <= 255, (arch, name, registers)
+    for name in ("matmul_forward_v6", "matmul_forward_v7"):
+        assert usage[name][0] > 128, (arch, name)             # the accumulators are in registers
+
+
+@needs_nvrtc
+def test_tensor_core_kernels_keep_their_tiles_in_registers_on_sm_80():
+    """test_no_register_spills checks them for sm_90 (the H100); the same for the A100's sm_80."""
+    check_tensor_core_registers(nc.resource_usage(cu_path("matmul"), "bf16", "sm_80"), "sm_80")
 
 
 @needs_nvrtc
@@ -151,6 +181,10 @@ HAND_WRITTEN = [(op, p.name, v.number) for op, m in SCRIPTS.items() for p in m.P
 def test_launch_arguments_match_the_c_signature(monkeypatch, op, name, number, precision):
     progression = next(p for p in SCRIPTS[op].PROGRESSIONS if p.name == name)
     version = next(v for v in progression.versions if v.number == number)
+    if number in SCRIPTS[op].OPTIONAL_VERSIONS:
+        reason = SCRIPTS[op].OPTIONAL_VERSIONS[number](precision, progression.test_sizes)
+        if reason:
+            pytest.skip(reason)
     calls = recorded_launches(monkeypatch, progression, version, precision)
     assert {c[0].name for c in calls} == {k.name for k in version.kernels}
     floatX = llmc.cuda.FLOATX_DTYPES[precision]
@@ -164,7 +198,9 @@ def test_launch_arguments_match_the_c_signature(monkeypatch, op, name, number, p
                 assert isinstance(arg, np.ndarray) and arg.dtype == np.float32, (kernel.name, c_type)
             else:
                 assert c_type == "int" and isinstance(arg, np.int32), (kernel.name, c_type, type(arg))
-        assert 0 < block <= 1024 and shared_mem <= 48 * 1024
+        # above 48 KiB of dynamic shared memory a kernel must have opted in first (CUDA's rule)
+        opted_in = common.load_function(kernel, precision).max_dynamic_shared_size_bytes
+        assert 0 < block <= 1024 and shared_mem <= max(48 * 1024, opted_in)
         grid = grid if isinstance(grid, tuple) else (grid,)
         assert all(g >= 1 for g in grid)
 
@@ -189,9 +225,13 @@ def test_matmul_flops_by_hand():
     assert matmul.matmul_forward_flops(8192, 768, 3072) == 38_654_705_664
     assert matmul.matmul_forward_flops(8192, 3072, 768) == 38_654_705_664
     assert matmul.matmul_backward_flops(8192, 768, 2304) == 57_982_058_496     # two GEMMs
+    # the progressions: d12 at B = 16, T = 1024 (N = 16384), the four layer shapes and the classifier
     shapes = {p.name: p.sizes for p in matmul.PROGRESSIONS}
-    assert shapes["matmul_forward_qkv"] == dict(B=8, T=1024, C=768, OC=2304)
-    assert shapes["matmul_forward_fcproj"] == dict(B=8, T=1024, C=3072, OC=768)
+    assert shapes["matmul_forward_qkv"] == dict(B=16, T=1024, C=768, OC=2304)
+    assert shapes["matmul_forward_attproj"] == dict(B=16, T=1024, C=768, OC=768)
+    assert shapes["matmul_backward_fcproj"] == dict(B=16, T=1024, C=3072, OC=768)
+    assert shapes["matmul_forward_gelu_fc"] == dict(B=16, T=1024, C=768, OC=3072)
+    assert shapes["matmul_forward_classifier_gpt2"] == dict(B=16, T=1024, C=768, OC=50304)
 
 
 def test_attention_flops_by_hand():
@@ -206,10 +246,14 @@ def test_attention_flops_by_hand():
 def test_case_napkin_by_hand():
     rng = np.random.default_rng(0)
     # matmul B=1, T=2, C=3, OC=4: inp 6 + weight 12 + bias 4 + out 8 = 30 floatX; 2*2*3*4 FLOPs
-    forward = matmul.PROGRESSIONS[0].make_case(rng, "bf16", B=1, T=2, C=3, OC=4)
+    progressions = {p.name: p for p in matmul.PROGRESSIONS}
+    forward = progressions["matmul_forward_qkv"].make_case(rng, "bf16", B=1, T=2, C=3, OC=4)
     assert (forward.bytes, forward.flops) == (60, 48)
+    # the same with GELU: a second output, pre_gelu, 8 more floatX
+    gelu = progressions["matmul_forward_gelu_fc"].make_case(rng, "bf16", B=1, T=2, C=3, OC=4)
+    assert (gelu.bytes, gelu.flops) == (76, 48)
     # backward: dout 8 + inp, dinp 2*6 + weight, dweight r/w 3*12 + dbias r/w 2*4 = 64 floats
-    backward = matmul.PROGRESSIONS[3].make_case(rng, "fp32", B=1, T=2, C=3, OC=4)
+    backward = progressions["matmul_backward_qkv"].make_case(rng, "fp32", B=1, T=2, C=3, OC=4)
     assert (backward.bytes, backward.flops) == (256, 96)
     # attention B=1, T=2, NH=1, HS=8: qkv 48 + out 16 floatX; 4 * 4 * 8 / 2 FLOPs
     att = attention.PROGRESSIONS[0].make_case(rng, "bf16", B=1, T=2, NH=1, HS=8)
@@ -272,8 +316,8 @@ def test_a_version_without_the_bias_fails_validation(emulated, capsys):
 def test_without_unavailable_drops_and_announces(capsys):
     optional = {5: lambda precision, sizes: f"no library for {precision}", 2: lambda precision, sizes: None}
     kept = matmul.without_unavailable(matmul.PROGRESSIONS[:1], optional, "bf16")
-    assert [v.number for v in kept[0].versions] == [1, 2, 3, 4]
-    assert [v.number for v in matmul.PROGRESSIONS[0].versions] == [1, 2, 3, 4, 5]    # not mutated
+    assert [v.number for v in kept[0].versions] == [1, 2, 3, 4, 6, 7, 8]
+    assert [v.number for v in matmul.PROGRESSIONS[0].versions] == [1, 2, 3, 4, 5, 6, 7, 8]    # not mutated
     assert capsys.readouterr().out == "matmul_forward_qkv v5 skipped: no library for bf16\n"
 
 

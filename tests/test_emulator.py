@@ -17,6 +17,8 @@ leading dimension too small refused or a wrong one giving a wrong product. Plant
 scratch copies of kernels/ (slow: sanitizer builds, see dev/sanitize_kernels.py): an out-of-bounds
 write in cast.cu and in adamw.cu caught by AddressSanitizer, a missing __syncthreads in the block
 reduction (run by global_norm.cu) by ThreadSanitizer, a wrong shuffle mask by the emulator itself.
+A kernel inside `#if defined(ENABLE_BF16)` is built in bf16 only, and the fp32 build still compiles.
+The warp-collective instructions (mma, ldmatrix) run clean under ThreadSanitizer (slow).
 
 Run: python -m pytest -q tests/test_emulator.py   (the first run compiles ~20 s, then a few seconds)
 """
@@ -552,6 +554,22 @@ def test_missing_syncthreads_is_caught_by_threadsanitizer(tmp_path, planted):
         assert rc == 0 and f"norm {np.sqrt(np.float32(300))}" in out, out[-3000:]
 
 
+@pytest.mark.slow
+def test_warp_collective_instructions_are_clean_under_threadsanitizer():
+    """mma and ldmatrix exchange the lanes' registers in the emulator's own code (gather_complete),
+    ordered by a lock ThreadSanitizer does not see: copied with memcpy, its interceptor reported a
+    race between the lanes' OS threads in every tensor-core kernel. dev/cuda/tensor_core.py's
+    instruction kernels (mma, ldmatrix x1/x2/x4 and .trans, cp.async) now run clean, with the
+    layouts the fiber build gives."""
+    python = build.sanitizer_python("tsan")
+    result = subprocess.run([python, os.path.join(ROOT, "dev", "cuda", "tensor_core.py"), "--device", "cpu"],
+                            cwd=ROOT, env=build.sanitizer_environment("tsan"), capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0 and "ThreadSanitizer" not in result.stderr, result.stderr[-3000:]
+    assert "  lane  9: a0 ( 2, 2)  a1 ( 2, 3)  a2 (10, 2)  a3 (10, 3)" in result.stdout
+    assert "after cp.async.wait_all     : group 0: 32  group 1: 32  group 2: 32" in result.stdout
+
+
 @pytest.mark.parametrize("planted", [False, True])
 def test_wrong_shuffle_mask_is_caught_by_the_emulator(tmp_path, planted):
     path = scratch_copy(tmp_path, "global_norm", header_replace=WRONG_MASK if planted else None)
@@ -564,6 +582,33 @@ def test_wrong_shuffle_mask_is_caught_by_the_emulator(tmp_path, planted):
     else:
         launch()
         assert out.get()[0] == np.sqrt(np.float32(300))
+
+
+# ----------------------------------------------------------------------------
+# kernels the preprocessor leaves out
+
+CONDITIONAL_KERNELS = r"""
+#include "common.cuh"
+extern "C" __global__ void in_every_build(floatX* x) { x[threadIdx.x] = (floatX)1.0f; }
+#if defined(ENABLE_BF16)
+extern "C" __global__ void bf16_only(floatX* x) { x[threadIdx.x] = (floatX)2.0f; }
+#endif
+"""
+
+
+@pytest.mark.parametrize("precision,names", [("fp32", ["in_every_build"]), ("bf16", ["in_every_build", "bf16_only"])])
+def test_a_kernel_inside_a_preprocessor_conditional_exists_only_where_it_is_compiled(tmp_path, precision, names):
+    """As NVRTC compiles it: dev/cuda/matmul.cu's tensor-core kernels are bf16 only (#if
+    defined(ENABLE_BF16)); the fp32 build used to fail, its generated unit naming kernels that
+    the preprocessor had removed."""
+    path = tmp_path / "conditional.cu"
+    path.write_text(CONDITIONAL_KERNELS)
+    library = build.kernel_library(str(path), precision)
+    assert library.names == names
+    x = cp.zeros(4, np.uint16 if precision == "bf16" else np.float32)
+    library.kernel(names[-1])((1,), (4,), (x,))
+    values = bfloat16_bits_to_float32(x.get()) if precision == "bf16" else x.get()
+    np.testing.assert_array_equal(values, np.full(4, float(len(names))))
 
 
 # ----------------------------------------------------------------------------

@@ -4,9 +4,10 @@ loaded with ctypes, and launched with CuPy's (grid, block, args).
 The kernel file is compiled unmodified: a generated unit includes it after the shim
 (shim/cuda_shim.h, force-included; `#include <cuda_bf16.h>` finds shim/cuda_bf16.h first), then
 the launcher (shim/emulator.cpp), then one extern "C" entry per `extern "C" __global__` kernel
-of the file: llmc_emu_launch_<name>(grid[3], block[3], void** args), with args[i] pointing at the
-i-th argument as cuLaunchKernel takes them, and llmc_emu_parameters_<name>(sizes, pointers),
-which the launch uses to check every argument's size against the C signature (CuPy does not).
+of the file that the preprocessor keeps with the build's defines (built_kernel_names):
+llmc_emu_launch_<name>(grid[3], block[3], void** args), with args[i] pointing at the i-th
+argument as cuLaunchKernel takes them, and llmc_emu_parameters_<name>(sizes, pointers), which the
+launch uses to check every argument's size against the C signature (CuPy does not).
 
 Builds are cached in .emulator-cache/ (git-ignored; $LLMC_EMULATOR_CACHE overrides it) under a
 hash of the kernel file, common.cuh, the shim, the flags and the compiler's version: g++ takes
@@ -54,6 +55,7 @@ MODE_FLAGS = {
 # __tsan_writeN, which shim/tracer.cpp defines
 TRACE_KERNEL_FLAGS = ("-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0")
 KERNEL_PATTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+UNIT_KERNEL_PATTERN = re.compile(r'extern "C" int llmc_emu_launch_(\w+)\(')
 SHIM_FILES = ("cuda_shim.h", "cuda_bf16.h", "tensor_cores.h", "emulator.cpp", "tracer.cpp", "launcher_and_tracer.cpp")
 MAX_PARAMETERS = 64
 
@@ -65,6 +67,17 @@ class EmulatorError(RuntimeError):
 def kernel_names(source):
     """The `extern "C" __global__` kernel names of a .cu source text, in order."""
     return KERNEL_PATTERN.findall(source)
+
+
+def built_kernel_names(path, flags):
+    """The kernels of the .cu file `path` that exist when it is compiled with `flags`: a kernel
+    inside `#if defined(ENABLE_BF16)` is one of the bf16 build's only, as NVRTC compiles it. g++'s
+    -E -fdirectives-only evaluates the conditionals and the includes without expanding macros,
+    so KERNEL_PATTERN still finds each `extern "C" __global__` as written. Raises EmulatorError."""
+    result = subprocess.run([CXX, *flags, "-x", "c++", "-E", "-fdirectives-only", path], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise EmulatorError(f"{path}: g++ failed to preprocess it for the emulated device:\n{result.stderr[-4000:]}")
+    return kernel_names(result.stdout)
 
 
 def compiler_flags(defines, include_dirs, mode="fibers"):
@@ -152,7 +165,7 @@ def library_path(path, defines, include_dirs, mode="fibers"):
         if problem != "not built yet":
             print(f"note: the emulated device's cached {os.path.basename(base)}.so is damaged ({problem}): "
                   f"rebuilding it", file=sys.stderr)
-        build_library(base, path, source, flags, defines)
+        build_library(base, path, flags, defines)
     return base + ".so"
 
 
@@ -190,7 +203,7 @@ def cached_library_problem(base):
     return None
 
 
-def build_library(base, path, source, flags, defines):
+def build_library(base, path, flags, defines):
     """Compile the generated unit of `path` into base.so. Every file is written under a private
     temporary name and renamed into place (the unit base.cpp, kept for reading; the library; then
     its size and checksum, base.sha256, last), so a process that reads the cache never sees a
@@ -201,7 +214,7 @@ def build_library(base, path, source, flags, defines):
     try:
         traced = "-DLLMC_EMU_TRACE" in flags
         with os.fdopen(unit_fd, "w") as f:
-            f.write(unit_source(os.path.abspath(path), kernel_names(source), with_launcher=not traced))
+            f.write(unit_source(os.path.abspath(path), built_kernel_names(path, flags), with_launcher=not traced))
         if traced:
             commands = traced_build_commands(flags, unit_tmp, so_tmp)
         else:
@@ -325,8 +338,8 @@ class Library:
         self.source_path = path
         self.path = library_path(path, defines, include_dirs, mode)
         self.library = ctypes.CDLL(self.path)
-        with open(path) as f:
-            self.names = kernel_names(f.read())
+        with open(os.path.splitext(self.path)[0] + ".cpp") as f:       # the generated unit: the kernels built
+            self.names = UNIT_KERNEL_PATTERN.findall(f.read())
         self.mode = mode
         if mode in ("fibers", "trace"):
             offsets, sizes, anchor = shared_arrays(self.path)
