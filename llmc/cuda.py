@@ -221,9 +221,13 @@ def cuda_include_dir():
 
 
 def common_header_digest():
-    """First 16 hex digits of the SHA-256 of kernels/common.cuh."""
-    with open(os.path.join(KERNELS_DIR, "common.cuh"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
+    """First 16 hex digits of the SHA-256 of the headers every kernel file may include: each
+    kernels/*.cuh (common.cuh, tensor_core.cuh), its name and its bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(KERNELS_DIR) if f.endswith(".cuh")):
+        with open(os.path.join(KERNELS_DIR, name), "rb") as f:
+            digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:16]
 
 
 def kernel_compile_options(precision):
@@ -232,8 +236,9 @@ def kernel_compile_options(precision):
     and dev/cuda/nvrtc_compile.py imports this function, so the CI compile check compiles exactly
     what runs (and CuPy's on-disk cache serves both). C++17, the floatX define, the kernels
     directory (for common.cuh), the CUDA headers (cuda_bf16.h), and an unused macro holding
-    common.cuh's digest, because CuPy keys its cache on the source text and the options, not on
-    included headers: without it an edit of common.cuh would keep serving stale kernels.
+    the kernels' headers' digest, because CuPy keys its cache on the source text and the options,
+    not on included headers: without it an edit of common.cuh or tensor_core.cuh would keep
+    serving stale kernels.
     The emulated device (use_device("cpu")) gets no CUDA include directory: its shim stands in
     for cuda_bf16.h.
     Raises ValueError for an unknown precision, KernelCompileError without the CUDA headers."""

@@ -113,8 +113,11 @@ def test_compile_options():
         assert any(os.path.isfile(os.path.join(d, "cuda_bf16.h")) for d in include_dirs)
         assert not any(o.startswith("-arch") for o in options)   # CuPy picks the device's arch
         # CuPy's cache key covers options but not headers: the header's digest must be in them
-        with open(kernel_path("common.cuh"), "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        headers = hashlib.sha256()
+        for name in ("common.cuh", "tensor_core.cuh"):                # every kernels/*.cuh, by name
+            with open(kernel_path(name), "rb") as f:
+                headers.update(name.encode() + f.read())
+        digest = headers.hexdigest()[:16]
         assert f"-DCOMMON_CUH_DIGEST=sha256_{digest}" in options
     with pytest.raises(ValueError):
         nc.kernel_compile_options("fp16")
