@@ -71,6 +71,7 @@ from llmc.zero import optimizer_shard, rounding_seed, shard_slices
 KERNEL_FILES = ("encoder", "layernorm", "attention", "gelu", "bias", "classifier", "adamw", "global_norm", "cast")
 LAYERNORM_BACKWARD_BLOCK_SIZE = 512
 LAYERNORM_BACKWARD_GRID = 512          # partial-sum slots of layernorm_backward: fixed, so results reproduce
+LAYERNORM_PARAM_REDUCE_BLOCK_SIZE = 512   # 16 warps share each column group's slots: fixed, likewise
 WTE_CHUNK_ROWS = 32                    # most positions one block of the dwte scatter-add sums
 CLASSIFIER_BLOCK_SIZE = 1024           # one block per row of Vp logits (llm.c's fused_classifier)
 GLOBAL_NORM_GRID = 1024                # partial sums of the gradient norm: fixed, likewise
@@ -282,7 +283,8 @@ def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, r
     """Accumulate dinp (B,T,C) (the residual stream's gradient), dweight, dbias (C,), from dout:
         dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),  dnorm = dout * weight
     (derivation: gpt2_cpu.layernorm_backward, doc/layernorm.md). Two kernels: per-block partial
-    sums of dbias/dweight into partial (G, 2, C) fp32, then their in-order sum."""
+    sums of dbias/dweight into partial (G, 2, C) fp32, then their sum in a fixed order (each block
+    of layernorm_param_reduce sums 32 columns, its warps sharing the G slots)."""
     N = B * T
     G = layernorm_backward_grid(N)
     precision = check_launch("layernorm_backward",
@@ -293,13 +295,18 @@ def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, r
     require(partial.dtype == np.float32 and partial.size >= G * 2 * C, f"layernorm partial sums need {G * 2 * C} floats")
     cuda.launch("layernorm", precision, "layernorm_backward", G, LAYERNORM_BACKWARD_BLOCK_SIZE,
                 (dinp, partial, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
-    cuda.launch("layernorm", precision, "layernorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
-                (dweight, dbias, partial, np.int32(G), np.int32(C)))
+    cuda.launch("layernorm", precision, "layernorm_param_reduce", layernorm_param_reduce_grid(C),
+                LAYERNORM_PARAM_REDUCE_BLOCK_SIZE, (dweight, dbias, partial, np.int32(G), np.int32(C)))
 
 
 def layernorm_backward_grid(N):
     """Scratch slots of layernorm_backward (blocks, each owning ceil(N/G) rows): fixed per N."""
     return min(LAYERNORM_BACKWARD_GRID, N)
+
+
+def layernorm_param_reduce_grid(C):
+    """Blocks of layernorm_param_reduce: one per group of WARP_SIZE of the 2C [dbias | dweight] columns."""
+    return ceil_div(2 * C, WARP_SIZE)
 
 
 def partial_floats(config):
