@@ -600,22 +600,34 @@ def block_forward(model, A, l, B, T, attention):
     qkv = attention.qkv(A, l, B, T, C)                                             # (B,T,3C)
     mm.forward(qkv, ln1, p["qkvw"], p["qkvb"], B, T, C, 3 * C)
     attention.forward(A, l, B, T, C, NH, mm.tf32)                                  # atty[l] (B,T,C)
-    attproj = A["attproj"]                                                         # without its bias:
-    mm.forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)             # the next kernel adds it
-    # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
-    fused_residual_forward(A["residual2"][l], ln2, A["ln2_mean"][l], A["ln2_rstd"][l],
-                           residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
+    # residual2 = residual + atty @ attprojw^T + attprojb, and ln2 = layernorm(residual2)
+    residual_projection_forward(mm, A["residual2"][l], ln2, A["ln2_mean"][l], A["ln2_rstd"][l], residual, A["atty"][l],
+                                p["attprojw"], p["attprojb"], p["ln2w"], p["ln2b"], A["attproj"], B, T, C, C)
     # forward pass 2: MLP block
     mm.forward(fch_gelu, ln2, p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
-    fcproj = A["fcproj"]
-    mm.forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)               # (B,T,C), bias added next
-    # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
+    # residual3 = residual2 + fch_gelu @ fcprojw^T + fcprojb, and the next LayerNorm: layer l+1's ln1, or lnf
     if l + 1 < L:
         norm = (layer("ln1", l + 1), A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
     else:
         norm = (A["lnf"], A["lnf_mean"], A["lnf_rstd"], P["lnfw"], P["lnfb"])
-    fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
-                           norm[3], norm[4], B * T, C)
+    residual_projection_forward(mm, A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fch_gelu,
+                                p["fcprojw"], p["fcprojb"], norm[3], norm[4], A["fcproj"], B, T, 4 * C, C)
+
+
+def residual_projection_forward(mm, residual_out, normed, mean, rstd, residual_in, inp, weight, bias, ln_weight,
+                                ln_bias, scratch, B, T, IC, C):
+    """An output projection adding into the residual stream, and the LayerNorm after it:
+    residual_out (B,T,C) = residual_in + inp (B,T,IC) @ weight^T + bias (weight (C,IC)), then normed,
+    mean, rstd = layernorm(residual_out). Two launches either way. With the backend's
+    residual_epilogue (cuBLASLt) the product adds the bias and the residual itself (cuBLASLt's C input,
+    beta = 1) and layernorm_forward only normalizes; else the bias-free product goes to scratch (B,T,C)
+    and fused_residual_forward adds residual_in, it and the bias and normalizes in one pass."""
+    if mm.residual_epilogue:
+        mm.forward(residual_out, inp, weight, bias, B, T, IC, C, residual=residual_in)
+        layernorm_forward(normed, mean, rstd, residual_out, ln_weight, ln_bias, B, T, C)
+    else:
+        mm.forward(scratch, inp, weight, None, B, T, IC, C)
+        fused_residual_forward(residual_out, normed, mean, rstd, residual_in, scratch, bias, ln_weight, ln_bias, B * T, C)
 
 
 def gpt2_mean_loss(model):
@@ -717,7 +729,9 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
         if "ln2" in recomputed:
             layernorm_forward(ln2, A["ln2_mean"][l], A["ln2_rstd"][l], A["residual2"][l], p["ln2w"], p["ln2b"], B, T, C)
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
-        # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
+        # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part. (With the
+        # residual in the projection's epilogue, D = A.B + bias + C, dC = dD the same way: the
+        # residual's gradient is accumulated only where it is produced, by layernorm_backward)
         dfch = A["dfch"]
         mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
                     pre_gelu=A["fch"][l])                                           # dfch, through gelu
@@ -1046,7 +1060,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     optimizer shard of this rank of comm (default: one process), its matmul backend from -f and
     --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
-    matmul, fallback = matmul_backend(args.cublaslt, tf32)
+    matmul, fallback = matmul_backend(args.cublaslt, tf32, args.residual_epilogue)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host

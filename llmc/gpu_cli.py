@@ -15,7 +15,7 @@ from llmc.utils import InputError
 BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores (and TF32)
 
 GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
-GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt")   # what llama3_cuda.py lacks (see build_parser)
+GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue")   # what llama3_cuda.py lacks (see build_parser)
 
 
 def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, description=None, model_help=None):
@@ -47,6 +47,10 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
           help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused; "
                "0: cuBLAS and our bias and GELU kernels; auto: 1 on a GPU (cuBLAS, saying so, where nvmath-python "
                "is missing), 0 on the emulated device")
+        a("--residual-epilogue", type=int, default=0, choices=(0, 1),
+          help="1: with cuBLASLt, the attention and MLP output projections add the residual stream in the GEMM "
+               "(cuBLASLt's C input, beta = 1) and the LayerNorm after each only normalizes; 0: a fused residual + "
+               "LayerNorm kernel adds it")
     a("--cuda-graph", type=int, default=0, choices=(0, 1),
       help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch "
            "(needs nvmath-python: CuPy's cuBLAS refuses calls during a capture)")
