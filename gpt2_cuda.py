@@ -63,7 +63,7 @@ from llmc.matmul import BIAS_BACKWARD_CHUNKS, Cublas, gelu_forward, matmul_backe
 from llmc.mfu import mfu
 from llmc.pinned import PinnedStaging
 from llmc.utils import InputError, prefix
-from llmc.zero import optimizer_shard, rounding_seed, shard_slices
+from llmc.zero import ShardPiece, optimizer_shard, rounding_seed, shard_slices
 
 # ----------------------------------------------------------------------------
 # constants: launch configuration, precision
@@ -76,6 +76,11 @@ WTE_CHUNK_ROWS = 32                    # most positions one block of the dwte sc
 CLASSIFIER_BLOCK_SIZE = 1024           # one block per row of Vp logits (llm.c's fused_classifier)
 GLOBAL_NORM_GRID = 1024                # partial sums of the gradient norm: fixed, likewise
 GLOBAL_NORM_BLOCK_SIZE = 512
+NORM_VALUES = 2                        # global_norm's out: the norm, then the clipping factor
+NORM_CLIP_SCALE = 1                    # out[1]: what AdamW scales the gradient by
+ADAMW_BLOCK_SIZE = 256                 # threads of adamw_update, one 16-byte vector each: fixes its table
+ADAMW_TENSOR_FIELDS = 5                # kernels/adamw.cu's table row: offsets, count, first block, decayed
+ADAMW_STEP_SCALARS = 3                 # learning rate, beta1 and beta2 bias corrections
 UPDATE_SEED = 13371337                 # llm.c's initial rng_state, the seeds of stochastic rounding
 
 
@@ -333,16 +338,18 @@ def fused_classifier(logits, losses, targets, dloss, B, T, V, Vp, write_dlogits)
 # ----------------------------------------------------------------------------
 # gradient norm and casts (gpt2_cpu needs no kernel for these: np.dot, astype)
 
-def global_norm(out, partial, data, n):
+def global_norm(out, partial, data, n, grad_clip=0.0):
     """out[0] (fp32, on the device) = sqrt(sum of data^2) over n floatX values, in two fixed-order
-    steps: GLOBAL_NORM_GRID per-block partial sums into partial, then one block sums those."""
+    steps: GLOBAL_NORM_GRID per-block partial sums into partial, then one block sums those and
+    writes out[1] = the clipping factor grad_clip / out[0] where 0 < grad_clip < out[0], else 1
+    (what AdamW scales the gradient by: computed on the device, no host round trip). out (2,) fp32."""
     precision = check_launch("global_norm", [("data", data, n)], aligned=True)
     require(partial.dtype == np.float32 and partial.size >= GLOBAL_NORM_GRID, "global_norm: partial too small")
-    require(out.dtype == np.float32 and out.size >= 1, "global_norm: out must be fp32")
+    require(out.dtype == np.float32 and out.size >= NORM_VALUES, f"global_norm: out must be {NORM_VALUES} fp32")
     cuda.launch("global_norm", precision, "global_norm_squared", GLOBAL_NORM_GRID, GLOBAL_NORM_BLOCK_SIZE,
                 (partial, data, np.uint64(n), np.int32(0)))
     cuda.launch("global_norm", precision, "global_norm_finalize", 1, MAX_THREADS_PER_BLOCK,
-                (out, partial, np.int32(GLOBAL_NORM_GRID)))
+                (out, partial, np.int32(GLOBAL_NORM_GRID), np.float32(grad_clip)))
 
 
 def cast_float_to_floatX(out, inp, n):
@@ -414,7 +421,8 @@ class GPT2:
         self.v = cp.zeros(S, dtype=np.float32)
         self.partial = cp.zeros(partial_floats(config), dtype=np.float32)   # the backward's per-block partial sums
         self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
-        self.norm = cp.zeros(1, dtype=np.float32)
+        self.norm = cp.zeros(NORM_VALUES, dtype=np.float32)                 # the gradient norm, its clipping factor
+        self.update = UpdateBuffers(self.param_shapes)                      # AdamW's per-step values, on the device
         self.update_rng = SamplerRNG(UPDATE_SEED)    # seeds of stochastic rounding, one per tensor per step
         self.rng_state_last_update = self.update_rng.state
         self.buffers = None                          # name -> flat device buffer (gpt2_allocate)
@@ -813,58 +821,146 @@ def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
     model.graphs[key] = capture_graph(stream, lambda: micro_batch_launches(model, B, T, loss_scale, *counts))
 
 
-def gpt2_grad_norm(model):
-    """Global L2 norm of all parameter gradients, as a Python float (a device sync)."""
-    global_norm(model.norm, model.norm_partial, model.grads, model.num_parameters)
+def gpt2_grad_norm(model, grad_clip=0.0):
+    """Global L2 norm of all parameter gradients, as a Python float (a device sync). The clipping
+    factor for grad_clip (global_norm) stays on the device, in model.norm[1], for gpt2_update."""
+    global_norm_launches(model, grad_clip)
     return float(model.norm.get()[0])
+
+
+def global_norm_launches(model, grad_clip):
+    """The device half of gpt2_grad_norm (launches only, graph-capturable): model.norm = [the
+    gradient norm, its clipping factor for grad_clip]."""
+    global_norm(model.norm, model.norm_partial, model.grads, model.num_parameters, grad_clip)
 
 
 # ----------------------------------------------------------------------------
 # AdamW
 
-def adamw_update(params, master_params, grads, m, v, n, learning_rate, beta1, beta2, beta1_correction,
-                 beta2_correction, eps, weight_decay, grad_scale, seed):
-    """One AdamW step on one tensor of n values (see gpt2_cpu.gpt2_update for the math). params,
-    grads floatX; master_params fp32 or None; m, v fp32. In bf16 the new value is stochastically
-    rounded with bits hashed from (element index, seed): pass a different seed per tensor and step."""
-    master = [("master_params", master_params, n)] if master_params is not None else []
-    precision = check_launch("adamw_update", [("params", params, n), ("grads", grads, n)],
-                             float32=[("m", m, n), ("v", v, n)] + master)
+class UpdateBuffers:
+    """AdamW's values that change every step, kept on the device for adamw_update, so that its
+    launch has the same arguments every step (a CUDA graph of the whole step replays it): scalars
+    (ADAMW_STEP_SCALARS,) fp32, the learning rate and the two bias corrections; seeds (K,) uint32,
+    one stochastic-rounding seed per tensor piece. tables: decayed names -> (device table of
+    adamw_table, its number of blocks), uploaded at first use; staging: the pinned host side of
+    the per-step upload (adamw_prepare)."""
+
+    def __init__(self, param_shapes):
+        cp = cuda.cupy()
+        self.scalars = cp.zeros(ADAMW_STEP_SCALARS, dtype=np.float32)
+        self.seeds = cp.zeros(len(param_shapes), dtype=np.uint32)
+        self.tables = {}
+        self.staging = PinnedStaging()
+
+
+def adamw_table(pieces, decayed, precision, block_size=ADAMW_BLOCK_SIZE):
+    """kernels/adamw.cu's table of the tensor pieces (llmc.zero.ShardPiece, in parameter order):
+    int64 (K, ADAMW_TENSOR_FIELDS), per piece its offset in params and grads, its offset in m, v
+    and the master weights, its size n, its first block (each block updates block_size 16-byte
+    vectors of one piece: ceil(n / (block_size * vector)) blocks) and 1 if it is in `decayed`
+    (weight decay applies) else 0. Returns (table, total blocks)."""
+    rows, first = [], 0
+    per_block = block_size * vector_size(precision)
+    for piece in pieces:
+        n = piece.flat.stop - piece.flat.start
+        rows.append((piece.flat.start, piece.local.start, n, first, int(piece.name in decayed)))
+        first += ceil_div(n, per_block)
+    return np.array(rows, dtype=np.int64).reshape(-1, ADAMW_TENSOR_FIELDS), first
+
+
+def adamw_update(params, master_params, grads, m, v, tensors, num_blocks, seeds, step_scalars, grad_scale, beta1,
+                 beta2, eps, weight_decay):
+    """One AdamW step (see gpt2_cpu.gpt2_update for the math) over every tensor piece of the table
+    `tensors` (int64 (K, ADAMW_TENSOR_FIELDS), adamw_table's, made for ADAMW_BLOCK_SIZE, num_blocks
+    its total) in one launch. params, grads floatX (the whole flat buffers the table's offsets
+    index); master_params fp32 or None; m, v fp32 (this rank's shard); seeds (K,) uint32 one
+    stochastic-rounding seed per piece; step_scalars (ADAMW_STEP_SCALARS,) fp32 = learning rate,
+    beta1 and beta2 bias corrections; grad_scale (1,) fp32, the factor the gradient is scaled by:
+    every per-step value on the device, so the launch is graph-capturable. In bf16 the new value
+    is stochastically rounded with bits hashed from (index in its piece, the piece's seed)."""
+    K = tensors.shape[0]
+    master = [("master_params", master_params, master_params.size)] if master_params is not None else []
+    precision = check_launch("adamw_update", [("params", params, params.size), ("grads", grads, params.size)],
+                             float32=[("m", m, m.size), ("v", v, m.size), ("step_scalars", step_scalars,
+                                      ADAMW_STEP_SCALARS), ("grad_scale", grad_scale, 1)] + master)
+    require(tensors.dtype == np.int64 and tensors.shape == (K, ADAMW_TENSOR_FIELDS) and seeds.dtype == np.uint32
+            and seeds.size >= K, f"adamw_update: a table of (K, {ADAMW_TENSOR_FIELDS}) int64 and K uint32 seeds")
     null = np.uint64(0)                    # a NULL float*: 8 zero bytes in the argument buffer
-    cuda.launch("adamw", precision, "adamw_update", elementwise_grid(n), BLOCK_SIZE,
-                (params, null if master_params is None else master_params, grads, m, v, np.uint64(n),
-                 np.float32(learning_rate), np.float32(beta1), np.float32(beta2), np.float32(beta1_correction),
-                 np.float32(beta2_correction), np.float32(eps), np.float32(weight_decay), np.float32(grad_scale),
-                 np.uint32(seed)))
+    cuda.launch("adamw", precision, "adamw_update", max(1, num_blocks), ADAMW_BLOCK_SIZE,
+                (params, null if master_params is None else master_params, grads, m, v, tensors, np.int32(K),
+                 np.int64(num_blocks), seeds, step_scalars, grad_scale, np.float32(beta1), np.float32(beta2),
+                 np.float32(eps), np.float32(weight_decay)))
+
+
+def adamw_update_tensor(params, master_params, grads, m, v, n, learning_rate, beta1, beta2, beta1_correction,
+                        beta2_correction, eps, weight_decay, grad_scale, seed):
+    """adamw_update on one tensor of n values with the step's values given on the host (uploaded
+    first, with a one-row table: not graph-capturable). params, grads floatX; master_params fp32
+    or None; m, v fp32; seed: the stochastic rounding's (pass a different one per tensor and step)."""
+    cp = cuda.cupy()
+    precision = cuda.precision_of(params)
+    piece = ShardPiece("tensor", slice(0, n), slice(0, n), 0)
+    table, num_blocks = adamw_table([piece], (piece.name,), precision)          # weight_decay as given
+    adamw_update(params, master_params, grads, m, v, cp.asarray(table), num_blocks,
+                 cp.asarray(np.array([seed], dtype=np.uint32)),
+                 cp.asarray(np.array([learning_rate, beta1_correction, beta2_correction], dtype=np.float32)),
+                 cp.asarray(np.array([grad_scale], dtype=np.float32)), beta1, beta2, eps, weight_decay)
+
+
+def adamw_prepare(model, learning_rate, beta1, beta2, t, decayed=DECAYED_PARAMETERS, grad_scale=None):
+    """The host half of an AdamW step, before its launch (outside any CUDA graph): draw each
+    tensor's stochastic-rounding seed from model.update_rng (on every rank, for every tensor, so
+    all ranks and an unsharded run draw the same; a piece starting inside its tensor gets
+    llmc.zero.rounding_seed's shifted seed) and upload them with the learning rate and the bias
+    corrections of step t (1-based) into model.update, and grad_scale (a float) into model.norm[1]
+    when given (None: the clipping factor global_norm computed on the device stays). The table of
+    `decayed` (adamw_table over this rank's pieces) is made and uploaded at its first use.
+    Returns (table, blocks) for adamw_launches."""
+    buffers = model.update
+    pieces = shard_slices(model.param_shapes, model.shard)
+    key = tuple(decayed)
+    if key not in buffers.tables:
+        table, num_blocks = adamw_table(pieces, decayed, model.precision)
+        buffers.tables[key] = (cuda.cupy().asarray(table), num_blocks)
+    starts = {piece.name: piece.start for piece in pieces}
+    seeds = []
+    for name, _ in model.param_shapes:
+        seed = model.update_rng.random_u32()
+        if name in starts:                                     # else the tensor lies in other ranks' shards
+            seeds.append(rounding_seed(seed, starts[name]))
+    model.rng_state_last_update = model.update_rng.state
+    scalars = np.array([learning_rate, 1.0 - beta1 ** t, 1.0 - beta2 ** t], dtype=np.float32)
+    copies = [(buffers.scalars, scalars), (buffers.seeds[:len(seeds)], np.array(seeds, dtype=np.uint32))]
+    if grad_scale is not None:
+        copies.append((model.norm[NORM_CLIP_SCALE:NORM_CLIP_SCALE + 1], np.array([grad_scale], dtype=np.float32)))
+    buffers.staging.upload(copies)
+    return buffers.tables[key]
+
+
+def adamw_launches(model, table, beta1, beta2, eps, weight_decay, nccl=None):
+    """The device half of an AdamW step (launches only, graph-capturable): adamw_update over the
+    table's pieces (from adamw_prepare) with the values adamw_prepare uploaded and the gradient
+    scale in model.norm[1]; with ZeRO-1 over several ranks, nccl (llmc.comm.NcclComm) then
+    all-gathers the updated shards into every rank's params."""
+    tensors, num_blocks = table
+    adamw_update(model.params_memory, model.master, model.grads_memory, model.m, model.v, tensors, num_blocks,
+                 model.update.seeds, model.update.scalars, model.norm[NORM_CLIP_SCALE:], beta1, beta2, eps,
+                 weight_decay)
+    if nccl is not None and model.shard.num_processes > 1:
+        nccl.all_gather_(model.params_memory)                  # (padded,): every rank's shard to every rank
 
 
 def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None,
                 decayed=DECAYED_PARAMETERS):
-    """One AdamW step (the math of gpt2_cpu.gpt2_update; t is the 1-based step count), one kernel
-    launch per parameter tensor so that weight decay applies to the tensors named in `decayed` only
-    (GPT-2's DECAYED_PARAMETERS; llama3_cuda.llama3_update passes Llama 3's), over the
-    tensor's piece in this rank's shard (model.shard, shard_slices: the whole tensor without
-    ZeRO-1). Each tensor gets its own stochastic-rounding seed from model.update_rng, drawn on
-    every rank for every tensor, so all ranks and an unsharded run draw the same seeds; a piece
-    starting inside its tensor gets rounding_seed's shifted seed. With ZeRO-1 over several ranks,
-    nccl (llmc.comm.NcclComm) then all-gathers the updated shards into every rank's params."""
-    bc1 = 1.0 - beta1 ** t
-    bc2 = 1.0 - beta2 ** t
-    pieces = {piece.name: piece for piece in shard_slices(model.param_shapes, model.shard)}
-    for name, _ in model.param_shapes:
-        seed = model.update_rng.random_u32()
-        if name not in pieces:                                  # the tensor lies in other ranks' shards
-            continue
-        piece = pieces[name]
-        n = piece.flat.stop - piece.flat.start
-        wd = weight_decay if name in decayed else 0.0
-        master = model.master[piece.local] if model.master is not None else None
-        adamw_update(model.params[piece.flat], master, model.grads[piece.flat], model.m[piece.local],
-                     model.v[piece.local], n, learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale,
-                     rounding_seed(seed, piece.start))
-    model.rng_state_last_update = model.update_rng.state
-    if nccl is not None and model.shard.num_processes > 1:
-        nccl.all_gather_(model.params_memory)                  # (padded,): every rank's shard to every rank
+    """One AdamW step (the math of gpt2_cpu.gpt2_update; t is the 1-based step count) in one
+    launch over every parameter tensor, weight decay on the tensors named in `decayed` only
+    (GPT-2's DECAYED_PARAMETERS; llama3_cuda.llama3_update passes Llama 3's), each tensor over its
+    piece in this rank's shard (model.shard, shard_slices: the whole tensor without ZeRO-1), each
+    with its own stochastic-rounding seed (adamw_prepare). grad_scale: the gradient's factor, a
+    float, or None for the clipping factor the last global_norm computed on the device. With
+    ZeRO-1 over several ranks, nccl (llmc.comm.NcclComm) then all-gathers the updated shards."""
+    table = adamw_prepare(model, learning_rate, beta1, beta2, t, decayed, grad_scale)
+    adamw_launches(model, table, beta1, beta2, eps, weight_decay, nccl)
 
 
 def gpt2_average_gradients(model, nccl):

@@ -13,7 +13,9 @@ norm = sqrt(sum of data^2) over n floatX values (gpt2_cpu.gpt2_grad_norm).
   block reduction (shuffles, then shared memory: common.cuh blockReduceSum) combines a block's,
   and one float atomicAdd per block goes to the accumulator: gridDim.x atomics instead of n.
   The order of those atomics still varies run to run, so the last bits of the norm do too.
-- global_norm_sqrt_v1 / _v2: out[0] = sqrt(accumulator), one thread (double / float).
+- global_norm_sqrt_v1 / _v2: out[0] = sqrt(accumulator), one thread (double / float), and out[1]
+  the clipping factor that the trainer's AdamW reads (grad_clip / norm above grad_clip, else 1),
+  as the production finalize computes it.
 
 Compile check: python dev/cuda/nvrtc_compile.py dev/cuda/global_norm.cu
 */
@@ -28,8 +30,10 @@ extern "C" __global__ void global_norm_v1(double* sum_sq, const floatX* data, in
     }
 }
 
-extern "C" __global__ void global_norm_sqrt_v1(float* out, const double* sum_sq) {
-    out[0] = (float)sqrt(sum_sq[0]);
+extern "C" __global__ void global_norm_sqrt_v1(float* out, const double* sum_sq, float grad_clip) {
+    const float norm = (float)sqrt(sum_sq[0]);
+    out[0] = norm;
+    out[1] = (grad_clip > 0.0f && norm > grad_clip) ? grad_clip / norm : 1.0f;
 }
 
 // *sum_sq += this block's share of sum data^2 (float): grid-stride, block reduction, one atomic
@@ -46,6 +50,8 @@ extern "C" __global__ void global_norm_v2(float* sum_sq, const floatX* data, siz
     }
 }
 
-extern "C" __global__ void global_norm_sqrt_v2(float* out, const float* sum_sq) {
-    out[0] = sqrtf(sum_sq[0]);
+extern "C" __global__ void global_norm_sqrt_v2(float* out, const float* sum_sq, float grad_clip) {
+    const float norm = sqrtf(sum_sq[0]);
+    out[0] = norm;
+    out[1] = (grad_clip > 0.0f && norm > grad_clip) ? grad_clip / norm : 1.0f;
 }

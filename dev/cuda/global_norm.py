@@ -2,7 +2,9 @@
 dev/cuda/global_norm.py: the global L2 norm of the gradients (for clipping), from a naive port to
 kernels/global_norm.cu.
 
-global_norm, out = sqrt(sum of data^2) over n floatX values (gpt2_cpu.gpt2_grad_norm):
+global_norm, out[0] = sqrt(sum of data^2) over n floatX values (gpt2_cpu.gpt2_grad_norm), and
+out[1] = the gradient clipping factor (gpt2_cpu.train's grad_clip / norm above grad_clip, else 1),
+which the trainer's AdamW reads on the device:
   version 1 (dev/cuda/global_norm.cu global_norm_v1 + global_norm_sqrt_v1) is the naive port of
             the float64 dot product: one thread per element, each atomically adding its square to
             one double. All n atomics hit one address and are serialized in L2: it runs at the
@@ -17,7 +19,12 @@ global_norm, out = sqrt(sum of data^2) over n floatX values (gpt2_cpu.gpt2_grad_
             slot per block that a second one-block kernel sums in order: deterministic, which
             the trainer needs so that the clipping factor (and so the run) is reproducible.
 
-Napkin math (minimum traffic): read n floatX values once; the output is one float.
+Napkin math (minimum traffic): read n floatX values once (2n bytes in bf16: 249 MB for GPT-2
+124M's gradients, 0.083 ms at the H100's measured copy bandwidth of 3,010 GB/s, which moves
+bytes both ways; a read-only kernel may exceed that share); the outputs are two floats. In the
+training step the norm is one pass over the gradients, between the last backward kernel and
+AdamW, which reads them again: it cannot join AdamW, which needs the finished norm before its
+first element.
 
 Run (needs a CUDA GPU; without one it says so and exits 2):
     python dev/cuda/global_norm.py       # every version, bf16
@@ -36,10 +43,11 @@ import common  # noqa: E402
 from common import Progression, Version, dev_kernel, production_kernel  # noqa: E402
 
 import gpt2_cpu  # noqa: E402  (common put the repository root on sys.path)
-from gpt2_cuda import GLOBAL_NORM_GRID  # noqa: E402  (the production's number of partial sums)
+from gpt2_cuda import GLOBAL_NORM_GRID, NORM_VALUES  # noqa: E402  (the production's partial sums, outputs)
 from llmc.cuda import MAX_THREADS_PER_BLOCK, ceil_div  # noqa: E402
 
 OP = "global_norm"
+CLIP_FRACTION = 0.5                      # grad_clip = half the norm: the factor must come out 0.5
 GLOBAL_NORM_V1 = dev_kernel(OP, "global_norm_v1")
 GLOBAL_NORM_SQRT_V1 = dev_kernel(OP, "global_norm_sqrt_v1")
 GLOBAL_NORM_V2 = dev_kernel(OP, "global_norm_v2")
@@ -52,13 +60,16 @@ GLOBAL_NORM_FINALIZE = production_kernel("global_norm", "global_norm_finalize")
 # problem: inputs, reference from gpt2_cpu.py
 
 def make_case(rng, precision, n):
-    """data (n,) floatX -> out (1,) fp32 = gpt2_cpu.gpt2_grad_norm of a model whose one gradient is data."""
+    """data (n,) floatX -> out (2,) fp32 = gpt2_cpu.gpt2_grad_norm of a model whose one gradient is
+    data, and the clipping factor at a grad_clip of half that norm (so that it clips)."""
     case = common.Case(precision)
     case.scalar("n", n)
     data = case.input("data", rng.standard_normal(n))
     model = types.SimpleNamespace(param_shapes=[("data", (n,))], G={"data": data}, grads=data.reshape(-1))
-    case.output("out", 1, "f32")
-    case.check("out", [gpt2_cpu.gpt2_grad_norm(model)], "global_norm")
+    norm = gpt2_cpu.gpt2_grad_norm(model)
+    case.scalar("grad_clip", CLIP_FRACTION * norm)
+    case.output("out", NORM_VALUES, "f32")
+    case.check("out", [norm, CLIP_FRACTION], "global_norm")
     case.scratch("sum_sq64", 1, "f64")                  # version 1's accumulator
     case.scratch("sum_sq", 1, "f32")                    # version 2's
     case.scratch("partial", GLOBAL_NORM_GRID, "f32")    # version 3's slots
@@ -72,19 +83,20 @@ def make_case(rng, precision, n):
 def v1(d, block_size):
     d.sum_sq64.fill(0)
     GLOBAL_NORM_V1.launch(d.precision, ceil_div(d.n, block_size), block_size, (d.sum_sq64, d.data, np.int32(d.n)))
-    GLOBAL_NORM_SQRT_V1.launch(d.precision, 1, 1, (d.out, d.sum_sq64))
+    GLOBAL_NORM_SQRT_V1.launch(d.precision, 1, 1, (d.out, d.sum_sq64, np.float32(d.grad_clip)))
 
 
 def v2(d, block_size):
     d.sum_sq.fill(0)
     GLOBAL_NORM_V2.launch(d.precision, GLOBAL_NORM_GRID, block_size, (d.sum_sq, d.data, np.uint64(d.n)))
-    GLOBAL_NORM_SQRT_V2.launch(d.precision, 1, 1, (d.out, d.sum_sq))
+    GLOBAL_NORM_SQRT_V2.launch(d.precision, 1, 1, (d.out, d.sum_sq, np.float32(d.grad_clip)))
 
 
 def v3(d, block_size):
     GLOBAL_NORM_SQUARED.launch(d.precision, GLOBAL_NORM_GRID, block_size,              # gpt2_cuda.global_norm
                                (d.partial, d.data, np.uint64(d.n), np.int32(0)))
-    GLOBAL_NORM_FINALIZE.launch(d.precision, 1, MAX_THREADS_PER_BLOCK, (d.out, d.partial, np.int32(GLOBAL_NORM_GRID)))
+    GLOBAL_NORM_FINALIZE.launch(d.precision, 1, MAX_THREADS_PER_BLOCK,
+                                (d.out, d.partial, np.int32(GLOBAL_NORM_GRID), np.float32(d.grad_clip)))
 
 
 SIZES = dict(n=1 << 25)                          # 33.5M values: a quarter of GPT-2 124M's gradients
