@@ -10,10 +10,13 @@ bias, B, T, C)`. The rest is in llmc/: the attention paths (attention.py), the m
 (cuda_check.py), and what gpt2_cpu.py shares (files, loaders, checkpoints, the loop around a step).
 
 No autograd, no ZeRO beyond stage 1. All training memory is allocated before the first step (the
-sampler's KV cache excepted); a step's only device-to-host synchronizations read the norm and the
-loss. The attention path (--attention naive | flash | cudnn) and the matmul backend (cuBLAS, or
---cublaslt 1; -f 1: TF32) are objects chosen once by setup_model and kept on the model;
---cuda-graph 1 replays each micro-batch as one CUDA graph. Precision: bf16 (the default from
+sampler's KV cache excepted). A step runs wholly on the device, the gradient clipping factor
+included, with no device-to-host synchronization inside it; its loss and norm are copied back at
+its end and logged a step late, while the next step runs (with -sl / -sg, or ZeRO-1 over several
+ranks, the host reads them before the update instead). The attention path (--attention naive |
+flash | cudnn) and the matmul backend (cuBLAS, or --cublaslt 1; -f 1: TF32; --residual-epilogue)
+are objects chosen once by setup_model and kept on the model; --cuda-graph 1 (the default on a
+GPU) replays the whole step as one CUDA graph (one per micro-batch with -d > B*T). Precision: bf16 (the default from
 compute capability 8.0) stores parameters, gradients and activations as bfloat16 with fp32
 arithmetic inside every kernel, fp32 AdamW moments and (-w 1) fp32 master weights; fp32 stores
 everything as float32.
@@ -768,14 +771,47 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
                      B, T, C)
 
 
-def micro_batch_launches(model, B, T, loss_scale, num_chunks, num_reduce):
-    """The device work of one micro-batch, launches only (graph-capturable): the forward without
-    the classifier, the backward (whose fused classifier writes the losses and dlogits in one
-    pass), and the losses added into loss_accum."""
+class StepUpdate(NamedTuple):
+    """The end of a training step that its last micro-batch runs on the device (step_tail_launches):
+    AdamW's hyperparameters that stay the same every step, the gradient clipping threshold
+    (grad_clip, 0: none) and the names of the decayed tensors. What changes every step (the learning
+    rate, the bias corrections, the seeds) adamw_prepare uploads before the micro-batches."""
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip: float
+    decayed: tuple = DECAYED_PARAMETERS
+
+
+def micro_batch_launches(model, B, T, loss_scale, num_chunks, num_reduce, first=False, update=None, nccl=None):
+    """The device work of one micro-batch, launches only (graph-capturable): with `first` (the
+    step's first micro-batch) the gradients and loss_accum set to 0; the forward without the
+    classifier, the backward (whose fused classifier writes the losses and dlogits in one pass),
+    and the losses added into loss_accum; with `update` (a StepUpdate: the step's last micro-batch)
+    the rest of the step: step_tail_launches."""
     A = gpt2_activations(model, B, T)
+    if first:
+        gpt2_zero_grad(model)
+        A["loss_accum"].fill(0)
     forward_launches(model, B, T, with_loss=False)
     backward_launches(model, loss_scale, num_chunks, num_reduce)
     cuda.cupy().add(A["loss_accum"], A["losses"], out=A["loss_accum"])
+    if update is not None:
+        step_tail_launches(model, update, nccl)
+
+
+def step_tail_launches(model, update, nccl=None):
+    """The end of a training step after its last backward, launches only (graph-capturable): the
+    gradients averaged over the ranks (nccl, data parallel without ZeRO-1's shards), their norm and
+    clipping factor (global_norm: model.norm = [norm, factor]), and AdamW scaling the gradient by
+    that factor, with the per-step values adamw_prepare uploaded. No value comes back to the host:
+    the step's loss and norm are read after it (StepReadback)."""
+    if nccl is not None:
+        gpt2_average_gradients(model, nccl)
+    global_norm_launches(model, update.grad_clip)
+    adamw_launches(model, model.update.tables[tuple(update.decayed)], update.beta1, update.beta2, update.eps,
+                   update.weight_decay, nccl)
 
 
 def capture_graph(stream, launches):
@@ -794,31 +830,70 @@ def capture_graph(stream, launches):
     return stream.end_capture()
 
 
-def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
+def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False, first=False, update=None, nccl=None):
     """One micro-batch of a training step: the forward with targets, the backward accumulating
     the gradient of loss_scale * mean(losses) into model.grads, and the losses added into
-    loss_accum on the device; the fused classifier runs once, in the backward. With cuda_graph,
-    the ~25 L + 20 launches are captured into a CUDA graph per ((B,T), loss_scale) and replayed
-    as one launch: the host stops being the bottleneck of small models. The first micro-batch of
-    each key runs eagerly (PyTorch's graph warm-up): first-time work (cuBLAS's workspace on the
-    stream, cuBLASLt's heuristics, cuDNN's plans, CuPy's memory pool) happens then, not inside
-    the capture, which follows it. The host part (the token ids, targets and the encoder's padded
-    chunks, copied to their fixed device buffers) runs outside the graph. Both paths give bitwise
-    the same results: the same kernels with the same arguments in the same order (the padding
-    chunks do nothing)."""
+    loss_accum on the device; the fused classifier runs once, in the backward. first: the step's
+    first micro-batch, which sets the gradients and loss_accum to 0 first; update (a StepUpdate):
+    the step's last, which then runs the rest of the step on the device (the norm, the clipping
+    factor, AdamW: step_tail_launches; adamw_prepare must have uploaded the step's values). With
+    one micro-batch per step and both, the whole step is one CUDA graph.
+    With cuda_graph, the launches are captured into a CUDA graph per ((B,T), loss_scale, first,
+    update) and replayed as one launch: the host stops being the bottleneck. The first
+    micro-batch of each key runs eagerly (PyTorch's graph warm-up): first-time work (cuBLAS's
+    workspace on the stream, cuBLASLt's heuristics, cuDNN's plans, CuPy's memory pool, AdamW's
+    table) happens then, not inside the capture, which follows it (a capture records, it runs
+    nothing). The host part (the token ids, targets and the encoder's padded chunks, copied to
+    their fixed device buffers) runs outside the graph. Both paths give bitwise the same results:
+    the same kernels with the same arguments in the same order (the padding chunks do nothing)."""
     cp = cuda.cupy()
     B, T = upload_batch(model, inputs, targets)
     if not cuda_graph:
-        micro_batch_launches(model, B, T, loss_scale, *upload_segments(model, padded=False))
+        micro_batch_launches(model, B, T, loss_scale, *upload_segments(model, padded=False), first, update, nccl)
         return
     counts = upload_segments(model, padded=True)
     stream = cp.cuda.get_current_stream()         # a created stream: the legacy one cannot capture
-    key = (B, T, loss_scale)
+    key = (B, T, loss_scale, first, update)
     if key in model.graphs:
         model.graphs[key].launch(stream)
         return
-    micro_batch_launches(model, B, T, loss_scale, *counts)                 # the warm-up: this micro-batch, eagerly
-    model.graphs[key] = capture_graph(stream, lambda: micro_batch_launches(model, B, T, loss_scale, *counts))
+    micro_batch_launches(model, B, T, loss_scale, *counts, first, update, nccl)     # the warm-up, eagerly
+    model.graphs[key] = capture_graph(stream, lambda: micro_batch_launches(model, B, T, loss_scale, *counts, first,
+                                                                           update, nccl))
+
+
+class StepReadback:
+    """What the host logs of a training step that ran wholly on the device (its loss and gradient
+    norm), copied at the step's end into page-locked host memory without waiting: the
+    per-position losses summed over the micro-batches (loss_accum, N floats) and model.norm. The
+    host reads them a step later (llm.c, too, reads its loss back once the step is done), while the
+    GPU runs the next step. Two slots used in turn: a step's copies never overwrite the slot whose
+    values the host has not read yet (it reads step s-1's before it queues step s+1)."""
+
+    def __init__(self, N):
+        cp = cuda.cupy()
+
+        def pinned(n):
+            return np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n), np.float32, n)
+        self.slots = [(pinned(N), pinned(NORM_VALUES)) for _ in range(2)]
+        self.turn = 0
+
+    def queue(self, loss_accum, norm):
+        """Queue the copies of loss_accum (B,T) fp32 and norm (NORM_VALUES,) on the current stream,
+        after the step's work; returns (slot, the event after them) for read."""
+        cp = cuda.cupy()
+        stream = cp.cuda.get_current_stream()
+        i, self.turn = self.turn, 1 - self.turn
+        losses, norms = self.slots[i]
+        loss_accum.get(stream=stream, out=losses[:loss_accum.size].reshape(loss_accum.shape), blocking=False)
+        norm.get(stream=stream, out=norms, blocking=False)
+        return i, stream.record()
+
+    def read(self, slot, done, N):
+        """(sum of the N losses in float64, the norm) of the step whose copies `done` follows (waits for it)."""
+        done.synchronize()
+        losses, norms = self.slots[slot]
+        return float(losses[:N].sum(dtype=np.float64)), float(norms[0])
 
 
 def gpt2_grad_norm(model, grad_clip=0.0):
@@ -973,16 +1048,17 @@ def gpt2_average_gradients(model, nccl):
         nccl.mean_(model.grads)
 
 
-def gpt2_global_grad_norm(model, comm):
+def gpt2_global_grad_norm(model, comm, grad_clip=0.0):
     """The L2 norm of the whole averaged gradient, a Python float, the same on every rank. Without
-    ZeRO-1 (or on one rank) gpt2_grad_norm. With it, each rank holds only its shard's mean, so:
+    ZeRO-1 (or on one rank) gpt2_grad_norm (its clipping factor for grad_clip left on the device for
+    gpt2_update). With it, each rank holds only its shard's mean, so:
     the squared norm of the shard's real elements (global_norm's kernels on grads[o:min(o+S, n)],
     never the padding, which the reduce-scatter does not promise to leave 0), summed over the
     ranks on the host (comm.sum, an MPI all-reduce of one float64), then the root. The squares of
     the shards' fp32 norms carry ~1e-7 relative error: the result agrees with the unsharded norm
     to that, not bit for bit (the kernel's sum order differs anyway)."""
     if model.shard.num_processes == 1:
-        return gpt2_grad_norm(model)
+        return gpt2_grad_norm(model, grad_clip)
     shard = model.shard
     grads = model.grads[shard.offset:shard.offset + shard.size]           # (n,) view: stops at n
     global_norm(model.norm, model.norm_partial, grads, grads.size)
@@ -1268,12 +1344,57 @@ def train(args):
         return save_model_checkpoint(args.output_dir, step, model, run.train_loader, sample_rng.state,
                                      comm.rank, comm.size, run.outlier_state())
 
+    cuda_graph = gpu_cli.cuda_graph_choice(args.cuda_graph)
+    update = StepUpdate(ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, args.grad_clip)
+    # the step on the device, its loss and norm read a step late: unless -sl / -sg must see them
+    # before the update, or ZeRO-1's shards sum the norm on the host (gpt2_global_grad_norm)
+    on_device = not (args.skip_update_lossz > 0 or args.skip_update_gradz > 0 or model.shard.num_processes > 1)
+    readback = StepReadback(B * T) if on_device else None
+    pending, previous_end = None, None             # the step not yet logged; the end of the one before it
+
+    def log(step, loss, norm, lr, dt, zloss=math.nan, zgrad=math.nan):
+        util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,
+                   device_name, model.precision, model.matmul.tf32)
+        run.log_step(step, loss, norm, lr, dt, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
+        if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
+            run.say(gpu_status_line(device))
+
+    def log_pending():                             # the step a step late: its copies are done by now, or soon
+        step, lr, since, slot, done = pending
+        loss_sum, norm = readback.read(slot, done, B * T)
+        loss = comm.mean(loss_sum / (B * T * run.grad_accum_steps))
+        _, zloss, zgrad = run.skip_update(loss, norm, step)      # feeds the outlier windows; raises on NaN
+        log(step, loss, norm, lr, cp.cuda.get_elapsed_time(since, done) / 1000, zloss, zgrad)
+
     for step in range(start_step, run.num_steps + 1):
+        if pending is not None and run.acts_between(step):      # it prints or saves: the last step's line first
+            log_pending()
+            pending = previous_end = None
         if run.between_steps(step, batch_loss, forward_losses, sample, save):
             break
         # the training step
         t0 = time.perf_counter()
         A = gpt2_activations(model, B, T)          # (cached) fetched per step: valid even if a sample reallocated
+        lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
+                              args.final_lr_frac)
+        if on_device:
+            # forward, backward, the norm, its clipping factor and AdamW all on the device: one
+            # CUDA graph per micro-batch with --cuda-graph 1 (the whole step with one micro-batch)
+            start = cp.cuda.get_current_stream().record()
+            adamw_prepare(model, lr, ADAMW_BETA1, ADAMW_BETA2, step + 1)      # the step's values, uploaded
+            for micro in range(run.grad_accum_steps):
+                if args.overfit_single_batch:
+                    run.train_loader.reset()
+                inputs, targets = run.train_loader.next_batch()
+                last = micro == run.grad_accum_steps - 1
+                gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph, first=micro == 0,
+                                 update=update if last else None, nccl=nccl)
+            slot, done = readback.queue(A["loss_accum"], model.norm)
+            if pending is not None:
+                log_pending()                      # the previous step's line, while the GPU runs this step
+            pending = (step, lr, previous_end or start, slot, done)
+            previous_end = done
+            continue
         gpt2_zero_grad(model)
         A["loss_accum"].fill(0)
         for _ in range(run.grad_accum_steps):
@@ -1281,26 +1402,27 @@ def train(args):
                 run.train_loader.reset()
             inputs, targets = run.train_loader.next_batch()
             # forward, the loss added up on the device (no sync), backward: eager or a CUDA graph
-            gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, bool(args.cuda_graph))
+            gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph)
         if nccl is not None:
             gpt2_average_gradients(model, nccl)                               # data parallel (-z 1: this rank's shard)
-        lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
-                              args.final_lr_frac)
-        norm = gpt2_global_grad_norm(model, comm)                             # sync 1 of 2
-        grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
+        norm = gpt2_global_grad_norm(model, comm, args.grad_clip)             # sync 1 of 2
         loss = float(A["loss_accum"].sum(dtype=np.float64)) / (B * T * run.grad_accum_steps)  # sync 2 of 2
         loss = comm.mean(loss)
         skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
-        if not skip:
+        if not skip:                               # one shard: the clipping factor global_norm left on the device
+            grad_scale = None if model.shard.num_processes == 1 else clip_factor(args.grad_clip, norm)
             gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl)
         cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update
-        dt = time.perf_counter() - t0
-        util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,
-                   device_name, model.precision, model.matmul.tf32)
-        run.log_step(step, loss, norm, lr, dt, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
-        if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
-            run.say(gpu_status_line(device))
+        log(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
+    if pending is not None:
+        log_pending()
     return model
+
+
+def clip_factor(grad_clip, norm):
+    """What the gradient is scaled by for clipping at grad_clip (0: none): gpt2_cpu.train's rule,
+    on the host (global_norm computes the same on the device)."""
+    return grad_clip / norm if 0 < grad_clip < norm else 1.0
 
 
 def main(argv=None):
