@@ -1286,17 +1286,22 @@ def sample_window(config, prompt_length, max_new_tokens):
 def train(args):
     """gpt2_cpu.train on the GPU: the same flags and loop. Each step: zero_grad, forward +
     backward over grad_accum_steps micro-batches (accumulating, the loss summed on the device),
-    NCCL all-reduce of the gradients, clip to the global norm, AdamW. Returns the model (the
-    sampled ids with --generate)."""
+    NCCL all-reduce of the gradients, clip to the global norm, AdamW, all on the device (a CUDA
+    graph per micro-batch with --cuda-graph 1: the whole step without accumulation), the step's
+    line logged a step late (StepReadback). Returns the model (the sampled ids with --generate)."""
     cp = cuda.cupy()
     comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
     device, device_name, capability = cuda.select_device(comm)
     nccl = comm.connect()                          # the NCCL communicator (None for one process)
-    if args.cuda_graph:                     # a graph is captured on a created stream, never the legacy one
-        reason = cuda.cuda_graph_unavailable_reason()        # refused now, not at the first capture
-        if reason:
-            raise InputError(f"--cuda-graph 1: {reason}")
+    cuda_graph = gpu_cli.cuda_graph_choice(args.cuda_graph)
+    reason = cuda.cuda_graph_unavailable_reason() if cuda_graph else None   # refused now, not at the first capture
+    if reason and args.cuda_graph == "auto":
+        run.say(f"gpt2_cuda.py: kernels launched one by one, no CUDA graph: {reason}")
+        cuda_graph = False
+    elif reason:
+        raise InputError(f"--cuda-graph 1: {reason}")
+    if cuda_graph:                          # a graph is captured on a created stream, never the legacy one
         graph_stream = cp.cuda.Stream()     # (blocking: ordered after any work on the legacy stream)
         graph_stream.use()
     model = setup_model(args, capability, run.model_spec(), say=run.say, comm=comm)
@@ -1323,7 +1328,7 @@ def train(args):
     if args.eval_only:
         run.evaluate_only(batch_loss, forward_losses)
         return model
-    run.say(device_line(device, device_name, capability, model, args.cuda_graph))
+    run.say(device_line(device, device_name, capability, model, cuda_graph))
     run.banner(cfg, model.num_parameters)
     run.say(f"memory: activations {activation_bytes / 2**30:.2f} GiB, total in use "
             f"{cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
@@ -1344,7 +1349,6 @@ def train(args):
         return save_model_checkpoint(args.output_dir, step, model, run.train_loader, sample_rng.state,
                                      comm.rank, comm.size, run.outlier_state())
 
-    cuda_graph = gpu_cli.cuda_graph_choice(args.cuda_graph)
     update = StepUpdate(ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, args.grad_clip)
     # the step on the device, its loss and norm read a step late: unless -sl / -sg must see them
     # before the update, or ZeRO-1's shards sum the norm on the host (gpt2_global_grad_norm)

@@ -531,6 +531,13 @@ def test_cuda_graph_without_nvmath_is_refused_at_startup(capture, monkeypatch, t
                                                "bindings")
     assert "unavailable (ModuleNotFoundError: " in err[0]
     assert "--cuda-graph 0" in err[0] and capture.captures == captures                # refused before any step
+    # --cuda-graph auto (the default), where it means 1 (on a GPU): one line, and the kernels launched one by one
+    monkeypatch.setattr(gpt2_cuda.gpu_cli, "cuda_graph_choice", lambda requested: requested == "auto" or requested)
+    assert gpt2_cuda.main(argv[:-2] + ["-o", str(tmp_path / "auto")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "no CUDA graph" in line] == [
+        "gpt2_cuda.py: kernels launched one by one, no CUDA graph: " + err[0][len("error: --cuda-graph 1: "):]]
+    assert capture.captures == captures and any(line.startswith("step    1/1") for line in out)
 
 
 # ----------------------------------------------------------------------------
