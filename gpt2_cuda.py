@@ -106,7 +106,7 @@ def layer_activation(A, name, l, recompute):
     return A[name][0 if name in recomputed_activations(recompute) else l]
 
 
-def activation_shapes(config, B, T, recompute=1, attention=None):
+def activation_shapes(config, B, T, recompute=1, attention=None, classifier_chunk=0):
     """Every device buffer a forward + backward pass uses, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Each buffer is allocated once, as large as its
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
@@ -123,7 +123,8 @@ def activation_shapes(config, B, T, recompute=1, attention=None):
                      scores, are kept: no (T,T) buffer exists, and no per-head copies."""
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
     attention = attention or NaiveAttention()
-    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, Vp)
+    classifier_rows = max(r1 - r0 for r0, r1 in classifier_chunks(B, T, classifier_chunk))
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, classifier_rows * Vp)
     recomputed = recomputed_activations(recompute)
 
     def layers(name):                      # how many layers of `name` are kept
@@ -140,7 +141,7 @@ def activation_shapes(config, B, T, recompute=1, attention=None):
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
-        ("logits", (logits_floats,), "X"),     # (B,T,Vp), then dlogits in place
+        ("logits", (logits_floats,), "X"),     # (B,T,Vp) or a classifier chunk's rows, then dlogits in place
         ("scratch_btc", (B, T, C), "X"),       # one layer's (B,T,C) transients (activation_aliases)
         ("scratch_bt4c", (B, T, 4 * C), "X"),  # one layer's (B,T,4C) transients (activation_aliases)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
@@ -384,15 +385,19 @@ class GPT2:
     and shapes of gpt2_cpu.parameter_shapes, so the file loader, AdamW and the CPU model all agree),
     fp32 AdamW moments m, v, optional fp32 master weights, and the activation buffers (allocated
     by gpt2_allocate, once). precision is "bf16" or "fp32"; recompute is llm.c's -r level, 0, 1
-    or 2 (recomputed_activations; True and False are 1 and 0). Raises InputError for others."""
+    or 2 (recomputed_activations; True and False are 1 and 0); classifier_chunk: the sequences of a
+    micro-batch the classifier takes at a time (classifier_chunks; 0: all at once). Raises
+    InputError for others."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
-                 zero_stage=0, process_rank=0, num_processes=1, matmul=None):
+                 zero_stage=0, process_rank=0, num_processes=1, matmul=None, classifier_chunk=0):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
         if recompute not in RECOMPUTE_LEVELS:
             raise InputError(f"recompute must be one of {', '.join(map(str, RECOMPUTE_LEVELS))}, not {recompute}")
+        if classifier_chunk < 0:
+            raise InputError(f"--classifier-chunk {classifier_chunk}: a number of sequences, 0 for all at once")
         vec = vector_size(precision)
         if config.channels % config.num_heads or (config.channels // config.num_heads) % vec:
             raise InputError(f"the CUDA kernels need the head size C/NH = {config.channels}/{config.num_heads} "
@@ -402,6 +407,7 @@ class GPT2:
         self.recompute = int(recompute)
         self.attention = attention_path(attention)   # the attention layer's path (NaiveAttention ...)
         self.matmul = matmul or Cublas()             # the linear layers' backend (Cublas, CublasLt)
+        self.classifier_chunk = int(classifier_chunk)   # sequences the classifier takes at a time (0: all)
         self.floatX = FLOATX_DTYPES[precision]
         self.param_shapes = parameter_shapes(config)
         self.num_parameters = num_elements(self.param_shapes)
@@ -478,7 +484,8 @@ def gpt2_allocate(model, *sizes):
     cp = cuda.cupy()
     dtypes = {"X": model.floatX, "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
     sizes = list(dict.fromkeys(sizes))                                # unique, in order
-    tables = [activation_shapes(model.config, B, T, model.recompute, model.attention) for B, T in sizes]
+    tables = [activation_shapes(model.config, B, T, model.recompute, model.attention, model.classifier_chunk)
+              for B, T in sizes]
     model.buffers = model.views = None                                # free the old set first
     model.graphs = {}                                                 # they point into the old buffers
     model.buffers = {name: cp.zeros(max(buffer_elements(name, table[i][1], dtypes[kind].itemsize) for table in tables),
@@ -501,7 +508,7 @@ def gpt2_activations(model, B, T):
     or some buffer is too small for (B,T), everything is reallocated for (B,T) and the sizes
     allocated before (views fetched earlier are then stale: fetch them again)."""
     if (B, T) not in model.views:
-        table = activation_shapes(model.config, B, T, model.recompute, model.attention)
+        table = activation_shapes(model.config, B, T, model.recompute, model.attention, model.classifier_chunk)
         if model.buffers is None or any(buffer_elements(name, shape, model.buffers[name].itemsize) > model.buffers[name].size
                                         for name, shape, _ in table):
             gpt2_allocate(model, *model.allocated, (B, T))
@@ -546,8 +553,10 @@ def gpt2_forward(model, inputs, targets=None):
     """Forward pass, gpt2_cpu.gpt2_forward's: inputs (B,T) int token ids (host numpy); targets (B,T)
     or None. Returns the logits (B,T,Vp) floatX on the device (a view into the `logits` buffer:
     valid until the next forward or backward, which overwrites it with dlogits). With targets, the
-    per-position losses (B,T) fp32 are computed too (gpt2_mean_loss reads their mean). (The
-    sampler's forward, with a KV cache, is gpt2_forward_cached.)
+    per-position losses (B,T) fp32 are computed too (gpt2_mean_loss reads their mean), the
+    classifier taking model.classifier_chunk sequences at a time: with several chunks the buffer
+    keeps the last chunk's logits only (rows classifier_chunks(...)[-1]) and None is returned.
+    (The sampler's forward, with a KV cache, is gpt2_forward_cached.)
     Raises InputError if T passes maxT or a token id is out of range."""
     B, T = upload_batch(model, inputs, targets)
     return forward_launches(model, B, T, targets is not None)
@@ -570,13 +579,16 @@ def upload_batch(model, inputs, targets, pos=0):
     return B, T
 
 
-def forward_launches(model, B, T, with_loss):
+def forward_launches(model, B, T, with_loss, classifier=True):
     """The device half of gpt2_forward: every launch of the forward pass, reading the token ids
     (and targets) upload_batch put on the device. Launches only: no host work, no synchronization,
     the same arguments every call for a given (B,T), so that a CUDA graph can capture it
-    (gpt2_micro_batch). Returns the logits view (B,T,Vp)."""
+    (gpt2_micro_batch). Returns the logits view (B,T,Vp); with_loss: the losses too, the classifier
+    in chunks of sequences (classifier_chunks), and the logits only when one chunk held them all
+    (else None); classifier False (the training step, whose backward runs the classifier): up to
+    lnf only, and None."""
     cfg = model.config
-    C, L, V, Vp = cfg.channels, cfg.num_layers, cfg.vocab_size, cfg.padded_vocab_size
+    C, L, Vp = cfg.channels, cfg.num_layers, cfg.padded_vocab_size
     P, A = model.P, gpt2_activations(model, B, T)
     attention = model.attention
     encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"], B, T, C)       # (B,T,C)
@@ -586,10 +598,45 @@ def forward_launches(model, B, T, with_loss):
     for l in range(L):
         block_forward(model, A, l, B, T, attention)
     # forward pass 3: classifier tied to wte (lnf was written by the last block's fused residual), loss
+    if not classifier:
+        return None
+    if with_loss:
+        chunks = classifier_chunks(B, T, model.classifier_chunk)
+        for r0, r1 in chunks:
+            logits = classifier_launches(model, A, B, T, r0, r1)                   # losses[r0:r1]
+        return logits.reshape(B, T, Vp) if len(chunks) == 1 else None
+    require(A["logits"].size >= B * T * Vp, f"the logits of {B} sequences do not fit: --classifier-chunk "
+                                            f"{model.classifier_chunk} keeps {model.classifier_chunk} at a time")
     logits = prefix(A["logits"], (B, T, Vp))
     model.matmul.forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)           # (B,T,C) @ (C,Vp) -> (B,T,Vp)
-    if with_loss:
-        fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
+    return logits
+
+
+def classifier_chunks(B, T, chunk):
+    """The row ranges (r0, r1) of the B*T positions the classifier takes at a time: `chunk`
+    sequences (chunk*T rows) each, the last one possibly fewer; all B*T at once for chunk 0 or >= B."""
+    rows = B * T if chunk <= 0 or chunk >= B else chunk * T
+    return [(r0, min(r0 + rows, B * T)) for r0 in range(0, B * T, rows)]
+
+
+def classifier_launches(model, A, B, T, r0, r1, dloss=None):
+    """Forward pass 3 on the rows r0..r1 of the (B,T) positions, and with dloss (d mean(loss) /
+    d losses) its backward: logits (R,Vp) = lnf[r0:r1] @ wte^T in the first R = r1-r0 rows of the
+    `logits` buffer, then the fused classifier's losses[r0:r1]; with dloss it overwrites those logits
+    with dlogits, and dlnf[r0:r1] = dlogits @ wte, dwte += dlogits^T @ lnf[r0:r1]. So only R rows
+    of (Vp,) logits ever exist. Returns the logits (or dlogits) view (R,Vp)."""
+    cfg, P, G, mm = model.config, model.P, model.G, model.matmul
+    C, V, Vp = cfg.channels, cfg.vocab_size, cfg.padded_vocab_size
+    R = r1 - r0
+    lnf = A["lnf"].reshape(B * T, C)[r0:r1]                                          # (R,C)
+    logits = prefix(A["logits"], (R, Vp))
+    mm.forward(logits, lnf, P["wte"], None, 1, R, C, Vp)                             # (R,C) @ (C,Vp) -> (R,Vp)
+    losses, targets = A["losses"].reshape(-1)[r0:r1], A["targets"].reshape(-1)[r0:r1]
+    fused_classifier(logits, losses, targets, 0.0 if dloss is None else dloss, 1, R, V, Vp,
+                     write_dlogits=dloss is not None)
+    if dloss is not None:                                                           # logits now hold dlogits
+        dlnf = A["dlnf"].reshape(B * T, C)[r0:r1]
+        mm.backward(dlnf, G["wte"], None, logits, lnf, P["wte"], model.partial, 1, R, C, Vp)
     return logits
 
 
@@ -705,7 +752,7 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
     with the same arguments every call for given (B,T), loss_scale and counts: graph-capturable."""
     cfg = model.config
     B, T = model.BT
-    C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
+    C, L, NH = cfg.channels, cfg.num_layers, cfg.num_heads
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
     partial, mm = model.partial, model.matmul
     recomputed = recomputed_activations(model.recompute)
@@ -713,15 +760,14 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
     def layer(name, l):                    # as in block_forward
         return layer_activation(A, name, l, model.recompute)
 
-    # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
-    # The fused classifier writes the losses and, over the logits in place, dlogits in one pass
-    # (the training step's forward skips it; llm.c runs it at the end of the forward instead).
+    # backward pass 3: the classifier's forward (the training step's forward skips it), then
+    # cross-entropy and softmax in one kernel, which writes the losses and, over the logits in
+    # place, dlogits (llm.c runs it at the end of the forward instead), and the classifier's
+    # backward, chunk by chunk of sequences (classifier_chunks): dlnf row by row, dwte accumulated
     dloss = loss_scale / (B * T)                                                    # d(mean loss)/d(losses)
-    logits = prefix(A["logits"], (B, T, Vp))
-    fused_classifier(logits, A["losses"], A["targets"], dloss, B, T, V, Vp, write_dlogits=True)
-    dlogits = logits
+    for r0, r1 in classifier_chunks(B, T, model.classifier_chunk):
+        classifier_launches(model, A, B, T, r0, r1, dloss)
     dlnf = A["dlnf"]
-    mm.backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], partial, B, T, C, Vp)
     dresidual = A["dresidual"]                                                      # gradient of the residual stream
     dresidual.fill(0)                                                               # layernorm_backward accumulates
     layernorm_backward(dresidual, G["lnfw"], G["lnfb"], partial, dlnf, A["residual3"][L - 1], P["lnfw"],
@@ -794,7 +840,7 @@ def micro_batch_launches(model, B, T, loss_scale, num_chunks, num_reduce, first=
     if first:
         gpt2_zero_grad(model)
         A["loss_accum"].fill(0)
-    forward_launches(model, B, T, with_loss=False)
+    forward_launches(model, B, T, with_loss=False, classifier=False)
     backward_launches(model, loss_scale, num_chunks, num_reduce)
     cuda.cupy().add(A["loss_accum"], A["losses"], out=A["loss_accum"])
     if update is not None:
@@ -1242,7 +1288,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
-                 matmul)
+                 matmul, args.classifier_chunk)
     upload_parameters(model, host.params)
     return model
 

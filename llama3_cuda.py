@@ -226,7 +226,7 @@ def activation_table(config, B, T, attention):
     the name of each role (activation_aliases)."""
     C, L, NH, V, H = config.channels, config.num_layers, config.num_heads, config.vocab_size, config.hidden_dim
     QKV = qkv_channels(config)
-    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, V)
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, B * T * V)
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),

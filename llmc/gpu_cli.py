@@ -15,7 +15,7 @@ from llmc.utils import InputError
 BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores (and TF32)
 
 GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
-GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue")   # what llama3_cuda.py lacks (see build_parser)
+GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--classifier-chunk")   # llama3_cuda.py lacks these
 
 
 def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, description=None, model_help=None):
@@ -51,6 +51,9 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
           help="1: with cuBLASLt, the attention and MLP output projections add the residual stream in the GEMM "
                "(cuBLASLt's C input, beta = 1) and the LayerNorm after each only normalizes; 0: a fused residual + "
                "LayerNorm kernel adds it")
+        a("--classifier-chunk", type=int, default=0, metavar="SEQUENCES",
+          help="the classifier (logits, softmax + cross-entropy + dlogits, their two GEMMs) on this many sequences "
+               "of a micro-batch at a time, so only (SEQUENCES,T,Vp) logits exist instead of (B,T,Vp); 0: all B")
     if gpt2_options:
         a("--cuda-graph", type=auto_or_bit, default="auto", metavar="{auto,0,1}",
           help="1: capture the training step (forward, backward, the gradient norm and clipping factor, AdamW; "
