@@ -76,9 +76,11 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
 
 def cuda_graph_choice(requested):
     """Whether --cuda-graph `requested` (0, 1 or "auto") captures the training step: auto is 1 on
-    a GPU (the whole step as one graph measured 9.5% faster than eager launches on an H100 at
-    GPT-2 124M, B=16, 2026-11-26: dev/results/) and 0 on the emulated device (each kernel
-    launched where a debugger can stop in it)."""
+    a GPU (a graph per micro-batch measured 9.5% faster than eager launches on an H100 at GPT-2
+    124M, B=16, 2026-11-26: dev/results/) and 0 on the emulated device, where a replay is no faster
+    (its work is the kernels themselves, run on the CPU: d2 steps took the same time either way,
+    2026-11-27) and an eager launch runs where it is called, so stepping through gpt2_cuda.py in a
+    debugger shows each kernel's result at its line."""
     return cuda.device() == "cuda" if requested == "auto" else bool(requested)
 
 
