@@ -1399,74 +1399,116 @@ def train(args):
     # the step on the device, its loss and norm read a step late: unless -sl / -sg must see them
     # before the update, or ZeRO-1's shards sum the norm on the host (gpt2_global_grad_norm)
     on_device = not (args.skip_update_lossz > 0 or args.skip_update_gradz > 0 or model.shard.num_processes > 1)
-    readback = StepReadback(B * T) if on_device else None
-    pending, previous_end = None, None             # the step not yet logged; the end of the one before it
-
-    def log(step, loss, norm, lr, dt, zloss=math.nan, zgrad=math.nan):
-        util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,
-                   device_name, model.precision, model.matmul.tf32)
-        run.log_step(step, loss, norm, lr, dt, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
-        if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
-            run.say(gpu_status_line(device))
-
-    def log_pending():                             # the step a step late: its copies are done by now, or soon
-        step, lr, since, slot, done = pending
-        loss_sum, norm = readback.read(slot, done, B * T)
-        loss = comm.mean(loss_sum / (B * T * run.grad_accum_steps))
-        _, zloss, zgrad = run.skip_update(loss, norm, step)      # feeds the outlier windows; raises on NaN
-        log(step, loss, norm, lr, cp.cuda.get_elapsed_time(since, done) / 1000, zloss, zgrad)
-
+    lines = StepLines(run, model, comm, args, device, device_name, StepReadback(B * T) if on_device else None)
     for step in range(start_step, run.num_steps + 1):
-        if pending is not None and run.acts_between(step):      # it prints or saves: the last step's line first
-            log_pending()
-            pending = previous_end = None
+        if run.acts_between(step):                 # it prints or saves: the step still pending first
+            lines.flush()
         if run.between_steps(step, batch_loss, forward_losses, sample, save):
             break
         # the training step
-        t0 = time.perf_counter()
-        A = gpt2_activations(model, B, T)          # (cached) fetched per step: valid even if a sample reallocated
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
         if on_device:
-            # forward, backward, the norm, its clipping factor and AdamW all on the device: one
-            # CUDA graph per micro-batch with --cuda-graph 1 (the whole step with one micro-batch)
             start = cp.cuda.get_current_stream().record()
-            adamw_prepare(model, lr, ADAMW_BETA1, ADAMW_BETA2, step + 1)      # the step's values, uploaded
-            for micro in range(run.grad_accum_steps):
-                if args.overfit_single_batch:
-                    run.train_loader.reset()
-                inputs, targets = run.train_loader.next_batch()
-                last = micro == run.grad_accum_steps - 1
-                gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph, first=micro == 0,
-                                 update=update if last else None, nccl=nccl)
-            slot, done = readback.queue(A["loss_accum"], model.norm)
-            if pending is not None:
-                log_pending()                      # the previous step's line, while the GPU runs this step
-            pending = (step, lr, previous_end or start, slot, done)
-            previous_end = done
-            continue
-        gpt2_zero_grad(model)
-        A["loss_accum"].fill(0)
-        for _ in range(run.grad_accum_steps):
-            if args.overfit_single_batch:
-                run.train_loader.reset()
-            inputs, targets = run.train_loader.next_batch()
-            # forward, the loss added up on the device (no sync), backward: eager or a CUDA graph
-            gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph)
-        if nccl is not None:
-            gpt2_average_gradients(model, nccl)                               # data parallel (-z 1: this rank's shard)
-        norm = gpt2_global_grad_norm(model, comm, args.grad_clip)             # sync 1 of 2
-        loss = float(A["loss_accum"].sum(dtype=np.float64)) / (B * T * run.grad_accum_steps)  # sync 2 of 2
-        loss = comm.mean(loss)
-        skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
-        if not skip:                               # one shard: the clipping factor global_norm left on the device
-            grad_scale = None if model.shard.num_processes == 1 else clip_factor(args.grad_clip, norm)
-            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl)
-        cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update
-        log(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
-    if pending is not None:
-        log_pending()
+            lines.queue(step, lr, start, *device_step(model, run, args, step, lr, update, cuda_graph, nccl))
+        else:
+            t0 = time.perf_counter()
+            lines.line(step, lr, *host_step(model, run, args, comm, step, lr, cuda_graph, nccl),
+                       time.perf_counter() - t0)
+    lines.flush()
     return model
+
+
+def device_step(model, run, args, step, lr, update, cuda_graph, nccl):
+    """One training step wholly on the device (train()'s, unless -sl / -sg or ZeRO-1 over several
+    ranks): the step's AdamW values uploaded (adamw_prepare), then its micro-batches, the first
+    setting the gradients to 0, the last running the mean over ranks, the norm, its clipping factor
+    and AdamW (one CUDA graph per micro-batch with cuda_graph: the whole step with one). Nothing
+    waits for the device. Returns the step's (loss_accum, norm) on the device, for StepLines.queue."""
+    A = gpt2_activations(model, run.B, run.T)      # (cached) fetched per step: valid even if a sample reallocated
+    adamw_prepare(model, lr, ADAMW_BETA1, ADAMW_BETA2, step + 1)
+    for micro in range(run.grad_accum_steps):
+        if args.overfit_single_batch:
+            run.train_loader.reset()
+        inputs, targets = run.train_loader.next_batch()
+        last = micro == run.grad_accum_steps - 1
+        gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph, first=micro == 0,
+                         update=update if last else None, nccl=nccl)
+    return A["loss_accum"], model.norm
+
+
+def host_step(model, run, args, comm, step, lr, cuda_graph, nccl):
+    """One training step whose loss and norm the host reads before the update (-sl / -sg decide
+    on them whether to apply it; ZeRO-1 over several ranks sums the norm on the host): the
+    micro-batches (eager or CUDA graphs), the mean over ranks, the norm and loss (two syncs), the
+    outlier check, AdamW. Returns (loss, norm, zloss, zgrad), the update done."""
+    A = gpt2_activations(model, run.B, run.T)
+    gpt2_zero_grad(model)
+    A["loss_accum"].fill(0)
+    for _ in range(run.grad_accum_steps):
+        if args.overfit_single_batch:
+            run.train_loader.reset()
+        inputs, targets = run.train_loader.next_batch()
+        # forward, the loss added up on the device (no sync), backward: eager or a CUDA graph
+        gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph)
+    if nccl is not None:
+        gpt2_average_gradients(model, nccl)                               # data parallel (-z 1: this rank's shard)
+    norm = gpt2_global_grad_norm(model, comm, args.grad_clip)             # sync 1 of 2
+    loss = float(A["loss_accum"].sum(dtype=np.float64)) / (A["loss_accum"].size * run.grad_accum_steps)  # sync 2
+    loss = comm.mean(loss)
+    skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
+    if not skip:                               # one shard: the clipping factor global_norm left on the device
+        grad_scale = None if model.shard.num_processes == 1 else clip_factor(args.grad_clip, norm)
+        gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl)
+    cuda.cupy().cuda.get_current_stream().synchronize()                   # the step's time includes the update
+    return loss, norm, zloss, zgrad
+
+
+class StepLines:
+    """train()'s step lines (TrainingRun.log_step with the MFU; -lg's GPU line), and for a step run
+    on the device its line a step late: queue() keeps the step and prints the one before, whose
+    loss and norm are back by then (readback, a StepReadback) while the GPU runs the new one;
+    flush() prints the one kept, before anything between steps prints or saves, and after the last.
+    Such a step's time is the device's, from the end of the step before it (or from its own start
+    after work between the steps) to its end."""
+
+    def __init__(self, run, model, comm, args, device, device_name, readback):
+        self.run, self.model, self.comm, self.args = run, model, comm, args
+        self.device, self.device_name, self.readback = device, device_name, readback
+        self.pending = self.previous_end = None        # the step not yet printed; the end of the one before
+
+    def line(self, step, lr, loss, norm, zloss, zgrad, seconds):
+        """Print step's line (and main.log's)."""
+        cfg, run = self.model.config, self.run
+        util = mfu(self.model.num_parameters, cfg.num_layers, cfg.channels, run.T,
+                   run.total_batch / self.comm.size / seconds, self.device_name, self.model.precision,
+                   self.model.matmul.tf32)
+        run.log_step(step, loss, norm, lr, seconds, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
+        if self.args.log_gpu_every > 0 and (step + 1) % self.args.log_gpu_every == 0:
+            run.say(gpu_status_line(self.device))
+
+    def queue(self, step, lr, start, loss_accum, norm):
+        """A step queued on the device (its start event, its losses and norm on the device): copy
+        them back without waiting, keep it, and print the step before."""
+        previous = self.pending
+        slot, done = self.readback.queue(loss_accum, norm)
+        self.pending = (step, lr, self.previous_end or start, slot, done)
+        self.previous_end = done
+        if previous is not None:
+            self.print_late(*previous)
+
+    def flush(self):
+        """Print the step kept, if any; the next step's time starts at its own start."""
+        if self.pending is not None:
+            self.print_late(*self.pending)
+        self.pending = self.previous_end = None
+
+    def print_late(self, step, lr, since, slot, done):
+        run = self.run
+        loss_sum, norm = self.readback.read(slot, done, run.B * run.T)   # waits for the step's end
+        loss = self.comm.mean(loss_sum / (run.B * run.T * run.grad_accum_steps))
+        _, zloss, zgrad = run.skip_update(loss, norm, step)   # feeds the outlier windows; raises on NaN
+        self.line(step, lr, loss, norm, zloss, zgrad, cuda.cupy().cuda.get_elapsed_time(since, done) / 1000)
 
 
 def clip_factor(grad_clip, norm):
