@@ -1288,7 +1288,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
-                 matmul, args.classifier_chunk)
+                 matmul=matmul, classifier_chunk=args.classifier_chunk)
     upload_parameters(model, host.params)
     return model
 

@@ -98,7 +98,7 @@ def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     fake = types.SimpleNamespace(unavailable_reason=lambda: "nvmath-python is not installed")
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
     monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
-    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=a[-1]))
+    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=k["matmul"]))
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     lines = []
     model = gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1", "--attention", "naive"]), 90,
