@@ -10,10 +10,13 @@ bias, B, T, C)`. The rest is in llmc/: the attention paths (attention.py), the m
 (cuda_check.py), and what gpt2_cpu.py shares (files, loaders, checkpoints, the loop around a step).
 
 No autograd, no ZeRO beyond stage 1. All training memory is allocated before the first step (the
-sampler's KV cache excepted); a step's only device-to-host synchronizations read the norm and the
-loss. The attention path (--attention naive | flash | cudnn) and the matmul backend (cuBLAS, or
---cublaslt 1; -f 1: TF32) are objects chosen once by setup_model and kept on the model;
---cuda-graph 1 replays each micro-batch as one CUDA graph. Precision: bf16 (the default from
+sampler's KV cache excepted). A step runs wholly on the device, the gradient clipping factor
+included, with no device-to-host synchronization inside it; its loss and norm are copied back at
+its end and logged a step late, while the next step runs (with -sl / -sg, or ZeRO-1 over several
+ranks, the host reads them before the update instead). The attention path (--attention naive |
+flash | cudnn) and the matmul backend (cuBLAS, or --cublaslt 1; -f 1: TF32; --residual-epilogue)
+are objects chosen once by setup_model and kept on the model; --cuda-graph 1 (the default on a
+GPU) replays the whole step as one CUDA graph (one per micro-batch with -d > B*T). Precision: bf16 (the default from
 compute capability 8.0) stores parameters, gradients and activations as bfloat16 with fp32
 arithmetic inside every kernel, fp32 AdamW moments and (-w 1) fp32 master weights; fp32 stores
 everything as float32.
@@ -63,7 +66,7 @@ from llmc.matmul import BIAS_BACKWARD_CHUNKS, Cublas, gelu_forward, matmul_backe
 from llmc.mfu import mfu
 from llmc.pinned import PinnedStaging
 from llmc.utils import InputError, prefix
-from llmc.zero import optimizer_shard, rounding_seed, shard_slices
+from llmc.zero import ShardPiece, optimizer_shard, rounding_seed, shard_slices
 
 # ----------------------------------------------------------------------------
 # constants: launch configuration, precision
@@ -71,10 +74,16 @@ from llmc.zero import optimizer_shard, rounding_seed, shard_slices
 KERNEL_FILES = ("encoder", "layernorm", "attention", "gelu", "bias", "classifier", "adamw", "global_norm", "cast")
 LAYERNORM_BACKWARD_BLOCK_SIZE = 512
 LAYERNORM_BACKWARD_GRID = 512          # partial-sum slots of layernorm_backward: fixed, so results reproduce
+LAYERNORM_PARAM_REDUCE_BLOCK_SIZE = 512   # 16 warps share each column group's slots: fixed, likewise
 WTE_CHUNK_ROWS = 32                    # most positions one block of the dwte scatter-add sums
 CLASSIFIER_BLOCK_SIZE = 1024           # one block per row of Vp logits (llm.c's fused_classifier)
 GLOBAL_NORM_GRID = 1024                # partial sums of the gradient norm: fixed, likewise
 GLOBAL_NORM_BLOCK_SIZE = 512
+NORM_VALUES = 2                        # global_norm's out: the norm, then the clipping factor
+NORM_CLIP_SCALE = 1                    # out[1]: what AdamW scales the gradient by
+ADAMW_BLOCK_SIZE = 256                 # threads of adamw_update, one 16-byte vector each: fixes its table
+ADAMW_TENSOR_FIELDS = 5                # kernels/adamw.cu's table row: offsets, count, first block, decayed
+ADAMW_STEP_SCALARS = 3                 # learning rate, beta1 and beta2 bias corrections
 UPDATE_SEED = 13371337                 # llm.c's initial rng_state, the seeds of stochastic rounding
 
 
@@ -97,7 +106,7 @@ def layer_activation(A, name, l, recompute):
     return A[name][0 if name in recomputed_activations(recompute) else l]
 
 
-def activation_shapes(config, B, T, recompute=1, attention=None):
+def activation_shapes(config, B, T, recompute=1, attention=None, classifier_chunk=0):
     """Every device buffer a forward + backward pass uses, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Each buffer is allocated once, as large as its
     largest size over the (B,T) the run uses; a (B,T) uses its first elements. Names follow
@@ -114,7 +123,8 @@ def activation_shapes(config, B, T, recompute=1, attention=None):
                      scores, are kept: no (T,T) buffer exists, and no per-head copies."""
     C, L, NH, Vp = config.channels, config.num_layers, config.num_heads, config.padded_vocab_size
     attention = attention or NaiveAttention()
-    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, Vp)
+    classifier_rows = max(r1 - r0 for r0, r1 in classifier_chunks(B, T, classifier_chunk))
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, classifier_rows * Vp)
     recomputed = recomputed_activations(recompute)
 
     def layers(name):                      # how many layers of `name` are kept
@@ -131,7 +141,7 @@ def activation_shapes(config, B, T, recompute=1, attention=None):
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"), ("loss_accum", (B, T), "f32"),
-        ("logits", (logits_floats,), "X"),     # (B,T,Vp), then dlogits in place
+        ("logits", (logits_floats,), "X"),     # (B,T,Vp) or a classifier chunk's rows, then dlogits in place
         ("scratch_btc", (B, T, C), "X"),       # one layer's (B,T,C) transients (activation_aliases)
         ("scratch_bt4c", (B, T, 4 * C), "X"),  # one layer's (B,T,4C) transients (activation_aliases)
         ("dresidual", (B, T, C), "X"),         # the residual stream's gradient
@@ -282,7 +292,8 @@ def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, r
     """Accumulate dinp (B,T,C) (the residual stream's gradient), dweight, dbias (C,), from dout:
         dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),  dnorm = dout * weight
     (derivation: gpt2_cpu.layernorm_backward, doc/layernorm.md). Two kernels: per-block partial
-    sums of dbias/dweight into partial (G, 2, C) fp32, then their in-order sum."""
+    sums of dbias/dweight into partial (G, 2, C) fp32, then their sum in a fixed order (each block
+    of layernorm_param_reduce sums 32 columns, its warps sharing the G slots)."""
     N = B * T
     G = layernorm_backward_grid(N)
     precision = check_launch("layernorm_backward",
@@ -293,13 +304,18 @@ def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, r
     require(partial.dtype == np.float32 and partial.size >= G * 2 * C, f"layernorm partial sums need {G * 2 * C} floats")
     cuda.launch("layernorm", precision, "layernorm_backward", G, LAYERNORM_BACKWARD_BLOCK_SIZE,
                 (dinp, partial, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
-    cuda.launch("layernorm", precision, "layernorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
-                (dweight, dbias, partial, np.int32(G), np.int32(C)))
+    cuda.launch("layernorm", precision, "layernorm_param_reduce", layernorm_param_reduce_grid(C),
+                LAYERNORM_PARAM_REDUCE_BLOCK_SIZE, (dweight, dbias, partial, np.int32(G), np.int32(C)))
 
 
 def layernorm_backward_grid(N):
     """Scratch slots of layernorm_backward (blocks, each owning ceil(N/G) rows): fixed per N."""
     return min(LAYERNORM_BACKWARD_GRID, N)
+
+
+def layernorm_param_reduce_grid(C):
+    """Blocks of layernorm_param_reduce: one per group of WARP_SIZE of the 2C [dbias | dweight] columns."""
+    return ceil_div(2 * C, WARP_SIZE)
 
 
 def partial_floats(config):
@@ -326,16 +342,18 @@ def fused_classifier(logits, losses, targets, dloss, B, T, V, Vp, write_dlogits)
 # ----------------------------------------------------------------------------
 # gradient norm and casts (gpt2_cpu needs no kernel for these: np.dot, astype)
 
-def global_norm(out, partial, data, n):
+def global_norm(out, partial, data, n, grad_clip=0.0):
     """out[0] (fp32, on the device) = sqrt(sum of data^2) over n floatX values, in two fixed-order
-    steps: GLOBAL_NORM_GRID per-block partial sums into partial, then one block sums those."""
+    steps: GLOBAL_NORM_GRID per-block partial sums into partial, then one block sums those and
+    writes out[1] = the clipping factor grad_clip / out[0] where 0 < grad_clip < out[0], else 1
+    (what AdamW scales the gradient by: computed on the device, no host round trip). out (2,) fp32."""
     precision = check_launch("global_norm", [("data", data, n)], aligned=True)
     require(partial.dtype == np.float32 and partial.size >= GLOBAL_NORM_GRID, "global_norm: partial too small")
-    require(out.dtype == np.float32 and out.size >= 1, "global_norm: out must be fp32")
+    require(out.dtype == np.float32 and out.size >= NORM_VALUES, f"global_norm: out must be {NORM_VALUES} fp32")
     cuda.launch("global_norm", precision, "global_norm_squared", GLOBAL_NORM_GRID, GLOBAL_NORM_BLOCK_SIZE,
                 (partial, data, np.uint64(n), np.int32(0)))
     cuda.launch("global_norm", precision, "global_norm_finalize", 1, MAX_THREADS_PER_BLOCK,
-                (out, partial, np.int32(GLOBAL_NORM_GRID)))
+                (out, partial, np.int32(GLOBAL_NORM_GRID), np.float32(grad_clip)))
 
 
 def cast_float_to_floatX(out, inp, n):
@@ -367,15 +385,19 @@ class GPT2:
     and shapes of gpt2_cpu.parameter_shapes, so the file loader, AdamW and the CPU model all agree),
     fp32 AdamW moments m, v, optional fp32 master weights, and the activation buffers (allocated
     by gpt2_allocate, once). precision is "bf16" or "fp32"; recompute is llm.c's -r level, 0, 1
-    or 2 (recomputed_activations; True and False are 1 and 0). Raises InputError for others."""
+    or 2 (recomputed_activations; True and False are 1 and 0); classifier_chunk: the sequences of a
+    micro-batch the classifier takes at a time (classifier_chunks; 0: all at once). Raises
+    InputError for others."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
-                 zero_stage=0, process_rank=0, num_processes=1, matmul=None):
+                 zero_stage=0, process_rank=0, num_processes=1, matmul=None, classifier_chunk=0):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
         if recompute not in RECOMPUTE_LEVELS:
             raise InputError(f"recompute must be one of {', '.join(map(str, RECOMPUTE_LEVELS))}, not {recompute}")
+        if classifier_chunk < 0:
+            raise InputError(f"--classifier-chunk {classifier_chunk}: a number of sequences, 0 for all at once")
         vec = vector_size(precision)
         if config.channels % config.num_heads or (config.channels // config.num_heads) % vec:
             raise InputError(f"the CUDA kernels need the head size C/NH = {config.channels}/{config.num_heads} "
@@ -385,6 +407,7 @@ class GPT2:
         self.recompute = int(recompute)
         self.attention = attention_path(attention)   # the attention layer's path (NaiveAttention ...)
         self.matmul = matmul or Cublas()             # the linear layers' backend (Cublas, CublasLt)
+        self.classifier_chunk = int(classifier_chunk)   # sequences the classifier takes at a time (0: all)
         self.floatX = FLOATX_DTYPES[precision]
         self.param_shapes = parameter_shapes(config)
         self.num_parameters = num_elements(self.param_shapes)
@@ -407,7 +430,8 @@ class GPT2:
         self.v = cp.zeros(S, dtype=np.float32)
         self.partial = cp.zeros(partial_floats(config), dtype=np.float32)   # the backward's per-block partial sums
         self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
-        self.norm = cp.zeros(1, dtype=np.float32)
+        self.norm = cp.zeros(NORM_VALUES, dtype=np.float32)                 # the gradient norm, its clipping factor
+        self.update = UpdateBuffers(self.param_shapes)                      # AdamW's per-step values, on the device
         self.update_rng = SamplerRNG(UPDATE_SEED)    # seeds of stochastic rounding, one per tensor per step
         self.rng_state_last_update = self.update_rng.state
         self.buffers = None                          # name -> flat device buffer (gpt2_allocate)
@@ -460,7 +484,8 @@ def gpt2_allocate(model, *sizes):
     cp = cuda.cupy()
     dtypes = {"X": model.floatX, "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
     sizes = list(dict.fromkeys(sizes))                                # unique, in order
-    tables = [activation_shapes(model.config, B, T, model.recompute, model.attention) for B, T in sizes]
+    tables = [activation_shapes(model.config, B, T, model.recompute, model.attention, model.classifier_chunk)
+              for B, T in sizes]
     model.buffers = model.views = None                                # free the old set first
     model.graphs = {}                                                 # they point into the old buffers
     model.buffers = {name: cp.zeros(max(buffer_elements(name, table[i][1], dtypes[kind].itemsize) for table in tables),
@@ -483,7 +508,7 @@ def gpt2_activations(model, B, T):
     or some buffer is too small for (B,T), everything is reallocated for (B,T) and the sizes
     allocated before (views fetched earlier are then stale: fetch them again)."""
     if (B, T) not in model.views:
-        table = activation_shapes(model.config, B, T, model.recompute, model.attention)
+        table = activation_shapes(model.config, B, T, model.recompute, model.attention, model.classifier_chunk)
         if model.buffers is None or any(buffer_elements(name, shape, model.buffers[name].itemsize) > model.buffers[name].size
                                         for name, shape, _ in table):
             gpt2_allocate(model, *model.allocated, (B, T))
@@ -528,8 +553,10 @@ def gpt2_forward(model, inputs, targets=None):
     """Forward pass, gpt2_cpu.gpt2_forward's: inputs (B,T) int token ids (host numpy); targets (B,T)
     or None. Returns the logits (B,T,Vp) floatX on the device (a view into the `logits` buffer:
     valid until the next forward or backward, which overwrites it with dlogits). With targets, the
-    per-position losses (B,T) fp32 are computed too (gpt2_mean_loss reads their mean). (The
-    sampler's forward, with a KV cache, is gpt2_forward_cached.)
+    per-position losses (B,T) fp32 are computed too (gpt2_mean_loss reads their mean), the
+    classifier taking model.classifier_chunk sequences at a time: with several chunks the buffer
+    keeps the last chunk's logits only (rows classifier_chunks(...)[-1]) and None is returned.
+    (The sampler's forward, with a KV cache, is gpt2_forward_cached.)
     Raises InputError if T passes maxT or a token id is out of range."""
     B, T = upload_batch(model, inputs, targets)
     return forward_launches(model, B, T, targets is not None)
@@ -552,13 +579,16 @@ def upload_batch(model, inputs, targets, pos=0):
     return B, T
 
 
-def forward_launches(model, B, T, with_loss):
+def forward_launches(model, B, T, with_loss, classifier=True):
     """The device half of gpt2_forward: every launch of the forward pass, reading the token ids
     (and targets) upload_batch put on the device. Launches only: no host work, no synchronization,
     the same arguments every call for a given (B,T), so that a CUDA graph can capture it
-    (gpt2_micro_batch). Returns the logits view (B,T,Vp)."""
+    (gpt2_micro_batch). Returns the logits view (B,T,Vp); with_loss: the losses too, the classifier
+    in chunks of sequences (classifier_chunks), and the logits only when one chunk held them all
+    (else None); classifier False (the training step, whose backward runs the classifier): up to
+    lnf only, and None."""
     cfg = model.config
-    C, L, V, Vp = cfg.channels, cfg.num_layers, cfg.vocab_size, cfg.padded_vocab_size
+    C, L, Vp = cfg.channels, cfg.num_layers, cfg.padded_vocab_size
     P, A = model.P, gpt2_activations(model, B, T)
     attention = model.attention
     encoder_forward(A["encoded"], A["inputs"], P["wte"], P["wpe"], B, T, C)       # (B,T,C)
@@ -568,10 +598,45 @@ def forward_launches(model, B, T, with_loss):
     for l in range(L):
         block_forward(model, A, l, B, T, attention)
     # forward pass 3: classifier tied to wte (lnf was written by the last block's fused residual), loss
+    if not classifier:
+        return None
+    if with_loss:
+        chunks = classifier_chunks(B, T, model.classifier_chunk)
+        for r0, r1 in chunks:
+            logits = classifier_launches(model, A, B, T, r0, r1)                   # losses[r0:r1]
+        return logits.reshape(B, T, Vp) if len(chunks) == 1 else None
+    require(A["logits"].size >= B * T * Vp, f"the logits of {B} sequences do not fit: --classifier-chunk "
+                                            f"{model.classifier_chunk} keeps {model.classifier_chunk} at a time")
     logits = prefix(A["logits"], (B, T, Vp))
     model.matmul.forward(logits, A["lnf"], P["wte"], None, B, T, C, Vp)           # (B,T,C) @ (C,Vp) -> (B,T,Vp)
-    if with_loss:
-        fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
+    return logits
+
+
+def classifier_chunks(B, T, chunk):
+    """The row ranges (r0, r1) of the B*T positions the classifier takes at a time: `chunk`
+    sequences (chunk*T rows) each, the last one possibly fewer; all B*T at once for chunk 0 or >= B."""
+    rows = B * T if chunk <= 0 or chunk >= B else chunk * T
+    return [(r0, min(r0 + rows, B * T)) for r0 in range(0, B * T, rows)]
+
+
+def classifier_launches(model, A, B, T, r0, r1, dloss=None):
+    """Forward pass 3 on the rows r0..r1 of the (B,T) positions, and with dloss (d mean(loss) /
+    d losses) its backward: logits (R,Vp) = lnf[r0:r1] @ wte^T in the first R = r1-r0 rows of the
+    `logits` buffer, then the fused classifier's losses[r0:r1]; with dloss it overwrites those logits
+    with dlogits, and dlnf[r0:r1] = dlogits @ wte, dwte += dlogits^T @ lnf[r0:r1]. So only R rows
+    of (Vp,) logits ever exist. Returns the logits (or dlogits) view (R,Vp)."""
+    cfg, P, G, mm = model.config, model.P, model.G, model.matmul
+    C, V, Vp = cfg.channels, cfg.vocab_size, cfg.padded_vocab_size
+    R = r1 - r0
+    lnf = A["lnf"].reshape(B * T, C)[r0:r1]                                          # (R,C)
+    logits = prefix(A["logits"], (R, Vp))
+    mm.forward(logits, lnf, P["wte"], None, 1, R, C, Vp)                             # (R,C) @ (C,Vp) -> (R,Vp)
+    losses, targets = A["losses"].reshape(-1)[r0:r1], A["targets"].reshape(-1)[r0:r1]
+    fused_classifier(logits, losses, targets, 0.0 if dloss is None else dloss, 1, R, V, Vp,
+                     write_dlogits=dloss is not None)
+    if dloss is not None:                                                           # logits now hold dlogits
+        dlnf = A["dlnf"].reshape(B * T, C)[r0:r1]
+        mm.backward(dlnf, G["wte"], None, logits, lnf, P["wte"], model.partial, 1, R, C, Vp)
     return logits
 
 
@@ -593,22 +658,34 @@ def block_forward(model, A, l, B, T, attention):
     qkv = attention.qkv(A, l, B, T, C)                                             # (B,T,3C)
     mm.forward(qkv, ln1, p["qkvw"], p["qkvb"], B, T, C, 3 * C)
     attention.forward(A, l, B, T, C, NH, mm.tf32)                                  # atty[l] (B,T,C)
-    attproj = A["attproj"]                                                         # without its bias:
-    mm.forward(attproj, A["atty"][l], p["attprojw"], None, B, T, C, C)             # the next kernel adds it
-    # residual2 = residual + attproj + attprojb, and ln2 = layernorm(residual2), in one kernel
-    fused_residual_forward(A["residual2"][l], ln2, A["ln2_mean"][l], A["ln2_rstd"][l],
-                           residual, attproj, p["attprojb"], p["ln2w"], p["ln2b"], B * T, C)
+    # residual2 = residual + atty @ attprojw^T + attprojb, and ln2 = layernorm(residual2)
+    residual_projection_forward(mm, A["residual2"][l], ln2, A["ln2_mean"][l], A["ln2_rstd"][l], residual, A["atty"][l],
+                                p["attprojw"], p["attprojb"], p["ln2w"], p["ln2b"], A["attproj"], B, T, C, C)
     # forward pass 2: MLP block
     mm.forward(fch_gelu, ln2, p["fcw"], p["fcb"], B, T, C, 4 * C, pre_gelu=A["fch"][l])   # (B,T,4C)
-    fcproj = A["fcproj"]
-    mm.forward(fcproj, fch_gelu, p["fcprojw"], None, B, T, 4 * C, C)               # (B,T,C), bias added next
-    # residual3 = residual2 + fcproj + fcprojb, and the next LayerNorm: layer l+1's ln1, or the final lnf
+    # residual3 = residual2 + fch_gelu @ fcprojw^T + fcprojb, and the next LayerNorm: layer l+1's ln1, or lnf
     if l + 1 < L:
         norm = (layer("ln1", l + 1), A["ln1_mean"][l + 1], A["ln1_rstd"][l + 1], P["ln1w"][l + 1], P["ln1b"][l + 1])
     else:
         norm = (A["lnf"], A["lnf_mean"], A["lnf_rstd"], P["lnfw"], P["lnfb"])
-    fused_residual_forward(A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fcproj, p["fcprojb"],
-                           norm[3], norm[4], B * T, C)
+    residual_projection_forward(mm, A["residual3"][l], norm[0], norm[1], norm[2], A["residual2"][l], fch_gelu,
+                                p["fcprojw"], p["fcprojb"], norm[3], norm[4], A["fcproj"], B, T, 4 * C, C)
+
+
+def residual_projection_forward(mm, residual_out, normed, mean, rstd, residual_in, inp, weight, bias, ln_weight,
+                                ln_bias, scratch, B, T, IC, C):
+    """An output projection adding into the residual stream, and the LayerNorm after it:
+    residual_out (B,T,C) = residual_in + inp (B,T,IC) @ weight^T + bias (weight (C,IC)), then normed,
+    mean, rstd = layernorm(residual_out). Two launches either way. With the backend's
+    residual_epilogue (cuBLASLt) the product adds the bias and the residual itself (cuBLASLt's C input,
+    beta = 1) and layernorm_forward only normalizes; else the bias-free product goes to scratch (B,T,C)
+    and fused_residual_forward adds residual_in, it and the bias and normalizes in one pass."""
+    if mm.residual_epilogue:
+        mm.forward(residual_out, inp, weight, bias, B, T, IC, C, residual=residual_in)
+        layernorm_forward(normed, mean, rstd, residual_out, ln_weight, ln_bias, B, T, C)
+    else:
+        mm.forward(scratch, inp, weight, None, B, T, IC, C)
+        fused_residual_forward(residual_out, normed, mean, rstd, residual_in, scratch, bias, ln_weight, ln_bias, B * T, C)
 
 
 def gpt2_mean_loss(model):
@@ -675,7 +752,7 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
     with the same arguments every call for given (B,T), loss_scale and counts: graph-capturable."""
     cfg = model.config
     B, T = model.BT
-    C, L, NH, V, Vp = cfg.channels, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
+    C, L, NH = cfg.channels, cfg.num_layers, cfg.num_heads
     P, G, A = model.P, model.G, gpt2_activations(model, B, T)
     partial, mm = model.partial, model.matmul
     recomputed = recomputed_activations(model.recompute)
@@ -683,15 +760,14 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
     def layer(name, l):                    # as in block_forward
         return layer_activation(A, name, l, model.recompute)
 
-    # backward pass 3: cross-entropy and softmax (one kernel), classifier, final LayerNorm.
-    # The fused classifier writes the losses and, over the logits in place, dlogits in one pass
-    # (the training step's forward skips it; llm.c runs it at the end of the forward instead).
+    # backward pass 3: the classifier's forward (the training step's forward skips it), then
+    # cross-entropy and softmax in one kernel, which writes the losses and, over the logits in
+    # place, dlogits (llm.c runs it at the end of the forward instead), and the classifier's
+    # backward, chunk by chunk of sequences (classifier_chunks): dlnf row by row, dwte accumulated
     dloss = loss_scale / (B * T)                                                    # d(mean loss)/d(losses)
-    logits = prefix(A["logits"], (B, T, Vp))
-    fused_classifier(logits, A["losses"], A["targets"], dloss, B, T, V, Vp, write_dlogits=True)
-    dlogits = logits
+    for r0, r1 in classifier_chunks(B, T, model.classifier_chunk):
+        classifier_launches(model, A, B, T, r0, r1, dloss)
     dlnf = A["dlnf"]
-    mm.backward(dlnf, G["wte"], None, dlogits, A["lnf"], P["wte"], partial, B, T, C, Vp)
     dresidual = A["dresidual"]                                                      # gradient of the residual stream
     dresidual.fill(0)                                                               # layernorm_backward accumulates
     layernorm_backward(dresidual, G["lnfw"], G["lnfb"], partial, dlnf, A["residual3"][L - 1], P["lnfw"],
@@ -710,7 +786,9 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
         if "ln2" in recomputed:
             layernorm_forward(ln2, A["ln2_mean"][l], A["ln2_rstd"][l], A["residual2"][l], p["ln2w"], p["ln2b"], B, T, C)
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: dfcproj = dresidual, and
-        # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part
+        # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part. (With the
+        # residual in the projection's epilogue, D = A.B + bias + C, dC = dD the same way: the
+        # residual's gradient is accumulated only where it is produced, by layernorm_backward)
         dfch = A["dfch"]
         mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
                     pre_gelu=A["fch"][l])                                           # dfch, through gelu
@@ -739,14 +817,47 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
                      B, T, C)
 
 
-def micro_batch_launches(model, B, T, loss_scale, num_chunks, num_reduce):
-    """The device work of one micro-batch, launches only (graph-capturable): the forward without
-    the classifier, the backward (whose fused classifier writes the losses and dlogits in one
-    pass), and the losses added into loss_accum."""
+class StepUpdate(NamedTuple):
+    """The end of a training step that its last micro-batch runs on the device (step_tail_launches):
+    AdamW's hyperparameters that stay the same every step, the gradient clipping threshold
+    (grad_clip, 0: none) and the names of the decayed tensors. What changes every step (the learning
+    rate, the bias corrections, the seeds) adamw_prepare uploads before the micro-batches."""
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip: float
+    decayed: tuple = DECAYED_PARAMETERS
+
+
+def micro_batch_launches(model, B, T, loss_scale, num_chunks, num_reduce, first=False, update=None, nccl=None):
+    """The device work of one micro-batch, launches only (graph-capturable): with `first` (the
+    step's first micro-batch) the gradients and loss_accum set to 0; the forward without the
+    classifier, the backward (whose fused classifier writes the losses and dlogits in one pass),
+    and the losses added into loss_accum; with `update` (a StepUpdate: the step's last micro-batch)
+    the rest of the step: step_tail_launches."""
     A = gpt2_activations(model, B, T)
-    forward_launches(model, B, T, with_loss=False)
+    if first:
+        gpt2_zero_grad(model)
+        A["loss_accum"].fill(0)
+    forward_launches(model, B, T, with_loss=False, classifier=False)
     backward_launches(model, loss_scale, num_chunks, num_reduce)
     cuda.cupy().add(A["loss_accum"], A["losses"], out=A["loss_accum"])
+    if update is not None:
+        step_tail_launches(model, update, nccl)
+
+
+def step_tail_launches(model, update, nccl=None):
+    """The end of a training step after its last backward, launches only (graph-capturable): the
+    gradients averaged over the ranks (nccl, data parallel without ZeRO-1's shards), their norm and
+    clipping factor (global_norm: model.norm = [norm, factor]), and AdamW scaling the gradient by
+    that factor, with the per-step values adamw_prepare uploaded. No value comes back to the host:
+    the step's loss and norm are read after it (StepReadback)."""
+    if nccl is not None:
+        gpt2_average_gradients(model, nccl)
+    global_norm_launches(model, update.grad_clip)
+    adamw_launches(model, model.update.tables[tuple(update.decayed)], update.beta1, update.beta2, update.eps,
+                   update.weight_decay, nccl)
 
 
 def capture_graph(stream, launches):
@@ -765,85 +876,212 @@ def capture_graph(stream, launches):
     return stream.end_capture()
 
 
-def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
+def gpt2_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False, first=False, update=None, nccl=None):
     """One micro-batch of a training step: the forward with targets, the backward accumulating
     the gradient of loss_scale * mean(losses) into model.grads, and the losses added into
-    loss_accum on the device; the fused classifier runs once, in the backward. With cuda_graph,
-    the ~25 L + 20 launches are captured into a CUDA graph per ((B,T), loss_scale) and replayed
-    as one launch: the host stops being the bottleneck of small models. The first micro-batch of
-    each key runs eagerly (PyTorch's graph warm-up): first-time work (cuBLAS's workspace on the
-    stream, cuBLASLt's heuristics, cuDNN's plans, CuPy's memory pool) happens then, not inside
-    the capture, which follows it. The host part (the token ids, targets and the encoder's padded
-    chunks, copied to their fixed device buffers) runs outside the graph. Both paths give bitwise
-    the same results: the same kernels with the same arguments in the same order (the padding
-    chunks do nothing)."""
+    loss_accum on the device; the fused classifier runs once, in the backward. first: the step's
+    first micro-batch, which sets the gradients and loss_accum to 0 first; update (a StepUpdate):
+    the step's last, which then runs the rest of the step on the device (the norm, the clipping
+    factor, AdamW: step_tail_launches; adamw_prepare must have uploaded the step's values). With
+    one micro-batch per step and both, the whole step is one CUDA graph.
+    With cuda_graph, the launches are captured into a CUDA graph per ((B,T), loss_scale, first,
+    update) and replayed as one launch: the host stops being the bottleneck. The first
+    micro-batch of each key runs eagerly (PyTorch's graph warm-up): first-time work (cuBLAS's
+    workspace on the stream, cuBLASLt's heuristics, cuDNN's plans, CuPy's memory pool, AdamW's
+    table) happens then, not inside the capture, which follows it (a capture records, it runs
+    nothing). The host part (the token ids, targets and the encoder's padded chunks, copied to
+    their fixed device buffers) runs outside the graph. Both paths give bitwise the same results:
+    the same kernels with the same arguments in the same order (the padding chunks do nothing)."""
     cp = cuda.cupy()
     B, T = upload_batch(model, inputs, targets)
     if not cuda_graph:
-        micro_batch_launches(model, B, T, loss_scale, *upload_segments(model, padded=False))
+        micro_batch_launches(model, B, T, loss_scale, *upload_segments(model, padded=False), first, update, nccl)
         return
     counts = upload_segments(model, padded=True)
     stream = cp.cuda.get_current_stream()         # a created stream: the legacy one cannot capture
-    key = (B, T, loss_scale)
+    key = (B, T, loss_scale, first, update)
     if key in model.graphs:
         model.graphs[key].launch(stream)
         return
-    micro_batch_launches(model, B, T, loss_scale, *counts)                 # the warm-up: this micro-batch, eagerly
-    model.graphs[key] = capture_graph(stream, lambda: micro_batch_launches(model, B, T, loss_scale, *counts))
+    micro_batch_launches(model, B, T, loss_scale, *counts, first, update, nccl)     # the warm-up, eagerly
+    model.graphs[key] = capture_graph(stream, lambda: micro_batch_launches(model, B, T, loss_scale, *counts, first,
+                                                                           update, nccl))
 
 
-def gpt2_grad_norm(model):
-    """Global L2 norm of all parameter gradients, as a Python float (a device sync)."""
-    global_norm(model.norm, model.norm_partial, model.grads, model.num_parameters)
+class StepReadback:
+    """What the host logs of a training step that ran wholly on the device (its loss and gradient
+    norm), copied at the step's end into page-locked host memory without waiting: the
+    per-position losses summed over the micro-batches (loss_accum, N floats) and model.norm. The
+    host reads them a step later (llm.c, too, reads its loss back once the step is done), while the
+    GPU runs the next step. Two slots used in turn: a step's copies never overwrite the slot whose
+    values the host has not read yet (it reads step s-1's before it queues step s+1)."""
+
+    def __init__(self, N):
+        cp = cuda.cupy()
+
+        def pinned(n):
+            return np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n), np.float32, n)
+        self.slots = [(pinned(N), pinned(NORM_VALUES)) for _ in range(2)]
+        self.turn = 0
+
+    def queue(self, loss_accum, norm):
+        """Queue the copies of loss_accum (B,T) fp32 and norm (NORM_VALUES,) on the current stream,
+        after the step's work; returns (slot, the event after them) for read."""
+        cp = cuda.cupy()
+        stream = cp.cuda.get_current_stream()
+        i, self.turn = self.turn, 1 - self.turn
+        losses, norms = self.slots[i]
+        loss_accum.get(stream=stream, out=losses[:loss_accum.size].reshape(loss_accum.shape), blocking=False)
+        norm.get(stream=stream, out=norms, blocking=False)
+        return i, stream.record()
+
+    def read(self, slot, done, N):
+        """(sum of the N losses in float64, the norm) of the step whose copies `done` follows (waits for it)."""
+        done.synchronize()
+        losses, norms = self.slots[slot]
+        return float(losses[:N].sum(dtype=np.float64)), float(norms[0])
+
+
+def gpt2_grad_norm(model, grad_clip=0.0):
+    """Global L2 norm of all parameter gradients, as a Python float (a device sync). The clipping
+    factor for grad_clip (global_norm) stays on the device, in model.norm[1], for gpt2_update."""
+    global_norm_launches(model, grad_clip)
     return float(model.norm.get()[0])
+
+
+def global_norm_launches(model, grad_clip):
+    """The device half of gpt2_grad_norm (launches only, graph-capturable): model.norm = [the
+    gradient norm, its clipping factor for grad_clip]."""
+    global_norm(model.norm, model.norm_partial, model.grads, model.num_parameters, grad_clip)
 
 
 # ----------------------------------------------------------------------------
 # AdamW
 
-def adamw_update(params, master_params, grads, m, v, n, learning_rate, beta1, beta2, beta1_correction,
-                 beta2_correction, eps, weight_decay, grad_scale, seed):
-    """One AdamW step on one tensor of n values (see gpt2_cpu.gpt2_update for the math). params,
-    grads floatX; master_params fp32 or None; m, v fp32. In bf16 the new value is stochastically
-    rounded with bits hashed from (element index, seed): pass a different seed per tensor and step."""
-    master = [("master_params", master_params, n)] if master_params is not None else []
-    precision = check_launch("adamw_update", [("params", params, n), ("grads", grads, n)],
-                             float32=[("m", m, n), ("v", v, n)] + master)
+class UpdateBuffers:
+    """AdamW's values that change every step, kept on the device for adamw_update, so that its
+    launch has the same arguments every step (a CUDA graph of the whole step replays it): scalars
+    (ADAMW_STEP_SCALARS,) fp32, the learning rate and the two bias corrections; seeds (K,) uint32,
+    one stochastic-rounding seed per tensor piece. tables: decayed names -> (device table of
+    adamw_table, its number of blocks), uploaded at first use; staging: the pinned host side of
+    the per-step upload (adamw_prepare)."""
+
+    def __init__(self, param_shapes):
+        cp = cuda.cupy()
+        self.scalars = cp.zeros(ADAMW_STEP_SCALARS, dtype=np.float32)
+        self.seeds = cp.zeros(len(param_shapes), dtype=np.uint32)
+        self.tables = {}
+        self.staging = PinnedStaging()
+
+
+def adamw_table(pieces, decayed, precision, block_size=ADAMW_BLOCK_SIZE):
+    """kernels/adamw.cu's table of the tensor pieces (llmc.zero.ShardPiece, in parameter order):
+    int64 (K, ADAMW_TENSOR_FIELDS), per piece its offset in params and grads, its offset in m, v
+    and the master weights, its size n, its first block (each block updates block_size 16-byte
+    vectors of one piece: ceil(n / (block_size * vector)) blocks) and 1 if it is in `decayed`
+    (weight decay applies) else 0. Returns (table, total blocks)."""
+    rows, first = [], 0
+    per_block = block_size * vector_size(precision)
+    for piece in pieces:
+        n = piece.flat.stop - piece.flat.start
+        rows.append((piece.flat.start, piece.local.start, n, first, int(piece.name in decayed)))
+        first += ceil_div(n, per_block)
+    return np.array(rows, dtype=np.int64).reshape(-1, ADAMW_TENSOR_FIELDS), first
+
+
+def adamw_update(params, master_params, grads, m, v, tensors, num_blocks, seeds, step_scalars, grad_scale, beta1,
+                 beta2, eps, weight_decay):
+    """One AdamW step (see gpt2_cpu.gpt2_update for the math) over every tensor piece of the table
+    `tensors` (int64 (K, ADAMW_TENSOR_FIELDS), adamw_table's, made for ADAMW_BLOCK_SIZE, num_blocks
+    its total) in one launch. params, grads floatX (the whole flat buffers the table's offsets
+    index); master_params fp32 or None; m, v fp32 (this rank's shard); seeds (K,) uint32 one
+    stochastic-rounding seed per piece; step_scalars (ADAMW_STEP_SCALARS,) fp32 = learning rate,
+    beta1 and beta2 bias corrections; grad_scale (1,) fp32, the factor the gradient is scaled by:
+    every per-step value on the device, so the launch is graph-capturable. In bf16 the new value
+    is stochastically rounded with bits hashed from (index in its piece, the piece's seed)."""
+    K = tensors.shape[0]
+    master = [("master_params", master_params, master_params.size)] if master_params is not None else []
+    precision = check_launch("adamw_update", [("params", params, params.size), ("grads", grads, params.size)],
+                             float32=[("m", m, m.size), ("v", v, m.size), ("step_scalars", step_scalars,
+                                      ADAMW_STEP_SCALARS), ("grad_scale", grad_scale, 1)] + master)
+    require(tensors.dtype == np.int64 and tensors.shape == (K, ADAMW_TENSOR_FIELDS) and seeds.dtype == np.uint32
+            and seeds.size >= K, f"adamw_update: a table of (K, {ADAMW_TENSOR_FIELDS}) int64 and K uint32 seeds")
     null = np.uint64(0)                    # a NULL float*: 8 zero bytes in the argument buffer
-    cuda.launch("adamw", precision, "adamw_update", elementwise_grid(n), BLOCK_SIZE,
-                (params, null if master_params is None else master_params, grads, m, v, np.uint64(n),
-                 np.float32(learning_rate), np.float32(beta1), np.float32(beta2), np.float32(beta1_correction),
-                 np.float32(beta2_correction), np.float32(eps), np.float32(weight_decay), np.float32(grad_scale),
-                 np.uint32(seed)))
+    cuda.launch("adamw", precision, "adamw_update", max(1, num_blocks), ADAMW_BLOCK_SIZE,
+                (params, null if master_params is None else master_params, grads, m, v, tensors, np.int32(K),
+                 np.int64(num_blocks), seeds, step_scalars, grad_scale, np.float32(beta1), np.float32(beta2),
+                 np.float32(eps), np.float32(weight_decay)))
+
+
+def adamw_update_tensor(params, master_params, grads, m, v, n, learning_rate, beta1, beta2, beta1_correction,
+                        beta2_correction, eps, weight_decay, grad_scale, seed):
+    """adamw_update on one tensor of n values with the step's values given on the host (uploaded
+    first, with a one-row table: not graph-capturable). params, grads floatX; master_params fp32
+    or None; m, v fp32; seed: the stochastic rounding's (pass a different one per tensor and step)."""
+    cp = cuda.cupy()
+    precision = cuda.precision_of(params)
+    piece = ShardPiece("tensor", slice(0, n), slice(0, n), 0)
+    table, num_blocks = adamw_table([piece], (piece.name,), precision)          # weight_decay as given
+    adamw_update(params, master_params, grads, m, v, cp.asarray(table), num_blocks,
+                 cp.asarray(np.array([seed], dtype=np.uint32)),
+                 cp.asarray(np.array([learning_rate, beta1_correction, beta2_correction], dtype=np.float32)),
+                 cp.asarray(np.array([grad_scale], dtype=np.float32)), beta1, beta2, eps, weight_decay)
+
+
+def adamw_prepare(model, learning_rate, beta1, beta2, t, decayed=DECAYED_PARAMETERS, grad_scale=None):
+    """The host half of an AdamW step, before its launch (outside any CUDA graph): draw each
+    tensor's stochastic-rounding seed from model.update_rng (on every rank, for every tensor, so
+    all ranks and an unsharded run draw the same; a piece starting inside its tensor gets
+    llmc.zero.rounding_seed's shifted seed) and upload them with the learning rate and the bias
+    corrections of step t (1-based) into model.update, and grad_scale (a float) into model.norm[1]
+    when given (None: the clipping factor global_norm computed on the device stays). The table of
+    `decayed` (adamw_table over this rank's pieces) is made and uploaded at its first use.
+    Returns (table, blocks) for adamw_launches."""
+    buffers = model.update
+    pieces = shard_slices(model.param_shapes, model.shard)
+    key = tuple(decayed)
+    if key not in buffers.tables:
+        table, num_blocks = adamw_table(pieces, decayed, model.precision)
+        buffers.tables[key] = (cuda.cupy().asarray(table), num_blocks)
+    starts = {piece.name: piece.start for piece in pieces}
+    seeds = []
+    for name, _ in model.param_shapes:
+        seed = model.update_rng.random_u32()
+        if name in starts:                                     # else the tensor lies in other ranks' shards
+            seeds.append(rounding_seed(seed, starts[name]))
+    model.rng_state_last_update = model.update_rng.state
+    scalars = np.array([learning_rate, 1.0 - beta1 ** t, 1.0 - beta2 ** t], dtype=np.float32)
+    copies = [(buffers.scalars, scalars), (buffers.seeds[:len(seeds)], np.array(seeds, dtype=np.uint32))]
+    if grad_scale is not None:
+        copies.append((model.norm[NORM_CLIP_SCALE:NORM_CLIP_SCALE + 1], np.array([grad_scale], dtype=np.float32)))
+    buffers.staging.upload(copies)
+    return buffers.tables[key]
+
+
+def adamw_launches(model, table, beta1, beta2, eps, weight_decay, nccl=None):
+    """The device half of an AdamW step (launches only, graph-capturable): adamw_update over the
+    table's pieces (from adamw_prepare) with the values adamw_prepare uploaded and the gradient
+    scale in model.norm[1]; with ZeRO-1 over several ranks, nccl (llmc.comm.NcclComm) then
+    all-gathers the updated shards into every rank's params."""
+    tensors, num_blocks = table
+    adamw_update(model.params_memory, model.master, model.grads_memory, model.m, model.v, tensors, num_blocks,
+                 model.update.seeds, model.update.scalars, model.norm[NORM_CLIP_SCALE:], beta1, beta2, eps,
+                 weight_decay)
+    if nccl is not None and model.shard.num_processes > 1:
+        nccl.all_gather_(model.params_memory)                  # (padded,): every rank's shard to every rank
 
 
 def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None,
                 decayed=DECAYED_PARAMETERS):
-    """One AdamW step (the math of gpt2_cpu.gpt2_update; t is the 1-based step count), one kernel
-    launch per parameter tensor so that weight decay applies to the tensors named in `decayed` only
-    (GPT-2's DECAYED_PARAMETERS; llama3_cuda.llama3_update passes Llama 3's), over the
-    tensor's piece in this rank's shard (model.shard, shard_slices: the whole tensor without
-    ZeRO-1). Each tensor gets its own stochastic-rounding seed from model.update_rng, drawn on
-    every rank for every tensor, so all ranks and an unsharded run draw the same seeds; a piece
-    starting inside its tensor gets rounding_seed's shifted seed. With ZeRO-1 over several ranks,
-    nccl (llmc.comm.NcclComm) then all-gathers the updated shards into every rank's params."""
-    bc1 = 1.0 - beta1 ** t
-    bc2 = 1.0 - beta2 ** t
-    pieces = {piece.name: piece for piece in shard_slices(model.param_shapes, model.shard)}
-    for name, _ in model.param_shapes:
-        seed = model.update_rng.random_u32()
-        if name not in pieces:                                  # the tensor lies in other ranks' shards
-            continue
-        piece = pieces[name]
-        n = piece.flat.stop - piece.flat.start
-        wd = weight_decay if name in decayed else 0.0
-        master = model.master[piece.local] if model.master is not None else None
-        adamw_update(model.params[piece.flat], master, model.grads[piece.flat], model.m[piece.local],
-                     model.v[piece.local], n, learning_rate, beta1, beta2, bc1, bc2, eps, wd, grad_scale,
-                     rounding_seed(seed, piece.start))
-    model.rng_state_last_update = model.update_rng.state
-    if nccl is not None and model.shard.num_processes > 1:
-        nccl.all_gather_(model.params_memory)                  # (padded,): every rank's shard to every rank
+    """One AdamW step (the math of gpt2_cpu.gpt2_update; t is the 1-based step count) in one
+    launch over every parameter tensor, weight decay on the tensors named in `decayed` only
+    (GPT-2's DECAYED_PARAMETERS; llama3_cuda.llama3_update passes Llama 3's), each tensor over its
+    piece in this rank's shard (model.shard, shard_slices: the whole tensor without ZeRO-1), each
+    with its own stochastic-rounding seed (adamw_prepare). grad_scale: the gradient's factor, a
+    float, or None for the clipping factor the last global_norm computed on the device. With
+    ZeRO-1 over several ranks, nccl (llmc.comm.NcclComm) then all-gathers the updated shards."""
+    table = adamw_prepare(model, learning_rate, beta1, beta2, t, decayed, grad_scale)
+    adamw_launches(model, table, beta1, beta2, eps, weight_decay, nccl)
 
 
 def gpt2_average_gradients(model, nccl):
@@ -856,16 +1094,17 @@ def gpt2_average_gradients(model, nccl):
         nccl.mean_(model.grads)
 
 
-def gpt2_global_grad_norm(model, comm):
+def gpt2_global_grad_norm(model, comm, grad_clip=0.0):
     """The L2 norm of the whole averaged gradient, a Python float, the same on every rank. Without
-    ZeRO-1 (or on one rank) gpt2_grad_norm. With it, each rank holds only its shard's mean, so:
+    ZeRO-1 (or on one rank) gpt2_grad_norm (its clipping factor for grad_clip left on the device for
+    gpt2_update). With it, each rank holds only its shard's mean, so:
     the squared norm of the shard's real elements (global_norm's kernels on grads[o:min(o+S, n)],
     never the padding, which the reduce-scatter does not promise to leave 0), summed over the
     ranks on the host (comm.sum, an MPI all-reduce of one float64), then the root. The squares of
     the shards' fp32 norms carry ~1e-7 relative error: the result agrees with the unsharded norm
     to that, not bit for bit (the kernel's sum order differs anyway)."""
     if model.shard.num_processes == 1:
-        return gpt2_grad_norm(model)
+        return gpt2_grad_norm(model, grad_clip)
     shard = model.shard
     grads = model.grads[shard.offset:shard.offset + shard.size]           # (n,) view: stops at n
     global_norm(model.norm, model.norm_partial, grads, grads.size)
@@ -1039,7 +1278,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     optimizer shard of this rank of comm (default: one process), its matmul backend from -f and
     --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
-    matmul, fallback = matmul_backend(args.cublaslt, tf32)
+    matmul, fallback = matmul_backend(args.cublaslt, tf32, args.residual_epilogue)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
@@ -1049,7 +1288,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
-                 matmul)
+                 matmul=matmul, classifier_chunk=args.classifier_chunk)
     upload_parameters(model, host.params)
     return model
 
@@ -1093,17 +1332,22 @@ def sample_window(config, prompt_length, max_new_tokens):
 def train(args):
     """gpt2_cpu.train on the GPU: the same flags and loop. Each step: zero_grad, forward +
     backward over grad_accum_steps micro-batches (accumulating, the loss summed on the device),
-    NCCL all-reduce of the gradients, clip to the global norm, AdamW. Returns the model (the
-    sampled ids with --generate)."""
+    NCCL all-reduce of the gradients, clip to the global norm, AdamW, all on the device (a CUDA
+    graph per micro-batch with --cuda-graph 1: the whole step without accumulation), the step's
+    line logged a step late (StepReadback). Returns the model (the sampled ids with --generate)."""
     cp = cuda.cupy()
     comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
     device, device_name, capability = cuda.select_device(comm)
     nccl = comm.connect()                          # the NCCL communicator (None for one process)
-    if args.cuda_graph:                     # a graph is captured on a created stream, never the legacy one
-        reason = cuda.cuda_graph_unavailable_reason()        # refused now, not at the first capture
-        if reason:
-            raise InputError(f"--cuda-graph 1: {reason}")
+    cuda_graph = gpu_cli.cuda_graph_choice(args.cuda_graph)
+    reason = cuda.cuda_graph_unavailable_reason() if cuda_graph else None   # refused now, not at the first capture
+    if reason and args.cuda_graph == "auto":
+        run.say(f"gpt2_cuda.py: kernels launched one by one, no CUDA graph: {reason}")
+        cuda_graph = False
+    elif reason:
+        raise InputError(f"--cuda-graph 1: {reason}")
+    if cuda_graph:                          # a graph is captured on a created stream, never the legacy one
         graph_stream = cp.cuda.Stream()     # (blocking: ordered after any work on the legacy stream)
         graph_stream.use()
     model = setup_model(args, capability, run.model_spec(), say=run.say, comm=comm)
@@ -1130,7 +1374,7 @@ def train(args):
     if args.eval_only:
         run.evaluate_only(batch_loss, forward_losses)
         return model
-    run.say(device_line(device, device_name, capability, model, args.cuda_graph))
+    run.say(device_line(device, device_name, capability, model, cuda_graph))
     run.banner(cfg, model.num_parameters)
     run.say(f"memory: activations {activation_bytes / 2**30:.2f} GiB, total in use "
             f"{cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
@@ -1151,39 +1395,126 @@ def train(args):
         return save_model_checkpoint(args.output_dir, step, model, run.train_loader, sample_rng.state,
                                      comm.rank, comm.size, run.outlier_state())
 
+    update = StepUpdate(ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, args.grad_clip)
+    # the step on the device, its loss and norm read a step late: unless -sl / -sg must see them
+    # before the update, or ZeRO-1's shards sum the norm on the host (gpt2_global_grad_norm)
+    on_device = not (args.skip_update_lossz > 0 or args.skip_update_gradz > 0 or model.shard.num_processes > 1)
+    lines = StepLines(run, model, comm, args, device, device_name, StepReadback(B * T) if on_device else None)
     for step in range(start_step, run.num_steps + 1):
+        if run.acts_between(step):                 # it prints or saves: the step still pending first
+            lines.flush()
         if run.between_steps(step, batch_loss, forward_losses, sample, save):
             break
         # the training step
-        t0 = time.perf_counter()
-        A = gpt2_activations(model, B, T)          # (cached) fetched per step: valid even if a sample reallocated
-        gpt2_zero_grad(model)
-        A["loss_accum"].fill(0)
-        for _ in range(run.grad_accum_steps):
-            if args.overfit_single_batch:
-                run.train_loader.reset()
-            inputs, targets = run.train_loader.next_batch()
-            # forward, the loss added up on the device (no sync), backward: eager or a CUDA graph
-            gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, bool(args.cuda_graph))
-        if nccl is not None:
-            gpt2_average_gradients(model, nccl)                               # data parallel (-z 1: this rank's shard)
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
-        norm = gpt2_global_grad_norm(model, comm)                             # sync 1 of 2
-        grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
-        loss = float(A["loss_accum"].sum(dtype=np.float64)) / (B * T * run.grad_accum_steps)  # sync 2 of 2
-        loss = comm.mean(loss)
-        skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
-        if not skip:
-            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl)
-        cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update
-        dt = time.perf_counter() - t0
-        util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,
-                   device_name, model.precision, model.matmul.tf32)
-        run.log_step(step, loss, norm, lr, dt, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
-        if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
-            run.say(gpu_status_line(device))
+        if on_device:
+            start = cp.cuda.get_current_stream().record()
+            lines.queue(step, lr, start, *device_step(model, run, args, step, lr, update, cuda_graph, nccl))
+        else:
+            t0 = time.perf_counter()
+            lines.line(step, lr, *host_step(model, run, args, comm, step, lr, cuda_graph, nccl),
+                       time.perf_counter() - t0)
+    lines.flush()
     return model
+
+
+def device_step(model, run, args, step, lr, update, cuda_graph, nccl):
+    """One training step wholly on the device (train()'s, unless -sl / -sg or ZeRO-1 over several
+    ranks): the step's AdamW values uploaded (adamw_prepare), then its micro-batches, the first
+    setting the gradients to 0, the last running the mean over ranks, the norm, its clipping factor
+    and AdamW (one CUDA graph per micro-batch with cuda_graph: the whole step with one). Nothing
+    waits for the device. Returns the step's (loss_accum, norm) on the device, for StepLines.queue."""
+    A = gpt2_activations(model, run.B, run.T)      # (cached) fetched per step: valid even if a sample reallocated
+    adamw_prepare(model, lr, ADAMW_BETA1, ADAMW_BETA2, step + 1)
+    for micro in range(run.grad_accum_steps):
+        if args.overfit_single_batch:
+            run.train_loader.reset()
+        inputs, targets = run.train_loader.next_batch()
+        last = micro == run.grad_accum_steps - 1
+        gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph, first=micro == 0,
+                         update=update if last else None, nccl=nccl)
+    return A["loss_accum"], model.norm
+
+
+def host_step(model, run, args, comm, step, lr, cuda_graph, nccl):
+    """One training step whose loss and norm the host reads before the update (-sl / -sg decide
+    on them whether to apply it; ZeRO-1 over several ranks sums the norm on the host): the
+    micro-batches (eager or CUDA graphs), the mean over ranks, the norm and loss (two syncs), the
+    outlier check, AdamW. Returns (loss, norm, zloss, zgrad), the update done."""
+    A = gpt2_activations(model, run.B, run.T)
+    gpt2_zero_grad(model)
+    A["loss_accum"].fill(0)
+    for _ in range(run.grad_accum_steps):
+        if args.overfit_single_batch:
+            run.train_loader.reset()
+        inputs, targets = run.train_loader.next_batch()
+        # forward, the loss added up on the device (no sync), backward: eager or a CUDA graph
+        gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph)
+    if nccl is not None:
+        gpt2_average_gradients(model, nccl)                               # data parallel (-z 1: this rank's shard)
+    norm = gpt2_global_grad_norm(model, comm, args.grad_clip)             # sync 1 of 2
+    loss = float(A["loss_accum"].sum(dtype=np.float64)) / (A["loss_accum"].size * run.grad_accum_steps)  # sync 2
+    loss = comm.mean(loss)
+    skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
+    if not skip:                               # one shard: the clipping factor global_norm left on the device
+        grad_scale = None if model.shard.num_processes == 1 else clip_factor(args.grad_clip, norm)
+        gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl)
+    cuda.cupy().cuda.get_current_stream().synchronize()                   # the step's time includes the update
+    return loss, norm, zloss, zgrad
+
+
+class StepLines:
+    """train()'s step lines (TrainingRun.log_step with the MFU; -lg's GPU line), and for a step run
+    on the device its line a step late: queue() keeps the step and prints the one before, whose
+    loss and norm are back by then (readback, a StepReadback) while the GPU runs the new one;
+    flush() prints the one kept, before anything between steps prints or saves, and after the last.
+    Such a step's time is the device's, from the end of the step before it (or from its own start
+    after work between the steps) to its end."""
+
+    def __init__(self, run, model, comm, args, device, device_name, readback):
+        self.run, self.model, self.comm, self.args = run, model, comm, args
+        self.device, self.device_name, self.readback = device, device_name, readback
+        self.pending = self.previous_end = None        # the step not yet printed; the end of the one before
+
+    def line(self, step, lr, loss, norm, zloss, zgrad, seconds):
+        """Print step's line (and main.log's)."""
+        cfg, run = self.model.config, self.run
+        util = mfu(self.model.num_parameters, cfg.num_layers, cfg.channels, run.T,
+                   run.total_batch / self.comm.size / seconds, self.device_name, self.model.precision,
+                   self.model.matmul.tf32)
+        run.log_step(step, loss, norm, lr, seconds, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
+        if self.args.log_gpu_every > 0 and (step + 1) % self.args.log_gpu_every == 0:
+            run.say(gpu_status_line(self.device))
+
+    def queue(self, step, lr, start, loss_accum, norm):
+        """A step queued on the device (its start event, its losses and norm on the device): copy
+        them back without waiting, keep it, and print the step before."""
+        previous = self.pending
+        slot, done = self.readback.queue(loss_accum, norm)
+        self.pending = (step, lr, self.previous_end or start, slot, done)
+        self.previous_end = done
+        if previous is not None:
+            self.print_late(*previous)
+
+    def flush(self):
+        """Print the step kept, if any; the next step's time starts at its own start."""
+        if self.pending is not None:
+            self.print_late(*self.pending)
+        self.pending = self.previous_end = None
+
+    def print_late(self, step, lr, since, slot, done):
+        run = self.run
+        loss_sum, norm = self.readback.read(slot, done, run.B * run.T)   # waits for the step's end
+        loss = self.comm.mean(loss_sum / (run.B * run.T * run.grad_accum_steps))
+        _, zloss, zgrad = run.skip_update(loss, norm, step)   # feeds the outlier windows; raises on NaN
+        self.line(step, lr, loss, norm, zloss, zgrad, cuda.cupy().cuda.get_elapsed_time(since, done) / 1000)
+
+
+def clip_factor(grad_clip, norm):
+    """What the gradient is scaled by for clipping at grad_clip (0: none): gpt2_cpu.train's rule,
+    on the host (global_norm computes the same on the device)."""
+    return grad_clip / norm if 0 < grad_clip < norm else 1.0
 
 
 def main(argv=None):

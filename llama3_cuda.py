@@ -49,7 +49,8 @@ import llama3_cpu
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, check_inputs, generate,
                       learning_rate_at, num_elements, tensor_views)
 # as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
-from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, capture_graph, download_parameters,
+from gpt2_cuda import (GLOBAL_NORM_GRID, NORM_VALUES, UPDATE_SEED, HostLogits, UpdateBuffers, as_float32,
+                       capture_graph, download_parameters,
                        encoder_forward, fused_classifier, gpt2_average_gradients,
                        gpt2_global_grad_norm, gpt2_zero_grad, upload_parameters, wte_partial_rows, wte_reduce_max)
 from llama3_cpu import DECAYED_PARAMETERS, qkv_channels, read_checkpoint_model, write_checkpoint_model
@@ -225,7 +226,7 @@ def activation_table(config, B, T, attention):
     the name of each role (activation_aliases)."""
     C, L, NH, V, H = config.channels, config.num_layers, config.num_heads, config.vocab_size, config.hidden_dim
     QKV = qkv_channels(config)
-    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, V)
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, B * T * V)
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
@@ -320,7 +321,8 @@ class Llama3:
         self.no_wpe = cp.zeros((maxT, config.channels), dtype=self.floatX)
         self.partial = cp.zeros(RMSNORM_BACKWARD_GRID * config.channels, dtype=np.float32)   # rmsnorm_backward's slots
         self.norm_partial = cp.zeros(GLOBAL_NORM_GRID, dtype=np.float32)
-        self.norm = cp.zeros(1, dtype=np.float32)
+        self.norm = cp.zeros(NORM_VALUES, dtype=np.float32)          # the gradient norm, its clipping factor
+        self.update = UpdateBuffers(self.param_shapes)                # AdamW's per-step values, on the device
         self.update_rng = SamplerRNG(UPDATE_SEED)     # seeds of stochastic rounding, one per tensor per step
         self.rng_state_last_update = self.update_rng.state   # saved in a checkpoint: a resume draws on from here
         self.views = {}                                # (B,T) -> name -> view

@@ -7,17 +7,21 @@ dev/torch_reference_llama3.py (below).
 For each micro-batch size B of --batch-sizes (default 16, 32, 64) and each trainer: T = 1024,
 bf16, `--warmup` untimed and `--steps` timed training steps on a fixed random batch, each in a
 fresh subprocess (an out-of-memory error can leave a process's CUDA state unusable; a B that does
-not fit is reported as such). Each step is timed on the host from its start to the read of its
-loss, which waits for the GPU. Reported: median ms/step, tokens/s, MFU (llmc.mfu.mfu: llm.c's
+not fit is reported as such). gpt2_cuda.py's step is its train()'s: all on the device, its loss
+read a step late, after the next step is queued; each step is timed on the host from the read of
+the step before to the read of its own loss (which waits for the GPU), so a step's time is its
+period with the next one queued behind it, the host's work overlapped as in training. The twin's
+and llama3_cuda.py's steps are timed from their start to the read of their loss. Reported: median ms/step, tokens/s, MFU (llmc.mfu.mfu: llm.c's
 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), the device memory in use at the end
 (total - free: the CUDA context, the allocator's pool, library workspaces), and the ratio of the
-two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph, --cublaslt) are passed
-through; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
+two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph, --cublaslt,
+--residual-epilogue, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
 Every B of ours is timed before the twin's, and each (trainer, B) prints its line as soon as it is
 done: a worker that fails (a traceback, an error) is one line saying so, and the rest still run, so
 a bench that is cut short or fails at its end keeps the numbers it has (exit status 1 if any failed).
-Then, for gpt2_cuda.py, a breakdown of one step by kernel (CUDA events around every launch,
-cuBLAS call and cuDNN call; the events themselves cost a little), largest first. It ends with
+Then, for gpt2_cuda.py, a breakdown of one step by kernel (one step launched kernel by kernel, CUDA
+events around every launch, cuBLAS, cuBLASLt and cuDNN call; the events themselves cost a
+little), largest first. It ends with
 one line per configuration, in a fixed form that later runs can be compared with:
     bench: model=d12 T=1024 B=16 precision=bf16 ours=<tok/s> torch=<tok/s> ratio=<ours/torch> mfu=<%> mem_ours_gib=<x> mem_torch_gib=<y>
 (`n/a` where a trainer did not run or B did not fit). `--search` also probes for the largest
@@ -48,7 +52,8 @@ prints one line per (trainer, B) as it completes (trainer, B, ms/step, tok/s, MF
 then the table of them all, the breakdowns and the summary lines.
 Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py --only cupy -b 16          # one trainer, one B
-    python dev/bench.py --attention flash --cuda-graph 1
+    python dev/bench.py --attention flash --cuda-graph 0
+    python dev/bench.py -b 64 --residual-epilogue 1 --classifier-chunk 4
     python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
     python dev/bench.py -e llama3:d4                # llama3_cuda.py against dev/torch_reference_llama3.py
@@ -138,17 +143,18 @@ def device_memory_and_name(trainer):
     return total - free, props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
 
 
-def cupy_matmul(use_cublaslt):
-    """The linear layers' backend of the bench's model for --cublaslt 0, 1 or auto, as the trainer
-    chooses it (llmc.matmul.matmul_backend), except that 1 raises RuntimeError where cuBLASLt is
-    unavailable, so that the bench never times cuBLAS under cuBLASLt's name."""
-    matmul, fallback = llmc.matmul.matmul_backend(use_cublaslt)
+def cupy_matmul(use_cublaslt, residual_epilogue=0):
+    """The linear layers' backend of the bench's model for --cublaslt 0, 1 or auto (and
+    --residual-epilogue), as the trainer chooses it (llmc.matmul.matmul_backend), except that 1
+    raises RuntimeError where cuBLASLt is unavailable, so that the bench never times cuBLAS under
+    cuBLASLt's name."""
+    matmul, fallback = llmc.matmul.matmul_backend(use_cublaslt, residual_epilogue=residual_epilogue)
     if fallback and use_cublaslt == 1:
         raise RuntimeError(fallback)
     return matmul
 
 
-def cupy_model(model_name, B, T, attention, use_cublaslt="auto"):
+def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilogue=0, classifier_chunk=0):
     """gpt2_cuda.py's model in bf16 with its buffers for (B,T), on a created stream (a CUDA graph
     cannot be captured on the legacy default stream), and the fixed batch."""
     cupy = llmc.cuda.cupy()
@@ -160,7 +166,7 @@ def cupy_model(model_name, B, T, attention, use_cublaslt="auto"):
     if fallback:
         print(f"dev/bench.py: {fallback}", file=sys.stderr)
     model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True, attention=path,
-                           matmul=cupy_matmul(use_cublaslt))
+                           matmul=cupy_matmul(use_cublaslt, residual_epilogue), classifier_chunk=classifier_chunk)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
     llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), model.precision)
     gpt2_cuda.gpt2_allocate(model, (B, T))
@@ -203,41 +209,53 @@ def llama3_cupy_step(model, x, y, step, cuda_graph):
     return loss
 
 
-def cupy_step(model, x, y, step, cuda_graph):
-    """One training step of gpt2_cuda.py (or llama3_cuda.py, for its model) as its train() runs it
-    (one micro-batch); returns the summed loss as a device scalar (reading it waits for the step)."""
-    if isinstance(model, llama3_cuda.Llama3):
-        return llama3_cupy_step(model, x, y, step, cuda_graph)
+UPDATE = gpt2_cuda.StepUpdate(gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS, 0.0, GRAD_CLIP)
+
+
+def cupy_step(model, x, y, step, cuda_graph, readback):
+    """One training step of gpt2_cuda.py as its train() runs it (one micro-batch, all on the
+    device: the per-step values uploaded, zero_grad, forward, backward, the norm, its clipping
+    factor and AdamW, as one CUDA graph with cuda_graph), its loss and norm copied back at its end
+    without waiting. Returns readback.queue's (slot, event) for readback.read."""
     B, T = x.shape
-    A = gpt2_cuda.gpt2_activations(model, B, T)
-    gpt2_cuda.gpt2_zero_grad(model)
-    A["loss_accum"].fill(0)
-    gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph)
-    loss = A["loss_accum"].sum(dtype=np.float64)                  # queued now, read after the update
-    norm = gpt2_cuda.gpt2_grad_norm(model)
-    gpt2_cuda.gpt2_update(model, LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
-                          0.0, step, GRAD_CLIP / norm if norm > GRAD_CLIP else 1.0)
-    return loss
+    gpt2_cuda.adamw_prepare(model, LEARNING_RATE, UPDATE.beta1, UPDATE.beta2, step)
+    gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph, first=True, update=UPDATE)
+    return readback.queue(gpt2_cuda.gpt2_activations(model, B, T)["loss_accum"], model.norm)
 
 
-def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto"):
+def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto",
+               residual_epilogue=0, classifier_chunk=0):
     """Train gpt2_cuda.py's model (llama3_cuda.py's for -e llama3:dX) num_steps steps on one fixed
-    batch; return (seconds per step, losses, config, the model, the batch)."""
+    batch; return (seconds per step, losses, config, the model, the batch). gpt2_cuda.py's steps
+    are read a step late, as its train() logs them: step s is queued before step s-1's loss is
+    read, and a step's time runs from the read of the one before to the read of its own."""
     if cuda_graph:
         reason = llmc.cuda.cuda_graph_unavailable_reason()
         if reason:                                                # the worker's one failure line
             raise RuntimeError(f"--cuda-graph 1: {reason}")
     if is_llama3(model_name):
         model, cfg, (x, y) = llama3_cupy_model(model_name, B, T, attention)
-    else:
-        model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt)
-    times, losses = [], []
-    for step in range(1, num_steps + 1):
-        t0 = time.perf_counter()
-        loss = cupy_step(model, x, y, step, cuda_graph)
-        losses.append(float(loss) / (B * T))                      # waits for the whole step
-        times.append(time.perf_counter() - t0)
-    llmc.cuda.cupy().cuda.get_current_stream().synchronize()
+        times, losses = [], []
+        for step in range(1, num_steps + 1):
+            t0 = time.perf_counter()
+            loss = llama3_cupy_step(model, x, y, step, cuda_graph)
+            losses.append(float(loss) / (B * T))                  # waits for the whole step
+            times.append(time.perf_counter() - t0)
+        llmc.cuda.cupy().cuda.get_current_stream().synchronize()
+        return times, losses, cfg, model, (x, y)
+    model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt, residual_epilogue, classifier_chunk)
+    readback = gpt2_cuda.StepReadback(B * T)
+    times, losses, pending = [], [], None
+    last_read = time.perf_counter()
+    for step in range(1, num_steps + 2):                          # the pass after the last reads it
+        queued = cupy_step(model, x, y, step, cuda_graph, readback) if step <= num_steps else None
+        if pending is not None:
+            loss_sum, _ = readback.read(*pending, B * T)          # waits for the step before this one
+            now = time.perf_counter()
+            losses.append(loss_sum / (B * T))
+            times.append(now - last_read)
+            last_read = now
+        pending = queued
     return times, losses, cfg, model, (x, y)
 
 
@@ -269,7 +287,7 @@ def format_breakdown(rows, step_ms, top=20):
 
 
 def kernel_breakdown(model, x, y, step):
-    """Run one eager step with a pair of CUDA events around each kernel launch (llmc.cuda.launch),
+    """Run one step kernel by kernel (no graph) with a pair of CUDA events around each kernel launch (llmc.cuda.launch),
     cuBLAS call (llmc.cuda.gemm), cuBLASLt call (llmc.cublaslt.matmul_cublaslt, named with its
     epilogue) and cuDNN call; return summarize_breakdown of their times."""
     cupy = llmc.cuda.cupy()
@@ -301,7 +319,11 @@ def kernel_breakdown(model, x, y, step):
             originals.append((cudnn_attention, fn_name, fn))
             setattr(cudnn_attention, fn_name, timed(lambda *args, n=fn_name: f"cuDNN {n}", fn))
     try:
-        float(cupy_step(model, x, y, step, cuda_graph=False))
+        if isinstance(model, llama3_cuda.Llama3):
+            float(llama3_cupy_step(model, x, y, step, cuda_graph=False))
+        else:
+            readback = gpt2_cuda.StepReadback(x.size)
+            readback.read(*cupy_step(model, x, y, step, False, readback), x.size)
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)
@@ -351,6 +373,14 @@ def torch_llama3_steps(model_name, B, T, num_steps, compile_model, device="cuda"
     return times, losses, cfg
 
 
+def cuda_graph_of(args):
+    """Whether ours runs as CUDA graphs: --cuda-graph as gpt2_cuda.py reads it (auto: 1 on a GPU);
+    llama3_cuda.py's flag has no auto (0 unless 1 is given)."""
+    if is_llama3(args.model):
+        return args.cuda_graph == 1
+    return llmc.gpu_cli.cuda_graph_choice(args.cuda_graph)
+
+
 def is_out_of_memory(error):
     text = f"{type(error).__name__}: {error}".lower()
     return "out of memory" in text or "outofmemory" in text or "alloc_failed" in text
@@ -363,7 +393,8 @@ def worker(args):
     try:
         if args.worker == "cupy":
             times, losses, cfg, model, (x, y) = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps,
-                                                           args.attention, bool(args.cuda_graph), args.cublaslt)
+                                                           args.attention, cuda_graph_of(args), args.cublaslt,
+                                                           args.residual_epilogue, args.classifier_chunk)
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1)
         else:
@@ -387,7 +418,7 @@ def worker(args):
               "ms_all": [t * 1000 for t in timed], "tok_s": tok_s, "mfu": util, "memory_bytes": memory,
               "device": device, "losses": losses, "breakdown": breakdown}
     if args.worker == "cupy":                               # what auto chose, for the breakdown's heading
-        result.update(attention=model.attention.name, matmul=model.matmul.name)
+        result.update(attention=model.attention.name, matmul=model.matmul.name, cuda_graph=cuda_graph_of(args))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -404,6 +435,7 @@ def worker_command(trainer, B, args, probe):
     return [sys.executable, os.path.abspath(__file__), "--worker", trainer, "-b", str(B), "-t", str(args.seq_len),
             "-e", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--attention", args.attention, "--cuda-graph", str(args.cuda_graph), "--cublaslt", str(args.cublaslt),
+            "--residual-epilogue", str(args.residual_epilogue), "--classifier-chunk", str(args.classifier_chunk),
             "--compile", str(args.compile)] + (["--probe"] if probe else [])
 
 
@@ -464,7 +496,8 @@ def options_line(args):
                 f"torch.compile {args.compile}")
     return (f"GPT-2 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
             f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
-            f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}; twin: torch.compile {args.compile}")
+            f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}, residual epilogue "
+            f"{args.residual_epilogue}, classifier chunk {args.classifier_chunk}; twin: torch.compile {args.compile}")
 
 
 def print_table(runs, args):
@@ -502,8 +535,13 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=512, help="largest B the search tries")
     p.add_argument("--attention", default=llmc.attention.DEFAULT_ATTENTION, choices=llmc.attention.ATTENTION_CHOICES,
                    help="gpt2_cuda.py's attention (auto: as the trainer chooses)")
-    p.add_argument("--cuda-graph", type=int, default=0, choices=(0, 1),
-                   help="gpt2_cuda.py, llama3_cuda.py: 1 replays a CUDA graph")
+    p.add_argument("--cuda-graph", type=llmc.gpu_cli.auto_or_bit, default="auto", metavar="{auto,0,1}",
+                   help="gpt2_cuda.py: 1 replays the whole step as a CUDA graph, auto as the trainer (1 on a GPU); "
+                        "llama3_cuda.py: 1 replays each micro-batch as a CUDA graph (auto: 0)")
+    p.add_argument("--residual-epilogue", type=int, default=0, choices=(0, 1),
+                   help="gpt2_cuda.py with cuBLASLt: 1 adds the residual in the output projections' GEMMs")
+    p.add_argument("--classifier-chunk", type=int, default=0,
+                   help="gpt2_cuda.py: the classifier on this many sequences at a time (0: all B)")
     p.add_argument("--cublaslt", type=llmc.gpu_cli.auto_or_bit, default="auto", metavar="{auto,0,1}",
                    help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable), "
                         "0 through cuBLAS, auto as the trainer chooses (cuBLASLt where it loads)")
@@ -568,8 +606,9 @@ def main(argv=None):
     for B, rs in runs:
         ours = rs.get("cupy")
         if isinstance(ours, dict) and ours.get("breakdown"):
-            print(f"\n{trainer_names(args.model)['cupy'].split()[0]} at B={B}: one step by kernel (CUDA events; eager, "
-                  f"{ours.get('attention', args.attention)} attention, {ours.get('matmul', '')} matmuls)")
+            print(f"\n{trainer_names(args.model)['cupy'].split()[0]} at B={B}: one step by kernel (CUDA events; "
+                  f"kernel by kernel, {ours.get('attention', args.attention)} attention, {ours.get('matmul', '')} "
+                  f"matmuls)")
             print("\n".join(format_breakdown([tuple(r) for r in ours["breakdown"]], ours["ms_median"],
                                              args.breakdown_top)))
     print()
@@ -580,6 +619,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "T": args.seq_len, "attention": args.attention,
                        "cuda_graph": args.cuda_graph, "cublaslt": args.cublaslt, "compile": args.compile,
+                       "residual_epilogue": args.residual_epilogue, "classifier_chunk": args.classifier_chunk,
                        "runs": runs_json}, f, indent=1)
     if failed:
         print(f"dev/bench.py: {failed} worker(s) failed", file=sys.stderr)

@@ -15,8 +15,9 @@ Kernels:
   slot ranges (num_slots_offset += gridDim.x after each); with a fixed grid size the slot
   layout, and therefore the result, is the same every step.
 - global_norm_finalize: one block sums the num_partials slots (each thread a fixed strided
-  subset, in order, then a block reduction) and writes out[0] = sqrt(total). Blocks other than
-  block 0 exit at once.
+  subset, in order, then a block reduction) and writes out[0] = sqrt(total) and out[1] = the
+  gradient clipping factor (grad_clip / norm above grad_clip, else 1), so AdamW reads it on the
+  device and the step needs no host round trip. Blocks other than block 0 exit at once.
 
 Launcher must check: blockDim.x a multiple of 32 (<= 1024) for both; partial holds at least
 num_slots_offset + gridDim.x floats; 16-byte aligned data. Any n.
@@ -47,8 +48,10 @@ extern "C" __global__ void global_norm_squared(float* partial, const floatX* dat
     }
 }
 
-// out[0] = sqrt(sum of partial[0 .. num_partials))
-extern "C" __global__ void global_norm_finalize(float* out, const float* partial, int num_partials) {
+// out[0] = sqrt(sum of partial[0 .. num_partials)); out[1] = the clipping factor: grad_clip / out[0]
+// where 0 < grad_clip < out[0], else 1 (grad_clip 0: no clipping), which adamw_update reads
+extern "C" __global__ void global_norm_finalize(float* out, const float* partial, int num_partials,
+                                                float grad_clip) {
     if (blockIdx.x != 0) {
         return;                                 // whole blocks leave: no __syncthreads is split
     }
@@ -58,6 +61,8 @@ extern "C" __global__ void global_norm_finalize(float* out, const float* partial
     }
     sum = blockReduceSum(sum);
     if (threadIdx.x == 0) {
-        out[0] = sqrtf(sum);
+        const float norm = sqrtf(sum);
+        out[0] = norm;
+        out[1] = (grad_clip > 0.0f && norm > grad_clip) ? grad_clip / norm : 1.0f;
     }
 }

@@ -3,8 +3,8 @@ kernels/layernorm.cu: LayerNorm forward and backward, the fused residual + Layer
 plain residual add.
 
 Progression: `python dev/cuda/layernorm.py` shows the way here; this file is its version 3 of
-layernorm_forward, fused_residual_forward and layernorm_backward, each version validated against
-gpt2_cpu.py, then timed against the GPU's measured limits.
+layernorm_forward and fused_residual_forward and its version 4 of layernorm_backward, each version
+validated against gpt2_cpu.py, then timed against the GPU's measured limits.
 
 LayerNorm over the C channels of each of the N = B*T rows (Ba, Kiros & Hinton 2016):
     mean = sum_c x_c / C,  var = sum_c (x_c - mean)^2 / C  (biased),  rstd = 1 / sqrt(var + eps)
@@ -27,7 +27,9 @@ Kernels (inp, out, dout, dinp (N,C) floatX; weight, bias (C,) floatX; mean, rstd
   column partials with atomics (shared, then global); here each block writes its own slot and
   layernorm_param_reduce adds the slots in block order, so the result is deterministic for a
   fixed grid size (the matmul_backward_bias.cu version 9 idea, applied to LayerNorm).
-- layernorm_param_reduce: one thread per channel, sums the per-block partials in order.
+- layernorm_param_reduce: sums the per-block partials in a fixed order, each block's warps
+  sharing the slots of 32 adjacent columns (version 4 of layernorm_backward; version 3 gave each
+  channel one thread, too few threads to hide the latency of the slots' loads).
 - residual_forward: out = inp1 + inp2, llm.c dev/cuda/residual_forward.cu version 2 (x128).
 
 Backward math, per row (derivation in doc/layernorm.md and gpt2_cpu.layernorm_backward):
@@ -38,10 +40,11 @@ Backward math, per row (derivation in doc/layernorm.md and gpt2_cpu.layernorm_ba
     dweight_c += sum over rows of dout_c * norm_c
 
 Launcher must check: C % x128::size == 0 (8 in bf16, 4 in fp32), 16-byte aligned pointers,
-blockDim.x a multiple of 32 (<= 1024) for the warp-per-row kernels. layernorm_backward's grid
-size G is the number of scratch slots: scratch holds G*2*C floats, and the same G must be
-passed to layernorm_param_reduce as num_blocks. Keep G fixed (not tuned per call) so results
-are bit-reproducible. Any grid size is correct for the other kernels (grid-stride loops).
+blockDim.x a multiple of 32 (<= 1024) for the warp-per-row kernels and layernorm_param_reduce.
+layernorm_backward's grid size G is the number of scratch slots: scratch holds G*2*C floats, and
+the same G must be passed to layernorm_param_reduce as num_blocks. Keep G, and
+layernorm_param_reduce's block size, fixed (not tuned per call) so results are bit-reproducible.
+Any grid size is correct for the other kernels (grid-stride loops).
 */
 #include "common.cuh"
 
@@ -252,17 +255,42 @@ extern "C" __global__ void layernorm_backward(floatX* dinp, float* scratch, cons
     }
 }
 
-// dweight, dbias (C,) += sum over b = 0..num_blocks-1 (in order) of the scratch partials
+// dweight, dbias (C,) += the sum over the num_blocks slots of the scratch (num_blocks, 2C) =
+// [dbias | dweight] per slot. A block owns 32 adjacent columns of the 2C at a time (grid-stride
+// over such column groups) and all its warps share the slots: lane l of warp w sums column l over
+// slots w, w + W, w + 2W, ... (W = blockDim.x / 32 warps), so each warp reads one coalesced
+// 128-byte segment per slot; then lane l of warp 0 adds the W warp sums in warp order. With one
+// thread per channel instead (version 3), GPT-2's 768 threads each summed 2 x 512 slots one after
+// the other: latency bound. The order of the additions is fixed by num_blocks and blockDim.x, so
+// the result is bit-reproducible for the launcher's fixed block size.
 extern "C" __global__ void layernorm_param_reduce(floatX* dweight, floatX* dbias,
                                                   const float* scratch, int num_blocks, int C) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
-        float dbias_sum = 0.0f;
-        float dweight_sum = 0.0f;
-        for (int b = 0; b < num_blocks; b++) {
-            dbias_sum += scratch[(size_t)b * 2 * C + c];
-            dweight_sum += scratch[(size_t)b * 2 * C + C + c];
+    __shared__ float warp_sums[WARP_SIZE][WARP_SIZE + 1];   // [warp][lane]; + 1: no bank conflicts
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int num_warps = blockDim.x / WARP_SIZE;
+    const int num_groups = (2 * C + WARP_SIZE - 1) / WARP_SIZE;
+    for (int group = blockIdx.x; group < num_groups; group += gridDim.x) {   // the same trip count per block
+        const int col = group * WARP_SIZE + lane;           // 0..C-1: dbias, C..2C-1: dweight
+        float sum = 0.0f;
+        if (col < 2 * C) {
+            for (int b = warp; b < num_blocks; b += num_warps) {
+                sum += scratch[(size_t)b * 2 * C + col];
+            }
         }
-        dbias[c] = (floatX)((float)dbias[c] + dbias_sum);
-        dweight[c] = (floatX)((float)dweight[c] + dweight_sum);
+        warp_sums[warp][lane] = sum;
+        __syncthreads();
+        if (warp == 0 && col < 2 * C) {
+            float total = 0.0f;
+            for (int w = 0; w < num_warps; w++) {
+                total += warp_sums[w][lane];
+            }
+            if (col < C) {
+                dbias[col] = (floatX)((float)dbias[col] + total);
+            } else {
+                dweight[col - C] = (floatX)((float)dweight[col - C] + total);
+            }
+        }
+        __syncthreads();                                    // warp 0 has read warp_sums before the next group
     }
 }

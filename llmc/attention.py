@@ -214,13 +214,14 @@ class NaiveAttention:
     kernel_files = ()
     check_names = ("qkvr", "att")
 
-    def buffers(self, B, T, C, L, NH, Vp):
-        """(kept per layer, floats of `logits`, the backward's own buffers) for activation_shapes."""
+    def buffers(self, B, T, C, L, NH, logits_floats):
+        """(kept per layer, floats of `logits`, the backward's own buffers) for activation_shapes;
+        logits_floats: what the classifier needs of `logits` (B*T*Vp, or a chunk's rows)."""
         HS = C // NH
         kept = [("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X")]
         backward = [("dqkvr", (3, B, NH, T, HS), "X"),            # attention backward: dq, dk, dv per head
                     ("dy", (B, NH, T, HS), "X")]                 # attention backward: dout per head
-        return kept, B * T * max(3 * C, NH * T, Vp), backward    # logits, and the workspace of qkv | preatt | y | datt
+        return kept, max(B * T * max(3 * C, NH * T), logits_floats), backward   # and the workspace of qkv | preatt | y | datt
 
     def aliases(self, B, T, C, NH):
         """(name, buffer, shape) of the roles it keeps in another buffer, for activation_aliases:
@@ -256,9 +257,9 @@ class FlashAttention(NaiveAttention):
     kernel_files = ("flash_attention",)
     check_names = ("qkv", "lse")
 
-    def buffers(self, B, T, C, L, NH, Vp):
+    def buffers(self, B, T, C, L, NH, logits_floats):
         kept = [("qkv", (L, B, T, 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
-        return kept, B * T * Vp, [("att_D", (B, NH, T), "f32")]   # flash backward: rowsum(dout * out)
+        return kept, logits_floats, [("att_D", (B, NH, T), "f32")]   # flash backward: rowsum(dout * out)
 
     def aliases(self, B, T, C, NH):
         return []

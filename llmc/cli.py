@@ -156,7 +156,8 @@ RESULT_FLAGS = (("-b", "batch_size"), ("-t", "seq_len"), ("-k", "lr_schedule"), 
 # gpt2_cuda.py's flags that change its arithmetic (compared when both runs have them, so a CPU run
 # resumes a CUDA run's checkpoint and the other way round); -z is the state file's own check
 DEVICE_RESULT_FLAGS = (("--precision", "precision"), ("-w", "master_weights"), ("-f", "tf32"),
-                       ("--attention", "attention"), ("--cublaslt", "cublaslt"))
+                       ("--attention", "attention"), ("--cublaslt", "cublaslt"),
+                       ("--residual-epilogue", "residual_epilogue"), ("--classifier-chunk", "classifier_chunk"))
 INT32_MAX = 2**31 - 1                  # llm.c counts tokens in int
 UINT64_MAX = 2**64 - 1                 # the seeds are 64-bit states
 
@@ -485,17 +486,20 @@ class TrainingRun:
         """Both outlier detectors' state, for the checkpoint (llmc.checkpoint's `outliers`)."""
         return np.concatenate([self.loss_outliers.state(), self.grad_outliers.state()])
 
-    def skip_update(self, loss, norm):
+    def skip_update(self, loss, norm, step=None):
         """Feed this step's loss and gradient norm to the outlier detectors (llm.c's -sl / -sg).
         Returns (skip, zloss, zgrad): skip is True, having said so, when the update is to be
         skipped. A non-finite loss or norm is never fed to the detectors: with -sl or -sg the
-        step is skipped, else it raises InputError naming the step (training never goes on on NaN)."""
+        step is skipped, else it raises InputError naming the step (training never goes on on NaN).
+        step: the step they are of (default: the one between_steps last began; a trainer that
+        reads them a step late passes it)."""
+        step = self.step if step is None else step
         if not (math.isfinite(loss) and math.isfinite(norm)):
             what, value = ("loss", loss) if not math.isfinite(loss) else ("grad norm", norm)
             if self.args.skip_update_lossz > 0 or self.args.skip_update_gradz > 0:
-                self.say(f"skipping update due to a non-finite {what} at step {self.step + 1} ({value})")
+                self.say(f"skipping update due to a non-finite {what} at step {step + 1} ({value})")
                 return True, math.nan, math.nan
-            raise InputError(f"step {self.step + 1}: the {what} is {value}, not finite: training diverged (lower -l, "
+            raise InputError(f"step {step + 1}: the {what} is {value}, not finite: training diverged (lower -l, "
                              f"or let -sl/-sg skip such steps)")
         zloss, zgrad = self.loss_outliers.update(loss), self.grad_outliers.update(norm)
         reason = skip_reason(zloss, zgrad, self.args.skip_update_lossz, self.args.skip_update_gradz)
@@ -524,6 +528,28 @@ class TrainingRun:
             acc, n = self.hellaswag(forward_losses)
             self.say(f"HellaSwag: {acc:.4f} accuracy over {n} examples")
 
+    def acts_between(self, step):
+        """Whether between_steps(step) does anything (evaluates, samples, checkpoints, or ends the
+        loop at the last step): a trainer that logs each step a step late logs the previous one
+        first, so that the lines keep their order and a checkpoint follows the step's checks."""
+        due = self.due(step)
+        return step == self.num_steps or any(due)
+
+    def due(self, step):
+        """What between_steps(step) does: (validation, HellaSwag, a sample on the -s grid, a
+        checkpoint), each a bool."""
+        args, last_step = self.args, step == self.num_steps
+        # resumed at this step: its evaluations and sample came before the checkpoint was written
+        # (and advanced the sampler's RNG then): doing them again would print them twice and
+        # draw a different sample from then on
+        if self.resuming and step == self.start_step and not last_step:
+            return False, False, False, False
+        return (bool(self.val_loader) and args.val_every > 0 and (step % args.val_every == 0 or last_step),
+                bool(self.examples) and args.val_every > 0 and ((step > 0 and step % args.val_every == 0) or last_step),
+                self.sampling and step > 0 and step % args.sample_every == 0,
+                bool(args.output_dir) and args.checkpoint_every > 0 and step > self.start_step and
+                (step % args.checkpoint_every == 0 or last_step))
+
     def between_steps(self, step, batch_loss, forward_losses, generate, save):
         """The work at the top of step `step` (and after the last): validation loss every -v steps,
         HellaSwag every -v steps, a sample every -s steps, a checkpoint every -n steps, each also at
@@ -532,24 +558,20 @@ class TrainingRun:
         step (the loop ends)."""
         args, last_step = self.args, step == self.num_steps
         self.step = step
-        # resumed at this step: its evaluations and sample came before the checkpoint was written
-        # (and advanced the sampler's RNG then): doing them again would print them twice and
-        # draw a different sample from then on
-        if self.resuming and step == self.start_step and not last_step:
+        if self.resuming and step == self.start_step and not last_step:     # see due()
             return False
-        if self.val_loader and args.val_every > 0 and (step % args.val_every == 0 or last_step):
+        validate, hellaswag, on_grid_sample, checkpoint = self.due(step)
+        if validate:
             val_loss = self.validate(batch_loss)
             self.say(f"val loss {val_loss:.6f}")
             self.logger.log_val(step, val_loss)
-        if self.examples and args.val_every > 0 and ((step > 0 and step % args.val_every == 0) or last_step):
+        if hellaswag:
             acc, n = self.hellaswag(forward_losses)
             self.say(f"HellaSwag: {acc:.4f} accuracy over {n} examples")
             self.logger.log_eval(step, acc)
-        on_grid_sample = self.sampling and step > 0 and step % args.sample_every == 0
         if on_grid_sample:
             self.sample(generate)
-        if args.output_dir and args.checkpoint_every > 0 and step > self.start_step and \
-                (step % args.checkpoint_every == 0 or last_step):
+        if checkpoint:
             done = save(step)
             self.comm.barrier()
             if self.master:

@@ -5,6 +5,8 @@ call, llm.c's llmc/matmul.cuh `matmul_cublaslt`), reached through NVIDIA's nvmat
 plain cuBLAS path of gpt2_cuda.py does in two or three launches:
 
     forward   out = inp @ weight^T + bias              EPILOGUE_BIAS (no bias copy first)
+    forward   out = inp @ weight^T + bias + residual   EPILOGUE_BIAS with C = the residual, beta = 1
+                                                       (the attention and MLP output projections)
     forward   out = gelu(inp @ weight^T + bias)        EPILOGUE_GELU_AUX_BIAS, and the pre-activation
               pre_gelu = inp @ weight^T + bias         is stored too (the "aux" output)
     backward  dinp = (dout @ weight) * gelu'(pre_gelu) EPILOGUE_DGELU (reads pre_gelu as aux)
@@ -203,8 +205,8 @@ _BGRAD = {}        # (precision, OC) -> floatX scratch that BGRADB writes the bi
 
 
 class Plan:
-    """One cached product: its matmul descriptor, the layouts of A, B, C and D (C = D: we read and
-    write the same buffer), and the heuristic's algorithm (a cublasLtMatmulHeuristicResult_t held
+    """One cached product: its matmul descriptor, the layouts of A, B, C and D (C's is D's: C is D
+    itself, or a residual of D's shape), and the heuristic's algorithm (a cublasLtMatmulHeuristicResult_t held
     in a NumPy array; None until the first call, `unsupported` says why when there is none)."""
 
     def __init__(self, desc, layouts):
@@ -307,14 +309,17 @@ def clear_cache():
 # one product (llm.c's matmul_cublaslt)
 
 def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias=None, aux=None,
-                    accumulate=False, tf32=False):
-    """Library call: D (m,n) = epilogue(op(A) (m,k) @ op(B) (k,n) [+ D]), column-major, on the
-    trainer's current CuPy stream. d, a, b, bias, aux: floatX arrays of one precision (CuPy, or
-    host arrays on the emulated device), contiguous, 16-byte aligned (the callers check);
-    `epilogue` from epilogue_for, with `bias` given iff epilogue.bias and `aux` ((m,n), ld m) iff
-    epilogue.aux. alpha = 1, beta = 1 if accumulate else 0 (beta scales D only, never the bias
-    gradient); tf32: fp32 inputs rounded to TF32. Raises CublasLtUnsupported when cuBLASLt has no
-    algorithm, ValueError on misuse."""
+                    accumulate=False, tf32=False, c=None):
+    """Library call: D (m,n) = epilogue(op(A) (m,k) @ op(B) (k,n) [+ C]), column-major, on the
+    trainer's current CuPy stream. C is D itself with accumulate (in place), or `c`, another
+    (m,n) matrix of D's layout (out of place: D = op(A) op(B) + c, the bias, if any, added too:
+    cuBLASLt applies the epilogue to alpha op(A) op(B) + beta C); d, a, b, c, bias, aux: floatX
+    arrays of one precision (CuPy, or host arrays on the emulated device), contiguous, 16-byte
+    aligned (the callers check); `epilogue` from epilogue_for, with `bias` given iff epilogue.bias
+    and `aux` ((m,n), ld m) iff epilogue.aux. alpha = 1, beta = 1 if accumulate or c is given else
+    0 (beta scales C only, never the bias gradient); tf32: fp32 inputs rounded to TF32. Raises
+    CublasLtUnsupported when cuBLASLt has no algorithm, ValueError on misuse."""
+    require(not (accumulate and c is not None), "accumulate (C = D) and another C are exclusive")
     require((bias is not None) == (epilogue.bias is not None), f"{epilogue.name}: bias must be given iff it uses one")
     require((aux is not None) == (epilogue.aux is not None), f"{epilogue.name}: aux must be given iff it uses one")
     require(aux is None or m % AUX_LD_MULTIPLE == 0,
@@ -333,11 +338,11 @@ def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias
         raise CublasLtUnsupported(f"{epilogue.name} m={m} n={n} k={k} {precision}: {plan.unsupported}")
     handle, workspace = _context()
     alpha = np.ones(1, np.float32)                                       # host scalars (pointer mode host)
-    beta = np.full(1, 1.0 if accumulate else 0.0, np.float32)
+    beta = np.full(1, 1.0 if accumulate or c is not None else 0.0, np.float32)
     stream = cuda.cupy().cuda.get_current_stream()
     layout_a, layout_b, layout_c, layout_d = plan.layouts
     lt.matmul(handle, plan.desc, alpha.ctypes.data, cuda.address(a), layout_a, cuda.address(b), layout_b,
-              beta.ctypes.data, cuda.address(d), layout_c, cuda.address(d), layout_d,
+              beta.ctypes.data, cuda.address(d if c is None else c), layout_c, cuda.address(d), layout_d,
               plan.heuristic.ctypes.data,          # the struct starts with its cublasLtMatmulAlgo_t
               cuda.address(workspace), WORKSPACE_BYTES, stream.ptr)
 
@@ -345,22 +350,28 @@ def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias
 # ----------------------------------------------------------------------------
 # the linear layer (llmc.matmul.matmul_forward / matmul_backward, fused)
 
-def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=False):
+def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=False, residual=None):
     """out (B,T,OC) = inp (B,T,C) @ weight^T + bias; weight (OC,C) (nn.Linear layout), bias (OC,)
     or None. With pre_gelu (B,T,OC) given: pre_gelu = inp @ weight^T + bias and out = gelu(pre_gelu),
-    in the same call (the MLP's fc layer). floatX arrays of one precision, contiguous, 16-byte aligned.
+    in the same call (the MLP's fc layer). With residual (B,T,OC) given instead: out = inp @ weight^T
+    + bias + residual (the attention and MLP output projections adding into the residual stream:
+    cuBLASLt's C input with beta = 1; out may be residual itself, in place). floatX arrays of one
+    precision, contiguous, 16-byte aligned.
     Column-major: out^T (OC,N) = weight (OC,C) @ inp^T (C,N). weight's memory is the column-major
     (C,OC) matrix weight^T, so op(A) = T; inp's memory is already inp^T, op(B) = N. The bias has one
     value per row of out^T (per output channel), broadcast over its N columns (the tokens), which is
-    exactly the epilogue's broadcast; the aux (pre_gelu) is (OC,N) with ld OC, like out^T. tf32: fp32
-    inputs rounded to TF32."""
+    exactly the epilogue's broadcast; the aux (pre_gelu) and the residual are (OC,N) with ld OC, like
+    out^T. tf32: fp32 inputs rounded to TF32."""
     N = B * T
     floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
     floatX += [("bias", bias, OC)] if bias is not None else []
     floatX += [("pre_gelu", pre_gelu, N * OC)] if pre_gelu is not None else []
+    floatX += [("residual", residual, N * OC)] if residual is not None else []
     check_launch("matmul_forward_lt", floatX, aligned=True)
+    require(pre_gelu is None or residual is None, "matmul_forward_lt: GELU and a residual in one product: no layer has it")
     epilogue = epilogue_for(bias is not None, pre_gelu is not None, backward=False)
-    matmul_cublaslt(out, weight, inp, OC, N, C, CUBLAS_OP_T, CUBLAS_OP_N, epilogue, bias=bias, aux=pre_gelu, tf32=tf32)
+    matmul_cublaslt(out, weight, inp, OC, N, C, CUBLAS_OP_T, CUBLAS_OP_N, epilogue, bias=bias, aux=pre_gelu, tf32=tf32,
+                    c=residual)
 
 
 def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None, tf32=False):

@@ -5,7 +5,8 @@ through gpt2_cpu.py and through the GPU model, every activation (forward order),
 loss and every parameter gradient (backward order) compared with llmc.check's TOLERANCES, one
 TENSOR OK / NOT OK line each; an activation the backward recomputes (-r 1, 2) is
 kept for one layer, the last, and compared there. The GPU trainer is passed in (`trainer`, the gpt2_cuda module), so
-this module imports neither trainer when it loads.
+this module imports neither trainer when it loads. With the classifier in chunks of sequences
+(--classifier-chunk), the logits compared are the last chunk's, the rows its buffer keeps.
 """
 
 import numpy as np
@@ -64,7 +65,9 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
     names = ("encoded", "ln1", "ln1_mean", "ln1_rstd") + model.attention.check_names + (
         "atty", "residual2", "ln2", "ln2_mean", "ln2_rstd", "fch", "fch_gelu", "residual3", "lnf", "lnf_mean", "lnf_rstd")
     fetch = {name: trainer.as_float32(A[name].get()) for name in names + ("losses",)}
-    logits = trainer.as_float32(trainer.prefix(A["logits"], (B, T, cfg.padded_vocab_size)).get())
+    # the classifier runs in chunks of sequences (model.classifier_chunk): the buffer keeps the last chunk's logits
+    r0, r1 = trainer.classifier_chunks(B, T, model.classifier_chunk)[-1]
+    logits = trainer.as_float32(trainer.prefix(A["logits"], (r1 - r0, cfg.padded_vocab_size)).get())
     if verbose:
         print(f"forward: {B}x{T} tokens, {model.precision} vs gpt2_cpu {np.dtype(cpu_dtype).name}, "
               f"{model.attention.name} attention, tolerances '{group}'")
@@ -80,7 +83,8 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
             compare(f"{name}[{L - 1}]", fetch[name][0], ref[L - 1], kind)
         else:
             compare(name, fetch[name], ref, kind)
-    compare("logits", logits[..., :V], CA["logits"][..., :V], "logits")
+    compare("logits" if r0 == 0 else f"logits[rows {r0}:{r1}]", logits[:, :V], CA["logits"].reshape(B * T, -1)[r0:r1, :V],
+            "logits")
     compare("losses", fetch["losses"], CA["losses"], "loss")
     compare("mean loss", np.array([fetch["losses"].mean(dtype=np.float64)]), np.array([cpu.mean_loss]), "loss")
     trainer.gpt2_backward(model)

@@ -16,7 +16,7 @@ from llmc.utils import InputError
 BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores (and TF32)
 
 GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
-GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt")   # what llama3_cuda.py lacks (see build_parser)
+GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--classifier-chunk")   # llama3_cuda.py lacks these
 
 
 def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, description=None, model_help=None):
@@ -48,9 +48,23 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
           help="1: linear layers through cuBLASLt (nvmath-python) with bias, GELU and bias gradient fused; "
                "0: cuBLAS and our bias and GELU kernels; auto: 1 on a GPU (cuBLAS, saying so, where nvmath-python "
                "is missing), 0 on the emulated device")
-    a("--cuda-graph", type=int, default=0, choices=(0, 1),
-      help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch "
-           "(needs nvmath-python: CuPy's cuBLAS refuses calls during a capture)")
+        a("--residual-epilogue", type=int, default=0, choices=(0, 1),
+          help="1: with cuBLASLt, the attention and MLP output projections add the residual stream in the GEMM "
+               "(cuBLASLt's C input, beta = 1) and the LayerNorm after each only normalizes; 0: a fused residual + "
+               "LayerNorm kernel adds it")
+        a("--classifier-chunk", type=int, default=0, metavar="SEQUENCES",
+          help="the classifier (logits, softmax + cross-entropy + dlogits, their two GEMMs) on this many sequences "
+               "of a micro-batch at a time, so only (SEQUENCES,T,Vp) logits exist instead of (B,T,Vp); 0: all B")
+    if gpt2_options:
+        a("--cuda-graph", type=auto_or_bit, default="auto", metavar="{auto,0,1}",
+          help="1: capture the training step (forward, backward, the gradient norm and clipping factor, AdamW; "
+               "with gradient accumulation one graph per micro-batch, the last with the update) into CUDA graphs "
+               "replayed as one launch each (needs nvmath-python: CuPy's cuBLAS refuses calls during a capture); "
+               "0: launch each kernel; auto: 1 on a GPU, 0 on the emulated device")
+    else:
+        a("--cuda-graph", type=int, default=0, choices=(0, 1),
+          help="1: capture each micro-batch's forward + backward into a CUDA graph, replayed as one launch "
+               "(needs nvmath-python: CuPy's cuBLAS refuses calls during a capture)")
     a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
     a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
     a("--check-save", default=None, metavar="FILE.npz", action=CheckSaveAction,
@@ -92,6 +106,16 @@ class CheckSaveAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
         namespace.check = True
+
+
+def cuda_graph_choice(requested):
+    """Whether --cuda-graph `requested` (0, 1 or "auto") captures the training step: auto is 1 on
+    a GPU (a graph per micro-batch measured 9.5% faster than eager launches on an H100 at GPT-2
+    124M, B=16, 2026-11-26: dev/results/) and 0 on the emulated device, where a replay is no faster
+    (its work is the kernels themselves, run on the CPU: d2 steps took the same time either way,
+    2026-11-27) and an eager launch runs where it is called, so stepping through gpt2_cuda.py in a
+    debugger shows each kernel's result at its line."""
+    return cuda.device() == "cuda" if requested == "auto" else bool(requested)
 
 
 def auto_or_bit(value):

@@ -98,8 +98,11 @@ def gelu_backward_inplace(d_in_out, inp, n):
 
 class Cublas:
     """The linear layers as cuBLAS GEMMs (matmul_forward, matmul_backward) with the bias and the
-    GELU in our kernels. tf32: fp32 inputs rounded to TF32 (-f 1; bf16 ignores it)."""
+    GELU in our kernels. tf32: fp32 inputs rounded to TF32 (-f 1; bf16 ignores it).
+    residual_epilogue: whether forward adds a residual inside the product (residual=); here never:
+    the model adds it in its fused residual + LayerNorm kernel."""
     name = "cuBLAS"
+    residual_epilogue = False
 
     def __init__(self, tf32=False):
         self.tf32 = bool(tf32)
@@ -124,12 +127,13 @@ class Cublas:
             gelu_backward_inplace(dinp, pre_gelu, B * T * C)
 
 
-def matmul_backend(requested, tf32=False):
-    """The linear layers' backend for --cublaslt `requested` (0, 1 or "auto") and TF32 `tf32`:
-    (backend, None), or (Cublas, one line saying why) where cuBLASLt was asked for and cannot load
-    here. auto is cuBLASLt on a GPU (with the bias, GELU and bias gradient fused it was the faster
-    backend on an H100, 2026-11-26: dev/results/) and cuBLAS on the emulated device (our own bias
-    and GELU kernels, the path to read and debug)."""
+def matmul_backend(requested, tf32=False, residual_epilogue=False):
+    """The linear layers' backend for --cublaslt `requested` (0, 1 or "auto"), TF32 `tf32` and
+    --residual-epilogue `residual_epilogue` (cuBLASLt only: cuBLAS ignores it): (backend, None), or
+    (Cublas, one line saying why) where cuBLASLt was asked for and cannot load here. auto is
+    cuBLASLt on a GPU (with the bias, GELU and bias gradient fused it was the faster backend on an
+    H100, 2026-11-26: dev/results/) and cuBLAS on the emulated device (our own bias and GELU
+    kernels, the path to read and debug)."""
     if requested == "auto":
         requested = cuda.device() == "cuda"
     if not requested:
@@ -138,18 +142,26 @@ def matmul_backend(requested, tf32=False):
     reason = cublaslt.unavailable_reason()
     if reason:
         return Cublas(tf32), f"cuBLASLt unavailable ({reason}): using cuBLAS"
-    return CublasLt(tf32), None
+    return CublasLt(tf32, residual_epilogue), None
 
 
 class CublasLt(Cublas):
     """The linear layers through cuBLASLt (llmc/cublaslt.py): the bias, the GELU (GELU_AUX_BIAS,
     storing pre_gelu), its derivative (DGELU) and the bias gradient (BGRADB) fused into the GEMMs.
-    Where cuBLASLt has no BGRADB algorithm for a shape, bias_backward sums dbias instead."""
+    Where cuBLASLt has no BGRADB algorithm for a shape, bias_backward sums dbias instead.
+    residual_epilogue: the attention and MLP output projections add the residual stream in the
+    product too (cuBLASLt's C input, beta = 1), and the model's LayerNorm after them only normalizes."""
     name = "cuBLASLt"
 
-    def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None):
+    def __init__(self, tf32=False, residual_epilogue=False):
+        super().__init__(tf32)
+        self.residual_epilogue = bool(residual_epilogue)
+
+    def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None, residual=None):
+        """Cublas.forward, and with residual (B,T,OC): out = inp @ weight^T + bias + residual."""
         from llmc import cublaslt
-        cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu, tf32=self.tf32)
+        cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu, tf32=self.tf32,
+                                   residual=residual)
 
     def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
         from llmc import cublaslt

@@ -297,7 +297,7 @@ def check_adamw_norm_cast(rng, precision, n):
     params, grads, m, v = to_device(p0, precision), to_device(g0, precision), cp.asarray(m0), cp.asarray(v0)
     master = cp.asarray(as_input(p0, precision).astype(np.float32))
     lr, b1, b2, eps, wd, t, scale = 1e-3, 0.9, 0.95, 1e-8, 0.1, 3, 0.7
-    gpt2_cuda.adamw_update(params, master, grads, m, v, n, lr, b1, b2, 1 - b1 ** t, 1 - b2 ** t, eps, wd, scale, 1234)
+    gpt2_cuda.adamw_update_tensor(params, master, grads, m, v, n, lr, b1, b2, 1 - b1 ** t, 1 - b2 ** t, eps, wd, scale, 1234)
     ref = types.SimpleNamespace(params=as_input(p0, precision).astype(np.float32), grads=as_input(g0, precision).astype(np.float32),
                                 m=m0.copy(), v=v0.copy(), param_shapes=[("wte", (n,))])
     gpt2_cpu.gpt2_update(ref, lr, b1, b2, eps, wd, t, scale)
@@ -307,10 +307,14 @@ def check_adamw_norm_cast(rng, precision, n):
     assert check_tensor(v.get(), ref.v, "v", atol, rtol)
     assert_kernel("adamw", precision, params, ref.params, "params (stochastically rounded in bf16)")
     # global norm, fixed-order reduction
-    out, partial = poisoned_f32(1), poisoned_f32(gpt2_cuda.GLOBAL_NORM_GRID)
-    gpt2_cuda.global_norm(out, partial, grads, n)
+    out, partial = poisoned_f32(gpt2_cuda.NORM_VALUES), poisoned_f32(gpt2_cuda.GLOBAL_NORM_GRID)
     ref_norm = np.sqrt((as_input(g0, precision) ** 2).sum())
-    assert_kernel("global_norm", precision, out.get(), np.array([ref_norm]), "global norm")
+    for grad_clip in (0.0, 2 * ref_norm, 0.5 * ref_norm):          # no clipping; the norm under it; over it
+        gpt2_cuda.global_norm(out, partial, grads, n, grad_clip)
+        norm, scale = out.get()
+        assert_kernel("global_norm", precision, np.array([norm]), np.array([ref_norm]), "global norm")
+        clip = np.float32(grad_clip)
+        assert scale == (clip / norm if 0 < clip < norm else np.float32(1.0)), "the clipping factor, fp32"
     # casts: exact round-trips
     f = poisoned_f32(n)
     gpt2_cuda.cast_floatX_to_float(f, grads, n)

@@ -80,6 +80,34 @@ def test_breakdown_times_every_gemm_with_cublaslt_too(monkeypatch):
     assert {"BIAS", "GELU_AUX_BIAS", "DGELU", "BGRADB"} <= epilogues, epilogues
 
 
+def test_gpt2_steps_read_a_step_late_match_gpt2_cpu(monkeypatch):
+    """gpt2_cuda.py's steps as the bench times them (d2, B=1, T=32, bf16 as on a GPU, on the
+    emulated device): all on the device, as one CUDA graph or kernel by kernel, each loss
+    read after the next step is queued. Both give the same losses, bit for bit, one per step, and
+    the first is gpt2_cpu.py's within bf16's error; the second checks the update (clipped at 1)."""
+    import gpt2_cpu
+    from llmc import cuda
+    from llmc.emulator import device
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    monkeypatch.setattr(device.cuda.Stream, "_current", device.cuda.Stream._current)    # cupy_model sets it
+    runs = {graph: bench.cupy_steps("d2", 1, 32, 3, "naive", cuda_graph=graph, use_cublaslt=False)
+            for graph in (False, True)}
+    (times, losses, cfg, model, (x, y)), (_, graph_losses, _, graphed, _) = runs[False], runs[True]
+    assert len(times) == len(losses) == 3 and all(t > 0 for t in times)
+    assert graph_losses == losses and len(graphed.graphs) == 1
+    cpu, expected = gpt2_cpu.gpt2_init(cfg, bench.SEED), []
+    for t in (1, 2):
+        gpt2_cpu.gpt2_zero_grad(cpu)
+        gpt2_cpu.gpt2_forward(cpu, x, y)
+        gpt2_cpu.gpt2_backward(cpu)
+        norm = gpt2_cpu.gpt2_grad_norm(cpu)
+        gpt2_cpu.gpt2_update(cpu, bench.LEARNING_RATE, gpt2_cpu.ADAMW_BETA1, gpt2_cpu.ADAMW_BETA2, gpt2_cpu.ADAMW_EPS,
+                             0.0, t, bench.GRAD_CLIP / norm if norm > bench.GRAD_CLIP else 1.0)
+        expected.append(cpu.mean_loss)
+    assert losses[:2] == pytest.approx(expected, rel=1e-2), (losses, expected)
+    assert losses[0] - losses[1] == pytest.approx(expected[0] - expected[1], rel=0.02)   # the update's effect (~0.5)
+
+
 def test_llama3_step_on_the_emulated_device_matches_llama3_cpu(monkeypatch):
     """llama3_cuda.py's training step as the bench builds and runs it (llama3:d2, B=1, T=32, here in
     fp32 on the emulated device): two steps' losses equal llama3_cpu.py's for the same init, batch
@@ -90,7 +118,7 @@ def test_llama3_step_on_the_emulated_device_matches_llama3_cpu(monkeypatch):
     from llmc import cuda
     monkeypatch.setattr(cuda, "_device", "cpu")
     model, cfg, (x, y) = bench.llama3_cupy_model("llama3:d2", 1, 32, "naive", precision="fp32")
-    losses = [float(bench.cupy_step(model, x, y, t, cuda_graph=False)) / x.size for t in (1, 2)]
+    losses = [float(bench.llama3_cupy_step(model, x, y, t, cuda_graph=False)) / x.size for t in (1, 2)]
     cpu, expected = llama3_cpu.llama3_init(cfg, bench.SEED), []
     for t in (1, 2):                          # llama3_cpu.train's step: no weight decay, clipped at 1.0
         gpt2_cpu.gpt2_zero_grad(cpu)
@@ -110,7 +138,7 @@ def test_llama3_step_on_the_emulated_device_matches_llama3_cpu(monkeypatch):
     gemms = sum(calls for name, calls, _ in rows if name.startswith("cuBLAS gemm"))
     # naive attention's 6 per layer; forward, dinp, dweight of 5 linears per layer and the classifier
     assert gemms == 6 * L + 3 * (5 * L + 1)
-    assert dict((name, calls) for name, calls, _ in rows)["adamw.cu:adamw_update"] == len(model.param_shapes)
+    assert dict((name, calls) for name, calls, _ in rows)["adamw.cu:adamw_update"] == 1    # every tensor, one launch
 
 
 def test_llama3_bench_with_cudnn_times_both_cudnn_calls(monkeypatch):
@@ -122,7 +150,7 @@ def test_llama3_bench_with_cudnn_times_both_cudnn_calls(monkeypatch):
     monkeypatch.setattr(cuda, "_device", "cpu")
     model, cfg, (x, y) = bench.llama3_cupy_model("llama3:d2", 1, 32, "cudnn", precision="bf16")
     assert model.attention.name == "cudnn"
-    loss = float(bench.cupy_step(model, x, y, 1, cuda_graph=False)) / x.size
+    loss = float(bench.llama3_cupy_step(model, x, y, 1, cuda_graph=False)) / x.size
     cpu = llama3_cpu.llama3_init(cfg, bench.SEED)
     llama3_cpu.llama3_forward(cpu, x, y)
     assert loss == pytest.approx(cpu.mean_loss, rel=1e-2), (loss, cpu.mean_loss)
@@ -210,13 +238,17 @@ def test_lines_already_done_are_printed_when_a_later_worker_never_returns(worker
 
 def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
     fake = workers()
-    assert bench.main(["-b", "16", "--cublaslt", "1", "--compile", "0"]) == 0
+    assert bench.main(["-b", "16", "--cublaslt", "1", "--compile", "0", "--residual-epilogue", "1",
+                       "--classifier-chunk", "4", "--cuda-graph", "0"]) == 0
     for (trainer, B), cmd in fake.calls:
         args = bench.parse_args(cmd[2:])
         assert (args.cublaslt, args.compile, args.worker, args.batch_size) == (1, 0, trainer, 16)
-    assert "cuBLASLt; twin: torch.compile 0" in capsys.readouterr().out
+        assert (args.residual_epilogue, args.classifier_chunk, args.cuda_graph) == (1, 4, 0)
+    assert "CUDA graph 0, cuBLASLt, residual epilogue 1, classifier chunk 4; twin: torch.compile 0" in \
+        capsys.readouterr().out
     defaults = bench.parse_args([])
     assert (defaults.compile, defaults.cublaslt, defaults.attention) == (1, "auto", "auto")   # the trainer's defaults
+    assert (defaults.cuda_graph, defaults.residual_epilogue, defaults.classifier_chunk) == ("auto", 0, 0)
 
 
 def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypatch):
@@ -289,7 +321,7 @@ def test_llama3_step_with_cuda_graph_equals_the_eager_step(monkeypatch):
     results = {}
     for graph in (False, True):
         model, cfg, (x, y) = bench.llama3_cupy_model("llama3:d2", 1, 32, "naive", precision="fp32")
-        losses = [float(bench.cupy_step(model, x, y, t, cuda_graph=graph)) for t in (1, 2)]
+        losses = [float(bench.llama3_cupy_step(model, x, y, t, cuda_graph=graph)) for t in (1, 2)]
         results[graph] = losses, model.params.get()
     assert list(model.graphs) == [(1, 32, 1.0)] and len(replays) == 1
     assert results[True][0] == results[False][0]

@@ -290,7 +290,7 @@ class Recorder:
                 a=self._layout(adesc), b=self._layout(bdesc), c=self._layout(cdesc), d=self._layout(ddesc),
                 alpha=_host_read(alpha, 4, np.float32), beta=_host_read(beta, 4, np.float32),
                 stream=stream, workspace=workspace, workspace_size=workspace_size, pointers=(a, b, c, d)))
-            assert (c, self.calls[-1]["c"]) == (d, self.calls[-1]["d"]), "C and D are the same matrix here"
+            assert self.calls[-1]["c"] == self.calls[-1]["d"], "C has D's layout (C is D, or a residual of its shape)"
             return real(handle, desc, alpha, a, adesc, b, bdesc, beta, c, cdesc, d, ddesc, algo, workspace,
                         workspace_size, stream)
         return wrapper
@@ -401,6 +401,32 @@ def test_forward_through_fake(fake, precision, B, T, C, OC, with_bias, with_gelu
     assert call["compute"] == llmc.cuda.CUBLAS_COMPUTE_32F and call["scale"] == CUDA_R_32F
     assert call["stream"] == fake.cupy.cuda.get_current_stream().ptr and call["workspace_size"] == cublaslt.WORKSPACE_BYTES
     assert call["workspace"] == cublaslt._CONTEXT["workspace"].data.ptr
+
+
+@PRECISIONS
+@SHAPES
+@pytest.mark.parametrize("in_place", [False, True])
+def test_forward_with_residual_through_fake(fake, precision, B, T, C, OC, in_place):
+    """out = inp @ weight^T + bias + residual: EPILOGUE_BIAS with C = the residual and beta = 1,
+    out of place (D != C) or in place (out is the residual)."""
+    rng = np.random.default_rng(B * 10 + C)
+    inp, w, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal(OC)
+    res = rng.standard_normal((B, T, OC))
+    residual = dev(fake, res, precision)
+    out = residual if in_place else poisoned(fake, (B, T, OC), precision)
+    matmul_forward_lt(out, dev(fake, inp, precision), dev(fake, w, precision), dev(fake, bias, precision), B, T, C, OC,
+                      residual=residual)
+    ref = gpt2_cpu.matmul_forward(as_input(inp, precision), as_input(w, precision), as_input(bias, precision))
+    assert_close(out, ref + as_input(res, precision), precision, "out = inp @ w^T + bias + residual")
+    (call,) = fake.calls
+    assert call["epilogue"] == EPILOGUE_BIAS and (call["alpha"], call["beta"]) == (1.0, 1.0)
+    a, b, c, d = call["pointers"]
+    assert (c, d) == (residual.data.ptr, out.data.ptr)
+    if not in_place:                                           # the residual is only read
+        np.testing.assert_array_equal(_to_f64(residual), as_input(res, precision))
+    with pytest.raises(ValueError, match="GELU and a residual"):
+        matmul_forward_lt(out, dev(fake, inp, precision), dev(fake, w, precision), None, B, T, C, OC,
+                          pre_gelu=poisoned(fake, (B, T, OC), precision), residual=residual)
 
 
 @PRECISIONS

@@ -4,7 +4,9 @@ llmc/cublaslt.py itself on the emulated device's cuBLASLt
 (llmc/emulator/cublaslt.py: the epilogues bias, GELU with the pre-activation stored, DGELU and the
 bias gradient, computed on the raw pointers), checked tensor by tensor against gpt2_cpu.py. This
 checks the wiring (which layer passes which buffer as the GELU pre-activation, that the separate
-GELU kernels are skipped, the bias-gradient fallback when cuBLASLt has no BGRADB algorithm), not
+GELU kernels are skipped, the bias-gradient fallback when cuBLASLt has no BGRADB algorithm, and with
+--residual-epilogue 1 the residual added by the output projections with the LayerNorms after them
+only normalizing), not
 cuBLASLt itself: a GPU checks the library (tests/test_cublaslt.py part 2).
 Run: pytest tests/test_cublaslt_wiring.py   (a few seconds once the emulated kernels are built)
 """
@@ -22,17 +24,18 @@ import llmc.matmul
 import llmc
 import llmc.cuda
 from llmc import cuda_check
-from emulated_gpu import TINY, emulated_gpu, tiny_model_parameters  # noqa: F401  (emulated_gpu is a fixture)
+from emulated_gpu import TINY, emulated_gpu, record_launches, tiny_model_parameters  # noqa: F401  (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _recording(calls, fn, direction):
     """fn (llmc.cublaslt's matmul_forward_lt or matmul_backward_lt), each call recorded as
-    (direction, OC, whether a GELU pre-activation was passed)."""
-    def wrapper(*args, pre_gelu=None, tf32=False):
-        calls.append((direction, args[-1], pre_gelu is not None))
-        return fn(*args, pre_gelu=pre_gelu, tf32=tf32)
+    (direction, OC, whether a GELU pre-activation was passed[, whether a residual was: forward])."""
+    def wrapper(*args, pre_gelu=None, tf32=False, **residual):
+        calls.append((direction, args[-1], pre_gelu is not None) +
+                     ((residual.get("residual") is not None,) if direction == "forward" else ()))
+        return fn(*args, pre_gelu=pre_gelu, tf32=tf32, **residual)
     return wrapper
 
 
@@ -59,22 +62,31 @@ def _emulated_cublaslt(monkeypatch, calls, bgrad):
     return cublaslt
 
 
-@pytest.mark.parametrize("precision,bgrad", [("fp32", True), ("fp32", False), ("bf16", True)])
-def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, bgrad):
+@pytest.mark.parametrize("precision,bgrad,residual_epilogue", [
+    ("fp32", True, False), ("fp32", False, False), ("bf16", True, False), ("fp32", True, True), ("bf16", True, True)])
+def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, bgrad,
+                                                       residual_epilogue):
     calls = []
     cublaslt = _emulated_cublaslt(monkeypatch, calls, bgrad)
     # the separate GELU kernels must not run: their work is in the epilogues
     monkeypatch.setattr(llmc.matmul, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=llmc.matmul.CublasLt())
+    launches = record_launches(monkeypatch)
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False,
+                           matmul=llmc.matmul.CublasLt(residual_epilogue=residual_epilogue))
     gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
     rng = np.random.default_rng(2)
     x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
     y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
     assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
     C, L = TINY.channels, TINY.num_layers
-    # per layer: qkv, attproj, fc (with GELU), fcproj; then the classifier (no bias)
-    assert calls[:4] == [("forward", 3 * C, False), ("forward", C, False), ("forward", 4 * C, True),
-                         ("forward", C, False)]
+    # per layer: qkv, attproj, fc (with GELU), fcproj; then the classifier (no bias). With the residual in
+    # the epilogue, the two output projections add it, and no fused residual kernel runs: LayerNorms only
+    r = residual_epilogue
+    assert calls[:4] == [("forward", 3 * C, False, False), ("forward", C, False, r), ("forward", 4 * C, True, False),
+                         ("forward", C, False, r)]
+    names = [launch.name for launch in launches]
+    assert names.count("fused_residual_forward") == (0 if r else 2 * L)
+    assert names.count("layernorm_forward") == 1 + (2 * L if r else 0)
     backward = [c for c in calls if c[0] == "backward"]
     assert backward[:3] == [("backward", TINY.padded_vocab_size, False), ("backward", C, True),
                             ("backward", 4 * C, False)]                   # wte; fcproj through DGELU; fc
@@ -86,7 +98,7 @@ def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     fake = types.SimpleNamespace(unavailable_reason=lambda: "nvmath-python is not installed")
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
     monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
-    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=a[-1]))
+    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=k["matmul"]))
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     lines = []
     model = gpt2_cuda.setup_model(gpt2_cuda.parse_args(["-e", "d2", "--cublaslt", "1", "--attention", "naive"]), 90,

@@ -224,6 +224,45 @@ def test_activation_table_prefix_property():
     assert size >= max(2 * 1024 * 3 * 64, 2 * 4 * 1024 * 1024, 2 * 1024 * cfg.padded_vocab_size)
 
 
+def test_classifier_chunks_and_the_memory_they_save():
+    assert gpt2_cuda.classifier_chunks(4, 8, 0) == [(0, 32)] == gpt2_cuda.classifier_chunks(4, 8, 4)
+    assert gpt2_cuda.classifier_chunks(4, 8, 9) == [(0, 32)]
+    assert gpt2_cuda.classifier_chunks(5, 8, 2) == [(0, 16), (16, 32), (32, 40)]     # the last one shorter
+    # GPT-2 124M on the cuDNN path (no attention workspace in `logits`): the (B,T,Vp) logits become
+    # (chunk,T,Vp), the only buffer that changes: (B - chunk) T Vp values fewer, 2 bytes each in bf16
+    cfg = gpt2_cpu.config_from_descriptor("d12")
+    cudnn = llmc.attention.attention_path("cudnn")
+    for B, chunk in ((16, 4), (64, 4)):
+        whole = dict((n, s) for n, s, _ in gpt2_cuda.activation_shapes(cfg, B, 1024, 1, cudnn))
+        chunked = dict((n, s) for n, s, _ in gpt2_cuda.activation_shapes(cfg, B, 1024, 1, cudnn, chunk))
+        assert {n for n in whole if whole[n] != chunked[n]} == {"logits"}
+        assert whole["logits"][0] - chunked["logits"][0] == (B - chunk) * 1024 * cfg.padded_vocab_size
+    # on the naive path `logits` is also the attention's workspace, (B,T,max(3C, NH T)): that much stays
+    naive = dict((n, s) for n, s, _ in gpt2_cuda.activation_shapes(cfg, 16, 1024, 1, None, 1))["logits"]
+    assert naive == (16 * 1024 * max(3 * cfg.channels, cfg.num_heads * 1024),)
+
+
+def test_emulated_allocation_with_classifier_chunks(emulated_gpu):
+    # the emulated device counts the bytes it holds: a chunk of 1 of 4 sequences allocates
+    # exactly 3 sequences' logits fewer, and a training step still matches gpt2_cpu's loss
+    cfg = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=1, num_heads=1, channels=16)
+    pool = emulated_gpu.get_default_memory_pool()
+    used = {}
+    for chunk in (0, 1):
+        before = pool.used_bytes()
+        model = gpt2_cuda.GPT2(cfg, "fp32", attention="flash", classifier_chunk=chunk)
+        gpt2_cuda.gpt2_allocate(model, (4, 8))
+        used[chunk] = pool.used_bytes() - before
+        x = np.arange(32, dtype=np.int32).reshape(4, 8) % cfg.vocab_size
+        gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
+        gpt2_cuda.gpt2_forward(model, x, (x + 1) % cfg.vocab_size)
+        cpu = gpt2_cpu.gpt2_init(cfg, 42)
+        gpt2_cpu.gpt2_forward(cpu, x, (x + 1) % cfg.vocab_size)
+        assert gpt2_cuda.gpt2_mean_loss(model) == pytest.approx(cpu.mean_loss, rel=1e-5)
+        del model
+    assert used[0] - used[1] == 3 * 8 * cfg.padded_vocab_size * 4
+
+
 def test_activation_table_recompute_levels():
     # -r 0 keeps every layer of ln1, ln2, fch_gelu; -r 1 fch_gelu for one layer; -r 2 ln1 and ln2 too,
     # their mean and rstd for every layer (layernorm_backward reads them); nothing else changes
@@ -974,7 +1013,7 @@ def test_stochastic_rounding_near_the_largest_float_never_gives_nan(device):
     params, master = cp.asarray(float32_to_bfloat16_bits(big)), cp.asarray(big)
     zeros = cp.zeros(n, np.float32)
     grads = cp.zeros(n, np.uint16)
-    gpt2_cuda.adamw_update(params, master, grads, zeros, zeros.copy(), n, 0.0, 0.9, 0.95, 0.1, 0.05, 1e-8, 0.0, 1.0, 7)
+    gpt2_cuda.adamw_update_tensor(params, master, grads, zeros, zeros.copy(), n, 0.0, 0.9, 0.95, 0.1, 0.05, 1e-8, 0.0, 1.0, 7)
     bits = params.get()
     assert set(np.unique(bits).tolist()) <= {0x7F7F, 0x7F80}, "the largest finite bf16 or +inf"
     assert (bits == 0x7F80).any(), "some draws carry out of the largest finite value"

@@ -11,7 +11,11 @@ parameters and device pointers), so a launch argument that should change from on
 the next but was captured once makes the replayed run differ from the eager one, and the tests fail.
 Checked: training steps with the graph equal eager steps bitwise (parameters, AdamW moments, the
 accumulated losses) in fp32 and bf16 on the naive attention path, with cuBLAS and with cuBLASLt
-(--cublaslt 1); CuPy's cuBLAS refuses calls and cuBLAS products (dev @ dev) during a capture with
+(--cublaslt 1); the whole step on the device (train()'s: the gradients set to 0, forward, backward,
+the norm, the clipping factor computed on the device, AdamW reading its per-step values from the
+device) as one graph, and as three with gradient accumulation (first, middle, last), bitwise the
+eager launches, close to the host's step (norm read, factor computed on the host), and with no
+host synchronization inside it (the loss and norm copied back at its end without waiting); CuPy's cuBLAS refuses calls and cuBLAS products (dev @ dev) during a capture with
 CuPy's exact error, nvmath's cuBLAS runs on its handle's stream (recorded when that stream
 captures), llmc.cuda.gemm sets that stream outside captures only, and without nvmath-python
 --cuda-graph 1 is refused with one `error:` line before training starts; the first micro-batch of a
@@ -31,6 +35,7 @@ built, see tests/test_emulated_kernels.py)
 
 import importlib
 import inspect
+import re
 import sys
 
 import numpy as np
@@ -80,8 +85,9 @@ def _capturing():
     return device.cuda.get_current_stream().is_capturing()
 
 
-def _model(precision, matmul=None, attention="naive"):
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True, matmul=matmul, attention=attention)
+def _model(precision, matmul=None, attention="naive", classifier_chunk=0):
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True, matmul=matmul, attention=attention,
+                           classifier_chunk=classifier_chunk)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     return model
 
@@ -126,7 +132,7 @@ def test_graph_steps_equal_eager_steps_bitwise(capture, precision, steps, backen
     assert capture.captures == 0
     graph_sums = _train(graphed, batches, cuda_graph=True, steps=steps)
     assert capture.captures == 1 and capture.replays == 3 * steps - 1  # the first micro-batch eager, then replays
-    assert list(graphed.graphs) == [(2, 16, 1.0 / 3)]
+    assert list(graphed.graphs) == [(2, 16, 1.0 / 3, False, None)]
     assert graph_sums == eager_sums
     for name in ("params", "m", "v", "grads"):
         np.testing.assert_array_equal(getattr(graphed, name).get(), getattr(eager, name).get(), err_msg=name)
@@ -196,11 +202,106 @@ def test_reallocation_drops_the_graphs(capture):
     (x, y), = _batches(1, 8, 1, seed=1)
     gpt2_cuda.gpt2_activations(model, 1, 8)
     gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph=True)
-    assert list(model.graphs) == [(1, 8, 1.0)]
+    assert list(model.graphs) == [(1, 8, 1.0, False, None)]
     gpt2_cuda.gpt2_activations(model, 2, 16)                   # does not fit: everything is reallocated
     assert model.graphs == {}
     gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, cuda_graph=True)
     assert capture.captures == 2
+
+
+UPDATE = gpt2_cuda.StepUpdate(0.9, 0.95, 1e-8, 0.1, grad_clip=1.0)      # the norms here are ~4: it clips
+
+
+def _train_on_device(model, batches, cuda_graph, steps, micro_batches):
+    """`steps` training steps as train() runs them on the device (gpt2_cuda's step without a host
+    sync: adamw_prepare, the micro-batches, the first setting the gradients to 0, the last with the
+    norm, clipping factor and AdamW; the loss and norm read back after the step). Returns
+    [(summed loss, norm)] per step."""
+    B, T = batches[0][0].shape
+    readback, out = gpt2_cuda.StepReadback(B * T), []
+    for step in range(1, steps + 1):
+        gpt2_cuda.adamw_prepare(model, 1e-2, UPDATE.beta1, UPDATE.beta2, step)
+        chosen = [batches[(step + i) % len(batches)] for i in range(micro_batches)]   # a different set each step
+        for i, (x, y) in enumerate(chosen):
+            gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0 / micro_batches, cuda_graph, first=i == 0,
+                                       update=UPDATE if i == micro_batches - 1 else None)
+        slot, done = readback.queue(gpt2_cuda.gpt2_activations(model, B, T)["loss_accum"], model.norm)
+        out.append(readback.read(slot, done, B * T))
+    return out
+
+
+# the whole step as one graph (one micro-batch) and as three (first, middle, last): each graph
+# equal to the eager launches bitwise; cuBLASLt with the residual in its epilogue and the
+# classifier one sequence at a time, cuDNN attention
+@pytest.mark.parametrize("precision,micro_batches,backend,attention", [
+    ("fp32", 1, "cublas", "naive"), ("bf16", 1, "cublaslt", "naive"), ("bf16", 3, "cublas", "naive"),
+    ("bf16", 1, "cublas", "cudnn")])
+def test_whole_step_graph_equals_eager_bitwise(capture, precision, micro_batches, backend, attention):
+    chunk = 1 if backend == "cublaslt" else 0
+    batches = _batches(2, 16, 3, seed=7)
+    if backend == "cublaslt":
+        cublaslt.clear_cache()
+    matmul = {"cublas": lambda: llmc.matmul.Cublas(), "cublaslt": lambda: llmc.matmul.CublasLt(residual_epilogue=True)}
+    eager, graphed = (_model(precision, matmul[backend](), attention, chunk) for _ in range(2))
+    steps = 3
+    eager_out = _train_on_device(eager, batches, cuda_graph=False, steps=steps, micro_batches=micro_batches)
+    assert capture.captures == 0
+    graph_out = _train_on_device(graphed, batches, cuda_graph=True, steps=steps, micro_batches=micro_batches)
+    scale = 1.0 / micro_batches                                     # one graph: the whole step; three: the first
+    keys = ({(2, 16, scale, True, UPDATE)} if micro_batches == 1 else   # (gradients to 0), a middle one, the last
+            {(2, 16, scale, True, None), (2, 16, scale, False, None), (2, 16, scale, False, UPDATE)})
+    assert set(graphed.graphs) == keys
+    assert capture.captures == len(keys) and capture.replays == steps * micro_batches - len(keys)
+    assert graph_out == eager_out and all(np.isfinite(x) for pair in graph_out for x in pair)
+    for name in ("params", "m", "v", "grads", "norm"):
+        np.testing.assert_array_equal(getattr(graphed, name).get(), getattr(eager, name).get(), err_msg=name)
+    if precision == "bf16":
+        np.testing.assert_array_equal(graphed.master.get(), eager.master.get(), err_msg="master")
+    # the clipping factor came from the device: the norm (~4) over grad_clip 1, in fp32
+    norm, factor = eager.norm.get()
+    assert norm > UPDATE.grad_clip and factor == np.float32(np.float32(UPDATE.grad_clip) / norm)
+
+
+def test_step_on_the_device_matches_the_host_step(capture):
+    # the same steps with the norm read by the host, its clipping factor computed there and passed
+    # to gpt2_update (the path of -sl / -sg): the same losses and norms, the parameters to fp32's
+    # rounding (the factor is divided in float64 on the host, in fp32 on the device)
+    batches = _batches(2, 16, 3, seed=8)
+    device_model, host_model = _model("fp32"), _model("fp32")
+    on_device = _train_on_device(device_model, batches, cuda_graph=True, steps=2, micro_batches=1)
+    for step in range(1, 3):
+        x, y = batches[(step + 0) % 3]
+        A = gpt2_cuda.gpt2_activations(host_model, 2, 16)
+        gpt2_cuda.gpt2_zero_grad(host_model)
+        A["loss_accum"].fill(0)
+        gpt2_cuda.gpt2_micro_batch(host_model, x, y, 1.0)
+        norm = gpt2_cuda.gpt2_grad_norm(host_model)
+        loss_sum = float(A["loss_accum"].sum(dtype=np.float64))
+        assert (loss_sum, norm) == pytest.approx(on_device[step - 1], rel=1e-6)
+        gpt2_cuda.gpt2_update(host_model, 1e-2, UPDATE.beta1, UPDATE.beta2, UPDATE.eps, UPDATE.weight_decay, step,
+                              gpt2_cuda.clip_factor(UPDATE.grad_clip, norm))
+    np.testing.assert_allclose(device_model.params.get(), host_model.params.get(), rtol=1e-5, atol=1e-7)
+
+
+def test_no_host_synchronization_inside_a_step_on_the_device(capture, monkeypatch):
+    # between the step's uploads and its readback, nothing waits for the device: no blocking copy
+    # to the host, no stream synchronize (uploads wait only on events of earlier uploads)
+    model = _model("bf16")
+    batches = _batches(2, 16, 3, seed=9)
+    _train_on_device(model, batches, cuda_graph=True, steps=2, micro_batches=1)     # eager, captured, replayed
+    waits = []
+    get, synchronize = device.ndarray.get, device.cuda.Stream.synchronize
+    monkeypatch.setattr(device.ndarray, "get",
+                        lambda self, stream=None, order="C", out=None, blocking=True:
+                        (waits.append("get") if blocking else None, get(self, stream, order, out, blocking))[1])
+    monkeypatch.setattr(device.cuda.Stream, "synchronize", lambda self: (waits.append("sync"), synchronize(self))[1])
+    gpt2_cuda.adamw_prepare(model, 1e-2, 0.9, 0.95, 3)
+    x, y = batches[0]
+    gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, True, first=True, update=UPDATE)
+    readback = gpt2_cuda.StepReadback(2 * 16)
+    slot, done = readback.queue(gpt2_cuda.gpt2_activations(model, 2, 16)["loss_accum"], model.norm)
+    assert waits == [] and capture.replays == 2
+    assert readback.read(slot, done, 2 * 16)[1] == float(model.norm.get()[0])
 
 
 def test_training_run_with_cuda_graph_prints_the_same_losses(capture, tmp_path, capsys):
@@ -216,7 +317,45 @@ def test_training_run_with_cuda_graph_prints_the_same_losses(capture, tmp_path, 
         logs[graph] = _train_losses(f"{out_dir}/main.log")
     capsys.readouterr()
     assert len(logs[0]) == 2 and logs[1] == logs[0]
-    assert capture.captures == 1 and capture.replays == 2 * 2 - 1  # 2 steps of 2 micro-batches, the first eager
+    # 2 steps of 2 micro-batches: the first (gradients set to 0) and the last (with the update) are
+    # captured after running eagerly once, then replayed
+    assert capture.captures == 2 and capture.replays == 2 * 2 - 2
+
+
+def _printed(text):
+    """The step and val lines of a run's output, in order: ("step", n, loss, norm) or ("val", loss)."""
+    lines = []
+    for line in text.splitlines():
+        step = re.match(r"step\s+(\d+)/\d+ \| loss (\S+) \| norm (\S+)", line)
+        val = re.match(r"val loss (\S+)", line)
+        if step:
+            lines.append(("step", int(step.group(1)), float(step.group(2)), float(step.group(3))))
+        elif val:
+            lines.append(("val", float(val.group(1))))
+    return lines
+
+
+@pytest.mark.parametrize("graph", [0, 1])
+def test_steps_logged_a_step_late_print_as_gpt2_cpu(capture, tmp_path, capsys, graph):
+    # train() logs each step after queueing the next: its lines must still come in gpt2_cpu.py's
+    # order (each val line after the step before it), with its values, the last step's included
+    data = _write_shards(tmp_path)
+    model = str(tmp_path / "tiny.bin")
+    gpt2_cpu.write_model(model, gpt2_cpu.gpt2_init(TINY, 42))
+    common = ["-e", model, "-i", data, "-j", data, "-b", "2", "-t", "8", "-x", "5", "-s", "0", "-v", "2", "-m", "2",
+              "-l", "1e-3"]
+    capsys.readouterr()
+    assert gpt2_cpu.main(common) == 0
+    cpu = _printed(capsys.readouterr().out)
+    assert gpt2_cuda.main(common + ["--device", "cpu", "--cuda-graph", str(graph)]) == 0
+    gpu = _printed(capsys.readouterr().out)
+    assert [line[:2] for line in cpu] == [("val", cpu[0][1]), ("step", 1), ("step", 2), ("val", cpu[3][1]), ("step", 3),
+                                         ("step", 4), ("val", cpu[6][1]), ("step", 5), ("val", cpu[8][1])]
+    assert [line[:2] if line[0] == "step" else line[:1] for line in gpu] == \
+           [line[:2] if line[0] == "step" else line[:1] for line in cpu]
+    for ours, ref in zip(gpu, cpu):
+        assert ours[1:] == pytest.approx(ref[1:], rel=1e-5), (ours, ref)
+    assert capture.captures == graph
 
 
 # ----------------------------------------------------------------------------
@@ -395,6 +534,13 @@ def test_cuda_graph_without_nvmath_is_refused_at_startup(capture, monkeypatch, t
                                                "bindings")
     assert "unavailable (ModuleNotFoundError: " in err[0]
     assert "--cuda-graph 0" in err[0] and capture.captures == captures                # refused before any step
+    # --cuda-graph auto (the default), where it means 1 (on a GPU): one line, and the kernels launched one by one
+    monkeypatch.setattr(gpt2_cuda.gpu_cli, "cuda_graph_choice", lambda requested: requested == "auto" or requested)
+    assert gpt2_cuda.main(argv[:-2] + ["-o", str(tmp_path / "auto")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "no CUDA graph" in line] == [
+        "gpt2_cuda.py: kernels launched one by one, no CUDA graph: " + err[0][len("error: --cuda-graph 1: "):]]
+    assert capture.captures == captures and any(line.startswith("step    1/1") for line in out)
 
 
 # ----------------------------------------------------------------------------
@@ -426,5 +572,36 @@ def test_gpu_graph_steps_equal_eager_steps_bitwise(precision, attention, backend
             if graph:
                 assert len(model.graphs) == 1
     assert results[True][0] == results[False][0] and all(np.isfinite(results[True][0]))
+    for name, eager in results[False][1].items():
+        np.testing.assert_array_equal(results[True][1][name], eager, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,attention,backend,micro_batches", [
+    ("bf16", "cudnn", "cublaslt", 1), ("bf16", "cudnn", "cublaslt-residual", 1), ("bf16", "cudnn", "cublaslt", 2),
+    ("fp32", "naive", "cublas", 1)])      # the first: the GPU defaults; the second with the classifier in 2 chunks
+def test_gpu_whole_step_graph_equals_eager_bitwise(precision, attention, backend, micro_batches):
+    import cupy as cp
+    cfg = gpt2_cpu.GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2,
+                              channels=128)
+    if attention == "cudnn" and cudnn_attention.unavailable_reason(precision, 64):
+        pytest.skip(cudnn_attention.unavailable_reason(precision, 64))
+    if backend.startswith("cublaslt") and cublaslt.unavailable_reason():
+        pytest.skip(cublaslt.unavailable_reason())
+    matmul = {"cublas": lambda: llmc.matmul.Cublas(), "cublaslt": lambda: llmc.matmul.CublasLt(),
+              "cublaslt-residual": lambda: llmc.matmul.CublasLt(residual_epilogue=True)}[backend]
+    batches = _batches(4, 64, 3, seed=3)
+    results = {}
+    with cp.cuda.Stream():                                                      # capture needs a created stream
+        for graph in (False, True):
+            model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True, attention=attention,
+                                   matmul=matmul(), classifier_chunk=2 if backend == "cublaslt-residual" else 0)
+            gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
+            llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), precision)
+            out = _train_on_device(model, batches, cuda_graph=graph, steps=3, micro_batches=micro_batches)
+            results[graph] = (out, {name: getattr(model, name).get() for name in ("params", "m", "v", "grads", "norm")})
+            if graph:
+                assert len(model.graphs) == (1 if micro_batches == 1 else 2)
+    assert results[True][0] == results[False][0] and all(np.isfinite(x) for pair in results[True][0] for x in pair)
     for name, eager in results[False][1].items():
         np.testing.assert_array_equal(results[True][1][name], eager, err_msg=name)

@@ -334,7 +334,7 @@ def test_no_gpu_is_one_line_and_exit_2(script):
 def test_help_and_a_bad_version_need_no_gpu():
     r = _run("layernorm.py", "--help")
     assert r.returncode == 0
-    assert "version 3 of layernorm_backward: production" in r.stdout
+    assert "version 4 of layernorm_backward: production" in r.stdout
     r = _run("gelu.py", "7")
     assert r.returncode == 1
     assert r.stderr.strip() == "dev/cuda/gelu.py: no version 7 (versions: [1, 2])"

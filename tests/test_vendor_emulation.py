@@ -85,9 +85,9 @@ def set_attr(obj, attr, value, setter=lt.matmul_desc_set_attribute, dtypes=lt.DE
 
 
 def lt_matmul(precision, m, n, k, a, la, b, lb, c, lc, d, transa=lt.OP_N, transb=lt.OP_N, alpha=1.0, beta=0.0,
-              epilogue=lt.Epilogue.DEFAULT, bias=None, aux=None, aux_ld=0, compute=lt.COMPUTE_32F):
+              epilogue=lt.Epilogue.DEFAULT, bias=None, aux=None, aux_ld=0, compute=lt.COMPUTE_32F, d_layout=None):
     """One product through the emulated bindings as llmc/cublaslt.py makes it: descriptor,
-    layouts ((rows, cols, ld) each, D's like C's), preference, heuristic, matmul."""
+    layouts ((rows, cols, ld) each, D's like C's unless d_layout), preference, heuristic, matmul."""
     D = lt.MatmulDescAttribute
     handle, desc = lt.create(), lt.matmul_desc_create(compute, lt.CUDA_R_32F)
     set_attr(desc, D.TRANSA, transa)
@@ -98,7 +98,7 @@ def lt_matmul(precision, m, n, k, a, la, b, lb, c, lc, d, transa=lt.OP_N, transb
     if aux is not None:
         set_attr(desc, D.EPILOGUE_AUX_POINTER, aux.ctypes.data)
         set_attr(desc, D.EPILOGUE_AUX_LD, aux_ld)
-    layouts = [lt.matrix_layout_create(DATA_TYPE[precision], *shape) for shape in (la, lb, lc, lc)]
+    layouts = [lt.matrix_layout_create(DATA_TYPE[precision], *shape) for shape in (la, lb, lc, d_layout or lc)]
     pref = lt.matmul_preference_create()
     for attr in list(lt.MatmulPreferenceAttribute)[1:]:
         set_attr(pref, attr, 16, lt.matmul_preference_set_attribute, lt.PREF_DTYPES)
@@ -195,6 +195,12 @@ def test_cublaslt_epilogues(precision):
     lt_matmul(precision, m, n, k, a, la, b, lb, c, lc, d, lt.OP_N, lt.OP_T, epilogue=lt.Epilogue.DGELU,
               aux=aux, aux_ld=aux_ld - 8)
     assert not close(d_values(d, m), ref_dgelu, precision, "DGELU with the aux ld off by 8")
+    # BIAS with beta C out of place (the residual stream): D = product + C + bias, C only read
+    c_before = c.copy()
+    lt_matmul(precision, m, n, k, a, la, b, lb, c, lc, d, lt.OP_N, lt.OP_T, beta=1.0, epilogue=lt.Epilogue.BIAS,
+              bias=bias)
+    assert close(d_values(d, m), ref + to_f64(c[:, :m]).T, precision, "BIAS + C")
+    np.testing.assert_array_equal(c, c_before)
     # BGRADB: D = the product, bias (n,) = column sums of op(B) over k, written
     bgrad = stored(np.full(n, 7.0), precision)
     lt_matmul(precision, m, n, k, a, la, b, lb, c, lc, d, lt.OP_N, lt.OP_T, epilogue=lt.Epilogue.BGRADB, bias=bgrad)
@@ -226,6 +232,8 @@ def test_cublaslt_refuses_what_cublaslt_refuses():
         lt_matmul("fp32", 8, 4, 4, a, la, b, lb, c, lc, d, epilogue=lt.Epilogue.BIAS)
     with pytest.raises(lt.cuBLASLtError, match="aligned"):               # 4 bytes in: the heuristic was told 16
         lt_matmul("fp32", 8, 4, 4, a.reshape(-1)[1:], la, b, lb, c, lc, d)
+    with pytest.raises(lt.cuBLASLtError, match="in place"):                 # C == D needs Cdesc == Ddesc
+        lt_matmul("fp32", 8, 4, 4, a, la, b, lb, d, (8, 4, 9), d, d_layout=(8, 4, 8), beta=1.0)
     with pytest.raises(lt.cuBLASLtError, match="NOT_INITIALIZED"):
         lt.matmul_desc_destroy(12345)
 

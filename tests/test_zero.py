@@ -202,11 +202,11 @@ def adamw_pieces_round_as_one_launch(cp):
         params, master = cp.asarray(float32_to_bfloat16_bits(p0)), cp.asarray(p0)
         m, v, g = cp.zeros(n, np.float32), cp.zeros(n, np.float32), cp.asarray(g0)
         for (a, b), s in zip(zip(cuts, cuts[1:]), seeds):
-            gpt2_cuda.adamw_update(params[a:b], master[a:b], g[a:b], m[a:b], v[a:b], b - a, *args, s)
+            gpt2_cuda.adamw_update_tensor(params[a:b], master[a:b], g[a:b], m[a:b], v[a:b], b - a, *args, s)
         return params.get(), master.get()
     params1 = cp.asarray(float32_to_bfloat16_bits(p0))
     master1 = cp.asarray(p0)
-    gpt2_cuda.adamw_update(params1, master1, cp.asarray(g0), cp.zeros(n, np.float32), cp.zeros(n, np.float32), n,
+    gpt2_cuda.adamw_update_tensor(params1, master1, cp.asarray(g0), cp.zeros(n, np.float32), cp.zeros(n, np.float32), n,
                            *args, seed)
     params1, master1 = params1.get(), master1.get()
     pieces, master3 = run([zero.rounding_seed(seed, a) for a in cuts[:-1]])

@@ -12,8 +12,11 @@ params, grads (n,) floatX; m, v (n,) float.
   the first kernel and come back in the second: 16 bytes per parameter of extra traffic.
 - adamw_update_v2: both halves fused in one kernel: m and v are read once and written once, the
   parameter update uses the fresh values from registers. Stores the parameter rounded to nearest.
-
-Both one thread per element, no grid-stride loop, int indexing (n < 2^31). Compile check:
+Both one thread per element, no grid-stride loop, int indexing (n < 2^31).
+- adamw_update_v3: version 2 with what the trainer needs: a grid-stride loop (any grid, size_t
+  indexing), optional fp32 master weights, stochastic rounding of the bf16 parameter (a hash per
+  element and step). One launch per tensor, every per-step value (learning rate, corrections,
+  gradient scale, seed) a launch argument; scalar loads. Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/adamw.cu
 */
 #include "common.cuh"
@@ -57,5 +60,31 @@ extern "C" __global__ void adamw_update_v2(floatX* params, const floatX* grads, 
         const float p = (float)params[i];
         const float update = (m_new / beta1_correction) / (sqrtf(v_new / beta2_correction) + eps);
         params[i] = (floatX)(p - learning_rate * (update + weight_decay * p));
+    }
+}
+
+// one tensor per launch, grid-stride, scalar loads, every per-step value a launch argument; master
+// weights and stochastic rounding as in the production kernel.
+// params (n,) floatX; master_params (n,) float or NULL; grads (n,) floatX; m, v (n,) float
+extern "C" __global__ void adamw_update_v3(floatX* params, float* master_params, const floatX* grads,
+                                           float* m, float* v, size_t n, float learning_rate,
+                                           float beta1, float beta2, float beta1_correction,
+                                           float beta2_correction, float eps, float weight_decay,
+                                           float grad_scale, unsigned int seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float grad = grad_scale * (float)grads[i];
+        const float m_new = beta1 * m[i] + (1.0f - beta1) * grad;
+        const float v_new = beta2 * v[i] + (1.0f - beta2) * grad * grad;
+        m[i] = m_new;
+        v[i] = v_new;
+        const float m_hat = m_new / beta1_correction;
+        const float v_hat = v_new / beta2_correction;
+        float param = (master_params != nullptr) ? master_params[i] : (float)params[i];
+        param -= learning_rate * (m_hat / (sqrtf(v_hat) + eps) + weight_decay * param);
+        if (master_params != nullptr) {
+            master_params[i] = param;
+        }
+        stochastic_rounding(param, &params[i], squirrel_noise5((unsigned int)i, seed));
     }
 }

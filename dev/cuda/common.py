@@ -14,7 +14,7 @@ The API (what an op script dev/cuda/<op>.py uses; tests/test_dev_cuda.py lists t
       production_kernel(file, name)     ... of kernels/<file>.cu (the trainer's, by its real name)
       kernel.launch(precision, grid, block, args, shared_mem=0)
     Case(precision)                     one problem instance, built by a progression's make_case:
-      case.input(name, values, kind)    host values -> uploaded (kind "X" floatX, "f32", "i32")
+      case.input(name, values, kind)    host values -> uploaded (kind "X" floatX, "f32", "i32", "i64", "u32")
                                         before every validation run; returns what the kernel
                                         sees, in float64, for the reference
       case.output(name, shape, kind)    allocated, and poisoned with NaN before every run
@@ -98,7 +98,9 @@ GEMM_LIMIT_SIZE = 8192                           # (8192 x 8192) @ (8192 x 8192)
 LIMIT_REPEATS = 5                                # the limits take the best of these
 SEED = 1337                                      # inputs are reproducible run to run
 NO_GPU_EXIT = 2
-KINDS = {"X": None, "f32": np.dtype(np.float32), "f64": np.dtype(np.float64), "i32": np.dtype(np.int32)}  # X: floatX
+KINDS = {"X": None, "f32": np.dtype(np.float32), "f64": np.dtype(np.float64), "i32": np.dtype(np.int32),  # X: floatX
+         "i64": np.dtype(np.int64), "u32": np.dtype(np.uint32)}   # tables and seeds (adamw)
+INTEGER_KINDS = ("i32", "i64", "u32")
 
 
 # ----------------------------------------------------------------------------
@@ -176,8 +178,8 @@ def dtype_of(kind, precision):
 
 def to_device_dtype(values, kind, precision):
     """Host values -> a host array in the device dtype (bf16: rounded to nearest even bits)."""
-    if kind == "i32":
-        return np.ascontiguousarray(values, dtype=np.int32)
+    if kind in INTEGER_KINDS:
+        return np.ascontiguousarray(values, dtype=KINDS[kind])
     x = np.ascontiguousarray(values, dtype=np.float32)
     return float32_to_bfloat16_bits(x) if kind == "X" and precision == "bf16" else x
 
@@ -258,7 +260,7 @@ class Case:
     def input(self, name, values, kind="X"):
         host = to_device_dtype(values, kind, self.precision)
         self.inputs[name] = (host, kind)
-        return host if kind == "i32" else to_float64(host, kind, self.precision)
+        return host if kind in INTEGER_KINDS else to_float64(host, kind, self.precision)
 
     def output(self, name, shape, kind="X"):
         self.outputs[name] = (tuple(np.atleast_1d(shape)), kind)

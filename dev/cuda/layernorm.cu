@@ -22,11 +22,11 @@ Rows: N = B*T rows of C channels; inp, out (N,C) floatX; weight, bias (C,); mean
   accumulates its rows' dbias/dweight in shared memory (atomics on shared memory are cheap), then
   adds them to the global scratch with one atomic per channel per block.
 Both backward versions then add the scratch into dweight/dbias with kernels/layernorm.cu's
-layernorm_param_reduce over one slot. Atomics make them non-reproducible run to run; the
-production kernel writes per-block slots instead.
-- layernorm_param_reduce_v4: the production backward's slots summed by 2C/32 blocks of warps
-  (each warp a share of the slots, lanes on adjacent columns) instead of one thread per channel;
-  deterministic too. Version 4 of the backward is the production kernel followed by this one.
+layernorm_param_reduce over one slot. Atomics make them non-reproducible run to run; the production kernel writes
+per-block slots instead.
+- layernorm_param_reduce_v3: the per-block slots summed with one thread per channel, in slot
+  order: version 3 of the backward is the production layernorm_backward followed by this one
+  (version 4, kernels/layernorm.cu's layernorm_param_reduce, gives the slots to a block's warps).
 
 Warp kernels need blockDim.x a multiple of 32. Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/layernorm.cu
@@ -213,42 +213,23 @@ extern "C" __global__ void layernorm_backward_v2(floatX* dinp, float* scratch, c
 }
 
 // ----------------------------------------------------------------------------
-// the parameter gradients' reduction, with more threads (version 4 of layernorm_backward)
+// the parameter gradients' reduction, one thread per channel (version 3 of layernorm_backward)
 
-// dweight, dbias (C,) += the sum over the num_blocks slots of the scratch (num_blocks, 2C) =
-// [dbias | dweight] per slot, as kernels/layernorm.cu's layernorm_param_reduce, which gives one
-// thread to each of the C channels: 768 threads for GPT-2, each summing 2 x 512 slots one after
-// the other, so the GPU is latency bound (about 40 us for 3 MiB on the H100). Here a block owns
-// 32 adjacent columns of the 2C (dbias then dweight) and all its warps share the slots: lane l of
-// warp w sums column l over slots w, w + W, w + 2W, ... (W = blockDim.x / 32 warps), so each warp
-// reads one coalesced 128-byte row segment per slot; then lane l of warp 0 adds the W warp sums
-// in warp order. 2C/32 blocks of W warps: 48 blocks of up to 1024 threads for C = 768. The order
-// of the additions is fixed by num_blocks and blockDim.x alone, so the result is bit-reproducible
-// (it differs from the one-thread-per-channel order by rounding).
-extern "C" __global__ void layernorm_param_reduce_v4(floatX* dweight, floatX* dbias, const float* scratch,
+// dweight, dbias (C,) += sum over b = 0..num_blocks-1 (in order) of the scratch (num_blocks, 2C) =
+// [dbias | dweight] per slot: thread c sums channel c's two columns over the slots, one after the
+// other. GPT-2's C = 768 makes 768 threads on a GPU of 132 SMs, each with 2 x 512 dependent loads:
+// latency bound (kernels/layernorm.cu's layernorm_param_reduce, version 4, shares the slots among
+// the warps of a block instead).
+extern "C" __global__ void layernorm_param_reduce_v3(floatX* dweight, floatX* dbias, const float* scratch,
                                                      int num_blocks, int C) {
-    __shared__ float warp_sums[WARP_SIZE][WARP_SIZE + 1];   // [warp][lane]; + 1: no bank conflicts
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int num_warps = blockDim.x / WARP_SIZE;
-    const int col = blockIdx.x * WARP_SIZE + lane;          // 0..C-1: dbias, C..2C-1: dweight
-    float sum = 0.0f;
-    if (col < 2 * C) {
-        for (int b = warp; b < num_blocks; b += num_warps) {
-            sum += scratch[(size_t)b * 2 * C + col];
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
+        float dbias_sum = 0.0f;
+        float dweight_sum = 0.0f;
+        for (int b = 0; b < num_blocks; b++) {
+            dbias_sum += scratch[(size_t)b * 2 * C + c];
+            dweight_sum += scratch[(size_t)b * 2 * C + C + c];
         }
-    }
-    warp_sums[warp][lane] = sum;
-    __syncthreads();
-    if (warp == 0 && col < 2 * C) {
-        float total = 0.0f;
-        for (int w = 0; w < num_warps; w++) {
-            total += warp_sums[w][lane];
-        }
-        if (col < C) {
-            dbias[col] = (floatX)((float)dbias[col] + total);
-        } else {
-            dweight[col - C] = (floatX)((float)dweight[col - C] + total);
-        }
+        dbias[c] = (floatX)((float)dbias[c] + dbias_sum);
+        dweight[c] = (floatX)((float)dweight[c] + dweight_sum);
     }
 }

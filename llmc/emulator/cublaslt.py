@@ -9,7 +9,11 @@ The contract is cuBLASLt's, taken literally (cuBLAS documentation, "cuBLASLt API
 every matrix column-major as its layout says: element (r, c) of a (rows, cols, ld) layout sits at
 ptr + (r + c*ld) * itemsize; op(X) = X or X^T from the descriptor's TRANSA / TRANSB; alpha and
 beta are float32 host scalars (scale type CUDA_R_32F, pointer mode host); beta = 0 reads nothing
-of C. The epilogues:
+of C. In place, C == D, the two layouts must be the same (cuBLASLt: "C == D and Cdesc == Ddesc");
+out of place, C != D, C is only read: the same type, rows and columns as D, its own leading
+dimension. The epilogue applies to the whole alpha op(A) op(B) + beta C, so with BIAS an
+out-of-place C is a residual added beside the bias: D = op(A) op(B) + C + bias at alpha = beta = 1.
+The epilogues:
     BIAS             D = result + bias, bias (m,) one value per row of D, broadcast over columns
     GELU             D = gelu(result)                (GELU_BIAS: gelu(result + bias))
     GELU_AUX         aux = result, D = gelu(aux)     (GELU_AUX_BIAS: aux = result + bias)
@@ -311,10 +315,11 @@ AUX_WRITTEN = (Epilogue.GELU_AUX, Epilogue.GELU_AUX_BIAS)
 GELU_APPLIED = (Epilogue.GELU, Epilogue.GELU_BIAS, Epilogue.GELU_AUX, Epilogue.GELU_AUX_BIAS)
 
 
-def _check_problem(attrs, layouts):
+def _check_problem(attrs, layouts, in_place=False):
     """(m, n, k, epilogue) of a descriptor and its four layouts; raises cuBLASLtError where
     cuBLASLt would refuse them: shapes that do not chain, mixed types, an epilogue without its
-    pointer, an aux leading dimension that is not a multiple of 8 or is < m."""
+    pointer, an aux leading dimension that is not a multiple of 8 or is < m, and (in_place: the
+    C and D pointers are one) C's layout other than D's."""
     la, lb, lc, ld_ = layouts
     _require(la["type"] == lb["type"] == lc["type"] == ld_["type"], "A, B, C, D of different types", Status.NOT_SUPPORTED)
     _require(attrs[MatmulDescAttribute.COMPUTE_TYPE] == COMPUTE_32F or la["type"] == CUDA_R_32F,
@@ -324,6 +329,7 @@ def _check_problem(attrs, layouts):
     m, n = ld_["rows"], ld_["cols"]
     _require((a_rows, b_cols, lc["rows"], lc["cols"]) == (m, n, m, n) and a_cols == b_rows,
              f"op(A) {a_rows}x{a_cols} @ op(B) {b_rows}x{b_cols} -> C {lc['rows']}x{lc['cols']}, D {m}x{n}")
+    _require(not in_place or lc["ld"] == ld_["ld"], f"in place (C == D) with C's ld {lc['ld']} != D's {ld_['ld']}")
     try:
         epilogue = Epilogue(attrs[MatmulDescAttribute.EPILOGUE])
     except ValueError:
@@ -371,7 +377,7 @@ def matmul(light_handle, compute_desc, alpha, a, adesc, b, bdesc, beta, c, cdesc
     _get(light_handle, "handle")
     attrs = dict(_get(compute_desc, "desc")["attrs"])
     layouts = [dict(_get(x, "layout")) for x in (adesc, bdesc, cdesc, ddesc)]
-    _, _, _, epilogue = _check_problem(attrs, layouts)
+    _, _, _, epilogue = _check_problem(attrs, layouts, in_place=c == d)
     chosen = _ALGORITHMS.get(int(_host(algo, 8).view(np.uint64)[0]))
     _require(chosen is not None and chosen["desc"] == compute_desc and chosen["layouts"] == (adesc, bdesc, cdesc, ddesc),
              "the algorithm was not chosen by the heuristic for this descriptor and layouts")

@@ -151,11 +151,15 @@ class ndarray(np.ndarray):
                              f"(cp.asarray it, or .set() a whole array)")
         enqueue(lambda: np.ndarray.__setitem__(self, index, value))
 
-    def get(self, stream=None, out=None):
+    def get(self, stream=None, order="C", out=None, blocking=True):
         """A host (NumPy) copy, as cupy.ndarray.get(). While `stream` (default: the current one)
         captures, CuPy 14 refuses the copy itself (RuntimeError, refuse_transfer_while_capturing):
-        it would wait for work that the capture has not run."""
+        it would wait for work that the capture has not run. blocking=False queues the copy on the
+        stream on a GPU (into `out`, pinned memory); here the stream's work is done when issued, so
+        it is the same copy. Only order "C" (NotImplementedError otherwise, as _allocate)."""
         refuse_transfer_while_capturing("D2H", stream)
+        if order != "C":
+            raise NotImplementedError(f"get(order={order!r}): the emulated device copies row-major (order 'C') only")
         host = np.array(self.view(np.ndarray), copy=True)
         if out is not None:
             out[...] = host
