@@ -93,6 +93,7 @@ shape; more than 48 KiB needs the launcher's opt-in (llmc/attention.py).
 #define BANK_LINE_BYTES 128         // 32 banks x 4 bytes: one conflict-free shared-memory wavefront
 #define LOG2E 1.4426950408889634f   // exp(x) = exp2(x * LOG2E)
 #define LN2 0.6931471805599453f     // log(x) = log2(x) * LN2
+#define MAX_SHARED_BYTES_OPT_IN 166912   // dynamic shared memory a block may opt in to on sm_80 (163 KiB; sm_90: 227)
 
 // ----------------------------------------------------------------------------
 // shared-memory tiles
@@ -342,22 +343,34 @@ __device__ inline void mma_ab_regs(float (&acc)[M_TILES][N / MMA_N][4], const fl
 #else
     static_assert(!Tile::SWIZZLED, "the scalar products read plain row-major tiles");
     const int lane = threadIdx.x % WARP_SIZE;
-    const floatX* b_row = b + b_row0 * Tile::WIDTH;
 #pragma unroll
     for (int mi = 0; mi < M_TILES; mi++) {
+#pragma unroll 1                            // a rolled loop over P's n-tiles: a quarter of the code
+        for (int kn = 0; kn < K / MMA_N; kn++) {
+            float pk[4];                    // p[mi][kn] without indexing registers by a variable
 #pragma unroll
-        for (int k = 0; k < K; k++) {
-            // P[row][k] of rows g and g + 8 is held by lane 4g + (k % 8) / 2 of the row's four
-            const int source = (lane & ~3) | (k % MMA_N) / 2;
-            const float lo = __shfl_sync(FULL_WARP_MASK, p[mi][k / MMA_N][k % 2], source);
-            const float hi = __shfl_sync(FULL_WARP_MASK, p[mi][k / MMA_N][2 + k % 2], source);
+            for (int e = 0; e < 4; e++) {
+                pk[e] = p[mi][0][e];
 #pragma unroll
-            for (int n = 0; n < N / MMA_N; n++) {
-                const float2 v = *reinterpret_cast<const float2*>(b_row + k * Tile::WIDTH + fragment_col(n, 0));
-                acc[mi][n][0] += lo * v.x;
-                acc[mi][n][1] += lo * v.y;
-                acc[mi][n][2] += hi * v.x;
-                acc[mi][n][3] += hi * v.y;
+                for (int j = 1; j < K / MMA_N; j++) {
+                    pk[e] = kn == j ? p[mi][j][e] : pk[e];
+                }
+            }
+            const floatX* b_rows = b + (b_row0 + MMA_N * kn) * Tile::WIDTH;
+#pragma unroll
+            for (int r = 0; r < MMA_N; r++) {
+                // P[row][8 kn + r] of rows g and g + 8 is held by lane 4g + r / 2 of the row's four
+                const int source = (lane & ~3) | r / 2;
+                const float lo = __shfl_sync(FULL_WARP_MASK, pk[r % 2], source);
+                const float hi = __shfl_sync(FULL_WARP_MASK, pk[2 + r % 2], source);
+#pragma unroll
+                for (int n = 0; n < N / MMA_N; n++) {
+                    const float2 v = *reinterpret_cast<const float2*>(b_rows + r * Tile::WIDTH + fragment_col(n, 0));
+                    acc[mi][n][0] += lo * v.x;
+                    acc[mi][n][1] += lo * v.y;
+                    acc[mi][n][2] += hi * v.x;
+                    acc[mi][n][3] += hi * v.y;
+                }
             }
         }
     }
@@ -456,6 +469,7 @@ struct ForwardTiles {
     static constexpr int SHARED_BYTES = (Q_ELEMS + 2 * STAGES * KV_ELEMS) * (int)sizeof(floatX);
     typedef SharedTile<HS, SWIZZLE_ && SWIZZLED_TILES> Tile;
     static_assert(KEYS % (2 * MMA_N) == 0 && STAGES >= 1, "keys in whole 16-key tiles");
+    static_assert(SHARED_BYTES <= MAX_SHARED_BYTES_OPT_IN, "the tiles exceed the shared memory of an sm_80 block");
 };
 
 // dk/dv: WARPS warps of 16 keys own KEYS = 16 WARPS keys; queries (with their dout, lse and D)
@@ -473,6 +487,7 @@ struct DkdvTiles {
     static constexpr bool KV_IN_REGISTERS = HS <= 64;
     typedef SharedTile<HS, SWIZZLE_ && SWIZZLED_TILES> Tile;
     static_assert(QUERIES % (2 * MMA_N) == 0 && STAGES >= 1, "queries in whole 16-row tiles");
+    static_assert(SHARED_BYTES <= MAX_SHARED_BYTES_OPT_IN, "the tiles exceed the shared memory of an sm_80 block");
 };
 
 // dq: WARPS warps of 16 query rows own ROWS = 16 WARPS queries; K and V stream as in the forward.
@@ -487,6 +502,7 @@ struct DqTiles {
     static constexpr bool Q_IN_REGISTERS = HS <= 64;
     typedef SharedTile<HS, SWIZZLE_ && SWIZZLED_TILES> Tile;
     static_assert(KEYS % (2 * MMA_N) == 0 && STAGES >= 1, "keys in whole 16-key tiles");
+    static_assert(SHARED_BYTES <= MAX_SHARED_BYTES_OPT_IN, "the tiles exceed the shared memory of an sm_80 block");
 };
 
 // the commit groups the top of a pipelined loop may leave in flight: STAGES - 2 (0 with one buffer)
@@ -561,52 +577,52 @@ __device__ void flash_attention_forward(floatX* out, float* lse, const floatX* q
         l[mi][0] = l[mi][1] = 0.0f;
     }
     for (int j = 0; j < num_tiles; j++) {
-        if (STAGES == 1 && j > 0) {         // one buffer: reload it once every warp is done with tile j-1
-            __syncthreads();
-            load_tile(j);
-        }
         wait_for_current_tile<STAGES>();                                 // tile j has landed (this thread's copies)
         __syncthreads();                                                 // ... everyone's; tile j-1's buffer is free
         if (STAGES > 1) {
             load_tile(j + STAGES - 1);                                   // in flight while tile j is computed
         }
         const int k0 = j * KEYS;
-        if (first_row >= T || k0 > first_row + M_TILES * MMA_M - 1) {
-            continue;                       // the warp's rows are past T, or all before every key of the tile
-        }
-        const floatX* k_tile = kv_tiles + 2 * (j % STAGES) * Tiles::KV_ELEMS;
-        const floatX* v_tile = k_tile + Tiles::KV_ELEMS;
-        // 1. S = Q K^T: (16, HS) @ (HS, KEYS) per row tile
-        float s[M_TILES][KEYS / MMA_N][4];
-        zero_fragments<M_TILES, KEYS>(s);
-        mma_abt<M_TILES, HS, KEYS, Tile>(s, q, k_tile, 0);
-        // 2. the causal mask (tiles crossing the row tile's diagonal only), the online softmax
+        // skip the tile where the warp's rows are past T, or all before every key of the tile
+        if (first_row < T && k0 <= first_row + M_TILES * MMA_M - 1) {
+            const floatX* k_tile = kv_tiles + 2 * (j % STAGES) * Tiles::KV_ELEMS;
+            const floatX* v_tile = k_tile + Tiles::KV_ELEMS;
+            // 1. S = Q K^T: (16, HS) @ (HS, KEYS) per row tile
+            float s[M_TILES][KEYS / MMA_N][4];
+            zero_fragments<M_TILES, KEYS>(s);
+            mma_abt<M_TILES, HS, KEYS, Tile>(s, q, k_tile, 0);
+            // 2. the causal mask (tiles crossing the row tile's diagonal only), the online softmax
 #pragma unroll
-        for (int mi = 0; mi < M_TILES; mi++) {
-            const int tile_row = first_row + MMA_M * mi;
-            if (k0 + KEYS - 1 > tile_row) {
+            for (int mi = 0; mi < M_TILES; mi++) {
+                const int tile_row = first_row + MMA_M * mi;
+                if (k0 + KEYS - 1 > tile_row) {
 #pragma unroll
-                for (int n = 0; n < KEYS / MMA_N; n++) {
+                    for (int n = 0; n < KEYS / MMA_N; n++) {
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        if (k0 + fragment_col(n, e) > tile_row + fragment_row(e)) {
-                            s[mi][n][e] = NEGATIVE_INFINITY;
+                        for (int e = 0; e < 4; e++) {
+                            if (k0 + fragment_col(n, e) > tile_row + fragment_row(e)) {
+                                s[mi][n][e] = NEGATIVE_INFINITY;
+                            }
                         }
                     }
                 }
-            }
-            float alpha[2];
-            online_softmax<KEYS>(s[mi], m[mi], l[mi], alpha, scale_log2);
+                float alpha[2];
+                online_softmax<KEYS>(s[mi], m[mi], l[mi], alpha, scale_log2);
 #pragma unroll
-            for (int n = 0; n < HS / MMA_N; n++) {
-                o[mi][n][0] *= alpha[0];
-                o[mi][n][1] *= alpha[0];
-                o[mi][n][2] *= alpha[1];
-                o[mi][n][3] *= alpha[1];
+                for (int n = 0; n < HS / MMA_N; n++) {
+                    o[mi][n][0] *= alpha[0];
+                    o[mi][n][1] *= alpha[0];
+                    o[mi][n][2] *= alpha[1];
+                    o[mi][n][3] *= alpha[1];
+                }
             }
+            // 3. O += P V: (16, KEYS) @ (KEYS, HS), P straight from the registers of S
+            mma_ab_regs<M_TILES, KEYS, HS, Tile>(o, s, v_tile, 0);
         }
-        // 3. O += P V: (16, KEYS) @ (KEYS, HS), P straight from the registers of S
-        mma_ab_regs<M_TILES, KEYS, HS, Tile>(o, s, v_tile, 0);
+        if (STAGES == 1 && j + 1 < num_tiles) {     // one buffer: reloaded once every warp is done with it
+            __syncthreads();
+            load_tile(j + 1);
+        }
     }
     if (first_row >= T) {
         return;
@@ -692,55 +708,55 @@ __device__ void flash_attention_backward_dkdv(floatX* dqkv, const floatX* dout, 
     zero_fragments<1, HS>(dk);
     zero_fragments<1, HS>(dv);
     for (int s = 0; s < num_steps; s++) {
-        if (STAGES == 1 && s > 0) {
-            __syncthreads();
-            load_step(s);
-        }
         wait_for_current_tile<STAGES>();
         __syncthreads();
         if (STAGES > 1) {
             load_step(s + STAGES - 1);
         }
         const int t0 = (first_tile + s % tiles_per_head) * QUERIES;
-        if (first_key >= T || t0 + QUERIES - 1 < first_key) {
-            continue;                       // the warp's keys are past T, or after every query of the tile
-        }
-        const floatX* q_tile = q_tiles + 2 * (s % STAGES) * Tiles::Q_ELEMS;
-        const floatX* dout_tile = q_tile + Tiles::Q_ELEMS;
-        const float* lse_tile = row_values + 2 * (s % STAGES) * QUERIES;
-        const float* d_tile = lse_tile + QUERIES;
-        // S^T = K Q^T: (16, HS) @ (HS, QUERIES); P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where
-        // the query comes before the key or lies past T
-        float p[1][QUERIES / MMA_N][4];
-        zero_fragments<1, QUERIES>(p);
-        mma_abt<1, HS, QUERIES, Tile>(p, k, q_tile, 0);
-        const bool masked = t0 < first_key + MMA_M - 1 || t0 + QUERIES > T;
+        // skip the tile where the warp's keys are past T, or after every query of the tile
+        if (first_key < T && t0 + QUERIES - 1 >= first_key) {
+            const floatX* q_tile = q_tiles + 2 * (s % STAGES) * Tiles::Q_ELEMS;
+            const floatX* dout_tile = q_tile + Tiles::Q_ELEMS;
+            const float* lse_tile = row_values + 2 * (s % STAGES) * QUERIES;
+            const float* d_tile = lse_tile + QUERIES;
+            // S^T = K Q^T: (16, HS) @ (HS, QUERIES); P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where
+            // the query comes before the key or lies past T
+            float p[1][QUERIES / MMA_N][4];
+            zero_fragments<1, QUERIES>(p);
+            mma_abt<1, HS, QUERIES, Tile>(p, k, q_tile, 0);
+            const bool masked = t0 < first_key + MMA_M - 1 || t0 + QUERIES > T;
 #pragma unroll
-        for (int n = 0; n < QUERIES / MMA_N; n++) {
+            for (int n = 0; n < QUERIES / MMA_N; n++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = fragment_col(n, e);
-                p[0][n][e] = exp2f(fmaf(p[0][n][e], scale_log2, -lse_tile[c] * LOG2E));
-                if (masked && (t0 + c < first_key + fragment_row(e) || t0 + c >= T)) {
-                    p[0][n][e] = 0.0f;
+                for (int e = 0; e < 4; e++) {
+                    const int c = fragment_col(n, e);
+                    p[0][n][e] = exp2f(fmaf(p[0][n][e], scale_log2, -lse_tile[c] * LOG2E));
+                    if (masked && (t0 + c < first_key + fragment_row(e) || t0 + c >= T)) {
+                        p[0][n][e] = 0.0f;
+                    }
                 }
             }
-        }
-        // dV += P^T dO: (16, QUERIES) @ (QUERIES, HS)
-        mma_ab_regs<1, QUERIES, HS, Tile>(dv, p, dout_tile, 0);
-        // dP^T = V dO^T: (16, HS) @ (HS, QUERIES); dS^T = P^T (dP^T - D), in place
-        float ds[1][QUERIES / MMA_N][4];
-        zero_fragments<1, QUERIES>(ds);
-        mma_abt<1, HS, QUERIES, Tile>(ds, v, dout_tile, 0);
+            // dV += P^T dO: (16, QUERIES) @ (QUERIES, HS)
+            mma_ab_regs<1, QUERIES, HS, Tile>(dv, p, dout_tile, 0);
+            // dP^T = V dO^T: (16, HS) @ (HS, QUERIES); dS^T = P^T (dP^T - D), in place
+            float ds[1][QUERIES / MMA_N][4];
+            zero_fragments<1, QUERIES>(ds);
+            mma_abt<1, HS, QUERIES, Tile>(ds, v, dout_tile, 0);
 #pragma unroll
-        for (int n = 0; n < QUERIES / MMA_N; n++) {
+            for (int n = 0; n < QUERIES / MMA_N; n++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                ds[0][n][e] = p[0][n][e] * (ds[0][n][e] - d_tile[fragment_col(n, e)]);
+                for (int e = 0; e < 4; e++) {
+                    ds[0][n][e] = p[0][n][e] * (ds[0][n][e] - d_tile[fragment_col(n, e)]);
+                }
             }
+            // dK += dS^T Q: (16, QUERIES) @ (QUERIES, HS); the scale is applied once, at the end
+            mma_ab_regs<1, QUERIES, HS, Tile>(dk, ds, q_tile, 0);
         }
-        // dK += dS^T Q: (16, QUERIES) @ (QUERIES, HS); the scale is applied once, at the end
-        mma_ab_regs<1, QUERIES, HS, Tile>(dk, ds, q_tile, 0);
+        if (STAGES == 1 && s + 1 < num_steps) {
+            __syncthreads();
+            load_step(s + 1);
+        }
     }
     if (first_key >= T) {
         return;
@@ -803,49 +819,49 @@ __device__ void flash_attention_backward_dq(floatX* dqkv, const floatX* dout, co
     float dq[1][HS / MMA_N][4];
     zero_fragments<1, HS>(dq);
     for (int j = 0; j < num_tiles; j++) {
-        if (STAGES == 1 && j > 0) {
-            __syncthreads();
-            load_tile(j);
-        }
         wait_for_current_tile<STAGES>();
         __syncthreads();
         if (STAGES > 1) {
             load_tile(j + STAGES - 1);
         }
         const int k0 = j * KEYS;
-        if (first_row >= T || k0 > first_row + MMA_M - 1) {
-            continue;
-        }
-        const floatX* k_tile = kv_tiles + 2 * (j % STAGES) * Tiles::KV_ELEMS;
-        const floatX* v_tile = k_tile + Tiles::KV_ELEMS;
-        // S = Q K^T; P = exp2(S scale log2(e) - lse log2(e)), 0 where the key comes after the query
-        float p[1][KEYS / MMA_N][4];
-        zero_fragments<1, KEYS>(p);
-        mma_abt<1, HS, KEYS, Tile>(p, q, k_tile, 0);
-        const bool diagonal = k0 + KEYS - 1 > first_row;
+        // skip the tile where the warp's rows are past T, or all before every key of the tile
+        if (first_row < T && k0 <= first_row + MMA_M - 1) {
+            const floatX* k_tile = kv_tiles + 2 * (j % STAGES) * Tiles::KV_ELEMS;
+            const floatX* v_tile = k_tile + Tiles::KV_ELEMS;
+            // S = Q K^T; P = exp2(S scale log2(e) - lse log2(e)), 0 where the key comes after the query
+            float p[1][KEYS / MMA_N][4];
+            zero_fragments<1, KEYS>(p);
+            mma_abt<1, HS, KEYS, Tile>(p, q, k_tile, 0);
+            const bool diagonal = k0 + KEYS - 1 > first_row;
 #pragma unroll
-        for (int n = 0; n < KEYS / MMA_N; n++) {
+            for (int n = 0; n < KEYS / MMA_N; n++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                p[0][n][e] = exp2f(fmaf(p[0][n][e], scale_log2, -lse_log2[e / 2]));
-                if (diagonal && k0 + fragment_col(n, e) > first_row + fragment_row(e)) {
-                    p[0][n][e] = 0.0f;
+                for (int e = 0; e < 4; e++) {
+                    p[0][n][e] = exp2f(fmaf(p[0][n][e], scale_log2, -lse_log2[e / 2]));
+                    if (diagonal && k0 + fragment_col(n, e) > first_row + fragment_row(e)) {
+                        p[0][n][e] = 0.0f;
+                    }
                 }
             }
-        }
-        // dP = dO V^T: (16, HS) @ (HS, KEYS); dS = P (dP - D), in place
-        float ds[1][KEYS / MMA_N][4];
-        zero_fragments<1, KEYS>(ds);
-        mma_abt<1, HS, KEYS, Tile>(ds, dO, v_tile, 0);
+            // dP = dO V^T: (16, HS) @ (HS, KEYS); dS = P (dP - D), in place
+            float ds[1][KEYS / MMA_N][4];
+            zero_fragments<1, KEYS>(ds);
+            mma_abt<1, HS, KEYS, Tile>(ds, dO, v_tile, 0);
 #pragma unroll
-        for (int n = 0; n < KEYS / MMA_N; n++) {
+            for (int n = 0; n < KEYS / MMA_N; n++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                ds[0][n][e] = p[0][n][e] * (ds[0][n][e] - d_row[e / 2]);
+                for (int e = 0; e < 4; e++) {
+                    ds[0][n][e] = p[0][n][e] * (ds[0][n][e] - d_row[e / 2]);
+                }
             }
+            // dQ += dS K: (16, KEYS) @ (KEYS, HS); the scale is applied once, at the end
+            mma_ab_regs<1, KEYS, HS, Tile>(dq, ds, k_tile, 0);
         }
-        // dQ += dS K: (16, KEYS) @ (KEYS, HS); the scale is applied once, at the end
-        mma_ab_regs<1, KEYS, HS, Tile>(dq, ds, k_tile, 0);
+        if (STAGES == 1 && j + 1 < num_tiles) {
+            __syncthreads();
+            load_tile(j + 1);
+        }
     }
     if (first_row >= T) {
         return;

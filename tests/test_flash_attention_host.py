@@ -10,8 +10,11 @@ What it checks:
 - that the dk/dv kernel writes only the k and v columns of dqkv and the dq kernel only the q
   columns (run one at a time on a NaN-filled dqkv), and two runs are bitwise equal;
 - the launchers' tile table (llmc.attention.FLASH_TILES) against the typedefs of
-  kernels/flash_attention.cu, the grids and dynamic shared memory worked out by hand, and that a
-  kernel above 48 KiB runs only after the opt-in the launcher makes.
+  kernels/flash_attention.cu (and dev/cuda/attention.py's DEV_TILES against dev/cuda/attention.cu),
+  the grids and dynamic shared memory worked out by hand, and that a kernel above 48 KiB runs only
+  after the opt-in the launcher makes;
+- ptxas (through NVRTC, no GPU) reports no register spills in the bf16 kernels for sm_80 and sm_90
+  and in the fp32 ones for sm_90.
 Data races: `make sanitize` runs these kernels under ThreadSanitizer.
 
 Run: python -m pytest -q tests/test_flash_attention_host.py   (about a minute on 2 cores, most of
@@ -30,6 +33,7 @@ import llama3_cpu
 from llmc import attention, cuda
 from llmc.check import TOLERANCES, check_tensor
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from nvrtc_marks import nc, needs_nvrtc  # noqa: E402  (dev/cuda/nvrtc_compile.py; skips without NVRTC)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = {"fp32": TOLERANCES["kernel_fp32"]["attention"], "bf16": (3e-2, 5e-2)}   # bf16: cuda_bf16's row
@@ -188,6 +192,38 @@ def test_tile_table_matches_the_kernels():
             assert HS_in == int(HS)
             tiles = attention.FLASH_TILES[precision, int(HS)][kinds[kind]]
             assert list(shape) == list(tiles.__dict__.values()), (precision, kind, HS)
+
+
+def test_dev_tile_table_matches_the_dev_kernels():
+    # dev/cuda/attention.py's DEV_TILES against dev/cuda/attention.cu's typedefs (versions 6-11)
+    import attention as progression                               # dev/cuda/attention.py (nvrtc_marks' path)
+    with open(os.path.join(ROOT, "dev", "cuda", "attention.cu"), encoding="utf-8") as f:
+        source = f.read()
+    block = source[source.index("typedef ForwardTiles<64, 4, 1, 64, 1, false> ForwardV6HS64;"):]
+    bf16, fp32 = block.split("#endif", 1)[0].split("#else\n")
+    kinds = {"Forward": 0, "Dkdv": 1, "Dq": 2}
+    for precision, text in (("bf16", bf16), ("fp32", fp32)):
+        typedefs = re.findall(r"typedef (Forward|Dkdv|Dq)Tiles<([\w, ]+)> \1V(\d+)HS64;", text)
+        assert len(typedefs) == sum(tiles is not None for (p, _), value in progression.DEV_TILES.items()
+                                    if p == precision for tiles in value)
+        for kind, values, number in typedefs:
+            HS, *shape = (v.strip() for v in values.split(","))
+            assert int(HS) == progression.DEV_HEAD_SIZE
+            numbers = [int(v) for v in shape if v.isdigit()]      # a trailing `false`: plain (unswizzled) tiles
+            tiles = progression.DEV_TILES[precision, int(number)][kinds[kind]]
+            assert numbers == list(tiles.__dict__.values()), (precision, kind, number)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("precision,arch", [("bf16", "sm_80"), ("bf16", "sm_90"), ("fp32", "sm_90")])
+def test_no_register_spills(monkeypatch, precision, arch):
+    # ptxas: every kernel of kernels/flash_attention.cu keeps its fragments and accumulators in
+    # registers (at most 255: O, S and Q's fragments are 160 of them at HS = 64 in bf16)
+    monkeypatch.setattr(cuda, "_device", "cuda")                  # NVRTC's options, with the CUDA headers
+    usage = nc.resource_usage(os.path.join(ROOT, "kernels", "flash_attention.cu"), precision, arch)
+    assert len(usage) == 1 + 3 * len(attention.FLASH_HEAD_SIZES)
+    for name, (registers, _, spill_stores, spill_loads) in usage.items():
+        assert registers <= 255 and spill_stores == 0 and spill_loads == 0, (name, usage[name])
 
 
 def test_grids_and_shared_memory_by_hand():
