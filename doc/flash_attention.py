@@ -26,8 +26,9 @@ from llmc import attention, cuda  # noqa: E402
 RESULTS = os.path.join(ROOT, "dev", "results")
 # the H100 table of the previous kernel (dev/cuda/attention.py's version 3 then, wmma tiles)
 RECORDED_LOG = os.path.join(RESULTS, "2026-11-26_nvidia-h100-80gb-hbm3_session2_dev-cuda.log")
-# the tables of the tensor-core kernels, once a GPU run of dev/results/next_gpu_issue37.sh is recorded
-NEW_TABLES = os.path.join(RESULTS, "*_issue37_dev_cuda_attention.md")
+# the tables of the tensor-core kernels, once a GPU run of dev/results/next_gpu_issue37.sh is
+# recorded (its 124M and gqa tables)
+NEW_TABLES = os.path.join(RESULTS, "*_issue37_*dev_cuda_attention.md")
 SHAPE_124M = dict(B=16, T=1024, NH=12, HS=64)
 CUDNN_VERSION = 4
 LANES = 32
@@ -64,17 +65,19 @@ def recorded_numbers():
 
 
 def new_numbers():
-    """From the latest recorded run of the tensor-core kernels, if there is one: each version's
-    time and its ratio to cuDNN's in the same run, for every progression it timed."""
-    paths = sorted(glob.glob(NEW_TABLES))
-    if not paths:
-        return {}
+    """From the recorded runs of the tensor-core kernels, if there are any: each version's time and
+    its ratio to cuDNN's in the same run, for every progression timed (a later file, by name,
+    replaces an earlier one's table of the same progression)."""
     numbers = {}
     for progression, short in (("attention_forward", "fwd"), ("attention_backward", "bwd"),
                                ("attention_forward_gqa", "fwd_gqa"), ("attention_backward_gqa", "bwd_gqa")):
-        try:
-            table = timing_table(paths[-1], progression)
-        except StopIteration:               # that progression was not run
+        table = None
+        for path in sorted(glob.glob(NEW_TABLES)):
+            try:
+                table = timing_table(path, progression)
+            except StopIteration:           # not in this file
+                pass
+        if table is None:
             continue
         for version, (ms, _) in table.items():
             numbers[f"{short}_v{version}_ms"] = f"{ms:.3f}"

@@ -1154,6 +1154,37 @@ def test_flash_attention_kernels(device, gpu_rng, precision, B, T, NH, HS):
     assert _check_flash(precision, out, lse, dqkv, ref, f"B={B} T={T} NH={NH} HS={HS}")
 
 
+# (B, T, NH, NKV, HS): grouped-query attention, each kv head shared by NH/NKV query heads and read in
+# place; the large ones Llama 3 8B's head size with 4 query heads per kv head
+FLASH_GQA_SMALL_SHAPES = [(1, 70, 4, 2, 64), (1, 45, 4, 1, 128), (2, 33, 6, 2, 16)]
+FLASH_GQA_LARGE_SHAPES = [(2, 1024, 8, 2, 128), (1, 1024, 12, 4, 64)]
+
+
+@PRECISION_PARAMS
+@pytest.mark.parametrize("device,B,T,NH,NKV,HS", on_devices(FLASH_GQA_SMALL_SHAPES, FLASH_GQA_LARGE_SHAPES),
+                         indirect=["device"])
+def test_flash_attention_grouped_kv(device, gpu_rng, precision, B, T, NH, NKV, HS):
+    # against gpt2_cpu's attention on llama3_cpu's repeated heads, the kv heads' gradients summed
+    import llama3_cpu
+    C, G = NH * HS, NH // NKV
+    qkv, dout = gpu_rng.standard_normal((B, T, (NH + 2 * NKV) * HS)), gpu_rng.standard_normal((B, T, C))
+    qkv_d, dout_d = to_device(qkv, precision), to_device(dout, precision)
+    out, lse = poisoned((B, T, C), precision), _cp().full((B, NH, T), np.nan, np.float32)
+    llmc.attention.flash_attention_forward(out, lse, qkv_d, B, T, C, NH, NKV)
+    dqkv, D = poisoned(qkv.shape, precision), _cp().full((B, NH, T), np.nan, np.float32)
+    llmc.attention.flash_attention_backward(dqkv, D, dout_d, out, qkv_d, lse, B, T, C, NH, NKV)
+    q, k, v = llama3_cpu.split_qkv(as_input(qkv, precision), NH, NKV)
+    full = llama3_cpu.merge_heads(q, llama3_cpu.repeat_kv_forward(k, G), llama3_cpu.repeat_kv_forward(v, G))
+    ref_out, ref_lse, ref_dfull = _flash_reference(full, as_input(dout, precision), NH)
+    dq, dk, dv = llama3_cpu.split_qkv(ref_dfull, NH, NH)
+    ref_dqkv = llama3_cpu.merge_heads(dq, llama3_cpu.repeat_kv_backward(dk, G), llama3_cpu.repeat_kv_backward(dv, G))
+    atol, rtol = TOLERANCES[f"kernel_{precision}"]["attention"]
+    label = f"B={B} T={T} NH={NH} NKV={NKV} HS={HS} [{precision}]"
+    assert check_tensor(to_host(out), ref_out, f"{label} out", atol, rtol)
+    assert check_tensor(lse.get(), ref_lse, f"{label} lse", *TOLERANCES["kernel_fp32"]["attention"])
+    assert check_tensor(to_host(dqkv), ref_dqkv, f"{label} dqkv", atol, rtol)
+
+
 @pytest.mark.gpu
 @PRECISION_PARAMS
 def test_flash_attention_backward_is_deterministic(gpu_rng, precision):

@@ -70,7 +70,7 @@ the dq kernel). Bytes: the least any version must move, qkv read and out written
 and dout read and dqkv written (backward); the materialized path moves far more.
 
 Shapes: GPT-2 124M's (B=16, T=1024, NH=12, HS=64), a small one (B=4, T=256), and Llama 3 8B's
-grouped-query attention (B=4, T=1024, NH=32, NKV=8, HS=128; the _gqa progressions).
+grouped-query attention (B=2, T=1024, NH=32, NKV=8, HS=128; the _gqa progressions).
 Run (needs a CUDA GPU; without one it says so in one line and exits 2):
     python dev/cuda/attention.py          # every version, every shape, forward and backward, bf16
     python dev/cuda/attention.py 2 -p fp32
@@ -518,7 +518,7 @@ BACKWARD_VERSIONS = [
 
 SIZES_124M = dict(B=16, T=1024, NH=12, HS=64)
 SIZES_SMALL = dict(B=4, T=256, NH=12, HS=64)
-SIZES_GQA = dict(B=4, T=1024, NH=32, NKV=8, HS=128)        # Llama 3 8B's heads
+SIZES_GQA = dict(B=2, T=1024, NH=32, NKV=8, HS=128)        # Llama 3 8B's heads
 TEST_SIZES = dict(B=2, T=67, NH=3, HS=64)       # T not a multiple of any tile or vector
 TEST_SIZES_GQA = dict(B=1, T=45, NH=4, NKV=2, HS=128)
 GQA_VERSIONS = (4, 5, 8)              # Llama 3's shape: the production kernels against the libraries
