@@ -552,6 +552,21 @@ def test_missing_syncthreads_is_caught_by_threadsanitizer(tmp_path, planted):
         assert rc == 0 and f"norm {np.sqrt(np.float32(300))}" in out, out[-3000:]
 
 
+@pytest.mark.slow
+def test_warp_collective_instructions_are_ordered_for_threadsanitizer():
+    # ldmatrix and mma gather every lane's operands from the lanes' own stacks (warp_gather): under
+    # ThreadSanitizer, whose CUDA threads are OS threads, the emulator orders those copies as it
+    # orders a __syncwarp, so a kernel built on them (here tests/test_tensor_cores.py's) runs clean
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tests = [os.path.join(root, "tests", "test_tensor_cores.py::" + name) for name in
+             ("test_ldmatrix_x4_of_the_quadrants_is_the_mma_a_fragment", "test_mma_m16n8k16_gives_a_at_b_plus_c_in_the_isa_layout")]
+    result = subprocess.run([build.sanitizer_python("tsan"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "--capture=sys", *tests], cwd=root, env=build.sanitizer_environment("tsan"),
+                            capture_output=True, text=True, timeout=600)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "ThreadSanitizer" not in out and " passed" in out, out[-3000:]
+
+
 @pytest.mark.parametrize("planted", [False, True])
 def test_wrong_shuffle_mask_is_caught_by_the_emulator(tmp_path, planted):
     path = scratch_copy(tmp_path, "global_norm", header_replace=WRONG_MASK if planted else None)

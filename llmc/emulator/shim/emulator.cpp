@@ -687,8 +687,11 @@ static CudaThread& current_thread();
 static uint3 os_block_index;                     // blockIdx of the block in flight
 static int bookkeeping;                          // the bookkeeping's lock: 0 free, 1 held, 2 held and waited for
 static char start_sync, end_sync, barrier_sync[2], warp_sync[MAX_THREADS_PER_BLOCK / WARP][2];   // ThreadSanitizer's
+// a warp-collective instruction (warp_gather) reads every lane's operands from that lane's stack
+// and writes the result into every lane's buffer: ordered for ThreadSanitizer like a __syncwarp
+static char gather_sync[MAX_THREADS_PER_BLOCK / WARP][2];
 static thread_local CudaThread* this_thread;
-static thread_local int barriers_passed, syncwarps_passed;   // which of the two sync objects is next
+static thread_local int barriers_passed, syncwarps_passed, gathers_passed;   // which of the two sync objects is next
 static_assert(sizeof(Wait) == sizeof(int), "a thread's wait state is a futex word");
 
 NO_TSAN static void futex_wait(int* word, int value) {
@@ -747,20 +750,26 @@ NO_TSAN static void check_deadlock(Block& b) {
 
 NO_TSAN unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
     CudaThread& t = *this_thread;
-    char* sync = &warp_sync[t.linear / WARP][syncwarps_passed % 2];
-    if (op == WARP_SYNC) happens_before(sync);
+    char* sync = op == WARP_GATHER ? &gather_sync[t.linear / WARP][gathers_passed % 2]
+                                   : &warp_sync[t.linear / WARP][syncwarps_passed % 2];
+    if (op == WARP_SYNC || op == WARP_GATHER) happens_before(sync);   // this lane's operands are written
     lock();
+    if (op == WARP_GATHER) happens_after(sync);      // the lanes before it: the last one copies their operands
     bool completed = false;
     if (!warp_arrive(os_block, t, op, mask, value, source, what, &completed, wake)) {
         fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
         abort();
     }
+    if (op == WARP_GATHER && completed) happens_before(sync);   // its copies into every lane's buffer
     if (!completed) check_deadlock(os_block);
     unlock_and_wake();
     sleep_while((int*)&t.wait, AT_WARP_CALL);
     if (op == WARP_SYNC) {
         happens_after(sync);
         syncwarps_passed++;
+    } else if (op == WARP_GATHER) {
+        happens_after(sync);
+        gathers_passed++;
     }
     return t.result;
 }
@@ -798,7 +807,7 @@ NO_TSAN static void run_cuda_thread(int k, void*) {
     this_thread = &t;
     threadIdx = t.idx;
     blockIdx = os_block_index;
-    barriers_passed = syncwarps_passed = 0;
+    barriers_passed = syncwarps_passed = gathers_passed = 0;
     launch_now->body(launch_now->args);
     finish(t);
 }
