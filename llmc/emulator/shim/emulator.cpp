@@ -176,6 +176,10 @@ NO_TSAN static unsigned lanes_of_warp(const Block& b, int warp) {
     return lanes == WARP ? 0xffffffffu : (1u << lanes) - 1u;
 }
 
+// OS-thread mode: the copies of a completed warp_gather, published to ThreadSanitizer before the
+// lanes run on (each mode defines it; a no-op with fibers)
+static void gather_published(const CudaThread* lanes);
+
 // a warp-collective instruction completes: every lane receives every lane's bytes (warp_gather in
 // cuda_shim.h). The lanes' buffers are on their own stacks, which stay put while they wait.
 NO_TSAN static void gather_complete(CudaThread* lanes) {
@@ -186,6 +190,7 @@ NO_TSAN static void gather_complete(CudaThread* lanes) {
             memcpy((char*)to->all + (size_t)s * to->bytes, from->mine, to->bytes);
         }
     }
+    gather_published(lanes);
 }
 
 // lane t arrives at a warp call (what it brings: see warp_call in cuda_shim.h); completes its
@@ -308,6 +313,8 @@ static uint3 block_index(long i) {
 #ifndef LLMC_EMU_OS_THREADS
 // ----------------------------------------------------------------------------
 // fiber mode
+
+static void gather_published(const CudaThread*) {}    // one OS thread runs the block: nothing to order
 //
 // A worker runs a block's threads in the order of its run queue: first every thread in threadIdx
 // order, then each thread again when its wait completes. A thread that never waits costs a
@@ -748,6 +755,12 @@ NO_TSAN static void check_deadlock(Block& b) {
     }
 }
 
+// the last lane of a warp_gather, after its copies and before it makes the lanes runnable (a lane
+// may see that before the futex wakes it)
+NO_TSAN static void gather_published(const CudaThread* lanes) {
+    happens_before(&gather_sync[lanes[0].linear / WARP][gathers_passed % 2]);
+}
+
 NO_TSAN unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value, int source, const char* what) {
     CudaThread& t = *this_thread;
     char* sync = op == WARP_GATHER ? &gather_sync[t.linear / WARP][gathers_passed % 2]
@@ -756,11 +769,10 @@ NO_TSAN unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long lon
     lock();
     if (op == WARP_GATHER) happens_after(sync);      // the lanes before it: the last one copies their operands
     bool completed = false;
-    if (!warp_arrive(os_block, t, op, mask, value, source, what, &completed, wake)) {
+    if (!warp_arrive(os_block, t, op, mask, value, source, what, &completed, wake)) {   // (gather_published)
         fprintf(stderr, "llmc emulator: %s\n", error_message.c_str());
         abort();
     }
-    if (op == WARP_GATHER && completed) happens_before(sync);   // its copies into every lane's buffer
     if (!completed) check_deadlock(os_block);
     unlock_and_wake();
     sleep_while((int*)&t.wait, AT_WARP_CALL);
