@@ -12,6 +12,7 @@ preallocated arrays, outputs first. tf32 (the model's matmul backend's) sets the
 input rounding in fp32.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -129,16 +130,82 @@ def attention_backward(dinp, dqkvr, datt_workspace, dy, dout, qkvr, att, B, T, C
                 (dinp, dq, dk, dv, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
 
 
-# flash attention (kernels/flash_attention.cu): the same attention without the (B,NH,T,T) matrix.
-# The tile sizes are compile-time constants of the kernels; these restate its rule for the grid.
-FLASH_HEAD_SIZES = (16, 32, 64, 128)   # head sizes with entry points: GPT-2's 64, the tiny test models' 16
-FLASH_ROWS_PER_WARP = 16               # one 16x16 tensor-core tile of rows per warp
-FLASH_MAX_OWNED_ROWS = 64              # rows a block owns: at most 4 warps
-FLASH_MAX_STREAMED_ROWS = 32           # rows streamed through shared memory per step
-FLASH_OWNED_TILE_BYTES = 8192          # one tile of owned rows is at most 8 KiB: a kernel's tiles fit in 48 KiB
+# flash attention (kernels/flash_attention.cu, templates in kernels/flash_attention.cuh): the same
+# attention without the (B,NH,T,T) matrix, FlashAttention-2 on tensor cores. Each head size has its
+# own kernels with compile-time tile shapes; FLASH_TILES restates them for the grids and the
+# dynamic shared memory (tests/test_flash_attention_host.py checks them against the .cu file).
+FLASH_HEAD_SIZES = (16, 32, 64, 128)   # GPT-2 124M's 64, Llama 3 8B's 128, the tiny test models' 16 and 32
+FLASH_ROWS_PER_WARP = 16               # one mma.m16n8k16 row tile
+FLASH_DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a launch may take without the kernel's opt-in
 FLASH_ATTENTION_KERNELS = {            # head size -> (forward, dk/dv, dq) entry points
     HS: (f"flash_attention_forward_hs{HS}", f"flash_attention_backward_dkdv_hs{HS}", f"flash_attention_backward_dq_hs{HS}")
     for HS in FLASH_HEAD_SIZES}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTiles:
+    """kernels/flash_attention.cuh's ForwardTiles: `warps` warps of `m_tiles` row tiles (16 query
+    rows each) own `rows` query rows of a block; keys and values stream through `stages` buffers of
+    `keys` rows."""
+    warps: int
+    m_tiles: int
+    keys: int
+    stages: int
+
+    @property
+    def rows(self):
+        return self.warps * self.m_tiles * FLASH_ROWS_PER_WARP
+
+    def shared_bytes(self, HS, itemsize):
+        """Q's tile, then stages x (K, V), (rows, HS) floatX each."""
+        return (self.rows + 2 * self.stages * self.keys) * HS * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class DkdvTiles:
+    """kernels/flash_attention.cuh's DkdvTiles: `warps` warps of 16 keys own `keys` keys of a block;
+    queries, dout, lse and D stream through `stages` buffers of `queries` rows."""
+    warps: int
+    queries: int
+    stages: int
+
+    @property
+    def keys(self):
+        return self.warps * FLASH_ROWS_PER_WARP
+
+    def shared_bytes(self, HS, itemsize):
+        """K's and V's tiles, stages x (Q, dout) floatX, then stages x (lse, D) fp32."""
+        return (2 * self.keys + 2 * self.stages * self.queries) * HS * itemsize + 2 * self.stages * self.queries * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DqTiles:
+    """kernels/flash_attention.cuh's DqTiles: `warps` warps of 16 query rows own `rows` rows of a
+    block; keys and values stream through `stages` buffers of `keys` rows."""
+    warps: int
+    keys: int
+    stages: int
+
+    @property
+    def rows(self):
+        return self.warps * FLASH_ROWS_PER_WARP
+
+    def shared_bytes(self, HS, itemsize):
+        """Q's and dout's tiles, then stages x (K, V)."""
+        return (2 * self.rows + 2 * self.stages * self.keys) * HS * itemsize
+
+
+# (precision, HS) -> (forward, dk/dv, dq) tiles: kernels/flash_attention.cu's typedefs
+FLASH_TILES = {
+    ("bf16", 16): (ForwardTiles(4, 1, 32, 2), DkdvTiles(4, 32, 2), DqTiles(4, 32, 2)),
+    ("bf16", 32): (ForwardTiles(4, 1, 64, 2), DkdvTiles(4, 64, 2), DqTiles(4, 64, 2)),
+    ("bf16", 64): (ForwardTiles(4, 2, 64, 2), DkdvTiles(4, 32, 2), DqTiles(4, 64, 2)),
+    ("bf16", 128): (ForwardTiles(4, 1, 64, 2), DkdvTiles(4, 32, 2), DqTiles(4, 64, 2)),
+    ("fp32", 16): (ForwardTiles(4, 1, 32, 2), DkdvTiles(4, 32, 2), DqTiles(4, 32, 2)),
+    ("fp32", 32): (ForwardTiles(4, 1, 32, 2), DkdvTiles(4, 32, 2), DqTiles(4, 32, 2)),
+    ("fp32", 64): (ForwardTiles(4, 1, 32, 2), DkdvTiles(4, 32, 2), DqTiles(4, 32, 2)),
+    ("fp32", 128): (ForwardTiles(4, 1, 32, 2), DkdvTiles(4, 32, 2), DqTiles(4, 32, 2)),
+}
 
 
 def flash_attention_supported(HS):
@@ -146,59 +213,100 @@ def flash_attention_supported(HS):
     return HS in FLASH_HEAD_SIZES
 
 
-def flash_attention_tiles(precision, HS):
-    """(owned, streamed) rows of kernels/flash_attention.cu's FlashTiles<HS>: a block owns `owned`
-    rows (16 per warp) and streams blocks of `streamed` rows of the other side, e.g. bf16 HS=64:
-    (64, 32); fp32 HS=128: (16, 16)."""
-    owned = min(FLASH_MAX_OWNED_ROWS, FLASH_OWNED_TILE_BYTES // (HS * FLOATX_DTYPES[precision].itemsize))
-    return owned, min(FLASH_MAX_STREAMED_ROWS, owned)
+def flash_forward_launch(tiles, HS, itemsize, B, T, NH):
+    """(grid, block, shared bytes) of a forward kernel of ForwardTiles `tiles`: one block per
+    (b*NH + h, block of `tiles.rows` query rows), 32 threads per warp."""
+    return (B * NH, ceil_div(T, tiles.rows)), tiles.warps * WARP_SIZE, tiles.shared_bytes(HS, itemsize)
 
 
-def flash_attention_launch(precision, HS, B, T, NH):
-    """(grid, block) of the forward, dk/dv and dq kernels: one block per (b*NH + h, block of owned
-    rows), 32 threads per 16 owned rows. Raises ValueError for an unsupported head size."""
-    require(flash_attention_supported(HS), f"flash attention: no kernel for head size {HS} (have {FLASH_HEAD_SIZES})")
-    owned, _ = flash_attention_tiles(precision, HS)
-    return (B * NH, ceil_div(T, owned)), owned // FLASH_ROWS_PER_WARP * WARP_SIZE
+def flash_dkdv_launch(tiles, HS, itemsize, B, T, NKV):
+    """(grid, block, shared bytes) of a dk/dv kernel: one block per (b*NKV + kv head, key block)."""
+    return (B * NKV, ceil_div(T, tiles.keys)), tiles.warps * WARP_SIZE, tiles.shared_bytes(HS, itemsize)
 
 
-def flash_attention_forward(out, lse, qkv, B, T, C, NH):
-    """Causal multi-head attention, fused: out (B,T,C) and lse (B,NH,T) fp32 from qkv (B,T,3C).
+def flash_dq_launch(tiles, HS, itemsize, B, T, NH):
+    """(grid, block, shared bytes) of a dq kernel: one block per (b*NH + h, block of query rows)."""
+    return (B * NH, ceil_div(T, tiles.rows)), tiles.warps * WARP_SIZE, tiles.shared_bytes(HS, itemsize)
+
+
+def launch_with_shared_memory(kernel, grid, block, args, shared_bytes):
+    """Launch a cupy.RawKernel with `shared_bytes` of dynamic shared memory; above CUDA's default
+    48 KiB the kernel must first opt in (its max_dynamic_shared_size_bytes attribute,
+    cuFuncSetAttribute), which stays set for later launches."""
+    if shared_bytes > FLASH_DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < shared_bytes:
+        kernel.max_dynamic_shared_size_bytes = shared_bytes
+    kernel(grid, (block,), args, shared_mem=shared_bytes)
+
+
+_FLASH_KERNELS = {}                     # (device, precision, name) -> cupy.RawKernel
+
+
+def flash_kernel(precision, name):
+    """Kernel `name` of kernels/flash_attention.cu (compiled once per device and precision)."""
+    key = (cuda.device(), precision, name)
+    if key not in _FLASH_KERNELS:
+        _FLASH_KERNELS[key] = cuda.load_module("flash_attention", precision).get_function(name)
+    return _FLASH_KERNELS[key]
+
+
+def flash_check(kernel, HS, NH, NKV, arrays, float32):
+    """The launchers' checks: the head size has kernels, NH is a multiple of NKV, the floatX arrays
+    (16-byte aligned, HS a multiple of the vector size) and fp32 arrays. Returns the precision."""
+    require(flash_attention_supported(HS), f"{kernel}: no kernel for head size {HS} (have {FLASH_HEAD_SIZES})")
+    require(NKV >= 1 and NH % NKV == 0, f"{kernel}: NH={NH} is not a multiple of NKV={NKV}")
+    return check_launch(kernel, arrays, float32=float32, vector_dim=("HS", HS))
+
+
+def flash_attention_forward(out, lse, qkv, B, T, C, NH, NKV=None):
+    """Causal multi-head attention, fused: out (B,T,C) and lse (B,NH,T) fp32 from qkv
+    (B,T,(NH+2NKV)*HS), C = NH*HS; NKV key/value heads (grouped-query attention, each shared by
+    NH/NKV consecutive query heads; default NKV = NH, GPT-2's (B,T,3C)):
         out[b,t,head h] = sum_{j<=t} softmax_j(q_t . k_j / sqrt(HS)) v_j,   lse[b,h,t] = log sum_{j<=t} exp(q_t . k_j / sqrt(HS))
-    as gpt2_cpu.attention_forward, by Dao et al. 2022 Alg. 1 in FlashAttention-2's loop order (Dao
-    2023, Alg. 1): online softmax over key blocks, read straight from qkv's columns, nothing of size
-    T x T stored. lse is what flash_attention_backward needs in place of att."""
+    as gpt2_cpu.attention_forward (on llama3_cpu.repeat_kv_forward's repeated heads), by
+    FlashAttention-2 Alg. 1 (Dao 2023): online softmax over key tiles read straight from qkv's
+    columns, nothing of size T x T stored. lse is what flash_attention_backward needs in place of
+    att. Raises ValueError for an unsupported head size or layout."""
+    NKV = NH if NKV is None else NKV
     require(C % NH == 0 and T >= 1, f"flash_attention_forward: need C={C} a multiple of NH={NH} and T >= 1")
     HS = C // NH
-    precision = check_launch("flash_attention_forward", [("out", out, B * T * C), ("qkv", qkv, 3 * B * T * C)],
-                             float32=[("lse", lse, B * NH * T)], vector_dim=("HS", HS))
-    grid, block = flash_attention_launch(precision, HS, B, T, NH)
-    cuda.launch("flash_attention", precision, FLASH_ATTENTION_KERNELS[HS][0], grid, block,
-                (out, lse, qkv, np.int32(B), np.int32(T), np.int32(NH)))
+    precision = flash_check("flash_attention_forward", HS, NH, NKV,
+                            [("out", out, B * T * C), ("qkv", qkv, B * T * (NH + 2 * NKV) * HS)],
+                            [("lse", lse, B * NH * T)])
+    tiles = FLASH_TILES[precision, HS][0]
+    grid, block, shared = flash_forward_launch(tiles, HS, FLOATX_DTYPES[precision].itemsize, B, T, NH)
+    launch_with_shared_memory(flash_kernel(precision, FLASH_ATTENTION_KERNELS[HS][0]), grid, block,
+                              (out, lse, qkv, np.int32(B), np.int32(T), np.int32(NH), np.int32(NKV)), shared)
 
 
-def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH):
-    """Backward of flash_attention_forward: writes dqkv (B,T,3C) = (dq | dk | dv) in qkv's layout,
-    from dout (B,T,C) and the forward's out, qkv and lse; D (B,NH,T) fp32 is its workspace. FlashAttention-2
-    Alg. 2 (Dao 2023), recomputing p = exp(q.k / sqrt(HS) - lse) block by block, deterministic:
+def flash_attention_backward(dqkv, D, dout, out, qkv, lse, B, T, C, NH, NKV=None):
+    """Backward of flash_attention_forward: writes dqkv (B,T,(NH+2NKV)*HS) = (dq | dk | dv) in qkv's
+    layout, from dout (B,T,C) and the forward's out, qkv and lse; D (B,NH,T) fp32 is its workspace.
+    FlashAttention-2 Alg. 2 (Dao 2023), recomputing p = exp(q.k / sqrt(HS) - lse) tile by tile,
+    deterministic:
         D[t]  = dout_t . out_t                               (preprocess kernel)
         dS    = p (dout_t . v_j - D[t])
-        dv_j  = sum_{t>=j} p dout_t,  dk_j = sum_{t>=j} dS q_t / sqrt(HS)   (one kernel, per key block)
+        dv_j  = sum_{t>=j} p dout_t,  dk_j = sum_{t>=j} dS q_t / sqrt(HS)   (one kernel, per key block;
+                                                                           a kv head sums its query heads)
         dq_t  = sum_{j<=t} dS k_j / sqrt(HS)                                (one kernel, per query block)
     Every element of dqkv is written (=) by exactly one thread: no atomics, bitwise reproducible."""
+    NKV = NH if NKV is None else NKV
     require(C % NH == 0 and T >= 1, f"flash_attention_backward: need C={C} a multiple of NH={NH} and T >= 1")
     HS = C // NH
-    precision = check_launch("flash_attention_backward",
-                             [("dqkv", dqkv, 3 * B * T * C), ("dout", dout, B * T * C), ("out", out, B * T * C),
-                              ("qkv", qkv, 3 * B * T * C)],
-                             float32=[("D", D, B * NH * T), ("lse", lse, B * NH * T)], vector_dim=("HS", HS))
-    grid, block = flash_attention_launch(precision, HS, B, T, NH)
-    _, dkdv_kernel, dq_kernel = FLASH_ATTENTION_KERNELS[HS]
+    QKV = (NH + 2 * NKV) * HS
+    precision = flash_check("flash_attention_backward", HS, NH, NKV,
+                            [("dqkv", dqkv, B * T * QKV), ("dout", dout, B * T * C), ("out", out, B * T * C),
+                             ("qkv", qkv, B * T * QKV)],
+                            [("D", D, B * NH * T), ("lse", lse, B * NH * T)])
+    _, dkdv_tiles, dq_tiles = FLASH_TILES[precision, HS]
+    _, dkdv_name, dq_name = FLASH_ATTENTION_KERNELS[HS]
+    itemsize = FLOATX_DTYPES[precision].itemsize
     cuda.launch("flash_attention", precision, "flash_attention_backward_preprocess", elementwise_grid(B * T * NH),
                 BLOCK_SIZE, (D, dout, out, np.int32(B), np.int32(T), np.int32(NH), np.int32(HS)))
-    scalars = (np.int32(B), np.int32(T), np.int32(NH))
-    cuda.launch("flash_attention", precision, dkdv_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
-    cuda.launch("flash_attention", precision, dq_kernel, grid, block, (dqkv, dout, qkv, lse, D) + scalars)
+    args = (dqkv, dout, qkv, lse, D, np.int32(B), np.int32(T), np.int32(NH), np.int32(NKV))
+    grid, block, shared = flash_dkdv_launch(dkdv_tiles, HS, itemsize, B, T, NKV)
+    launch_with_shared_memory(flash_kernel(precision, dkdv_name), grid, block, args, shared)
+    grid, block, shared = flash_dq_launch(dq_tiles, HS, itemsize, B, T, NH)
+    launch_with_shared_memory(flash_kernel(precision, dq_name), grid, block, args, shared)
 
 
 # The attention paths (--attention): one object per path, chosen once (attention_path) and kept on

@@ -1141,16 +1141,14 @@ def _check_flash(precision, out, lse, dqkv, ref, label):
 
 
 def test_flash_attention_tiles_and_support():
-    # FlashTiles<HS> by hand: R = min(64, 8 KiB / (HS * bytes)), S = min(32, R)
-    assert llmc.attention.flash_attention_tiles("bf16", 64) == (64, 32)
-    assert llmc.attention.flash_attention_tiles("bf16", 128) == (32, 32)
-    assert llmc.attention.flash_attention_tiles("fp32", 64) == (32, 32)
-    assert llmc.attention.flash_attention_tiles("fp32", 128) == (16, 16)
-    assert llmc.attention.flash_attention_launch("bf16", 64, 4, 1024, 12) == ((48, 16), 128)
-    assert llmc.attention.flash_attention_launch("fp32", 128, 1, 70, 2) == ((2, 5), 32)
+    # kernels/flash_attention.cu's tile shapes (tests/test_flash_attention_host.py checks the table
+    # against the .cu): bf16 HS = 64 runs 4 warps of two 16-row tiles, 128 query rows a block
+    fwd, dkdv, dq = llmc.attention.FLASH_TILES["bf16", 64]
+    assert (fwd.rows, fwd.keys, dkdv.keys, dkdv.queries, dq.rows, dq.keys) == (128, 64, 64, 32, 64, 64)
+    assert llmc.attention.flash_forward_launch(fwd, 64, 2, 4, 1024, 12) == ((48, 8), 128, 48 * 1024)
+    fwd = llmc.attention.FLASH_TILES["fp32", 128][0]
+    assert llmc.attention.flash_forward_launch(fwd, 128, 4, 1, 70, 2) == ((2, 2), 128, (64 + 128) * 128 * 4)
     assert [HS for HS in range(1, 257) if llmc.attention.flash_attention_supported(HS)] == [16, 32, 64, 128]
-    with pytest.raises(ValueError, match="no kernel for head size 48"):
-        llmc.attention.flash_attention_launch("bf16", 48, 1, 64, 2)
 
 
 @pytest.mark.parametrize("precision,recompute,B,T", [("fp32", True, 3, 16), ("bf16", False, 2, 13)])
@@ -1193,6 +1191,37 @@ def test_flash_attention_kernels(device, gpu_rng, precision, B, T, NH, HS):
     out, lse, dqkv, _ = _flash_on_gpu(qkv, dout, B, T, NH, precision)
     ref = _flash_reference(as_input(qkv, precision), as_input(dout, precision), NH)
     assert _check_flash(precision, out, lse, dqkv, ref, f"B={B} T={T} NH={NH} HS={HS}")
+
+
+# (B, T, NH, NKV, HS): grouped-query attention, each kv head shared by NH/NKV query heads and read in
+# place; the large ones Llama 3 8B's head size with 4 query heads per kv head
+FLASH_GQA_SMALL_SHAPES = [(1, 70, 4, 2, 64), (1, 45, 4, 1, 128), (2, 33, 6, 2, 16)]
+FLASH_GQA_LARGE_SHAPES = [(2, 1024, 8, 2, 128), (1, 1024, 12, 4, 64)]
+
+
+@PRECISION_PARAMS
+@pytest.mark.parametrize("device,B,T,NH,NKV,HS", on_devices(FLASH_GQA_SMALL_SHAPES, FLASH_GQA_LARGE_SHAPES),
+                         indirect=["device"])
+def test_flash_attention_grouped_kv(device, gpu_rng, precision, B, T, NH, NKV, HS):
+    # against gpt2_cpu's attention on llama3_cpu's repeated heads, the kv heads' gradients summed
+    import llama3_cpu
+    C, G = NH * HS, NH // NKV
+    qkv, dout = gpu_rng.standard_normal((B, T, (NH + 2 * NKV) * HS)), gpu_rng.standard_normal((B, T, C))
+    qkv_d, dout_d = to_device(qkv, precision), to_device(dout, precision)
+    out, lse = poisoned((B, T, C), precision), _cp().full((B, NH, T), np.nan, np.float32)
+    llmc.attention.flash_attention_forward(out, lse, qkv_d, B, T, C, NH, NKV)
+    dqkv, D = poisoned(qkv.shape, precision), _cp().full((B, NH, T), np.nan, np.float32)
+    llmc.attention.flash_attention_backward(dqkv, D, dout_d, out, qkv_d, lse, B, T, C, NH, NKV)
+    q, k, v = llama3_cpu.split_qkv(as_input(qkv, precision), NH, NKV)
+    full = llama3_cpu.merge_heads(q, llama3_cpu.repeat_kv_forward(k, G), llama3_cpu.repeat_kv_forward(v, G))
+    ref_out, ref_lse, ref_dfull = _flash_reference(full, as_input(dout, precision), NH)
+    dq, dk, dv = llama3_cpu.split_qkv(ref_dfull, NH, NH)
+    ref_dqkv = llama3_cpu.merge_heads(dq, llama3_cpu.repeat_kv_backward(dk, G), llama3_cpu.repeat_kv_backward(dv, G))
+    atol, rtol = TOLERANCES[f"kernel_{precision}"]["attention"]
+    label = f"B={B} T={T} NH={NH} NKV={NKV} HS={HS} [{precision}]"
+    assert check_tensor(to_host(out), ref_out, f"{label} out", atol, rtol)
+    assert check_tensor(lse.get(), ref_lse, f"{label} lse", *TOLERANCES["kernel_fp32"]["attention"])
+    assert check_tensor(to_host(dqkv), ref_dqkv, f"{label} dqkv", atol, rtol)
 
 
 @pytest.mark.gpu
