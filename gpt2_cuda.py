@@ -44,10 +44,11 @@ require("gpt2_cuda.py", "numpy")         # no NumPy (the environment not activat
 import numpy as np  # noqa: E402
 
 import gpt2_cpu
-from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LR_SCHEDULES, KVCache, SamplerRNG,
-                      SamplingForward, build_model, check_inputs, generate, kv_cache_shape, layer_params, learning_rate_at,
-                      model_config, num_elements, parameter_shapes, tensor_views)
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LORA_FAMILY, LR_SCHEDULES, KVCache,
+                      SamplerRNG, SamplingForward, build_lora, build_model, check_inputs, generate, kv_cache_shape,
+                      layer_params, learning_rate_at, model_config, num_elements, parameter_shapes, tensor_views)
 from llmc import cuda, gpu_cli, multinode
+from llmc import lora as lora_files
 from llmc.attention import NaiveAttention, attention_path, resolve_attention
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, agreement_config, run_main, sample_from_prompt
@@ -59,6 +60,7 @@ from llmc.cuda_check import run_check
 from llmc.evalloader import NUM_COMPLETIONS, PAD_TOKEN
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits, read_model_file, write_model_file
 from llmc.gpu_cli import choose_precision, device_line, gpu_status_line
+from llmc.lora_device import DeviceLoRA, LoraMatmul
 from llmc.matmul import BIAS_BACKWARD_CHUNKS, Cublas, gelu_forward, matmul_backend
 from llmc.mfu import mfu
 from llmc.pinned import PinnedStaging
@@ -232,6 +234,8 @@ def encoder_backward(dwte, dwpe, partial, dout, positions, chunk_start, chunk_to
     num_reduce+1) and partial, fp32 partial sums of at least wte_partial_rows(B*T) rows of C.
         out[b,t] = wte[inp[b,t]] + wpe[t]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v,
                                                dwpe[t] += sum_b dout[b,t]"""
+    if dwte is None:                                           # frozen (LoRA): nothing to accumulate
+        return
     N = B * T
     precision = check_launch("encoder_backward", [("dwte", dwte, dwte.size), ("dwpe", dwpe, dwpe.size), ("dout", dout, N * C)],
                              int32=[("positions", positions, N), ("chunk_start", chunk_start, num_chunks + 1),
@@ -282,19 +286,22 @@ def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, r
     """Accumulate dinp (B,T,C) (the residual stream's gradient), dweight, dbias (C,), from dout:
         dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),  dnorm = dout * weight
     (derivation: gpt2_cpu.layernorm_backward, doc/layernorm.md). Two kernels: per-block partial
-    sums of dbias/dweight into partial (G, 2, C) fp32, then their in-order sum."""
+    sums of dbias/dweight into partial (G, 2, C) fp32, then their in-order sum (skipped for a frozen
+    LayerNorm, dweight and dbias None)."""
     N = B * T
     G = layernorm_backward_grid(N)
+    trained = [("dweight", dweight, C), ("dbias", dbias, C)] if dweight is not None else []
     precision = check_launch("layernorm_backward",
-                             [("dinp", dinp, N * C), ("dweight", dweight, C), ("dbias", dbias, C), ("dout", dout, N * C),
-                              ("inp", inp, N * C), ("weight", weight, C)],
+                             [("dinp", dinp, N * C), ("dout", dout, N * C), ("inp", inp, N * C), ("weight", weight, C)]
+                             + trained,
                              float32=[("mean", mean, N), ("rstd", rstd, N)], vector_dim=("C", C),
                              unaligned=("dweight", "dbias"))
     require(partial.dtype == np.float32 and partial.size >= G * 2 * C, f"layernorm partial sums need {G * 2 * C} floats")
     cuda.launch("layernorm", precision, "layernorm_backward", G, LAYERNORM_BACKWARD_BLOCK_SIZE,
                 (dinp, partial, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
-    cuda.launch("layernorm", precision, "layernorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
-                (dweight, dbias, partial, np.int32(G), np.int32(C)))
+    if trained:
+        cuda.launch("layernorm", precision, "layernorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
+                    (dweight, dbias, partial, np.int32(G), np.int32(C)))
 
 
 def layernorm_backward_grid(N):
@@ -367,10 +374,12 @@ class GPT2:
     and shapes of gpt2_cpu.parameter_shapes, so the file loader, AdamW and the CPU model all agree),
     fp32 AdamW moments m, v, optional fp32 master weights, and the activation buffers (allocated
     by gpt2_allocate, once). precision is "bf16" or "fp32"; recompute is llm.c's -r level, 0, 1
-    or 2 (recomputed_activations; True and False are 1 and 0). Raises InputError for others."""
+    or 2 (recomputed_activations; True and False are 1 and 0). Raises InputError for others.
+    trainable=False: LoRA's frozen base (gpt2_cpu.freeze): no gradients, moments or master weights
+    (G's views None); its adapters (lora, llmc/lora_device.py) are trained instead."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
-                 zero_stage=0, process_rank=0, num_processes=1, matmul=None):
+                 zero_stage=0, process_rank=0, num_processes=1, matmul=None, trainable=True):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
@@ -395,14 +404,14 @@ class GPT2:
         self.zero_stage = zero_stage
         self.shard = optimizer_shard(n, zero_stage, process_rank, num_processes)
         self.params_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
-        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
+        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX) if trainable else None
         self.params = self.params_memory[:n]                         # (n,) views: what the model uses
-        self.grads = self.grads_memory[:n]
+        self.grads = self.grads_memory[:n] if trainable else None
         self.P = tensor_views(self.params, self.param_shapes)        # name -> view into params
-        self.G = tensor_views(self.grads, self.param_shapes)         # name -> view into grads
-        S = self.shard.size
+        self.G = tensor_views(self.grads, self.param_shapes) if trainable else dict.fromkeys(self.P)
+        S = self.shard.size if trainable else 0
         # fp32 master weights only make sense when the parameters themselves are not fp32
-        self.master = cp.zeros(S, dtype=np.float32) if master_weights and precision == "bf16" else None
+        self.master = cp.zeros(S, dtype=np.float32) if master_weights and precision == "bf16" and trainable else None
         self.m = cp.zeros(S, dtype=np.float32)                       # AdamW moments, fp32 always
         self.v = cp.zeros(S, dtype=np.float32)
         self.partial = cp.zeros(partial_floats(config), dtype=np.float32)   # the backward's per-block partial sums
@@ -418,6 +427,7 @@ class GPT2:
         self.host_inputs = None                      # the last forward's token ids, for gpt2_backward
         self.staging = {"batch": PinnedStaging(), "segments": PinnedStaging()}   # pinned host buffers of the uploads
         self.has_targets = False
+        self.lora = None                             # LoRA's adapters (llmc/lora_device.py) on a frozen model
 
 
 # Per-layer buffers whose layers start on a VECTOR_BYTES boundary, each padded up to it: one layer of
@@ -1021,8 +1031,10 @@ def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_proces
 # training loop (llm.c's main): the training step written out; the rest from llmc/cli.py
 
 def build_parser():
-    """gpt2_cpu.py's flags plus the GPU options (llmc.gpu_cli.build_parser)."""
-    return gpu_cli.build_parser(LR_SCHEDULES)
+    """gpt2_cpu.py's flags (LoRA's too) plus the GPU options (llmc.gpu_cli.build_parser)."""
+    parser = gpu_cli.build_parser(LR_SCHEDULES)
+    lora_files.add_flags(parser, LORA_FAMILY.default_targets)
+    return parser
 
 
 def parse_args(argv=None):
@@ -1043,15 +1055,26 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
+    build_lora(args, host, LORA_FAMILY, args.seed)                              # --lora-*: host.lora, host frozen
     cfg = host.config
     attention, fallback = resolve_attention(args.attention, precision, cfg.channels // cfg.num_heads)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
-                 matmul)
+                 matmul, trainable=host.lora is None)
     upload_parameters(model, host.params)
+    if host.lora is not None:
+        attach_lora(model, host.lora, rank, size)
     return model
+
+
+def attach_lora(model, host_lora, rank=0, size=1):
+    """LoRA on the device (llmc/lora_device.py): host_lora's adapters uploaded as model.lora (with
+    -z's shard of their optimizer state), applied by the model's matmul backend from now on."""
+    model.lora = DeviceLoRA(host_lora, model.precision, model.zero_stage, rank, size, UPDATE_SEED, GLOBAL_NORM_GRID)
+    upload_parameters(model.lora, host_lora.params)
+    model.matmul = LoraMatmul(model.matmul, model.lora, model.P)
 
 
 def kernel_files(model):
@@ -1095,6 +1118,8 @@ def train(args):
     backward over grad_accum_steps micro-batches (accumulating, the loss summed on the device),
     NCCL all-reduce of the gradients, clip to the global norm, AdamW. Returns the model (the
     sampled ids with --generate)."""
+    if args.lora_merge:                            # host work only: gpt2_cpu.py merges and writes the file
+        return gpt2_cpu.train(args)
     cp = cuda.cupy()
     comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
@@ -1132,6 +1157,9 @@ def train(args):
         return model
     run.say(device_line(device, device_name, capability, model, args.cuda_graph))
     run.banner(cfg, model.num_parameters)
+    trained = model.lora or model                  # what the step updates (LoRA: the adapters only)
+    if model.lora:
+        run.say(lora_files.describe(model.lora, model.num_parameters))
     run.say(f"memory: activations {activation_bytes / 2**30:.2f} GiB, total in use "
             f"{cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
     sample_rng = SamplerRNG(args.sample_seed)
@@ -1157,7 +1185,7 @@ def train(args):
         # the training step
         t0 = time.perf_counter()
         A = gpt2_activations(model, B, T)          # (cached) fetched per step: valid even if a sample reallocated
-        gpt2_zero_grad(model)
+        gpt2_zero_grad(trained)
         A["loss_accum"].fill(0)
         for _ in range(run.grad_accum_steps):
             if args.overfit_single_batch:
@@ -1166,16 +1194,17 @@ def train(args):
             # forward, the loss added up on the device (no sync), backward: eager or a CUDA graph
             gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, bool(args.cuda_graph))
         if nccl is not None:
-            gpt2_average_gradients(model, nccl)                               # data parallel (-z 1: this rank's shard)
+            gpt2_average_gradients(trained, nccl)                             # data parallel (-z 1: this rank's shard)
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
-        norm = gpt2_global_grad_norm(model, comm)                             # sync 1 of 2
+        norm = gpt2_global_grad_norm(trained, comm)                           # sync 1 of 2
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         loss = float(A["loss_accum"].sum(dtype=np.float64)) / (B * T * run.grad_accum_steps)  # sync 2 of 2
         loss = comm.mean(loss)
         skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
         if not skip:
-            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl)
+            gpt2_update(trained, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl,
+                        trained.decayed if model.lora else DECAYED_PARAMETERS)
         cp.cuda.get_current_stream().synchronize()                            # the step's time includes the update
         dt = time.perf_counter() - t0
         util = mfu(model.num_parameters, cfg.num_layers, cfg.channels, T, run.total_batch / comm.size / dt,
@@ -1183,7 +1212,19 @@ def train(args):
         run.log_step(step, loss, norm, lr, dt, zloss, zgrad, f" | MFU {'n/a' if util is None else f'{100 * util:.1f}%'}")
         if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
             run.say(gpu_status_line(device))
+    if args.lora_save and comm.rank == 0:
+        save_lora(args.lora_save, model, LORA_FAMILY, args.model)
+        run.say(f"LoRA adapters written to {args.lora_save}")
     return model
+
+
+def save_lora(out_dir, model, family, base_model):
+    """--lora-save: the device's adapters as PEFT's files (llmc.lora.save): their fp32 master
+    weights, or (fp32, or ZeRO-1 over several ranks) the parameters the run computes with."""
+    lora = model.lora
+    host = gpt2_cpu.LoRA(lora.targets, model.config.num_layers, lora.rank, lora.alpha)
+    host.params[...] = download_parameters(lora)
+    lora_files.save(out_dir, host, model.config.num_layers, family, base_model)
 
 
 def main(argv=None):

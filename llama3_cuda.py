@@ -49,11 +49,14 @@ import llama3_cpu
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, check_inputs, generate,
                       learning_rate_at, num_elements, tensor_views)
 # as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
-from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, capture_graph, download_parameters,
-                       encoder_forward, fused_classifier, gpt2_average_gradients,
-                       gpt2_global_grad_norm, gpt2_zero_grad, upload_parameters, wte_partial_rows, wte_reduce_max)
-from llama3_cpu import DECAYED_PARAMETERS, qkv_channels, read_checkpoint_model, write_checkpoint_model
+from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, attach_lora, capture_graph,
+                       download_parameters, encoder_forward, fused_classifier, gpt2_average_gradients,
+                       gpt2_global_grad_norm, gpt2_zero_grad, save_lora, upload_parameters, wte_partial_rows,
+                       wte_reduce_max)
+from gpt2_cpu import build_lora
+from llama3_cpu import DECAYED_PARAMETERS, LORA_FAMILY, qkv_channels, read_checkpoint_model, write_checkpoint_model
 from llmc import cuda, gpu_cli, multinode
+from llmc import lora as lora_files
 from llmc.attention import attention_path, resolve_attention
 from llmc.cli import TrainingRun, agreement_config, run_main, sample_from_prompt
 from llmc.comm import Comm
@@ -94,18 +97,21 @@ def rmsnorm_backward(dinp, dweight, partial, dout, inp, weight, rstd, B, T, C):
         dinp += rstd * (dnorm - norm * mean(dnorm * norm)),  dnorm = dout * weight, norm = inp * rstd
         dweight += sum over rows of dout * norm
     (derivation: llama3_cpu.rmsnorm_backward). Two kernels: per-block partial sums of dweight
-    into partial (G, C) fp32, G = rmsnorm_backward_grid(N), then their in-order sum."""
+    into partial (G, C) fp32, G = rmsnorm_backward_grid(N), then their in-order sum (skipped for a
+    frozen RMSNorm, dweight None)."""
     N = B * T
     G = rmsnorm_backward_grid(N)
+    trained = [("dweight", dweight, C)] if dweight is not None else []
     precision = check_launch("rmsnorm_backward",
-                             [("dinp", dinp, N * C), ("dweight", dweight, C), ("dout", dout, N * C),
-                              ("inp", inp, N * C), ("weight", weight, C)],
+                             [("dinp", dinp, N * C), ("dout", dout, N * C), ("inp", inp, N * C), ("weight", weight, C)]
+                             + trained,
                              float32=[("rstd", rstd, N)], vector_dim=("C", C), unaligned=("dweight",))
     require(partial.dtype == np.float32 and partial.size >= G * C, f"rmsnorm partial sums need {G * C} floats")
     cuda.launch("rmsnorm", precision, "rmsnorm_backward", G, RMSNORM_BACKWARD_BLOCK_SIZE,
                 (dinp, partial, dout, inp, weight, rstd, np.int32(N), np.int32(C)))
-    cuda.launch("rmsnorm", precision, "rmsnorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
-                (dweight, partial, np.int32(G), np.int32(C)))
+    if trained:
+        cuda.launch("rmsnorm", precision, "rmsnorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
+                    (dweight, partial, np.int32(G), np.int32(C)))
 
 
 def rmsnorm_backward_grid(N):
@@ -193,7 +199,10 @@ def encoder_backward(dwte, partial, dout, positions, chunk_start, chunk_token, c
     """Accumulate dwte (V,C) from dout (B,T,C): gpt2_cuda.encoder_backward's deterministic
     scatter-add (kernels/encoder.cu) without its dwpe kernel, since Llama 3 has no wpe:
         out[b,t] = wte[inp[b,t]]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v
-    The int32 arrays are gpt2_cuda.WteSegments' on the device; partial fp32, wte_partial_rows(B*T) rows."""
+    The int32 arrays are gpt2_cuda.WteSegments' on the device; partial fp32, wte_partial_rows(B*T) rows.
+    dwte None: frozen (LoRA), nothing to do."""
+    if dwte is None:
+        return
     N = B * T
     precision = check_launch("encoder_backward", [("dwte", dwte, dwte.size), ("dout", dout, N * C)],
                              int32=[("positions", positions, N), ("chunk_start", chunk_start, num_chunks + 1),
@@ -273,11 +282,12 @@ class Llama3:
     RoPE's cos and sin tables (maxT, HS/2) in fp32, and the activation buffers of each (B,T)
     (llama3_activations). precision "bf16" or "fp32"; attention "naive" or "flash"; zero_stage 0,
     or 1 (ZeRO-1: m, v and the master weights hold only this rank's shard of the num_processes,
-    gpt2_cuda.GPT2's layout). Raises InputError for a shape the kernels cannot run, a norm_eps
+    gpt2_cuda.GPT2's layout); trainable=False: LoRA's frozen base (no gradients, moments or master
+    weights; G's views None). Raises InputError for a shape the kernels cannot run, a norm_eps
     other than the one compiled into kernels/rmsnorm.cu, or another zero_stage."""
 
     def __init__(self, config, precision="fp32", attention="naive", matmul=None, zero_stage=0, process_rank=0,
-                 num_processes=1):
+                 num_processes=1, trainable=True):
         cp = cuda.cupy()
         llama3_cpu.check_config(config)
         if precision not in PRECISIONS:
@@ -302,13 +312,13 @@ class Llama3:
         self.zero_stage = zero_stage
         self.shard = optimizer_shard(n, zero_stage, process_rank, num_processes)
         self.params_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
-        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
+        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX) if trainable else None
         self.params = self.params_memory[:n]                  # (n,) views: what the model uses
-        self.grads = self.grads_memory[:n]
+        self.grads = self.grads_memory[:n] if trainable else None
         self.P = tensor_views(self.params, self.param_shapes)
-        self.G = tensor_views(self.grads, self.param_shapes)
-        S = self.shard.size
-        self.master = cp.zeros(S, dtype=np.float32) if precision == "bf16" else None
+        self.G = tensor_views(self.grads, self.param_shapes) if trainable else dict.fromkeys(self.P)
+        S = self.shard.size if trainable else 0
+        self.master = cp.zeros(S, dtype=np.float32) if precision == "bf16" and trainable else None
         self.m = cp.zeros(S, dtype=np.float32)
         self.v = cp.zeros(S, dtype=np.float32)
         HS, maxT = config.head_size, config.max_seq_len
@@ -328,6 +338,7 @@ class Llama3:
         self.BT = None
         self.host_inputs = None
         self.has_targets = False
+        self.lora = None                               # LoRA's adapters (llmc/lora_device.py) on a frozen model
 
 
 def llama3_activations(model, B, T):
@@ -548,17 +559,17 @@ def llama3_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
 # ----------------------------------------------------------------------------
 # AdamW: gpt2_cuda's kernel, over Llama 3's tensors
 
-def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None):
+def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None,
+                  decayed=DECAYED_PARAMETERS):
     """One AdamW step (llama3_cpu.llama3_update's math; t is the 1-based step count):
-    gpt2_cuda.gpt2_update over Llama 3's tensors, with weight decay on llama3_cpu's
-    DECAYED_PARAMETERS only. It walks model.param_shapes in order, one adamw_update launch per
+    gpt2_cuda.gpt2_update over Llama 3's tensors, with weight decay on the tensors named in
+    `decayed` only (llama3_cpu's DECAYED_PARAMETERS; a LoRA's adapters: all of them). It walks model.param_shapes in order, one adamw_update launch per
     tensor (with ZeRO-1 on the tensor's piece in this rank's shard, skipping tensors wholly in other
     ranks' shards), each tensor with its own stochastic-rounding seed from model.update_rng, drawn
     on every rank for every tensor (model.rng_state_last_update after the step: a checkpoint keeps
     it); with ZeRO-1 over several ranks nccl then all-gathers the updated shards into every rank's
     params."""
-    gpt2_cuda.gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale, nccl,
-                          decayed=DECAYED_PARAMETERS)
+    gpt2_cuda.gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale, nccl, decayed)
 
 
 # ----------------------------------------------------------------------------
@@ -642,6 +653,8 @@ def train(args):
     resume from the newest (llama3_cpu.py's files, one state file per rank). Processes: mpiexec,
     or -pm tcp|fs (llmc.multinode). Returns the model. Raises InputError for the flags it cannot
     honour."""
+    if args.lora_merge:                                  # host work only: llama3_cpu.py merges and writes the file
+        return llama3_cpu.train(args)
     comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
     device, _, capability = cuda.select_device(comm)
@@ -683,6 +696,9 @@ def train(args):
     run.say(f"llama3: NKV={cfg.num_kv_heads} H={cfg.hidden_dim} rope_theta={cfg.rope_theta:g} "
             f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g} | {model.precision}, "
             f"{model.attention.name} attention{' | CUDA graph' if args.cuda_graph else ''}")
+    trained = model.lora or model                        # what the step updates (LoRA: the adapters only)
+    if model.lora:
+        run.say(lora_files.describe(model.lora, model.num_parameters))
     sample_rng = SamplerRNG(args.sample_seed)
     start_step, outliers = 0, None
     if run.resuming:
@@ -706,7 +722,7 @@ def train(args):
             break
         # the training step
         t0 = time.perf_counter()
-        gpt2_zero_grad(model)
+        gpt2_zero_grad(trained)
         loss = 0.0
         for _ in range(run.grad_accum_steps):
             if args.overfit_single_batch:
@@ -716,20 +732,23 @@ def train(args):
             llama3_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, bool(args.cuda_graph))
             loss += llama3_mean_loss(model) / run.grad_accum_steps
         if nccl is not None:
-            gpt2_average_gradients(model, nccl)          # data parallel (-z 1: this rank's shard)
-        norm = gpt2_global_grad_norm(model, comm)        # the same on every rank
+            gpt2_average_gradients(trained, nccl)        # data parallel (-z 1: this rank's shard)
+        norm = gpt2_global_grad_norm(trained, comm)      # the same on every rank
         loss = comm.mean(loss)
         skip, zloss, zgrad = run.skip_update(loss, norm)
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
         if not skip:
-            llama3_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
-                          nccl)
+            llama3_update(trained, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
+                          nccl, trained.decayed if model.lora else DECAYED_PARAMETERS)
         cuda.cupy().cuda.get_current_stream().synchronize()  # the step's time includes the update
         run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
         if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
             run.say(gpu_status_line(device))
+    if args.lora_save and comm.rank == 0:
+        save_lora(args.lora_save, model, LORA_FAMILY, args.model)
+        run.say(f"LoRA adapters written to {args.lora_save}")
     return model
 
 
@@ -744,6 +763,7 @@ def parse_args(argv=None):
                                               "llama3_cpu.py's flags plus GPU options.",
                                   model_help=llama3_cpu.MODEL_HELP)
     parser.set_defaults(model=llama3_cpu.DEFAULT_MODEL)
+    lora_files.add_flags(parser, LORA_FAMILY.default_targets)
     if parser.parse_known_args(argv)[0].device == "cpu":   # the emulated device's reference: llama3_cpu.py, fp32
         parser.set_defaults(precision="fp32", tf32=0)
     return parser.parse_args(argv)
@@ -756,12 +776,16 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     process), its matmuls cuBLAS (TF32 from -f on compute capability 8.0)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
     host = llama3_cpu.build_model(spec or args.model, args.seed)              # fp32 on the host
+    build_lora(args, host, LORA_FAMILY, args.seed)                            # --lora-*: host.lora, host frozen
     attention, fallback = resolve_attention(args.attention, precision, host.config.head_size)
     if fallback:
         say(f"llama3_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    model = Llama3(host.config, precision, attention, Cublas(tf32), args.zero_stage, rank, size)
+    model = Llama3(host.config, precision, attention, Cublas(tf32), args.zero_stage, rank, size,
+                   trainable=host.lora is None)
     upload_parameters(model, host.params)
+    if host.lora is not None:
+        attach_lora(model, host.lora, rank, size)
     return model
 
 
