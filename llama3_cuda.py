@@ -46,14 +46,13 @@ import numpy as np  # noqa: E402
 
 import gpt2_cuda
 import llama3_cpu
-from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, check_inputs, generate,
-                      learning_rate_at, num_elements, tensor_views)
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, build_lora, check_inputs, generate,
+                      learning_rate_at, num_elements, padded_vocab, tensor_views)
 # as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
 from gpt2_cuda import (GLOBAL_NORM_GRID, UPDATE_SEED, HostLogits, as_float32, attach_lora, capture_graph,
                        download_parameters, encoder_forward, fused_classifier, gpt2_average_gradients,
                        gpt2_global_grad_norm, gpt2_zero_grad, save_lora, upload_parameters, wte_partial_rows,
                        wte_reduce_max)
-from gpt2_cpu import build_lora
 from llama3_cpu import DECAYED_PARAMETERS, LORA_FAMILY, qkv_channels, read_checkpoint_model, write_checkpoint_model
 from llmc import cuda, gpu_cli, multinode
 from llmc import lora as lora_files
@@ -225,16 +224,17 @@ def encoder_backward(dwte, partial, dout, positions, chunk_start, chunk_token, c
 KERNEL_FILES = ("encoder", "layernorm", "attention", "classifier", "adamw", "global_norm", "cast") + LLAMA3_KERNEL_FILES
 
 
-def activation_table(config, B, T, attention):
+def activation_table(config, B, T, attention, Vp=None):
     """Every device buffer of one forward + backward pass, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Names follow llama3_cpu.activation_shapes, but
     qkv_proj (llama3_cpu's qkv: "qkv" is the attention path's buffer of GPT-2's layout, llama3_cpu's
     qkv_att). Never kept, as in gpt2_cuda.py: qkv_att for the naive path (its qkvr is), attproj,
     fcproj and probs (the fused classifier); the one-layer transients live in scratch buffers under
     the name of each role (activation_aliases)."""
-    C, L, NH, V, H = config.channels, config.num_layers, config.num_heads, config.vocab_size, config.hidden_dim
+    C, L, NH, H = config.channels, config.num_layers, config.num_heads, config.hidden_dim
+    Vp = Vp or config.vocab_size                       # the classifier's width (Llama3's Vp)
     QKV = qkv_channels(config)
-    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, V)
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, Vp)
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
@@ -247,7 +247,7 @@ def activation_table(config, B, T, attention):
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"),
-        ("logits", (logits_floats,), "X"),     # (B,T,V), then dlogits in place
+        ("logits", (logits_floats,), "X"),     # (B,T,Vp), then dlogits in place
         ("scratch_btc", (B, T, C), "X"), ("scratch_btc2", (B, T, C), "X"),
         ("scratch_bth", (B, T, H), "X"), ("scratch_bth2", (B, T, H), "X"),
         ("scratch_qkv", (B, T, QKV), "X"), ("dqkv_att", (B, T, 3 * C), "X"),
@@ -283,11 +283,13 @@ class Llama3:
     (llama3_activations). precision "bf16" or "fp32"; attention "naive" or "flash"; zero_stage 0,
     or 1 (ZeRO-1: m, v and the master weights hold only this rank's shard of the num_processes,
     gpt2_cuda.GPT2's layout); trainable=False: LoRA's frozen base (no gradients, moments or master
-    weights; G's views None). Raises InputError for a shape the kernels cannot run, a norm_eps
-    other than the one compiled into kernels/rmsnorm.cu, or another zero_stage."""
+    weights; G's views None). pad_vocab: the classifier runs over Vp = V rounded up to a
+    multiple of 128, GPT-2's padding (classifier_weight below). Raises InputError for a shape the
+    kernels cannot run, a norm_eps other than the one compiled into kernels/rmsnorm.cu, or another
+    zero_stage."""
 
     def __init__(self, config, precision="fp32", attention="naive", matmul=None, zero_stage=0, process_rank=0,
-                 num_processes=1, trainable=True):
+                 num_processes=1, trainable=True, pad_vocab=False):
         cp = cuda.cupy()
         llama3_cpu.check_config(config)
         if precision not in PRECISIONS:
@@ -311,12 +313,26 @@ class Llama3:
         # 0, never read by the model). -z 0: S = n, no padding
         self.zero_stage = zero_stage
         self.shard = optimizer_shard(n, zero_stage, process_rank, num_processes)
-        self.params_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
-        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX) if trainable else None
+        # The padded vocabulary: the classifier's GEMM reads wlmhead (V,C), the table's last tensor, as
+        # (Vp,C), its Vp-V extra rows the zeros that follow it in an allocation (Vp-V)*C longer (the
+        # ZeRO padding, else a tail of their own). They are in no parameter's view: AdamW, the norm,
+        # the checkpoints and NCCL never see them, so they stay 0, the logits they give (masked out of
+        # the softmax by fused_classifier) and those rows' gradients (0^T @ lnf) too.
+        V, C = config.vocab_size, config.channels
+        self.Vp = padded_vocab(V) if pad_vocab else V
+        assert self.param_shapes[-1][0] == "wlmhead", "the classifier must end the flat buffer"
+        length = max(self.shard.padded, n + (self.Vp - V) * C)
+        params_alloc = cp.zeros(length, dtype=self.floatX)
+        grads_alloc = cp.zeros(length, dtype=self.floatX) if trainable else None
+        self.params_memory = params_alloc[:self.shard.padded]  # what NCCL moves (ZeRO-1's equal shards)
+        self.grads_memory = grads_alloc[:self.shard.padded] if trainable else None
         self.params = self.params_memory[:n]                  # (n,) views: what the model uses
         self.grads = self.grads_memory[:n] if trainable else None
         self.P = tensor_views(self.params, self.param_shapes)
         self.G = tensor_views(self.grads, self.param_shapes) if trainable else dict.fromkeys(self.P)
+        classifier = slice(n - V * C, n - V * C + self.Vp * C)
+        self.classifier_weight = params_alloc[classifier].reshape(self.Vp, C)       # wlmhead and its zero rows
+        self.classifier_grad = grads_alloc[classifier].reshape(self.Vp, C) if trainable else None
         S = self.shard.size if trainable else 0
         self.master = cp.zeros(S, dtype=np.float32) if precision == "bf16" and trainable else None
         self.m = cp.zeros(S, dtype=np.float32)
@@ -347,7 +363,7 @@ def llama3_activations(model, B, T):
         cp = cuda.cupy()
         dtypes = {"X": model.floatX, "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
         views = {name: cp.zeros(shape, dtype=dtypes[kind])
-                 for name, shape, kind in activation_table(model.config, B, T, model.attention)}
+                 for name, shape, kind in activation_table(model.config, B, T, model.attention, model.Vp)}
         views.update({name: prefix(views[buffer], shape)
                       for name, buffer, shape in activation_aliases(model.config, B, T, model.attention)})
         model.views[(B, T)] = views
@@ -397,20 +413,20 @@ def forward_launches(model, B, T, with_loss, attention=None, pos=0):
     for a given (B,T), so that a CUDA graph can capture it (llama3_micro_batch): RoPE's tables are
     row slices of model.freqs_cos and freqs_sin, uploaded once when the model is built. attention,
     pos: as block_forward's (the sampler's cached attention at position pos). Returns the logits
-    view (B,T,V)."""
+    view (B,T,V) (of the (B,T,Vp) buffer: the padded columns left out)."""
     cfg = model.config
-    C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
+    C, L, V, Vp = cfg.channels, cfg.num_layers, cfg.vocab_size, model.Vp
     P, A = model.P, llama3_activations(model, B, T)
     encoder_forward(A["encoded"], A["inputs"], P["wte"], model.no_wpe, B, T, C)      # (B,T,C) = wte[inputs]
     for l in range(L):
         block_forward(model, A, l, B, T, attention, pos)
     # forward pass 3: final RMSNorm, untied classifier, softmax + cross-entropy (one kernel)
     rmsnorm_forward(A["lnf"], A["lnf_rstd"], A["residual3"][L - 1], P["lnfw"], B, T, C)
-    logits = prefix(A["logits"], (B, T, V))
-    model.matmul.forward(logits, A["lnf"], P["wlmhead"], None, B, T, C, V)           # (B,T,C) @ (C,V) -> (B,T,V)
+    logits = prefix(A["logits"], (B, T, Vp))
+    model.matmul.forward(logits, A["lnf"], model.classifier_weight, None, B, T, C, Vp)   # (B,T,C) @ (C,Vp)
     if with_loss:
-        fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, V, write_dlogits=False)
-    return logits
+        fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
+    return logits[..., :V]
 
 
 def block_forward(model, A, l, B, T, attention=None, pos=0):
@@ -486,9 +502,10 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
     cos, sin = rope_tables(model, T)
 
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final RMSNorm
-    logits = prefix(A["logits"], (B, T, V))
-    fused_classifier(logits, A["losses"], A["targets"], loss_scale / (B * T), B, T, V, V, write_dlogits=True)
-    mm.backward(A["dlnf"], G["wlmhead"], None, logits, A["lnf"], P["wlmhead"], partial, B, T, C, V)
+    Vp = model.Vp
+    logits = prefix(A["logits"], (B, T, Vp))                                            # dlogits, 0 past V
+    fused_classifier(logits, A["losses"], A["targets"], loss_scale / (B * T), B, T, V, Vp, write_dlogits=True)
+    mm.backward(A["dlnf"], model.classifier_grad, None, logits, A["lnf"], model.classifier_weight, partial, B, T, C, Vp)
     dresidual = A["dresidual"]
     dresidual.fill(0)                                                                   # rmsnorm_backward accumulates
     rmsnorm_backward(dresidual, G["lnfw"], partial, A["dlnf"], A["residual3"][L - 1], P["lnfw"], A["lnf_rstd"], B, T, C)
@@ -695,7 +712,8 @@ def train(args):
     cfg = model.config
     run.say(f"llama3: NKV={cfg.num_kv_heads} H={cfg.hidden_dim} rope_theta={cfg.rope_theta:g} "
             f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g} | {model.precision}, "
-            f"{model.attention.name} attention{' | CUDA graph' if args.cuda_graph else ''}")
+            f"{model.attention.name} attention{' | CUDA graph' if args.cuda_graph else ''}"
+            f"{f' | classifier over Vp={model.Vp}' if model.Vp != cfg.vocab_size else ''}")
     trained = model.lora or model                        # what the step updates (LoRA: the adapters only)
     if model.lora:
         run.say(lora_files.describe(model.lora, model.num_parameters))
@@ -763,6 +781,10 @@ def parse_args(argv=None):
                                               "llama3_cpu.py's flags plus GPU options.",
                                   model_help=llama3_cpu.MODEL_HELP)
     parser.set_defaults(model=llama3_cpu.DEFAULT_MODEL)
+    parser.add_argument("--pad-vocab", type=int, default=0, choices=(0, 1),
+                        help="1: the classifier's GEMM and logits over Vp = V rounded up to a multiple of 128, as "
+                             "gpt2_cuda.py's (the padded logits masked out of the softmax, their rows' gradients 0); "
+                             "the model, its files and its results are the same")
     lora_files.add_flags(parser, LORA_FAMILY.default_targets)
     if parser.parse_known_args(argv)[0].device == "cpu":   # the emulated device's reference: llama3_cpu.py, fp32
         parser.set_defaults(precision="fp32", tf32=0)
@@ -782,7 +804,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
         say(f"llama3_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = Llama3(host.config, precision, attention, Cublas(tf32), args.zero_stage, rank, size,
-                   trainable=host.lora is None)
+                   trainable=host.lora is None, pad_vocab=bool(args.pad_vocab))
     upload_parameters(model, host.params)
     if host.lora is not None:
         attach_lora(model, host.lora, rank, size)

@@ -156,7 +156,7 @@ RESULT_FLAGS = (("-b", "batch_size"), ("-t", "seq_len"), ("-k", "lr_schedule"), 
 # gpt2_cuda.py's flags that change its arithmetic (compared when both runs have them, so a CPU run
 # resumes a CUDA run's checkpoint and the other way round); -z is the state file's own check
 DEVICE_RESULT_FLAGS = (("--precision", "precision"), ("-w", "master_weights"), ("-f", "tf32"),
-                       ("--attention", "attention"), ("--cublaslt", "cublaslt"))
+                       ("--attention", "attention"), ("--cublaslt", "cublaslt"), ("--pad-vocab", "pad_vocab"))
 INT32_MAX = 2**31 - 1                  # llm.c counts tokens in int
 UINT64_MAX = 2**64 - 1                 # the seeds are 64-bit states
 

@@ -169,7 +169,7 @@ def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float
     for name in names:
         kind = "statistic" if name.endswith("_rstd") or name == "lse" else "activation"
         compare(name, trainer.as_float32(A[name].get()), refs.get(name, CA.get(name)), kind)
-    logits = trainer.as_float32(trainer.prefix(A["logits"], (B, T, V)).get())
+    logits = trainer.as_float32(trainer.prefix(A["logits"], (B, T, model.Vp)).get())[..., :V]   # Vp: --pad-vocab
     losses = trainer.as_float32(A["losses"].get())
     compare("logits", logits, CA["logits"], "logits")
     compare("losses", losses, CA["losses"], "loss")
