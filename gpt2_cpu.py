@@ -431,7 +431,7 @@ def crossentropy_softmax_backward(dlosses, probs, targets):
 # random and lora_b at zero, so step 0 is the base model exactly. The frozen W needs no gradient:
 # its backward runs with dweight None, skipping the largest matmul of each layer's backward.
 
-LORA_INIT_STD_TIMES_RANK = 1.0         # lora_a ~ N(0, (1/r)^2): PEFT's init_lora_weights="gaussian"
+LORA_INIT_KAIMING_A = math.sqrt(5)     # lora_a's init: kaiming_uniform_(a=sqrt(5)), as the paper's code and PEFT's
 
 
 def lora_targets(config):
@@ -503,13 +503,16 @@ class LoRA:
 
 
 def lora_init(targets, num_layers, rank, alpha, seed):
-    """Fresh adapters (Hu et al. 2021, 4.1): lora_A ~ N(0, (1/r)^2) (PEFT's "gaussian"), lora_B = 0,
-    so that the adapted model starts as the base model. Draws from np.random.default_rng(seed)."""
+    """Fresh adapters (Hu et al. 2021, 4.1: A random, B zero, so that the adapted model starts as the
+    base model): lora_B = 0 and lora_A uniform in +-sqrt(6 / ((1 + a^2) C)) = +-1/sqrt(C), PyTorch's
+    kaiming_uniform_ with a = LORA_INIT_KAIMING_A (nn.Linear's own default), which the paper's code
+    (loralib) and PEFT draw it from. Draws from np.random.default_rng(seed), tensor by tensor."""
     lora = LoRA(targets, num_layers, rank, alpha)
     rng = np.random.default_rng(seed)
     for t in targets:
         a = lora.P[lora_tensor_names(t)[0]]
-        a[...] = rng.standard_normal(a.shape, dtype=np.float32) * np.float32(LORA_INIT_STD_TIMES_RANK / rank)
+        bound = math.sqrt(6.0 / ((1.0 + LORA_INIT_KAIMING_A ** 2) * t.in_features))
+        a[...] = rng.uniform(-bound, bound, a.shape).astype(np.float32)
     return lora
 
 

@@ -51,7 +51,7 @@ ALL_LINEAR = "all-linear"              # PEFT's target_modules value for every l
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."      # PeftModel's name for the wrapped Hugging Face model
-PEFT_INIT = "gaussian"                 # lora_A ~ N(0, 1/r^2), lora_B = 0: PEFT's init_lora_weights="gaussian"
+PEFT_INIT = True                       # lora_A kaiming-uniform, lora_B = 0: PEFT's default init_lora_weights
 # a PEFT tensor name: PEFT_PREFIX, the layer prefix with its index, the module name, A or B
 PEFT_KEY = re.compile(r"^base_model\.model\.(?P<layer>.*?\.)(?P<l>\d+)\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 # adapter_config.json values other than these ask for something plain LoRA is not

@@ -195,3 +195,35 @@ def test_the_frozen_base_holds_no_gradient_moment_or_master_weight(emulated, nam
     # full: its grads (2n), m, v, master (12n); LoRA: the adapters' params, grads, m, v, master (16 a)
     # and their gradient norm's partial sums and result (fp32)
     assert full_bytes - lora_bytes == 14 * n - 16 * adapters - 4 * (gpt2_cuda.GLOBAL_NORM_GRID + 1)
+
+
+def test_two_fs_ranks_train_the_adapters_of_one(tmp_path):
+    """-pm fs (no MPI: two processes started by hand, meeting in a shared folder) of gpt2_cuda.py,
+    ZeRO-1 on the adapters, against gpt2_cpu.py on both ranks' rows in one process; and ranks started
+    with different LoRA flags stop at once, rank 0 naming the flag (the rank agreement checks)."""
+    import subprocess
+    model_file = str(tmp_path / "tiny.bin")
+    gpt2_cpu.write_model(model_file, gpt2_cpu.gpt2_init(GPT2_TINY, 3))
+    common = ["-e", model_file, "-i", shards(tmp_path), "-j", "", "-t", str(T), "-x", "3", "-v", "0", "-s", "0",
+              "-l", "1e-2", "-k", "constant", "--lora-rank", str(RANK), "--lora-targets", "c_attn,mlp.c_proj"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                                                            "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+
+    def ranks(job, extra):
+        procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "gpt2_cuda.py"), "--device", "cpu", "-z", "1",
+                                   "-b", str(B), *common, *extra[r], "-pm", "fs", "-pn", "2", "-pr", str(r),
+                                   "-pp", str(tmp_path / "rendezvous"), "-pj", job],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        return [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    (tmp_path / "rendezvous").mkdir()
+    results = ranks("train", [["--lora-save", str(tmp_path / "dp")]] * 2)      # rank 0 writes them
+    assert all(code == 0 for _, _, code in results), results
+    run_ok([sys.executable, os.path.join(ROOT, "gpt2_cpu.py"), "-b", str(2 * B), "-d", str(2 * B * T),
+            "--lora-save", str(tmp_path / "one")] + common, ROOT)
+    got = lora_files.load(str(tmp_path / "dp"), GPT2_TINY, gpt2_cpu.LORA_FAMILY)[3]
+    for key, value in lora_files.load(str(tmp_path / "one"), GPT2_TINY, gpt2_cpu.LORA_FAMILY)[3].items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+    results = ranks("differ", [["--lora-alpha", "8"], ["--lora-alpha", "16"]])
+    for _, err, code in results:
+        assert code == 1 and "--lora-alpha" in err and "Traceback" not in err, err
