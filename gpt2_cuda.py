@@ -13,7 +13,8 @@ No autograd, no ZeRO beyond stage 1. All training memory is allocated before the
 sampler's KV cache excepted); a step's only device-to-host synchronizations read the norm and the
 loss. The attention path (--attention naive | flash | cudnn) and the matmul backend (cuBLAS, or
 --cublaslt 1; -f 1: TF32) are objects chosen once by setup_model and kept on the model;
---cuda-graph 1 replays each micro-batch as one CUDA graph. Precision: bf16 (the default from
+--cuda-graph 1 replays each micro-batch as one CUDA graph; --lora-rank R fine-tunes LoRA adapters on
+the frozen model (llmc/lora_device.py, doc/lora.md). Precision: bf16 (the default from
 compute capability 8.0) stores parameters, gradients and activations as bfloat16 with fp32
 arithmetic inside every kernel, fp32 AdamW moments and (-w 1) fp32 master weights; fp32 stores
 everything as float32.

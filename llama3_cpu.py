@@ -12,6 +12,8 @@ only what differs, each new layer a forward/backward pair with its backward's ma
                         repeat and its backward); after it, attention is GPT-2's
     SwiGLU              a gated MLP of three matrices (c_fc, c_fc2, c_proj), replaces GELU
     untied classifier   its own (V,C) matrix wlmhead; no biases anywhere; no vocabulary padding
+LoRA fine-tuning is gpt2_cpu.py's (--lora-rank; doc/lora.md): this file only says which of its linear
+layers take adapters (lora_targets: Hugging Face's q_proj, k_proj, ... as row ranges of its matrices).
 The model follows llm.c's train_llama3.py (LLaMA 3.1, Meta's reference model): the same
 parameters with the same meaning, so the model files of llm.c's train_llama3.py and
 train_llama3.cu load here and the ones written here load there (doc/file_formats.md).

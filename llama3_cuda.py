@@ -14,9 +14,11 @@ and refuses them as unknown flags); it trains with llama3_cpu.py's flags and loo
 over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs: NCCL all-reduce of the
 gradients, or with -z 1 ZeRO-1's reduce-scatter, sharded AdamW and all-gather), with --cuda-graph 1
 replays each micro-batch's forward + backward as one CUDA graph (llama3_micro_batch, as
-gpt2_cuda.py's; emulated device so far), samples with a KV cache, writes and resumes
-llama3_cpu.py's checkpoints (-n, -y 1: llmc/checkpoint.py's files, so either trainer resumes the
-other's run; one state file per rank), and checks one batch against it (--check).
+gpt2_cuda.py's), samples with a KV cache, writes and resumes llama3_cpu.py's checkpoints (-n, -y 1:
+llmc/checkpoint.py's files, so either trainer resumes the other's run; one state file per rank),
+fine-tunes LoRA adapters on the frozen model (--lora-rank, gpt2_cuda.py's LoRA: llmc/lora_device.py),
+runs its classifier over a padded vocabulary if asked (--pad-vocab 1, as gpt2_cuda.py always does),
+and checks one batch against llama3_cpu.py (--check).
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
@@ -27,6 +29,8 @@ Run it (after `make data`; without CuPy and a GPU it says so in one line and exi
     batch: B=2 T=16 processes=2 grad_accum=1 -> 64 tokens/step | ...
     python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision bf16
     ... one TENSOR OK line per activation and gradient, then `check: all tensors OK`
+    python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --lora-rank 4 --pad-vocab 1
+    ... the same, the gradients the adapters' (doc/lora.md), the classifier over Vp = 50304
 
 Dimensions as in llama3_cpu.py (B T C V L NH NKV HS H maxT), plus N = B*T, the rows of a matmul,
 and QKV = (NH+2NKV)*HS, the width of the qkv projection.
