@@ -5,8 +5,9 @@ This file *defines* the algorithm of llm.cupy, in reading order: the model's sha
 parameter table, the layers (each a forward/backward pair written out by hand, no autograd),
 LoRA's low-rank adapters for fine-tuning a frozen model (doc/lora.md), the model, AdamW, the
 learning-rate schedules, the sampler, and the training loop. It is the Python twin of llm.c's
-train_gpt2.c and the reference the CUDA trainer (gpt2_cuda.py) is checked against, layer by layer. Everything else (file formats, data loader, tokenizer, checkpoints,
-MPI, logging, the command line) is host infrastructure in llmc/, as llm.c keeps it in llmc/*.h.
+train_gpt2.c and the reference the CUDA trainer (gpt2_cuda.py) is checked against, layer by layer.
+Everything else (file formats, data loader, tokenizer, checkpoints, MPI, logging, the command
+line) is host infrastructure in llmc/, as llm.c keeps it in llmc/*.h.
 
 What it deliberately is not: fast on big models, or clever. No Python loops over B, T or heads
 (everything is vectorized NumPy), but no fusion and no mixed precision either.
