@@ -428,7 +428,8 @@ def crossentropy_softmax_backward(dlosses, probs, targets):
 # Fine-tuning with LoRA freezes every parameter of the model and learns, for a few chosen linear
 # layers W (OC,C), an update of rank r << C: the layer computes inp @ (W + scale * lora_b @ lora_a)^T
 # with lora_a (r,C) and lora_b (OC,r), without ever forming the (OC,C) sum. scale = alpha / r
-# (the paper's 4.1: with Adam, alpha then plays the learning rate's part for any r). lora_a starts
+# (the paper's 4.1: with Adam, tuning alpha is then roughly tuning the learning rate, whatever r;
+# doc/lora.md measures how far that holds). lora_a starts
 # random and lora_b at zero, so step 0 is the base model exactly. The frozen W needs no gradient:
 # its backward runs with dweight None, skipping the largest matmul of each layer's backward.
 
