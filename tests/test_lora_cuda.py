@@ -4,7 +4,8 @@ on the emulated CUDA device, each against llama3_cpu.py / gpt2_cpu.py (tests/tes
 those against finite differences and tests/test_lora_peft.py against PEFT):
   - --check's comparison (llmc/cuda_check.py) with adapters on every linear layer, lora_B made
     nonzero: every activation and every adapter gradient in fp32 and bf16, on the naive and flash
-    attention paths, for both families; the same comparison fails when an adapter's backward is broken;
+    attention paths, for both families, and with GPT-2's GPU defaults (cuBLASLt's fused epilogues
+    on the frozen layers, cuDNN attention); the same comparison fails when an adapter's backward is broken;
   - a LoRA training run (fp32) prints the NumPy trainer's losses and saves its adapters (PEFT's
     files), the frozen base unchanged on the device, with no gradient, moment or master-weight buffer;
   - a micro-batch replayed as a CUDA graph equals the eager one bit for bit (the adapters' GEMMs,
@@ -28,6 +29,7 @@ import gpt2_cuda
 import llama3_cpu
 import llama3_cuda
 import llmc.lora_device
+import llmc.matmul
 from emulated_gpu import _train_losses
 from llmc import cuda
 from llmc import lora as lora_files
@@ -53,14 +55,14 @@ def emulated(monkeypatch):
     monkeypatch.setattr(gpt2_cuda, "GLOBAL_NORM_GRID", 16)      # the same kernel, a shorter fixed order
 
 
-def device_model(name, precision, attention="naive", seed=3):
+def device_model(name, precision, attention="naive", seed=3, matmul=None):
     """A tiny model of family `name` on the device with rank-RANK adapters on every linear layer
-    (fresh: lora_B 0, as --check finds them), the base frozen."""
+    (fresh: lora_B 0, as --check finds them), the base frozen; matmul: GPT-2's backend (Cublas)."""
     cpu, trainer, config = FAMILIES[name]
     host = gpt2_cpu.gpt2_init(config, seed) if cpu is gpt2_cpu else llama3_cpu.llama3_init(config, seed)
     lora = gpt2_cpu.lora_init(cpu.lora_targets(config), config.num_layers, RANK, ALPHA, seed)
     if cpu is gpt2_cpu:
-        model = gpt2_cuda.GPT2(config, precision, recompute=0, attention=attention, trainable=False)
+        model = gpt2_cuda.GPT2(config, precision, recompute=0, attention=attention, trainable=False, matmul=matmul)
     else:
         model = llama3_cuda.Llama3(config, precision, attention, trainable=False)
     trainer.upload_parameters(model, host.params)
@@ -86,6 +88,12 @@ def test_check_passes_with_adapters_on_every_linear_layer(emulated, name, precis
     assert "fresh lora_B (all 0): drawn" in out
     targets = FAMILIES[name][0].lora_targets(FAMILIES[name][2])
     assert out.count("TENSOR OK") >= 2 * len(targets) and "lora_A: TENSOR OK" in out
+
+
+def test_check_passes_with_the_gpus_defaults(emulated):
+    """gpt2_cuda.py's defaults on a GPU, bf16 with cuBLASLt (the frozen layers' forward with its fused
+    bias and GELU epilogues) and cuDNN attention, under the adapters."""
+    assert check("gpt2", device_model("gpt2", "bf16", "cudnn", matmul=llmc.matmul.CublasLt()))
 
 
 def test_check_fails_when_an_adapters_backward_is_broken(emulated, monkeypatch):
