@@ -36,7 +36,7 @@ finetune: data   ## LoRA: fine-tune the default d4 on the Sonnets, val loss befo
 	$(PY) dev/data/sonnets.py
 	test -f $(FINETUNE_BASE) || $(PY) gpt2_cpu.py -o log_d4 -n 400 -s 0
 	$(PY) gpt2_cpu.py -e $(FINETUNE_BASE) -i data/sonnets/sonnets_train.bin -j data/sonnets/sonnets_val.bin -m -1 \
-		-x 300 -v 100 -s 0 -l 1e-3 --lora-rank 8 --lora-targets all-linear --lora-save $(FINETUNE_DIR)/adapters $(ARGS)
+		-x 300 -v 100 -s 0 -l 3e-3 --lora-rank 8 --lora-targets all-linear --lora-save $(FINETUNE_DIR)/adapters $(ARGS)
 	$(PY) gpt2_cpu.py -e $(FINETUNE_BASE) --lora-load $(FINETUNE_DIR)/adapters --lora-merge $(FINETUNE_DIR)/model.bin
 	$(PY) gpt2_cpu.py -e $(FINETUNE_DIR)/model.bin --generate 48 --prompt "Shall I compare thee" --temperature 0.8 --top-k 40
 
