@@ -215,3 +215,39 @@ def test_nonsense_lora_flags_are_one_line(tiny_run, tmp_path, capsys, flags, sai
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and said in err[0], err
     assert not os.path.exists(str(tmp_path / "DIR"))
+
+
+@pytest.mark.parametrize("edit,said", [
+    (lambda c: c.update(use_dora=True), "use_dora=True: only plain LoRA"),
+    (lambda c: c.update(use_rslora=True), "use_rslora=True: only plain LoRA"),
+    (lambda c: c.update(r=0), "need a positive rank"),
+    ("llama3", "is not a LoRA adapter of a linear layer of this model"),
+    ("rank", "needs (4, 16) in every one of its 2 layers"),
+])
+def test_adapter_files_that_do_not_fit_are_one_line(tiny_run, tmp_path, capsys, edit, said):
+    """--lora-load of PEFT files asking for more than plain LoRA, or made for another model."""
+    import json
+    d, common = tiny_run
+    model_file = str(d / "gpt2.bin")
+    config = dataclasses.replace(GPT2_TINY, channels=16)
+    saved = str(tmp_path / "adapters")
+    if edit == "llama3":
+        other = dataclasses.replace(LLAMA_TINY, channels=16)
+        lora = g.lora_init(m.lora_targets(other), 2, 4, 8, seed=0)
+        lora_files.save(saved, lora, 2, m.LORA_FAMILY, "llama3.bin")
+    else:
+        lora = g.lora_init(g.lora_targets(config), 2, 8 if edit == "rank" else 4, 8, seed=0)
+        lora_files.save(saved, lora, 2, g.LORA_FAMILY, "gpt2.bin")
+        if edit == "rank":                                          # r=8 tensors, the config saying r=4
+            path = os.path.join(saved, lora_files.PEFT_CONFIG)
+            cfg = json.load(open(path))
+            cfg["r"] = 4
+            json.dump(cfg, open(path, "w"))
+        elif callable(edit):
+            path = os.path.join(saved, lora_files.PEFT_CONFIG)
+            cfg = json.load(open(path))
+            edit(cfg)
+            json.dump(cfg, open(path, "w"))
+    assert g.main(common + ["-e", model_file, "--lora-load", saved, "--eval-only"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
