@@ -136,6 +136,10 @@ def check_flags(args):
          "--lora-merge OUT merges the adapters of --lora-load DIR: give it"),
         (args.lora_save is None or args.lora_rank > 0 or args.lora_load is not None,
          "--lora-save DIR writes LoRA adapters: give --lora-rank R (or --lora-load DIR)"),
+        (args.lora_save is None or not (args.eval_only or args.generate),
+         "--lora-save DIR writes the adapters a training run trained: not with --eval-only or --generate"),
+        (args.lora_merge is None or not (args.eval_only or args.generate or args.lora_save),
+         "--lora-merge OUT merges and exits: drop --eval-only, --generate and --lora-save"),
         (not uses_lora(args) or (args.checkpoint_every == 0 and not args.resume),
          "a LoRA run keeps no checkpoints (-n, -y 1): write its adapters with --lora-save DIR"),
     ]

@@ -207,6 +207,8 @@ def test_a_lora_run_trains_the_adapters_only_and_round_trips_them(family, target
     (["--lora-save", "DIR"], "--lora-save DIR writes LoRA adapters"),
     (["--lora-load", "NOWHERE"], "no adapter_config.json there"),
     (["--lora-load", "NOWHERE", "--lora-rank", "4"], "drop --lora-rank"),
+    (["--lora-rank", "4", "--lora-save", "DIR", "--eval-only"], "not with --eval-only or --generate"),
+    (["--lora-load", "NOWHERE", "--lora-merge", "x.bin", "--generate", "4"], "merges and exits"),
 ])
 def test_nonsense_lora_flags_are_one_line(tiny_run, tmp_path, capsys, flags, said):
     d, common = tiny_run
