@@ -235,3 +235,23 @@ def test_two_fs_ranks_train_the_adapters_of_one(tmp_path):
     results = ranks("differ", [["--lora-alpha", "8"], ["--lora-alpha", "16"]])
     for _, err, code in results:
         assert code == 1 and "--lora-alpha" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_kv_cached_sampler_samples_the_adapted_model(emulated, name):
+    """gpt2_cpu.generate with the device's KV-cached forwards (LoraMatmul on every layer of the
+    prefill and of each new token) draws the NumPy trainer's ids from the same adapted model."""
+    from gpt2_cpu import generate
+    from llmc.sampler import SamplerRNG
+    cpu, trainer, config = FAMILIES[name]
+    model = device_model(name, "fp32")
+    adapters = np.random.default_rng(7).standard_normal(model.lora.num_parameters).astype(np.float32) * 0.3
+    trainer.upload_parameters(model.lora, adapters)
+    host = gpt2_cpu.gpt2_init(config, 3) if cpu is gpt2_cpu else llama3_cpu.llama3_init(config, 3)
+    host.lora = gpt2_cpu.LoRA(model.lora.targets, config.num_layers, RANK, ALPHA)
+    host.lora.params[...] = adapters
+    host_ids = generate(host, [1, 2, 3], 10, SamplerRNG(5), forward=cpu.sampling_forward(host))
+    device_ids = generate(model, [1, 2, 3], 10, SamplerRNG(5), forward=trainer.sampling_forward(model))
+    assert device_ids == host_ids
+    host.lora = None                                                   # the adapters do change the samples
+    assert generate(host, [1, 2, 3], 10, SamplerRNG(5), forward=cpu.sampling_forward(host)) != host_ids
