@@ -8,10 +8,12 @@ those against finite differences and tests/test_lora_peft.py against PEFT):
     on the frozen layers, cuDNN attention); the same comparison fails when an adapter's backward is broken;
   - a LoRA training run (fp32) prints the NumPy trainer's losses and saves its adapters (PEFT's
     files), the frozen base unchanged on the device, with no gradient, moment or master-weight buffer;
+  - the KV-cached sampler on the device draws the NumPy trainer's ids from the adapted model;
   - a micro-batch replayed as a CUDA graph equals the eager one bit for bit (the adapters' GEMMs,
     their h buffers and scratch inside the capture);
-  - mpiexec -n 2 with ZeRO-1 (the adapters' AdamW state sharded) trains the adapters llama3_cpu.py
-    trains on the whole batch in one process;
+  - mpiexec -n 2 (llama3_cuda.py) and -pm fs (gpt2_cuda.py) with ZeRO-1 (the adapters' AdamW state
+    sharded) train the adapters the NumPy trainer trains on the whole batch in one process, and fs
+    ranks started with different LoRA flags stop at once;
   - the device memory of LoRA against full training, counted by the emulated device's pool, is
     smaller by the gradients, moments and master weights the frozen base does without (a bound
     from the parameter count, not a measured number: dev/lora_memory.py prints those).
