@@ -3,10 +3,11 @@ gpt2_cpu.py: GPT-2 training in pure NumPy, float32, with hand-derived gradients.
 
 This file *defines* the algorithm of llm.cupy, in reading order: the model's shape and its
 parameter table, the layers (each a forward/backward pair written out by hand, no autograd),
-the model, AdamW, the learning-rate schedules, the sampler, and the training loop. It is the
-Python twin of llm.c's train_gpt2.c and the reference the CUDA trainer (gpt2_cuda.py) is checked
-against, layer by layer. Everything else (file formats, data loader, tokenizer, checkpoints,
-MPI, logging, the command line) is host infrastructure in llmc/, as llm.c keeps it in llmc/*.h.
+LoRA's low-rank adapters for fine-tuning a frozen model (doc/lora.md), the model, AdamW, the
+learning-rate schedules, the sampler, and the training loop. It is the Python twin of llm.c's
+train_gpt2.c and the reference the CUDA trainer (gpt2_cuda.py) is checked against, layer by layer.
+Everything else (file formats, data loader, tokenizer, checkpoints, MPI, logging, the command
+line) is host infrastructure in llmc/, as llm.c keeps it in llmc/*.h.
 
 What it deliberately is not: fast on big models, or clever. No Python loops over B, T or heads
 (everything is vectorized NumPy), but no fusion and no mixed precision either.
@@ -52,6 +53,8 @@ from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt
 from llmc.comm import Comm
 from llmc.formats import read_model_file, read_model_shape, write_model_file
+from llmc import lora as lora_files
+from llmc.lora import LoraFamily, LoraTarget, lora_tensor_names
 from llmc.sampler import SamplerRNG, sample_token
 from llmc.utils import InputError
 
@@ -231,9 +234,11 @@ def encoder_forward(inp, wte, wpe):
 
 def encoder_backward(dwte, dwpe, dout, inp):
     """Accumulate dwte (Vp,C) and dwpe (maxT,C) from dout (B,T,C). Nothing to return:
-    the token ids have no gradient.
+    the token ids have no gradient. (dwte None: the embeddings are frozen, nothing to do.)
     out[b,t] = wte[inp[b,t]] + wpe[t]  =>  dwte[v] += sum of dout[b,t] over all (b,t) with inp[b,t]==v,
                                            dwpe[t] += sum_b dout[b,t]."""
+    if dwte is None:
+        return
     T = inp.shape[1]
     np.add.at(dwte, inp.ravel(), dout.reshape(-1, dout.shape[-1]))  # unbuffered scatter-add: repeated ids sum
     dwpe[:T] += dout.sum(axis=0)
@@ -257,11 +262,12 @@ def layernorm_backward(dweight, dbias, dout, inp, weight, mean, rstd):
     rstd (both functions of inp) gives, per row of C values:
         dinp = rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
     term 1: the direct path; term 2: through the mean; term 3: through the variance.
-    Derivation: doc/layernorm.md."""
+    Derivation: doc/layernorm.md. (dweight, dbias None: frozen, not computed.)"""
     norm = (inp - mean[..., None]) * rstd[..., None]          # (B,T,C)
     dnorm = dout * weight                                     # (B,T,C)
-    dbias += dout.sum(axis=(0, 1))
-    dweight += (dout * norm).sum(axis=(0, 1))
+    if dweight is not None:
+        dbias += dout.sum(axis=(0, 1))
+        dweight += (dout * norm).sum(axis=(0, 1))
     dinp = dnorm - dnorm.mean(axis=-1, keepdims=True) - norm * (dnorm * norm).mean(axis=-1, keepdims=True)
     return dinp * rstd[..., None]
 
@@ -280,12 +286,14 @@ def matmul_forward(inp, weight, bias):
 
 
 def matmul_backward(dweight, dbias, dout, inp, weight):
-    """Return dinp (B,T,C); accumulate dweight (OC,C) and dbias (OC,) (dbias may be None).
+    """Return dinp (B,T,C); accumulate dweight (OC,C) and dbias (OC,) (either may be None: a frozen
+    parameter, LoRA's base, whose gradient is not computed).
     out = inp @ weight.T + bias  =>  dinp = dout @ weight; dweight += dout^T @ inp; dbias += sum dout."""
     B, T, C = inp.shape
     OC = weight.shape[0]
     dout2 = dout.reshape(B * T, OC)                           # (B*T,OC)
-    dweight += dout2.T @ inp.reshape(B * T, C)                # (OC,B*T) @ (B*T,C) -> (OC,C)
+    if dweight is not None:
+        dweight += dout2.T @ inp.reshape(B * T, C)            # (OC,B*T) @ (B*T,C) -> (OC,C)
     if dbias is not None:
         dbias += dout2.sum(axis=0)
     return (dout2 @ weight).reshape(B, T, C)                  # (B*T,OC) @ (OC,C) -> (B*T,C)
@@ -415,6 +423,140 @@ def crossentropy_softmax_backward(dlosses, probs, targets):
 
 
 # ----------------------------------------------------------------------------
+# LoRA: low-rank adapters on a frozen model (Hu et al. 2021); the derivation is doc/lora.md
+#
+# Fine-tuning with LoRA freezes every parameter of the model and learns, for a few chosen linear
+# layers W (OC,C), an update of rank r << C: the layer computes inp @ (W + scale * lora_b @ lora_a)^T
+# with lora_a (r,C) and lora_b (OC,r), without ever forming the (OC,C) sum. scale = alpha / r
+# (the paper's 4.1: with Adam, tuning alpha is then roughly tuning the learning rate, whatever r;
+# doc/lora.md measures how far that holds). lora_a starts
+# random and lora_b at zero, so step 0 is the base model exactly. The frozen W needs no gradient:
+# its backward runs with dweight None, skipping the largest matmul of each layer's backward.
+
+LORA_INIT_KAIMING_A = math.sqrt(5)     # lora_a's init: kaiming_uniform_(a=sqrt(5)), as the paper's code and PEFT's
+
+
+def lora_targets(config):
+    """GPT-2's linear layers LoRA can adapt, by Hugging Face's names (each takes all of its weight's rows)."""
+    C = config.channels
+    return [LoraTarget("attn.c_attn", "qkvw", slice(0, 3 * C), C), LoraTarget("attn.c_proj", "attprojw", slice(0, C), C),
+            LoraTarget("mlp.c_fc", "fcw", slice(0, 4 * C), C), LoraTarget("mlp.c_proj", "fcprojw", slice(0, C), 4 * C)]
+
+
+# GPT2LMHeadModel's layer names, PEFT's default targets for GPT-2, its Conv1D layers (W stored transposed)
+LORA_FAMILY = LoraFamily(lora_targets, "transformer.h.{l}.", ("c_attn",), fan_in_fan_out=True)
+
+
+def lora_forward(inp, lora_a, lora_b, scale):
+    """The LoRA update of a frozen linear layer (Hu et al. 2021, eq. 3): inp (B,T,C); lora_a (r,C);
+    lora_b (OC,r) -> out (B,T,OC) = scale * (inp @ lora_a^T) @ lora_b^T, which the caller adds to
+    the frozen layer's output, and h (B,T,r) = inp @ lora_a^T, kept for the backward."""
+    h = matmul_forward(inp, lora_a, None)                     # (B,T,C) @ (C,r) -> (B,T,r): down to rank r
+    return scale * matmul_forward(h, lora_b, None), h         # (B,T,r) @ (r,OC) -> (B,T,OC): back up
+
+
+def lora_backward(dlora_a, dlora_b, dout, inp, h, lora_a, lora_b, scale):
+    """Return the adapter's part of dinp (B,T,C); accumulate dlora_a (r,C) and dlora_b (OC,r).
+    out = scale * h @ lora_b^T and h = inp @ lora_a^T are two bias-free matmuls, so matmul_backward twice:
+        dlora_b += (scale dout)^T @ h,   dh = (scale dout) @ lora_b      (the up-projection)
+        dlora_a += dh^T @ inp,           dinp = dh @ lora_a              (the down-projection)"""
+    dh = matmul_backward(dlora_b, None, scale * dout, h, lora_b)      # (B,T,r)
+    return matmul_backward(dlora_a, None, dh, inp, lora_a)            # (B,T,C)
+
+
+@dataclass
+class LoraAdapter:
+    """One layer's adapter on one linear layer: lora_a (r,C), lora_b (OC,r) and their gradients
+    (views into the LoRA's buffers), the scale, the rows of the layer's output it adds to (a slice
+    of the weight's OC: Llama's q, k and v share one matrix), and h (B,T,r) of the last forward."""
+    rows: slice
+    a: np.ndarray
+    b: np.ndarray
+    da: np.ndarray
+    db: np.ndarray
+    scale: float
+    h: np.ndarray = None
+
+
+class LoRA:
+    """LoRA adapters of rank r on the linear layers `targets` (llmc.lora.LoraTarget: PEFT's name,
+    our weight, its rows) of every layer: per target lora_A (L,r,C) and lora_B (L,OC,r), in one flat
+    parameter buffer and one gradient buffer with named views, as a model's, so that gpt2_zero_grad,
+    gpt2_grad_norm and gpt2_update train it as they would a model (m, v at the first update).
+    layers[l]: our weight name -> the LoraAdapters on layer l's copy of it."""
+
+    def __init__(self, targets, num_layers, rank, alpha, dtype=np.float32):
+        self.targets, self.rank, self.alpha, self.scale = targets, rank, alpha, alpha / rank
+        self.param_shapes = [shape for t in targets for shape in zip(
+            lora_tensor_names(t), ((num_layers, rank, t.in_features), (num_layers, t.out_features, rank)))]
+        self.num_parameters = num_elements(self.param_shapes)
+        self.params = np.zeros(self.num_parameters, dtype=dtype)
+        self.grads = np.zeros(self.num_parameters, dtype=dtype)
+        self.P = tensor_views(self.params, self.param_shapes)
+        self.G = tensor_views(self.grads, self.param_shapes)
+        self.m = self.v = None
+        self.decayed = tuple(self.P)       # AdamW decays every adapter (Hugging Face's Trainer: all but biases, norms)
+        self.layers = [{} for _ in range(num_layers)]
+        for t in targets:
+            a, b = lora_tensor_names(t)
+            for l, adapters in enumerate(self.layers):
+                adapters.setdefault(t.weight, []).append(
+                    LoraAdapter(t.rows, self.P[a][l], self.P[b][l], self.G[a][l], self.G[b][l], self.scale))
+
+
+def lora_init(targets, num_layers, rank, alpha, seed):
+    """Fresh adapters (Hu et al. 2021, 4.1: A random, B zero, so that the adapted model starts as the
+    base model): lora_B = 0 and lora_A uniform in +-sqrt(6 / ((1 + a^2) C)) = +-1/sqrt(C), PyTorch's
+    kaiming_uniform_ with a = LORA_INIT_KAIMING_A (nn.Linear's own default), which the paper's code
+    (loralib) and PEFT draw it from. Draws from np.random.default_rng(seed), tensor by tensor."""
+    lora = LoRA(targets, num_layers, rank, alpha)
+    rng = np.random.default_rng(seed)
+    for t in targets:
+        a = lora.P[lora_tensor_names(t)[0]]
+        bound = math.sqrt(6.0 / ((1.0 + LORA_INIT_KAIMING_A ** 2) * t.in_features))
+        a[...] = rng.uniform(-bound, bound, a.shape).astype(np.float32)
+    return lora
+
+
+def lora_add_forward(out, inp, adapters):
+    """out (B,T,OC) += lora_forward of each adapter (on the layer that wrote out from inp (B,T,C))
+    in its rows of out; keeps each adapter's h."""
+    for ad in adapters:
+        delta, ad.h = lora_forward(inp, ad.a, ad.b, ad.scale)
+        out[..., ad.rows] += delta
+
+
+def linear_forward(inp, weight, bias, adapters):
+    """matmul_forward with the LoRA adapters on its weight (lora_add_forward): the sampler's layers."""
+    out = matmul_forward(inp, weight, bias)                   # (B,T,OC)
+    lora_add_forward(out, inp, adapters)
+    return out
+
+
+def lora_add_backward(dinp, dout, inp, adapters):
+    """dinp (B,T,C) += each adapter's part of the input's gradient (lora_backward on its rows of
+    dout (B,T,OC)); accumulates its dlora_a, dlora_b."""
+    for ad in adapters:
+        dinp += lora_backward(ad.da, ad.db, dout[..., ad.rows], inp, ad.h, ad.a, ad.b, ad.scale)
+
+
+def lora_merge(P, lora):
+    """Merge the adapters into the weights they adapt, in place: W[rows] += scale lora_b @ lora_a
+    per layer (the paper's W = W0 + BA: the merged model computes what the adapted one did)."""
+    for l, adapters in enumerate(lora.layers):
+        for weight, on_weight in adapters.items():
+            for ad in on_weight:
+                P[weight][l][ad.rows] += ad.scale * (ad.b @ ad.a)        # (OC,r) @ (r,C) -> (OC,C)
+
+
+def freeze(model):
+    """Freeze every parameter of the model (LoRA's base): no gradient buffer (G's views are None),
+    so every backward function skips its parameter gradients and AdamW never touches the model."""
+    model.grads = None
+    model.G = dict.fromkeys(model.P)
+
+
+# ----------------------------------------------------------------------------
 # the model: parameters, init, forward, backward, zero_grad, grad norm, checkpoint files
 
 class GPT2:
@@ -431,6 +573,7 @@ class GPT2:
         self.P = tensor_views(self.params, self.param_shapes)     # name -> view into params
         self.G = tensor_views(self.grads, self.param_shapes)      # name -> view into grads
         self.m = self.v = None                                    # AdamW moments, same dtype
+        self.lora = None                                          # LoRA adapters (the model then frozen)
         self.acts = None                                          # name -> activation view
         self.acts_BT = None
         self.inputs = self.targets = None
@@ -466,8 +609,13 @@ def gpt2_init(config, seed=42, dtype=np.float32):
 
 
 def layer_params(P, l):
-    """Layer l's 12 per-layer tensors: a dict name -> view (for G as well as P)."""
-    return {name: P[name][l] for name in PARAMETER_NAMES[2:14]}
+    """Layer l's 12 per-layer tensors: a dict name -> view (for G as well as P; a frozen model's G: None)."""
+    return {name: None if P[name] is None else P[name][l] for name in PARAMETER_NAMES[2:14]}
+
+
+def lora_layer(model, l):
+    """Layer l's LoRA adapters (LoRA.layers[l]: weight name -> adapters), or None without LoRA."""
+    return model.lora.layers[l] if model.lora is not None else None
 
 
 def check_inputs(config, inputs, targets=None, pos=0):
@@ -483,23 +631,27 @@ def check_inputs(config, inputs, targets=None, pos=0):
             raise InputError(f"{name} id out of range [0, {V}): {ids.min()}..{ids.max()}")
 
 
-def block_forward(residual, p, NH):
+def block_forward(residual, p, NH, lora=None):
     """One transformer block (GPT-2's pre-LayerNorm block, Radford et al. 2019) on the residual
-    stream residual (B,T,C) with layer l's parameters p (layer_params) and NH heads. Returns the
-    block's activations, name -> array, in forward order (the names of activation_shapes);
-    "residual3" is the next block's input."""
-    a = {}
+    stream residual (B,T,C) with layer l's parameters p (layer_params) and NH heads; lora: layer
+    l's adapters (LoRA.layers[l]) or None. Returns the block's activations, name -> array, in
+    forward order (the names of activation_shapes); "residual3" is the next block's input."""
+    lora, a = lora or {}, {}
     # forward pass 1: attention block
     a["ln1"], a["ln1_mean"], a["ln1_rstd"] = layernorm_forward(residual, p["ln1w"], p["ln1b"])
     a["qkv"] = matmul_forward(a["ln1"], p["qkvw"], p["qkvb"])                 # (B,T,3C)
+    lora_add_forward(a["qkv"], a["ln1"], lora.get("qkvw", ()))                # + the adapters, if any
     a["atty"], a["att"] = attention_forward(a["qkv"], NH)                     # (B,T,C), (B,NH,T,T)
     a["attproj"] = matmul_forward(a["atty"], p["attprojw"], p["attprojb"])
+    lora_add_forward(a["attproj"], a["atty"], lora.get("attprojw", ()))
     a["residual2"] = residual_forward(residual, a["attproj"])
     # forward pass 2: MLP block
     a["ln2"], a["ln2_mean"], a["ln2_rstd"] = layernorm_forward(a["residual2"], p["ln2w"], p["ln2b"])
     a["fch"] = matmul_forward(a["ln2"], p["fcw"], p["fcb"])                   # (B,T,4C)
+    lora_add_forward(a["fch"], a["ln2"], lora.get("fcw", ()))
     a["fch_gelu"] = gelu_forward(a["fch"])
     a["fcproj"] = matmul_forward(a["fch_gelu"], p["fcprojw"], p["fcprojb"])   # (B,T,C)
+    lora_add_forward(a["fcproj"], a["fch_gelu"], lora.get("fcprojw", ()))
     a["residual3"] = residual_forward(a["residual2"], a["fcproj"])
     return a
 
@@ -519,7 +671,7 @@ def gpt2_forward(model, inputs, targets=None):
     A["encoded"][...] = encoder_forward(inputs, P["wte"], P["wpe"])          # (B,T,C)
     residual = A["encoded"]
     for l in range(L):
-        block = block_forward(residual, layer_params(P, l), NH)
+        block = block_forward(residual, layer_params(P, l), NH, lora_layer(model, l))
         for name, value in block.items():
             A[name][l] = value                                                # kept for the backward
         residual = A["residual3"][l]                                          # the next layer's input
@@ -542,8 +694,9 @@ def gpt2_zero_grad(model):
 
 def gpt2_backward(model, loss_scale=1.0):
     """Backward pass of the last gpt2_forward (which must have had targets): accumulates the
-    gradient of loss_scale * mean(losses) into model.grads. With gradient accumulation over n
-    micro-batches, loss_scale = 1/n makes the sum the gradient of the mean loss."""
+    gradient of loss_scale * mean(losses) into model.grads (with LoRA, of a frozen model: into
+    model.lora.grads only). With gradient accumulation over n micro-batches, loss_scale = 1/n makes
+    the sum the gradient of the mean loss."""
     if model.targets is None:
         raise RuntimeError("gpt2_backward needs a forward pass with targets")
     cfg = model.config
@@ -558,21 +711,25 @@ def gpt2_backward(model, loss_scale=1.0):
     dresidual = layernorm_backward(G["lnfw"], G["lnfb"], dlnf, A["residual3"][L - 1], P["lnfw"],
                                    A["lnf_mean"], A["lnf_rstd"])              # gradient of the residual stream
     for l in reversed(range(L)):
-        p, g = layer_params(P, l), layer_params(G, l)
+        p, g, lora = layer_params(P, l), layer_params(G, l), lora_layer(model, l) or {}
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]
         # backward pass 2: MLP block. residual3 = residual2 + fcproj: both receive dresidual
         # (the same array: every later "dresidual = dresidual + ..." makes a new one, never +=)
         dresidual, dfcproj = residual_backward(dresidual)
         dfch_gelu = matmul_backward(g["fcprojw"], g["fcprojb"], dfcproj, A["fch_gelu"][l], p["fcprojw"])
+        lora_add_backward(dfch_gelu, dfcproj, A["fch_gelu"][l], lora.get("fcprojw", ()))
         dfch = gelu_backward(dfch_gelu, A["fch"][l])
         dln2 = matmul_backward(g["fcw"], g["fcb"], dfch, A["ln2"][l], p["fcw"])
+        lora_add_backward(dln2, dfch, A["ln2"][l], lora.get("fcw", ()))
         dresidual = dresidual + layernorm_backward(g["ln2w"], g["ln2b"], dln2, A["residual2"][l], p["ln2w"],
                                                    A["ln2_mean"][l], A["ln2_rstd"][l])
         # backward pass 1: attention block. residual2 = residual + attproj
         dresidual, dattproj = residual_backward(dresidual)
         datty = matmul_backward(g["attprojw"], g["attprojb"], dattproj, A["atty"][l], p["attprojw"])
+        lora_add_backward(datty, dattproj, A["atty"][l], lora.get("attprojw", ()))
         dqkv = attention_backward(datty, A["qkv"][l], A["att"][l], NH)
         dln1 = matmul_backward(g["qkvw"], g["qkvb"], dqkv, A["ln1"][l], p["qkvw"])
+        lora_add_backward(dln1, dqkv, A["ln1"][l], lora.get("qkvw", ()))
         dresidual = dresidual + layernorm_backward(g["ln1w"], g["ln1b"], dln1, residual, p["ln1w"],
                                                    A["ln1_mean"][l], A["ln1_rstd"][l])
     # backward of the encoder: encoded = wte[inputs] + wpe
@@ -617,6 +774,25 @@ def write_model(path, model, dtype="float32"):
 def build_model(spec, seed):
     """-e: a checkpoint path (fp32 or bf16), or a descriptor (d12) for a fresh gpt2_init."""
     return read_model(spec) if is_checkpoint_path(spec) else gpt2_init(config_from_descriptor(spec), seed)
+
+
+def build_lora(args, model, family, seed):
+    """The LoRA flags (llmc/lora.py) on `model` of `family` (LORA_FAMILY): nothing without them;
+    else adapters, fresh (--lora-rank: lora_init) or read (--lora-load), become model.lora and the
+    model is frozen. Raises InputError."""
+    lora_files.check_flags(args)
+    L = model.config.num_layers
+    if args.lora_load:
+        rank, alpha, targets, tensors = lora_files.load(args.lora_load, model.config, family)
+        model.lora = LoRA(targets, L, rank, alpha)
+        for name, value in tensors.items():
+            model.lora.P[name][...] = value
+    elif args.lora_rank > 0:
+        targets = lora_files.select_targets(args.lora_targets, family.targets_of(model.config), family.default_targets)
+        alpha = args.lora_alpha if args.lora_alpha is not None else lora_files.LORA_DEFAULT_ALPHA
+        model.lora = lora_init(targets, L, args.lora_rank, alpha, seed)
+    if model.lora is not None:
+        freeze(model)
 
 
 def model_config(spec):
@@ -742,17 +918,18 @@ def attention_forward_cached(qkv, k_cache, v_cache, pos, NH):
     return out.transpose(0, 2, 1, 3).reshape(B, T, C)
 
 
-def block_forward_cached(residual, p, k_cache, v_cache, pos, NH):
+def block_forward_cached(residual, p, k_cache, v_cache, pos, NH, lora=None):
     """block_forward for the sampler: the T new positions pos..pos+T-1 of residual (B,T,C), the
     attention reading and extending layer l's KV cache (attention_forward_cached); nothing is
     kept for a backward. Returns the block's output, the next block's input (B,T,C)."""
+    lora = lora or {}
     ln1, _, _ = layernorm_forward(residual, p["ln1w"], p["ln1b"])
-    qkv = matmul_forward(ln1, p["qkvw"], p["qkvb"])                           # (B,T,3C)
-    atty = attention_forward_cached(qkv, k_cache, v_cache, pos, NH)           # (B,T,C)
-    residual2 = residual_forward(residual, matmul_forward(atty, p["attprojw"], p["attprojb"]))
+    qkv = linear_forward(ln1, p["qkvw"], p["qkvb"], lora.get("qkvw", ()))                  # (B,T,3C)
+    atty = attention_forward_cached(qkv, k_cache, v_cache, pos, NH)                         # (B,T,C)
+    residual2 = residual_forward(residual, linear_forward(atty, p["attprojw"], p["attprojb"], lora.get("attprojw", ())))
     ln2, _, _ = layernorm_forward(residual2, p["ln2w"], p["ln2b"])
-    fch_gelu = gelu_forward(matmul_forward(ln2, p["fcw"], p["fcb"]))          # (B,T,4C)
-    return residual_forward(residual2, matmul_forward(fch_gelu, p["fcprojw"], p["fcprojb"]))
+    fch_gelu = gelu_forward(linear_forward(ln2, p["fcw"], p["fcb"], lora.get("fcw", ())))    # (B,T,4C)
+    return residual_forward(residual2, linear_forward(fch_gelu, p["fcprojw"], p["fcprojb"], lora.get("fcprojw", ())))
 
 
 def gpt2_forward_cached(model, inputs, cache):
@@ -767,7 +944,8 @@ def gpt2_forward_cached(model, inputs, cache):
     check_inputs(cfg, inputs, None, pos)
     residual = encoder_forward(inputs, P["wte"], P["wpe"][pos:])              # (B,T,C), positions pos..pos+T-1
     for l in range(cfg.num_layers):
-        residual = block_forward_cached(residual, layer_params(P, l), cache.k[l], cache.v[l], pos, cfg.num_heads)
+        residual = block_forward_cached(residual, layer_params(P, l), cache.k[l], cache.v[l], pos, cfg.num_heads,
+                                        lora_layer(model, l))
     lnf, _, _ = layernorm_forward(residual[:, T - 1:], P["lnfw"], P["lnfb"])  # (B,1,C): the last position
     cache.length = pos + T
     return matmul_forward(lnf, P["wte"], None)[:, 0]                          # (B,1,C) @ (C,Vp) -> (B,Vp)
@@ -846,6 +1024,12 @@ def train(args):
     comm = Comm()
     run = TrainingRun(args, comm)
     model = build_model(run.model_spec(), args.seed)
+    build_lora(args, model, LORA_FAMILY, args.seed)       # --lora-*: adapters on a frozen model
+    if args.lora_merge:                                   # merge --lora-load's adapters into -e, write it
+        lora_merge(model.P, model.lora)
+        write_model(args.lora_merge, model)
+        run.say(f"merged the adapters of {args.lora_load} into {args.model}: wrote {args.lora_merge}")
+        return model
     if args.generate > 0:
         rng = SamplerRNG(args.sample_seed)
         return sample_from_prompt(args, lambda prompt, n, on_token: generate(
@@ -866,6 +1050,9 @@ def train(args):
         run.evaluate_only(batch_loss, forward_losses)
         return model
     run.banner(model.config, model.num_parameters)
+    trained = model.lora or model                         # what the step updates (LoRA: the adapters only)
+    if model.lora:
+        run.say(lora_files.describe(model.lora, model.num_parameters))
     sample_rng = SamplerRNG(args.sample_seed)
     start_step, outliers = 0, None
     if run.resuming:
@@ -893,7 +1080,7 @@ def train(args):
             break
         # the training step
         t0 = time.perf_counter()
-        gpt2_zero_grad(model)
+        gpt2_zero_grad(trained)
         loss = 0.0
         for _ in range(run.grad_accum_steps):
             if args.overfit_single_batch:
@@ -902,22 +1089,27 @@ def train(args):
             gpt2_forward(model, inputs, targets)
             gpt2_backward(model, loss_scale=1.0 / run.grad_accum_steps)
             loss += model.mean_loss / run.grad_accum_steps
-        comm.mean_(model.grads)                           # data parallel: average over processes
+        comm.mean_(trained.grads)                         # data parallel: average over processes
         loss = comm.mean(loss)
-        norm = gpt2_grad_norm(model)
+        norm = gpt2_grad_norm(trained)
         skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
         if not skip:
-            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale)
+            gpt2_update(trained, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
+                        trained.decayed if model.lora else DECAYED_PARAMETERS)
         run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
+    if args.lora_save and comm.rank == 0:
+        lora_files.save(args.lora_save, model.lora, model.config.num_layers, LORA_FAMILY, args.model)
+        run.say(f"LoRA adapters written to {args.lora_save}")
     return model
 
 
 def parse_args(argv=None):
     """The command line (argv: list of str, default sys.argv[1:]) -> argparse.Namespace."""
     parser = build_parser("gpt2_cpu.py", "Train GPT-2 in NumPy (the llm.cupy reference trainer).", LR_SCHEDULES)
+    lora_files.add_flags(parser, LORA_FAMILY.default_targets)
     return parser.parse_args(argv)
 
 

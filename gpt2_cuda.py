@@ -16,7 +16,8 @@ its end and logged a step late, while the next step runs (with -sl / -sg, or ZeR
 ranks, the host reads them before the update instead). The attention path (--attention naive |
 flash | cudnn) and the matmul backend (cuBLAS, or --cublaslt 1; -f 1: TF32; --residual-epilogue)
 are objects chosen once by setup_model and kept on the model; --cuda-graph 1 (the default on a
-GPU) replays the whole step as one CUDA graph (one per micro-batch with -d > B*T). Precision: bf16 (the default from
+GPU) replays the whole step as one CUDA graph (one per micro-batch with -d > B*T); --lora-rank R fine-tunes LoRA adapters on the frozen
+model (llmc/lora_device.py, doc/lora.md). Precision: bf16 (the default from
 compute capability 8.0) stores parameters, gradients and activations as bfloat16 with fp32
 arithmetic inside every kernel, fp32 AdamW moments and (-w 1) fp32 master weights; fp32 stores
 everything as float32.
@@ -47,10 +48,11 @@ require("gpt2_cuda.py", "numpy")         # no NumPy (the environment not activat
 import numpy as np  # noqa: E402
 
 import gpt2_cpu
-from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LR_SCHEDULES, KVCache, SamplerRNG,
-                      SamplingForward, build_model, check_inputs, generate, kv_cache_shape, layer_params, learning_rate_at,
-                      model_config, num_elements, parameter_shapes, tensor_views)
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, DECAYED_PARAMETERS, LORA_FAMILY, LR_SCHEDULES, KVCache,
+                      SamplerRNG, SamplingForward, build_lora, build_model, check_inputs, generate, kv_cache_shape,
+                      layer_params, learning_rate_at, model_config, num_elements, parameter_shapes, tensor_views)
 from llmc import cuda, gpu_cli, multinode
+from llmc import lora as lora_files
 from llmc.attention import NaiveAttention, attention_path, resolve_attention
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, agreement_config, run_main, sample_from_prompt
@@ -62,6 +64,7 @@ from llmc.cuda_check import run_check
 from llmc.evalloader import NUM_COMPLETIONS, PAD_TOKEN
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits, read_model_file, write_model_file
 from llmc.gpu_cli import choose_precision, device_line, gpu_status_line
+from llmc.lora_device import DeviceLoRA, LoraMatmul
 from llmc.matmul import BIAS_BACKWARD_CHUNKS, Cublas, gelu_forward, matmul_backend
 from llmc.mfu import mfu
 from llmc.pinned import PinnedStaging
@@ -242,6 +245,8 @@ def encoder_backward(dwte, dwpe, partial, dout, positions, chunk_start, chunk_to
     num_reduce+1) and partial, fp32 partial sums of at least wte_partial_rows(B*T) rows of C.
         out[b,t] = wte[inp[b,t]] + wpe[t]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v,
                                                dwpe[t] += sum_b dout[b,t]"""
+    if dwte is None:                                           # frozen (LoRA): nothing to accumulate
+        return
     N = B * T
     precision = check_launch("encoder_backward", [("dwte", dwte, dwte.size), ("dwpe", dwpe, dwpe.size), ("dout", dout, N * C)],
                              int32=[("positions", positions, N), ("chunk_start", chunk_start, num_chunks + 1),
@@ -293,19 +298,22 @@ def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, r
         dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),  dnorm = dout * weight
     (derivation: gpt2_cpu.layernorm_backward, doc/layernorm.md). Two kernels: per-block partial
     sums of dbias/dweight into partial (G, 2, C) fp32, then their sum in a fixed order (each block
-    of layernorm_param_reduce sums 32 columns, its warps sharing the G slots)."""
+    of layernorm_param_reduce sums 32 columns, its warps sharing the G slots); skipped for a frozen
+    LayerNorm (dweight and dbias None)."""
     N = B * T
     G = layernorm_backward_grid(N)
+    trained = [("dweight", dweight, C), ("dbias", dbias, C)] if dweight is not None else []
     precision = check_launch("layernorm_backward",
-                             [("dinp", dinp, N * C), ("dweight", dweight, C), ("dbias", dbias, C), ("dout", dout, N * C),
-                              ("inp", inp, N * C), ("weight", weight, C)],
+                             [("dinp", dinp, N * C), ("dout", dout, N * C), ("inp", inp, N * C), ("weight", weight, C)]
+                             + trained,
                              float32=[("mean", mean, N), ("rstd", rstd, N)], vector_dim=("C", C),
                              unaligned=("dweight", "dbias"))
     require(partial.dtype == np.float32 and partial.size >= G * 2 * C, f"layernorm partial sums need {G * 2 * C} floats")
     cuda.launch("layernorm", precision, "layernorm_backward", G, LAYERNORM_BACKWARD_BLOCK_SIZE,
                 (dinp, partial, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
-    cuda.launch("layernorm", precision, "layernorm_param_reduce", layernorm_param_reduce_grid(C),
-                LAYERNORM_PARAM_REDUCE_BLOCK_SIZE, (dweight, dbias, partial, np.int32(G), np.int32(C)))
+    if trained:
+        cuda.launch("layernorm", precision, "layernorm_param_reduce", layernorm_param_reduce_grid(C),
+                    LAYERNORM_PARAM_REDUCE_BLOCK_SIZE, (dweight, dbias, partial, np.int32(G), np.int32(C)))
 
 
 def layernorm_backward_grid(N):
@@ -387,10 +395,13 @@ class GPT2:
     by gpt2_allocate, once). precision is "bf16" or "fp32"; recompute is llm.c's -r level, 0, 1
     or 2 (recomputed_activations; True and False are 1 and 0); classifier_chunk: the sequences of a
     micro-batch the classifier takes at a time (classifier_chunks; 0: all at once). Raises
-    InputError for others."""
+    InputError for others. trainable=False: LoRA's frozen base (gpt2_cpu.freeze): no gradients,
+    moments or master weights (G's views None); its adapters (lora, llmc/lora_device.py) are
+    trained instead."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
-                 zero_stage=0, process_rank=0, num_processes=1, matmul=None, classifier_chunk=0):
+                 zero_stage=0, process_rank=0, num_processes=1, matmul=None, classifier_chunk=0,
+                 trainable=True):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
@@ -418,14 +429,14 @@ class GPT2:
         self.zero_stage = zero_stage
         self.shard = optimizer_shard(n, zero_stage, process_rank, num_processes)
         self.params_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
-        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
+        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX) if trainable else None
         self.params = self.params_memory[:n]                         # (n,) views: what the model uses
-        self.grads = self.grads_memory[:n]
+        self.grads = self.grads_memory[:n] if trainable else None
         self.P = tensor_views(self.params, self.param_shapes)        # name -> view into params
-        self.G = tensor_views(self.grads, self.param_shapes)         # name -> view into grads
-        S = self.shard.size
+        self.G = tensor_views(self.grads, self.param_shapes) if trainable else dict.fromkeys(self.P)
+        S = self.shard.size if trainable else 0
         # fp32 master weights only make sense when the parameters themselves are not fp32
-        self.master = cp.zeros(S, dtype=np.float32) if master_weights and precision == "bf16" else None
+        self.master = cp.zeros(S, dtype=np.float32) if master_weights and precision == "bf16" and trainable else None
         self.m = cp.zeros(S, dtype=np.float32)                       # AdamW moments, fp32 always
         self.v = cp.zeros(S, dtype=np.float32)
         self.partial = cp.zeros(partial_floats(config), dtype=np.float32)   # the backward's per-block partial sums
@@ -442,6 +453,7 @@ class GPT2:
         self.host_inputs = None                      # the last forward's token ids, for gpt2_backward
         self.staging = {"batch": PinnedStaging(), "segments": PinnedStaging()}   # pinned host buffers of the uploads
         self.has_targets = False
+        self.lora = None                             # LoRA's adapters (llmc/lora_device.py) on a frozen model
 
 
 # Per-layer buffers whose layers start on a VECTOR_BYTES boundary, each padded up to it: one layer of
@@ -1260,8 +1272,10 @@ def load_model_checkpoint(out_dir, step, model, loader, process_rank, num_proces
 # training loop (llm.c's main): the training step written out; the rest from llmc/cli.py
 
 def build_parser():
-    """gpt2_cpu.py's flags plus the GPU options (llmc.gpu_cli.build_parser)."""
-    return gpu_cli.build_parser(LR_SCHEDULES)
+    """gpt2_cpu.py's flags (LoRA's too) plus the GPU options (llmc.gpu_cli.build_parser)."""
+    parser = gpu_cli.build_parser(LR_SCHEDULES)
+    lora_files.add_flags(parser, LORA_FAMILY.default_targets)
+    return parser
 
 
 def parse_args(argv=None):
@@ -1282,15 +1296,28 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
+    build_lora(args, host, LORA_FAMILY, args.seed)                              # --lora-*: host.lora, host frozen
     cfg = host.config
     attention, fallback = resolve_attention(args.attention, precision, cfg.channels // cfg.num_heads)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
-                 matmul=matmul, classifier_chunk=args.classifier_chunk)
+                 matmul=matmul, classifier_chunk=args.classifier_chunk, trainable=host.lora is None)
     upload_parameters(model, host.params)
+    if host.lora is not None:
+        attach_lora(model, host.lora, rank, size)
     return model
+
+
+def attach_lora(model, host_lora, rank=0, size=1):
+    """LoRA on the device (llmc/lora_device.py): host_lora's adapters uploaded as model.lora (with
+    -z's shard of their optimizer state and AdamW's per-step buffers), applied by the model's
+    matmul backend from now on."""
+    model.lora = DeviceLoRA(host_lora, model.precision, model.zero_stage, rank, size, UPDATE_SEED, GLOBAL_NORM_GRID)
+    model.lora.update = UpdateBuffers(model.lora.param_shapes)
+    upload_parameters(model.lora, host_lora.params)
+    model.matmul = LoraMatmul(model.matmul, model.lora, model.P)
 
 
 def kernel_files(model):
@@ -1335,6 +1362,8 @@ def train(args):
     NCCL all-reduce of the gradients, clip to the global norm, AdamW, all on the device (a CUDA
     graph per micro-batch with --cuda-graph 1: the whole step without accumulation), the step's
     line logged a step late (StepReadback). Returns the model (the sampled ids with --generate)."""
+    if args.lora_merge:                            # host work only: gpt2_cpu.py merges and writes the file
+        return gpt2_cpu.train(args)
     cp = cuda.cupy()
     comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
@@ -1376,6 +1405,8 @@ def train(args):
         return model
     run.say(device_line(device, device_name, capability, model, cuda_graph))
     run.banner(cfg, model.num_parameters)
+    if model.lora:
+        run.say(lora_files.describe(model.lora, model.num_parameters))
     run.say(f"memory: activations {activation_bytes / 2**30:.2f} GiB, total in use "
             f"{cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
     sample_rng = SamplerRNG(args.sample_seed)
@@ -1397,8 +1428,10 @@ def train(args):
 
     update = StepUpdate(ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, args.grad_clip)
     # the step on the device, its loss and norm read a step late: unless -sl / -sg must see them
-    # before the update, or ZeRO-1's shards sum the norm on the host (gpt2_global_grad_norm)
-    on_device = not (args.skip_update_lossz > 0 or args.skip_update_gradz > 0 or model.shard.num_processes > 1)
+    # before the update, or ZeRO-1's shards sum the norm on the host (gpt2_global_grad_norm), or
+    # LoRA trains the adapters (host_step's)
+    on_device = not (args.skip_update_lossz > 0 or args.skip_update_gradz > 0 or model.shard.num_processes > 1
+                     or model.lora is not None)
     lines = StepLines(run, model, comm, args, device, device_name, StepReadback(B * T) if on_device else None)
     for step in range(start_step, run.num_steps + 1):
         if run.acts_between(step):                 # it prints or saves: the step still pending first
@@ -1416,7 +1449,19 @@ def train(args):
             lines.line(step, lr, *host_step(model, run, args, comm, step, lr, cuda_graph, nccl),
                        time.perf_counter() - t0)
     lines.flush()
+    if args.lora_save and comm.rank == 0:
+        save_lora(args.lora_save, model, LORA_FAMILY, args.model)
+        run.say(f"LoRA adapters written to {args.lora_save}")
     return model
+
+
+def save_lora(out_dir, model, family, base_model):
+    """--lora-save: the device's adapters as PEFT's files (llmc.lora.save): their fp32 master
+    weights, or (fp32, or ZeRO-1 over several ranks) the parameters the run computes with."""
+    lora = model.lora
+    host = gpt2_cpu.LoRA(lora.targets, model.config.num_layers, lora.rank, lora.alpha)
+    host.params[...] = download_parameters(lora)
+    lora_files.save(out_dir, host, model.config.num_layers, family, base_model)
 
 
 def device_step(model, run, args, step, lr, update, cuda_graph, nccl):
@@ -1441,9 +1486,11 @@ def host_step(model, run, args, comm, step, lr, cuda_graph, nccl):
     """One training step whose loss and norm the host reads before the update (-sl / -sg decide
     on them whether to apply it; ZeRO-1 over several ranks sums the norm on the host): the
     micro-batches (eager or CUDA graphs), the mean over ranks, the norm and loss (two syncs), the
-    outlier check, AdamW. Returns (loss, norm, zloss, zgrad), the update done."""
+    outlier check, AdamW. With LoRA (model.lora) all of that trains the adapters only. Returns
+    (loss, norm, zloss, zgrad), the update done."""
+    trained = model.lora or model                  # what the step updates (LoRA: the adapters only)
     A = gpt2_activations(model, run.B, run.T)
-    gpt2_zero_grad(model)
+    gpt2_zero_grad(trained)
     A["loss_accum"].fill(0)
     for _ in range(run.grad_accum_steps):
         if args.overfit_single_batch:
@@ -1452,14 +1499,15 @@ def host_step(model, run, args, comm, step, lr, cuda_graph, nccl):
         # forward, the loss added up on the device (no sync), backward: eager or a CUDA graph
         gpt2_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, cuda_graph)
     if nccl is not None:
-        gpt2_average_gradients(model, nccl)                               # data parallel (-z 1: this rank's shard)
-    norm = gpt2_global_grad_norm(model, comm, args.grad_clip)             # sync 1 of 2
+        gpt2_average_gradients(trained, nccl)                             # data parallel (-z 1: this rank's shard)
+    norm = gpt2_global_grad_norm(trained, comm, args.grad_clip)           # sync 1 of 2
     loss = float(A["loss_accum"].sum(dtype=np.float64)) / (A["loss_accum"].size * run.grad_accum_steps)  # sync 2
     loss = comm.mean(loss)
     skip, zloss, zgrad = run.skip_update(loss, norm)         # -sl / -sg: an outlier step is not applied
     if not skip:                               # one shard: the clipping factor global_norm left on the device
-        grad_scale = None if model.shard.num_processes == 1 else clip_factor(args.grad_clip, norm)
-        gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl)
+        grad_scale = None if trained.shard.num_processes == 1 else clip_factor(args.grad_clip, norm)
+        gpt2_update(trained, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale, nccl,
+                    trained.decayed if model.lora else DECAYED_PARAMETERS)
     cuda.cupy().cuda.get_current_stream().synchronize()                   # the step's time includes the update
     return loss, norm, zloss, zgrad
 

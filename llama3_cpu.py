@@ -12,6 +12,8 @@ only what differs, each new layer a forward/backward pair with its backward's ma
                         repeat and its backward); after it, attention is GPT-2's
     SwiGLU              a gated MLP of three matrices (c_fc, c_fc2, c_proj), replaces GELU
     untied classifier   its own (V,C) matrix wlmhead; no biases anywhere; no vocabulary padding
+LoRA fine-tuning is gpt2_cpu.py's (--lora-rank; doc/lora.md): this file only says which of its linear
+layers take adapters (lora_targets: Hugging Face's q_proj, k_proj, ... as row ranges of its matrices).
 The model follows llm.c's train_llama3.py (LLaMA 3.1, Meta's reference model): the same
 parameters with the same meaning, so the model files of llm.c's train_llama3.py and
 train_llama3.cu load here and the ones written here load there (doc/file_formats.md).
@@ -51,13 +53,16 @@ require("llama3_cpu.py", "numpy")        # no NumPy (the environment not activat
 import numpy as np  # noqa: E402
 
 from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, INIT_STD, LR_SCHEDULES, KVCache,
-                      SamplingForward, attention_forward, attention_backward, causal_softmax,
+                      SamplingForward, attention_forward, attention_backward, build_lora, causal_softmax,
                       check_inputs, crossentropy_forward, crossentropy_softmax_backward, generate, gpt2_grad_norm,
-                      gpt2_update, gpt2_zero_grad, learning_rate_at, matmul_backward, matmul_forward, num_elements,
+                      gpt2_update, gpt2_zero_grad, learning_rate_at, linear_forward, lora_add_backward,
+                      lora_add_forward, lora_layer, lora_merge, matmul_backward, matmul_forward, num_elements,
                       residual_backward, residual_forward, softmax_forward, tensor_views)
+from llmc import lora as lora_files
 from llmc.checkpoint import load_checkpoint, save_checkpoint
 from llmc.cli import TrainingRun, build_parser, is_checkpoint_path, run_main, sample_from_prompt
 from llmc.comm import Comm
+from llmc.lora import LoraFamily, LoraTarget
 from llmc.formats import (LLAMA3_LAYOUT_BRANCH, LLAMA3_LAYOUT_MASTER, read_llama3_model_file,  # noqa: F401
                           read_llama3_model_shape, write_llama3_model_file)
 from llmc.sampler import SamplerRNG
@@ -171,6 +176,24 @@ def qkv_channels(config):
     return (config.num_heads + 2 * config.num_kv_heads) * config.head_size
 
 
+def lora_targets(config):
+    """Llama 3's linear layers LoRA can adapt (llmc.lora.LoraTarget), by Hugging Face's names: q_proj,
+    k_proj and v_proj are row ranges of our fused qkvw (so each has its own adapter, as in PEFT), q's
+    and k's rows rotated by RoPE; gate_proj is c_fc2 (fcw2, through SiLU), up_proj c_fc (fcw)."""
+    C, H, HS = config.channels, config.hidden_dim, config.head_size
+    q, kv = config.num_heads * HS, config.num_kv_heads * HS
+    return [LoraTarget("self_attn.q_proj", "qkvw", slice(0, q), C, HS),
+            LoraTarget("self_attn.k_proj", "qkvw", slice(q, q + kv), C, HS),
+            LoraTarget("self_attn.v_proj", "qkvw", slice(q + kv, q + 2 * kv), C),
+            LoraTarget("self_attn.o_proj", "attprojw", slice(0, C), C),
+            LoraTarget("mlp.gate_proj", "fcw2", slice(0, H), C), LoraTarget("mlp.up_proj", "fcw", slice(0, H), C),
+            LoraTarget("mlp.down_proj", "fcprojw", slice(0, C), H)]
+
+
+# LlamaForCausalLM's layer names, PEFT's default targets for Llama, nn.Linear layers (W as ours)
+LORA_FAMILY = LoraFamily(lora_targets, "model.layers.{l}.", ("q_proj", "v_proj"), fan_in_fan_out=False)
+
+
 def parameter_shapes(config):
     """The 10 parameter tensors in train_llama3.py's order: list of (name, shape)."""
     V, C, L, H = config.vocab_size, config.channels, config.num_layers, config.hidden_dim
@@ -217,7 +240,9 @@ def encoder_forward(inp, wte):
 
 def encoder_backward(dwte, dout, inp):
     """Accumulate dwte (V,C) from dout (B,T,C): dwte[v] += the sum of dout[b,t] over every (b,t)
-    with inp[b,t] == v (gpt2_cpu.encoder_backward without its wpe)."""
+    with inp[b,t] == v (gpt2_cpu.encoder_backward without its wpe; dwte None: frozen, nothing to do)."""
+    if dwte is None:
+        return
     np.add.at(dwte, inp.ravel(), dout.reshape(-1, dout.shape[-1]))
 
 
@@ -241,7 +266,8 @@ def rmsnorm_backward(dweight, dout, inp, weight, rstd):
     term, through the mean, which RMSNorm does not subtract."""
     norm = inp * rstd[..., None]                              # (B,T,C)
     dnorm = dout * weight                                     # (B,T,C)
-    dweight += (dout * norm).sum(axis=(0, 1))
+    if dweight is not None:                                   # None: frozen (LoRA's base)
+        dweight += (dout * norm).sum(axis=(0, 1))
     dinp = dnorm - norm * (dnorm * norm).mean(axis=-1, keepdims=True)
     return dinp * rstd[..., None]
 
@@ -375,6 +401,7 @@ class Llama3:
                                         config.use_scaled_rope)
         self.freqs_cos, self.freqs_sin = cos.astype(dtype), sin.astype(dtype)
         self.m = self.v = None
+        self.lora = None                                          # LoRA adapters (the model then frozen)
         self.acts = None
         self.acts_BT = None
         self.inputs = self.targets = None
@@ -407,33 +434,39 @@ def llama3_init(config, seed=42, dtype=np.float32):
 
 
 def layer_params(P, l):
-    """Layer l's 7 per-layer tensors: a dict name -> view (for G as well as P)."""
-    return {name: P[name][l] for name in PARAMETER_NAMES[1:8]}
+    """Layer l's 7 per-layer tensors: a dict name -> view (for G as well as P; a frozen model's G: None)."""
+    return {name: None if P[name] is None else P[name][l] for name in PARAMETER_NAMES[1:8]}
 
 
-def block_forward(residual, p, cos, sin, config):
+def block_forward(residual, p, cos, sin, config, lora=None):
     """One Llama 3 block (pre-norm, like GPT-2's) on the residual stream residual (B,T,C) with
-    layer l's parameters p (layer_params) and RoPE's rows cos, sin (T,HS/2) of the T positions.
-    Returns the block's activations, name -> array, in forward order (activation_shapes' names);
-    "residual3" is the next block's input."""
+    layer l's parameters p (layer_params) and RoPE's rows cos, sin (T,HS/2) of the T positions;
+    lora: layer l's LoRA adapters or None (gpt2_cpu.block_forward's). Returns the block's
+    activations, name -> array, in forward order (activation_shapes' names); "residual3" is the
+    next block's input."""
     NH, NKV, eps = config.num_heads, config.num_kv_heads, config.norm_eps
-    a = {}
+    lora, a = lora or {}, {}
     # forward pass 1: attention block
     a["ln1"], a["ln1_rstd"] = rmsnorm_forward(residual, p["ln1w"], eps)
     a["qkv"] = matmul_forward(a["ln1"], p["qkvw"], None)                     # (B,T,(NH+2NKV)*HS)
+    lora_add_forward(a["qkv"], a["ln1"], lora.get("qkvw", ()))               # q's, k's, v's adapters, if any
     q, k, v = split_qkv(a["qkv"], NH, NKV)                                    # (B,T,NH,HS), (B,T,NKV,HS) x2
     q, k = rope_forward(q, cos, sin), rope_forward(k, cos, sin)               # positions into q and k
     k, v = repeat_kv_forward(k, NH // NKV), repeat_kv_forward(v, NH // NKV)   # (B,T,NH,HS) each
     a["qkv_att"] = merge_heads(q, k, v)                                       # (B,T,3C): GPT-2's layout
     a["atty"], a["att"] = attention_forward(a["qkv_att"], NH)                 # (B,T,C), (B,NH,T,T)
     a["attproj"] = matmul_forward(a["atty"], p["attprojw"], None)
+    lora_add_forward(a["attproj"], a["atty"], lora.get("attprojw", ()))
     a["residual2"] = residual_forward(residual, a["attproj"])
     # forward pass 2: SwiGLU MLP block
     a["ln2"], a["ln2_rstd"] = rmsnorm_forward(a["residual2"], p["ln2w"], eps)
     a["fch"] = matmul_forward(a["ln2"], p["fcw"], None)                       # (B,T,H)
+    lora_add_forward(a["fch"], a["ln2"], lora.get("fcw", ()))
     a["fch2"] = matmul_forward(a["ln2"], p["fcw2"], None)                     # (B,T,H)
+    lora_add_forward(a["fch2"], a["ln2"], lora.get("fcw2", ()))
     a["fch_swiglu"] = swiglu_forward(a["fch"], a["fch2"])
     a["fcproj"] = matmul_forward(a["fch_swiglu"], p["fcprojw"], None)         # (B,T,C)
+    lora_add_forward(a["fcproj"], a["fch_swiglu"], lora.get("fcprojw", ()))
     a["residual3"] = residual_forward(a["residual2"], a["fcproj"])
     return a
 
@@ -452,7 +485,7 @@ def llama3_forward(model, inputs, targets=None):
     A["encoded"][...] = encoder_forward(inputs, P["wte"])                    # (B,T,C)
     residual = A["encoded"]
     for l in range(cfg.num_layers):
-        block = block_forward(residual, layer_params(P, l), cos, sin, cfg)
+        block = block_forward(residual, layer_params(P, l), cos, sin, cfg, lora_layer(model, l))
         for name, value in block.items():
             A[name][l] = value                                                # kept for the backward
         residual = A["residual3"][l]
@@ -470,7 +503,8 @@ def llama3_forward(model, inputs, targets=None):
 
 def llama3_backward(model, loss_scale=1.0):
     """Backward pass of the last llama3_forward (which must have had targets): accumulates the
-    gradient of loss_scale * mean(losses) into model.grads (gpt2_cpu.gpt2_backward's contract)."""
+    gradient of loss_scale * mean(losses) into model.grads, or with LoRA into model.lora.grads
+    (gpt2_cpu.gpt2_backward's contract)."""
     if model.targets is None:
         raise RuntimeError("llama3_backward needs a forward pass with targets")
     cfg = model.config
@@ -485,25 +519,30 @@ def llama3_backward(model, loss_scale=1.0):
     dlnf = matmul_backward(G["wlmhead"], None, dlogits, A["lnf"], P["wlmhead"])  # (B,T,C)
     dresidual = rmsnorm_backward(G["lnfw"], dlnf, A["residual3"][L - 1], P["lnfw"], A["lnf_rstd"])
     for l in reversed(range(L)):
-        p, g = layer_params(P, l), layer_params(G, l)
+        p, g, lora = layer_params(P, l), layer_params(G, l), lora_layer(model, l) or {}
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]
         # backward pass 2: SwiGLU MLP block. residual3 = residual2 + fcproj
         dresidual, dfcproj = residual_backward(dresidual)
         dfch_swiglu = matmul_backward(g["fcprojw"], None, dfcproj, A["fch_swiglu"][l], p["fcprojw"])
+        lora_add_backward(dfch_swiglu, dfcproj, A["fch_swiglu"][l], lora.get("fcprojw", ()))
         dfch, dfch2 = swiglu_backward(dfch_swiglu, A["fch"][l], A["fch2"][l])
         # ln2 feeds both c_fc and c_fc2: its gradient is the sum of the two
         dln2 = (matmul_backward(g["fcw"], None, dfch, A["ln2"][l], p["fcw"])
                 + matmul_backward(g["fcw2"], None, dfch2, A["ln2"][l], p["fcw2"]))
+        lora_add_backward(dln2, dfch, A["ln2"][l], lora.get("fcw", ()))
+        lora_add_backward(dln2, dfch2, A["ln2"][l], lora.get("fcw2", ()))
         dresidual = dresidual + rmsnorm_backward(g["ln2w"], dln2, A["residual2"][l], p["ln2w"], A["ln2_rstd"][l])
         # backward pass 1: attention block. residual2 = residual + attproj
         dresidual, dattproj = residual_backward(dresidual)
         datty = matmul_backward(g["attprojw"], None, dattproj, A["atty"][l], p["attprojw"])
+        lora_add_backward(datty, dattproj, A["atty"][l], lora.get("attprojw", ()))
         dqkv_att = attention_backward(datty, A["qkv_att"][l], A["att"][l], NH)  # (B,T,3C)
         dq, dk, dv = split_qkv(dqkv_att, NH, NH)                              # (B,T,NH,HS) each
         dk, dv = repeat_kv_backward(dk, NH // NKV), repeat_kv_backward(dv, NH // NKV)  # (B,T,NKV,HS)
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
         dqkv = merge_heads(dq, dk, dv)                                        # (B,T,(NH+2NKV)*HS)
         dln1 = matmul_backward(g["qkvw"], None, dqkv, A["ln1"][l], p["qkvw"])
+        lora_add_backward(dln1, dqkv, A["ln1"][l], lora.get("qkvw", ()))
         dresidual = dresidual + rmsnorm_backward(g["ln1w"], dln1, residual, p["ln1w"], A["ln1_rstd"][l])
     # backward of the encoder: encoded = wte[inputs]
     encoder_backward(G["wte"], dresidual, model.inputs)
@@ -641,13 +680,14 @@ def llama3_forward_cached(model, inputs, cache):
     cos, sin = model.freqs_cos[pos:pos + T], model.freqs_sin[pos:pos + T]
     residual = encoder_forward(inputs, P["wte"])                                          # (B,T,C)
     for l in range(cfg.num_layers):
-        p = layer_params(P, l)
-        qkv = matmul_forward(rmsnorm_forward(residual, p["ln1w"], eps)[0], p["qkvw"], None)
+        p, lora = layer_params(P, l), lora_layer(model, l) or {}
+        qkv = linear_forward(rmsnorm_forward(residual, p["ln1w"], eps)[0], p["qkvw"], None, lora.get("qkvw", ()))
         atty = attention_forward_cached(qkv, cache.k[l], cache.v[l], pos, cos, sin, cfg.num_heads, cfg.num_kv_heads)
-        residual = residual_forward(residual, matmul_forward(atty, p["attprojw"], None))
+        residual = residual_forward(residual, linear_forward(atty, p["attprojw"], None, lora.get("attprojw", ())))
         ln2 = rmsnorm_forward(residual, p["ln2w"], eps)[0]
-        fch_swiglu = swiglu_forward(matmul_forward(ln2, p["fcw"], None), matmul_forward(ln2, p["fcw2"], None))
-        residual = residual_forward(residual, matmul_forward(fch_swiglu, p["fcprojw"], None))
+        fch_swiglu = swiglu_forward(linear_forward(ln2, p["fcw"], None, lora.get("fcw", ())),
+                                    linear_forward(ln2, p["fcw2"], None, lora.get("fcw2", ())))
+        residual = residual_forward(residual, linear_forward(fch_swiglu, p["fcprojw"], None, lora.get("fcprojw", ())))
     lnf = rmsnorm_forward(residual[:, T - 1:], P["lnfw"], eps)[0]                         # (B,1,C): the last position
     cache.length = pos + T
     return matmul_forward(lnf, P["wlmhead"], None)[:, 0]                                  # (B,V)
@@ -676,6 +716,12 @@ def train(args):
     run = TrainingRun(args, comm)
     vocab_size = descriptor_vocab_size(args.tokenizer)
     model = build_model(run.model_spec(), args.seed, vocab_size)
+    build_lora(args, model, LORA_FAMILY, args.seed)       # --lora-*: adapters on a frozen model
+    if args.lora_merge:                                   # merge --lora-load's adapters into -e, write it
+        lora_merge(model.P, model.lora)
+        write_model(args.lora_merge, model)
+        run.say(f"merged the adapters of {args.lora_load} into {args.model}: wrote {args.lora_merge}")
+        return model
     if args.generate > 0:
         rng = SamplerRNG(args.sample_seed)
         return sample_from_prompt(args, lambda prompt, n, on_token: llama3_generate(
@@ -699,6 +745,9 @@ def train(args):
     cfg = model.config
     run.say(f"llama3: NKV={cfg.num_kv_heads} H={cfg.hidden_dim} rope_theta={cfg.rope_theta:g} "
             f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g}")
+    trained = model.lora or model                         # what the step updates (LoRA: the adapters only)
+    if model.lora:
+        run.say(lora_files.describe(model.lora, model.num_parameters))
     sample_rng = SamplerRNG(args.sample_seed)
     start_step, outliers = 0, None
     if run.resuming:
@@ -728,7 +777,7 @@ def train(args):
             break
         # the training step
         t0 = time.perf_counter()
-        gpt2_zero_grad(model)
+        gpt2_zero_grad(trained)
         loss = 0.0
         for _ in range(run.grad_accum_steps):
             if args.overfit_single_batch:
@@ -737,17 +786,20 @@ def train(args):
             llama3_forward(model, inputs, targets)
             llama3_backward(model, loss_scale=1.0 / run.grad_accum_steps)
             loss += model.mean_loss / run.grad_accum_steps
-        comm.mean_(model.grads)                           # data parallel: average over processes
+        comm.mean_(trained.grads)                         # data parallel: average over processes
         loss = comm.mean(loss)
-        norm = gpt2_grad_norm(model)
+        norm = gpt2_grad_norm(trained)
         skip, zloss, zgrad = run.skip_update(loss, norm)
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
         if not skip:
-            gpt2_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
-                        decayed=DECAYED_PARAMETERS)
+            gpt2_update(trained, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
+                        decayed=trained.decayed if model.lora else DECAYED_PARAMETERS)
         run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
+    if args.lora_save and comm.rank == 0:
+        lora_files.save(args.lora_save, model.lora, cfg.num_layers, LORA_FAMILY, args.model)
+        run.say(f"LoRA adapters written to {args.lora_save}")
     return model
 
 
@@ -757,6 +809,7 @@ def parse_args(argv=None):
     parser = build_parser("llama3_cpu.py", "Train Llama 3 in NumPy (the llm.cupy reference for Llama 3).", LR_SCHEDULES,
                           model_help=MODEL_HELP)
     parser.set_defaults(model=DEFAULT_MODEL)
+    lora_files.add_flags(parser, LORA_FAMILY.default_targets)
     return parser.parse_args(argv)
 
 

@@ -14,9 +14,11 @@ and refuses them as unknown flags); it trains with llama3_cpu.py's flags and loo
 over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs: NCCL all-reduce of the
 gradients, or with -z 1 ZeRO-1's reduce-scatter, sharded AdamW and all-gather), with --cuda-graph 1
 replays each micro-batch's forward + backward as one CUDA graph (llama3_micro_batch, as
-gpt2_cuda.py's; emulated device so far), samples with a KV cache, writes and resumes
-llama3_cpu.py's checkpoints (-n, -y 1: llmc/checkpoint.py's files, so either trainer resumes the
-other's run; one state file per rank), and checks one batch against it (--check).
+gpt2_cuda.py's), samples with a KV cache, writes and resumes llama3_cpu.py's checkpoints (-n, -y 1:
+llmc/checkpoint.py's files, so either trainer resumes the other's run; one state file per rank),
+fine-tunes LoRA adapters on the frozen model (--lora-rank, gpt2_cuda.py's LoRA: llmc/lora_device.py),
+runs its classifier over a padded vocabulary if asked (--pad-vocab 1, as gpt2_cuda.py always does),
+and checks one batch against llama3_cpu.py (--check).
 
 Run it (after `make data`; without CuPy and a GPU it says so in one line and exits 2):
     python llama3_cuda.py --device cpu -e llama3:d2 -b 2 -t 16 -x 3   # llama3_cpu.py's losses, emulated
@@ -27,6 +29,8 @@ Run it (after `make data`; without CuPy and a GPU it says so in one line and exi
     batch: B=2 T=16 processes=2 grad_accum=1 -> 64 tokens/step | ...
     python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --precision bf16
     ... one TENSOR OK line per activation and gradient, then `check: all tensors OK`
+    python llama3_cuda.py --device cpu --check -e llama3:d2 -b 1 -t 16 --lora-rank 4 --pad-vocab 1
+    ... the same, the gradients the adapters' (doc/lora.md), the classifier over Vp = 50304
 
 Dimensions as in llama3_cpu.py (B T C V L NH NKV HS H maxT), plus N = B*T, the rows of a matmul,
 and QKV = (NH+2NKV)*HS, the width of the qkv projection.
@@ -46,15 +50,16 @@ import numpy as np  # noqa: E402
 
 import gpt2_cuda
 import llama3_cpu
-from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, check_inputs, generate,
-                      learning_rate_at, num_elements, tensor_views)
+from gpt2_cpu import (ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, SamplingForward, build_lora, check_inputs, generate,
+                      learning_rate_at, num_elements, padded_vocab, tensor_views)
 # as_float32, download_parameters and prefix are also read from this module by llmc.cuda_check, as from gpt2_cuda
 from gpt2_cuda import (GLOBAL_NORM_GRID, NORM_VALUES, UPDATE_SEED, HostLogits, UpdateBuffers, as_float32,
-                       capture_graph, download_parameters,
-                       encoder_forward, fused_classifier, gpt2_average_gradients,
-                       gpt2_global_grad_norm, gpt2_zero_grad, upload_parameters, wte_partial_rows, wte_reduce_max)
-from llama3_cpu import DECAYED_PARAMETERS, qkv_channels, read_checkpoint_model, write_checkpoint_model
+                       attach_lora, capture_graph, download_parameters,
+                       encoder_forward, fused_classifier, gpt2_average_gradients, gpt2_global_grad_norm,
+                       gpt2_zero_grad, save_lora, upload_parameters, wte_partial_rows, wte_reduce_max)
+from llama3_cpu import DECAYED_PARAMETERS, LORA_FAMILY, qkv_channels, read_checkpoint_model, write_checkpoint_model
 from llmc import cuda, gpu_cli, multinode
+from llmc import lora as lora_files
 from llmc.attention import attention_path, resolve_attention
 from llmc.cli import TrainingRun, agreement_config, run_main, sample_from_prompt
 from llmc.comm import Comm
@@ -95,18 +100,21 @@ def rmsnorm_backward(dinp, dweight, partial, dout, inp, weight, rstd, B, T, C):
         dinp += rstd * (dnorm - norm * mean(dnorm * norm)),  dnorm = dout * weight, norm = inp * rstd
         dweight += sum over rows of dout * norm
     (derivation: llama3_cpu.rmsnorm_backward). Two kernels: per-block partial sums of dweight
-    into partial (G, C) fp32, G = rmsnorm_backward_grid(N), then their in-order sum."""
+    into partial (G, C) fp32, G = rmsnorm_backward_grid(N), then their in-order sum (skipped for a
+    frozen RMSNorm, dweight None)."""
     N = B * T
     G = rmsnorm_backward_grid(N)
+    trained = [("dweight", dweight, C)] if dweight is not None else []
     precision = check_launch("rmsnorm_backward",
-                             [("dinp", dinp, N * C), ("dweight", dweight, C), ("dout", dout, N * C),
-                              ("inp", inp, N * C), ("weight", weight, C)],
+                             [("dinp", dinp, N * C), ("dout", dout, N * C), ("inp", inp, N * C), ("weight", weight, C)]
+                             + trained,
                              float32=[("rstd", rstd, N)], vector_dim=("C", C), unaligned=("dweight",))
     require(partial.dtype == np.float32 and partial.size >= G * C, f"rmsnorm partial sums need {G * C} floats")
     cuda.launch("rmsnorm", precision, "rmsnorm_backward", G, RMSNORM_BACKWARD_BLOCK_SIZE,
                 (dinp, partial, dout, inp, weight, rstd, np.int32(N), np.int32(C)))
-    cuda.launch("rmsnorm", precision, "rmsnorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
-                (dweight, partial, np.int32(G), np.int32(C)))
+    if trained:
+        cuda.launch("rmsnorm", precision, "rmsnorm_param_reduce", elementwise_grid(C), BLOCK_SIZE,
+                    (dweight, partial, np.int32(G), np.int32(C)))
 
 
 def rmsnorm_backward_grid(N):
@@ -194,7 +202,10 @@ def encoder_backward(dwte, partial, dout, positions, chunk_start, chunk_token, c
     """Accumulate dwte (V,C) from dout (B,T,C): gpt2_cuda.encoder_backward's deterministic
     scatter-add (kernels/encoder.cu) without its dwpe kernel, since Llama 3 has no wpe:
         out[b,t] = wte[inp[b,t]]  =>  dwte[v] += sum of dout[b,t] where inp[b,t] == v
-    The int32 arrays are gpt2_cuda.WteSegments' on the device; partial fp32, wte_partial_rows(B*T) rows."""
+    The int32 arrays are gpt2_cuda.WteSegments' on the device; partial fp32, wte_partial_rows(B*T) rows.
+    dwte None: frozen (LoRA), nothing to do."""
+    if dwte is None:
+        return
     N = B * T
     precision = check_launch("encoder_backward", [("dwte", dwte, dwte.size), ("dout", dout, N * C)],
                              int32=[("positions", positions, N), ("chunk_start", chunk_start, num_chunks + 1),
@@ -217,16 +228,17 @@ def encoder_backward(dwte, partial, dout, positions, chunk_start, chunk_token, c
 KERNEL_FILES = ("encoder", "layernorm", "attention", "classifier", "adamw", "global_norm", "cast") + LLAMA3_KERNEL_FILES
 
 
-def activation_table(config, B, T, attention):
+def activation_table(config, B, T, attention, Vp=None):
     """Every device buffer of one forward + backward pass, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Names follow llama3_cpu.activation_shapes, but
     qkv_proj (llama3_cpu's qkv: "qkv" is the attention path's buffer of GPT-2's layout, llama3_cpu's
     qkv_att). Never kept, as in gpt2_cuda.py: qkv_att for the naive path (its qkvr is), attproj,
     fcproj and probs (the fused classifier); the one-layer transients live in scratch buffers under
     the name of each role (activation_aliases)."""
-    C, L, NH, V, H = config.channels, config.num_layers, config.num_heads, config.vocab_size, config.hidden_dim
+    C, L, NH, H = config.channels, config.num_layers, config.num_heads, config.hidden_dim
+    Vp = Vp or config.vocab_size                       # the classifier's width (Llama3's Vp)
     QKV = qkv_channels(config)
-    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, B * T * V)
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, B * T * Vp)
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
@@ -239,7 +251,7 @@ def activation_table(config, B, T, attention):
         ("residual3", (L, B, T, C), "X"),
         ("lnf", (B, T, C), "X"), ("lnf_rstd", (B, T), "f32"),
         ("losses", (B, T), "f32"),
-        ("logits", (logits_floats,), "X"),     # (B,T,V), then dlogits in place
+        ("logits", (logits_floats,), "X"),     # (B,T,Vp), then dlogits in place
         ("scratch_btc", (B, T, C), "X"), ("scratch_btc2", (B, T, C), "X"),
         ("scratch_bth", (B, T, H), "X"), ("scratch_bth2", (B, T, H), "X"),
         ("scratch_qkv", (B, T, QKV), "X"), ("dqkv_att", (B, T, 3 * C), "X"),
@@ -274,11 +286,14 @@ class Llama3:
     RoPE's cos and sin tables (maxT, HS/2) in fp32, and the activation buffers of each (B,T)
     (llama3_activations). precision "bf16" or "fp32"; attention "naive" or "flash"; zero_stage 0,
     or 1 (ZeRO-1: m, v and the master weights hold only this rank's shard of the num_processes,
-    gpt2_cuda.GPT2's layout). Raises InputError for a shape the kernels cannot run, a norm_eps
-    other than the one compiled into kernels/rmsnorm.cu, or another zero_stage."""
+    gpt2_cuda.GPT2's layout); trainable=False: LoRA's frozen base (no gradients, moments or master
+    weights; G's views None). pad_vocab: the classifier runs over Vp = V rounded up to a
+    multiple of 128, GPT-2's padding (classifier_weight below). Raises InputError for a shape the
+    kernels cannot run, a norm_eps other than the one compiled into kernels/rmsnorm.cu, or another
+    zero_stage."""
 
     def __init__(self, config, precision="fp32", attention="naive", matmul=None, zero_stage=0, process_rank=0,
-                 num_processes=1):
+                 num_processes=1, trainable=True, pad_vocab=False):
         cp = cuda.cupy()
         llama3_cpu.check_config(config)
         if precision not in PRECISIONS:
@@ -302,14 +317,28 @@ class Llama3:
         # 0, never read by the model). -z 0: S = n, no padding
         self.zero_stage = zero_stage
         self.shard = optimizer_shard(n, zero_stage, process_rank, num_processes)
-        self.params_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
-        self.grads_memory = cp.zeros(self.shard.padded, dtype=self.floatX)
+        # The padded vocabulary: the classifier's GEMM reads wlmhead (V,C), the table's last tensor, as
+        # (Vp,C), its Vp-V extra rows the zeros that follow it in an allocation (Vp-V)*C longer (the
+        # ZeRO padding, else a tail of their own). They are in no parameter's view: AdamW, the norm,
+        # the checkpoints and NCCL never see them, so they stay 0, the logits they give (masked out of
+        # the softmax by fused_classifier) and those rows' gradients (0^T @ lnf) too.
+        V, C = config.vocab_size, config.channels
+        self.Vp = padded_vocab(V) if pad_vocab else V
+        assert self.param_shapes[-1][0] == "wlmhead", "the classifier must end the flat buffer"
+        length = max(self.shard.padded, n + (self.Vp - V) * C)
+        params_alloc = cp.zeros(length, dtype=self.floatX)
+        grads_alloc = cp.zeros(length, dtype=self.floatX) if trainable else None
+        self.params_memory = params_alloc[:self.shard.padded]  # what NCCL moves (ZeRO-1's equal shards)
+        self.grads_memory = grads_alloc[:self.shard.padded] if trainable else None
         self.params = self.params_memory[:n]                  # (n,) views: what the model uses
-        self.grads = self.grads_memory[:n]
+        self.grads = self.grads_memory[:n] if trainable else None
         self.P = tensor_views(self.params, self.param_shapes)
-        self.G = tensor_views(self.grads, self.param_shapes)
-        S = self.shard.size
-        self.master = cp.zeros(S, dtype=np.float32) if precision == "bf16" else None
+        self.G = tensor_views(self.grads, self.param_shapes) if trainable else dict.fromkeys(self.P)
+        classifier = slice(n - V * C, n - V * C + self.Vp * C)
+        self.classifier_weight = params_alloc[classifier].reshape(self.Vp, C)       # wlmhead and its zero rows
+        self.classifier_grad = grads_alloc[classifier].reshape(self.Vp, C) if trainable else None
+        S = self.shard.size if trainable else 0
+        self.master = cp.zeros(S, dtype=np.float32) if precision == "bf16" and trainable else None
         self.m = cp.zeros(S, dtype=np.float32)
         self.v = cp.zeros(S, dtype=np.float32)
         HS, maxT = config.head_size, config.max_seq_len
@@ -330,6 +359,7 @@ class Llama3:
         self.BT = None
         self.host_inputs = None
         self.has_targets = False
+        self.lora = None                               # LoRA's adapters (llmc/lora_device.py) on a frozen model
 
 
 def llama3_activations(model, B, T):
@@ -338,7 +368,7 @@ def llama3_activations(model, B, T):
         cp = cuda.cupy()
         dtypes = {"X": model.floatX, "f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
         views = {name: cp.zeros(shape, dtype=dtypes[kind])
-                 for name, shape, kind in activation_table(model.config, B, T, model.attention)}
+                 for name, shape, kind in activation_table(model.config, B, T, model.attention, model.Vp)}
         views.update({name: prefix(views[buffer], shape)
                       for name, buffer, shape in activation_aliases(model.config, B, T, model.attention)})
         model.views[(B, T)] = views
@@ -388,20 +418,20 @@ def forward_launches(model, B, T, with_loss, attention=None, pos=0):
     for a given (B,T), so that a CUDA graph can capture it (llama3_micro_batch): RoPE's tables are
     row slices of model.freqs_cos and freqs_sin, uploaded once when the model is built. attention,
     pos: as block_forward's (the sampler's cached attention at position pos). Returns the logits
-    view (B,T,V)."""
+    view (B,T,V) (of the (B,T,Vp) buffer: the padded columns left out)."""
     cfg = model.config
-    C, L, V = cfg.channels, cfg.num_layers, cfg.vocab_size
+    C, L, V, Vp = cfg.channels, cfg.num_layers, cfg.vocab_size, model.Vp
     P, A = model.P, llama3_activations(model, B, T)
     encoder_forward(A["encoded"], A["inputs"], P["wte"], model.no_wpe, B, T, C)      # (B,T,C) = wte[inputs]
     for l in range(L):
         block_forward(model, A, l, B, T, attention, pos)
     # forward pass 3: final RMSNorm, untied classifier, softmax + cross-entropy (one kernel)
     rmsnorm_forward(A["lnf"], A["lnf_rstd"], A["residual3"][L - 1], P["lnfw"], B, T, C)
-    logits = prefix(A["logits"], (B, T, V))
-    model.matmul.forward(logits, A["lnf"], P["wlmhead"], None, B, T, C, V)           # (B,T,C) @ (C,V) -> (B,T,V)
+    logits = prefix(A["logits"], (B, T, Vp))
+    model.matmul.forward(logits, A["lnf"], model.classifier_weight, None, B, T, C, Vp)   # (B,T,C) @ (C,Vp)
     if with_loss:
-        fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, V, write_dlogits=False)
-    return logits
+        fused_classifier(logits, A["losses"], A["targets"], 0.0, B, T, V, Vp, write_dlogits=False)
+    return logits[..., :V]
 
 
 def block_forward(model, A, l, B, T, attention=None, pos=0):
@@ -477,9 +507,10 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
     cos, sin = rope_tables(model, T)
 
     # backward pass 3: cross-entropy and softmax (one kernel), classifier, final RMSNorm
-    logits = prefix(A["logits"], (B, T, V))
-    fused_classifier(logits, A["losses"], A["targets"], loss_scale / (B * T), B, T, V, V, write_dlogits=True)
-    mm.backward(A["dlnf"], G["wlmhead"], None, logits, A["lnf"], P["wlmhead"], partial, B, T, C, V)
+    Vp = model.Vp
+    logits = prefix(A["logits"], (B, T, Vp))                                            # dlogits, 0 past V
+    fused_classifier(logits, A["losses"], A["targets"], loss_scale / (B * T), B, T, V, Vp, write_dlogits=True)
+    mm.backward(A["dlnf"], model.classifier_grad, None, logits, A["lnf"], model.classifier_weight, partial, B, T, C, Vp)
     dresidual = A["dresidual"]
     dresidual.fill(0)                                                                   # rmsnorm_backward accumulates
     rmsnorm_backward(dresidual, G["lnfw"], partial, A["dlnf"], A["residual3"][L - 1], P["lnfw"], A["lnf_rstd"], B, T, C)
@@ -550,17 +581,17 @@ def llama3_micro_batch(model, inputs, targets, loss_scale, cuda_graph=False):
 # ----------------------------------------------------------------------------
 # AdamW: gpt2_cuda's kernel, over Llama 3's tensors
 
-def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None):
+def llama3_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, nccl=None,
+                  decayed=DECAYED_PARAMETERS):
     """One AdamW step (llama3_cpu.llama3_update's math; t is the 1-based step count):
-    gpt2_cuda.gpt2_update over Llama 3's tensors, with weight decay on llama3_cpu's
-    DECAYED_PARAMETERS only. It walks model.param_shapes in order, one adamw_update launch per
+    gpt2_cuda.gpt2_update over Llama 3's tensors, with weight decay on the tensors named in
+    `decayed` only (llama3_cpu's DECAYED_PARAMETERS; a LoRA's adapters: all of them). It walks model.param_shapes in order, one adamw_update launch per
     tensor (with ZeRO-1 on the tensor's piece in this rank's shard, skipping tensors wholly in other
     ranks' shards), each tensor with its own stochastic-rounding seed from model.update_rng, drawn
     on every rank for every tensor (model.rng_state_last_update after the step: a checkpoint keeps
     it); with ZeRO-1 over several ranks nccl then all-gathers the updated shards into every rank's
     params."""
-    gpt2_cuda.gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale, nccl,
-                          decayed=DECAYED_PARAMETERS)
+    gpt2_cuda.gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale, nccl, decayed)
 
 
 # ----------------------------------------------------------------------------
@@ -644,6 +675,8 @@ def train(args):
     resume from the newest (llama3_cpu.py's files, one state file per rank). Processes: mpiexec,
     or -pm tcp|fs (llmc.multinode). Returns the model. Raises InputError for the flags it cannot
     honour."""
+    if args.lora_merge:                                  # host work only: llama3_cpu.py merges and writes the file
+        return llama3_cpu.train(args)
     comm = multinode.init_process_group(args, agreement_of=agreement_config)   # -pm mpi|tcp|fs: rank, size, local rank
     run = TrainingRun(args, comm)
     device, _, capability = cuda.select_device(comm)
@@ -684,7 +717,11 @@ def train(args):
     cfg = model.config
     run.say(f"llama3: NKV={cfg.num_kv_heads} H={cfg.hidden_dim} rope_theta={cfg.rope_theta:g} "
             f"scaled_rope={int(cfg.use_scaled_rope)} norm_eps={cfg.norm_eps:g} | {model.precision}, "
-            f"{model.attention.name} attention{' | CUDA graph' if args.cuda_graph else ''}")
+            f"{model.attention.name} attention{' | CUDA graph' if args.cuda_graph else ''}"
+            f"{f' | classifier over Vp={model.Vp}' if model.Vp != cfg.vocab_size else ''}")
+    trained = model.lora or model                        # what the step updates (LoRA: the adapters only)
+    if model.lora:
+        run.say(lora_files.describe(model.lora, model.num_parameters))
     sample_rng = SamplerRNG(args.sample_seed)
     start_step, outliers = 0, None
     if run.resuming:
@@ -708,7 +745,7 @@ def train(args):
             break
         # the training step
         t0 = time.perf_counter()
-        gpt2_zero_grad(model)
+        gpt2_zero_grad(trained)
         loss = 0.0
         for _ in range(run.grad_accum_steps):
             if args.overfit_single_batch:
@@ -718,20 +755,23 @@ def train(args):
             llama3_micro_batch(model, inputs, targets, 1.0 / run.grad_accum_steps, bool(args.cuda_graph))
             loss += llama3_mean_loss(model) / run.grad_accum_steps
         if nccl is not None:
-            gpt2_average_gradients(model, nccl)          # data parallel (-z 1: this rank's shard)
-        norm = gpt2_global_grad_norm(model, comm)        # the same on every rank
+            gpt2_average_gradients(trained, nccl)        # data parallel (-z 1: this rank's shard)
+        norm = gpt2_global_grad_norm(trained, comm)      # the same on every rank
         loss = comm.mean(loss)
         skip, zloss, zgrad = run.skip_update(loss, norm)
         grad_scale = args.grad_clip / norm if 0 < args.grad_clip < norm else 1.0
         lr = learning_rate_at(step, args.lr_schedule, args.learning_rate, args.warmup_iters, run.num_steps,
                               args.final_lr_frac)
         if not skip:
-            llama3_update(model, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
-                          nccl)
+            llama3_update(trained, lr, ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS, args.weight_decay, step + 1, grad_scale,
+                          nccl, trained.decayed if model.lora else DECAYED_PARAMETERS)
         cuda.cupy().cuda.get_current_stream().synchronize()  # the step's time includes the update
         run.log_step(step, loss, norm, lr, time.perf_counter() - t0, zloss, zgrad)
         if args.log_gpu_every > 0 and (step + 1) % args.log_gpu_every == 0:
             run.say(gpu_status_line(device))
+    if args.lora_save and comm.rank == 0:
+        save_lora(args.lora_save, model, LORA_FAMILY, args.model)
+        run.say(f"LoRA adapters written to {args.lora_save}")
     return model
 
 
@@ -746,6 +786,11 @@ def parse_args(argv=None):
                                               "llama3_cpu.py's flags plus GPU options.",
                                   model_help=llama3_cpu.MODEL_HELP)
     parser.set_defaults(model=llama3_cpu.DEFAULT_MODEL)
+    parser.add_argument("--pad-vocab", type=int, default=0, choices=(0, 1),
+                        help="1: the classifier's GEMM and logits over Vp = V rounded up to a multiple of 128, as "
+                             "gpt2_cuda.py's (the padded logits masked out of the softmax, their rows' gradients 0); "
+                             "the model, its files and its results are the same")
+    lora_files.add_flags(parser, LORA_FAMILY.default_targets)
     if parser.parse_known_args(argv)[0].device == "cpu":   # the emulated device's reference: llama3_cpu.py, fp32
         parser.set_defaults(precision="fp32", tf32=0)
     return parser.parse_args(argv)
@@ -758,12 +803,16 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     process), its matmuls cuBLAS (TF32 from -f on compute capability 8.0)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
     host = llama3_cpu.build_model(spec or args.model, args.seed)              # fp32 on the host
+    build_lora(args, host, LORA_FAMILY, args.seed)                            # --lora-*: host.lora, host frozen
     attention, fallback = resolve_attention(args.attention, precision, host.config.head_size)
     if fallback:
         say(f"llama3_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    model = Llama3(host.config, precision, attention, Cublas(tf32), args.zero_stage, rank, size)
+    model = Llama3(host.config, precision, attention, Cublas(tf32), args.zero_stage, rank, size,
+                   trainable=host.lora is None, pad_vocab=bool(args.pad_vocab))
     upload_parameters(model, host.params)
+    if host.lora is not None:
+        attach_lora(model, host.lora, rank, size)
     return model
 
 

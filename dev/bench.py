@@ -57,6 +57,7 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
     python dev/bench.py -e llama3:d4                # llama3_cuda.py against dev/torch_reference_llama3.py
+    python dev/bench.py -e llama3:d4 --pad-vocab 1  # the same, llama3_cuda.py's classifier over Vp = 50304
 """
 
 import argparse
@@ -174,10 +175,11 @@ def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilog
     return model, cfg, fixed_batch(cfg, B, T)
 
 
-def llama3_cupy_model(model_name, B, T, attention, precision="bf16"):
+def llama3_cupy_model(model_name, B, T, attention, precision="bf16", pad_vocab=False):
     """llama3_cuda.py's model as its setup_model builds it (bf16 with fp32 master weights, cuBLAS:
-    its only matmul backend; precision "fp32" for the emulated device's check), llama3_cpu.py's
-    init, its buffers for (B,T), on a created stream, and the fixed batch."""
+    its only matmul backend; precision "fp32" for the emulated device's check; pad_vocab: its
+    --pad-vocab 1, the classifier over Vp), llama3_cpu.py's init, its buffers for (B,T), on a
+    created stream, and the fixed batch."""
     cupy = llmc.cuda.cupy()
     llmc.cuda.select_device(comm.Comm())
     stream = cupy.cuda.Stream()
@@ -186,7 +188,7 @@ def llama3_cupy_model(model_name, B, T, attention, precision="bf16"):
     path, fallback = llmc.attention.resolve_attention(attention, precision, cfg.head_size)
     if fallback:
         print(f"dev/bench.py: {fallback}", file=sys.stderr)
-    model = llama3_cuda.Llama3(cfg, precision, path, llmc.matmul.Cublas())
+    model = llama3_cuda.Llama3(cfg, precision, path, llmc.matmul.Cublas(), pad_vocab=pad_vocab)
     llama3_cuda.upload_parameters(model, llama3_cpu.llama3_init(cfg, SEED).params)
     llmc.cuda.load_modules(llama3_cuda.KERNEL_FILES + model.attention.kernel_files, model.precision)
     llama3_cuda.llama3_activations(model, B, T)
@@ -224,9 +226,9 @@ def cupy_step(model, x, y, step, cuda_graph, readback):
 
 
 def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto",
-               residual_epilogue=0, classifier_chunk=0):
-    """Train gpt2_cuda.py's model (llama3_cuda.py's for -e llama3:dX) num_steps steps on one fixed
-    batch; return (seconds per step, losses, config, the model, the batch). gpt2_cuda.py's steps
+               residual_epilogue=0, classifier_chunk=0, pad_vocab=False):
+    """Train gpt2_cuda.py's model (llama3_cuda.py's for -e llama3:dX, pad_vocab its --pad-vocab)
+    num_steps steps on one fixed batch; return (seconds per step, losses, config, the model, the batch). gpt2_cuda.py's steps
     are read a step late, as its train() logs them: step s is queued before step s-1's loss is
     read, and a step's time runs from the read of the one before to the read of its own."""
     if cuda_graph:
@@ -234,7 +236,7 @@ def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, 
         if reason:                                                # the worker's one failure line
             raise RuntimeError(f"--cuda-graph 1: {reason}")
     if is_llama3(model_name):
-        model, cfg, (x, y) = llama3_cupy_model(model_name, B, T, attention)
+        model, cfg, (x, y) = llama3_cupy_model(model_name, B, T, attention, pad_vocab=pad_vocab)
         times, losses = [], []
         for step in range(1, num_steps + 1):
             t0 = time.perf_counter()
@@ -394,7 +396,8 @@ def worker(args):
         if args.worker == "cupy":
             times, losses, cfg, model, (x, y) = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps,
                                                            args.attention, cuda_graph_of(args), args.cublaslt,
-                                                           args.residual_epilogue, args.classifier_chunk)
+                                                           args.residual_epilogue, args.classifier_chunk,
+                                                           bool(args.pad_vocab))
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1)
         else:
@@ -436,7 +439,7 @@ def worker_command(trainer, B, args, probe):
             "-e", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--attention", args.attention, "--cuda-graph", str(args.cuda_graph), "--cublaslt", str(args.cublaslt),
             "--residual-epilogue", str(args.residual_epilogue), "--classifier-chunk", str(args.classifier_chunk),
-            "--compile", str(args.compile)] + (["--probe"] if probe else [])
+            "--compile", str(args.compile), "--pad-vocab", str(args.pad_vocab)] + (["--probe"] if probe else [])
 
 
 def run_worker(trainer, B, args, probe):
@@ -490,7 +493,8 @@ def options_line(args):
     """What was timed, for the heading of the table."""
     if is_llama3(args.model):
         return (f"Llama 3 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
-                f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, cuBLAS; "
+                f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, cuBLAS, "
+                f"classifier over {'Vp (--pad-vocab 1)' if args.pad_vocab else 'V'}; "
                 f"twin (dev/torch_reference_llama3.py): "
                 f"bf16 parameters and AdamW state (it has no autocast), unfused AdamW, SDPA flash attention, "
                 f"torch.compile {args.compile}")
@@ -545,6 +549,8 @@ def parse_args(argv=None):
     p.add_argument("--cublaslt", type=llmc.gpu_cli.auto_or_bit, default="auto", metavar="{auto,0,1}",
                    help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable), "
                         "0 through cuBLAS, auto as the trainer chooses (cuBLASLt where it loads)")
+    p.add_argument("--pad-vocab", type=int, default=0, choices=(0, 1),
+                   help="llama3_cuda.py: 1 runs its classifier over the padded vocabulary Vp (its --pad-vocab)")
     p.add_argument("--compile", type=int, default=1, choices=(0, 1),
                    help="the PyTorch twin: 1 torch.compile (needs a C compiler), 0 eager")
     p.add_argument("--breakdown-top", type=int, default=20, help="rows of the per-kernel breakdown")
@@ -554,6 +560,8 @@ def parse_args(argv=None):
     p.add_argument("--worker", choices=tuple(TRAINERS), help=argparse.SUPPRESS)
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.pad_vocab and not is_llama3(args.model):
+        p.error(f"--pad-vocab 1 is llama3_cuda.py's (gpt2_cuda.py always pads its vocabulary): drop it for -e {args.model}")
     if is_llama3(args.model) and args.cublaslt == 1:
         p.error(f"--cublaslt 1: llama3_cuda.py has no cuBLASLt backend (cuBLAS is its only one); drop --cublaslt "
                 f"for -e {args.model}")
@@ -620,6 +628,7 @@ def main(argv=None):
             json.dump({"model": args.model, "T": args.seq_len, "attention": args.attention,
                        "cuda_graph": args.cuda_graph, "cublaslt": args.cublaslt, "compile": args.compile,
                        "residual_epilogue": args.residual_epilogue, "classifier_chunk": args.classifier_chunk,
+                       "pad_vocab": args.pad_vocab,
                        "runs": runs_json}, f, indent=1)
     if failed:
         print(f"dev/bench.py: {failed} worker(s) failed", file=sys.stderr)

@@ -79,7 +79,7 @@ NEEDS = {
     "dev-cuda":        {"required": ["numpy", "cupy"], "optional": ["cudnn", "nvmath"]},
     "compile-kernels": {"required": ["numpy", "nvrtc"], "optional": []},
     "test":            {"required": ["numpy", "tiktoken", "pytest"],
-                        "optional": ["torch", "mpi4py", "mpich", "transformers", "safetensors", "matplotlib",
+                        "optional": ["torch", "mpi4py", "mpich", "transformers", "peft", "safetensors", "matplotlib",
                                      "tqdm", "nvrtc", "plotly", "playwright", "chromium"]},
 }
 GPU_TARGETS = ("bench", "test-gpu", "dev-cuda")   # need a GPU: without a driver they install no CuPy
@@ -92,6 +92,7 @@ PACKAGES = {
     "torch": (["torch"], "torch"),
     "mpi4py": (["mpi4py"], "mpi4py.MPI"),          # .MPI: loads the MPI library, not only the package
     "transformers": (["transformers"], "transformers"),
+    "peft": (["peft"], "peft"),
     "safetensors": (["safetensors"], "safetensors"),
     "matplotlib": (["matplotlib"], "matplotlib"),
     "tqdm": (["tqdm"], "tqdm"),

@@ -484,11 +484,11 @@ def cuda_graph_unavailable_reason():
 
 
 def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,
-         batch=1, stride_a=0, stride_b=0, stride_c=0, tf32=False):
-    """Library call: C (m,n) = op(A) (m,k) @ op(B) (k,n) [+ C], column-major, one or `batch`
+         batch=1, stride_a=0, stride_b=0, stride_c=0, tf32=False, alpha=1.0):
+    """Library call: C (m,n) = alpha op(A) (m,k) @ op(B) (k,n) [+ C], column-major, one or `batch`
     strided products. A, B, C are floatX CuPy arrays whose first elements start the matrices; all
     three have the same precision; fp32 accumulation (compute_type: TF32 inputs when tf32 is
-    set in fp32 mode). alpha = 1, beta = 1 if accumulate else 0, both
+    set in fp32 mode). alpha (1 unless given: LoRA's scale), beta = 1 if accumulate else 0, both
     host floats (pointer mode host). Issued on the current stream through cublas_bindings(), so
     that it can be captured into a CUDA graph where nvmath-python is installed."""
     precision = precision_of(C)
@@ -497,7 +497,7 @@ def gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate=False,
             raise TypeError(f"gemm: {name} is {arr.dtype} but C is {C.dtype}")
     data_type = CUBLAS_DATA_TYPES[precision]
     compute = compute_type(precision, tf32)
-    alpha = np.ones(1, np.float32)
+    alpha = np.full(1, alpha, np.float32)
     beta = np.full(1, 1.0 if accumulate else 0.0, np.float32)
     cublas = cublas_bindings()
     if batch == 1:

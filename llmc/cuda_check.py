@@ -33,6 +33,34 @@ def attention_lse(qkv, NH):
     return (top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
 
 
+LORA_CHECK_B_STD = 0.02               # --check's lora_B where it is all 0 (fresh): see lora_reference
+
+
+def lora_reference(trainer, model, cpu, reference, cpu_dtype, verbose):
+    """With LoRA (model.lora, llmc/lora_device.py): give the reference model `cpu` the device's
+    adapters (gpt2_cpu.LoRA in cpu_dtype, the device's values) and freeze it. A fresh adapter's
+    lora_B is 0, which makes every dlora_A 0 whatever the backward computes: then lora_B is first
+    drawn ~ N(0, LORA_CHECK_B_STD^2) on the device too, so that every gradient is exercised.
+    `reference`: gpt2_cpu (its LoRA and freeze serve Llama 3 as well). Returns the names of the
+    adapters' tensors in backward order (the last target's first)."""
+    lora = model.lora
+    params = trainer.download_parameters(lora, master=False)
+    views = reference.tensor_views(params, lora.param_shapes)
+    fresh = [name for name, _ in lora.param_shapes if name.endswith("lora_B") and not views[name].any()]
+    if fresh:
+        if verbose:
+            print(f"LoRA: {len(fresh)} fresh lora_B (all 0): drawn ~ N(0, {LORA_CHECK_B_STD}^2) for the check")
+        rng = np.random.default_rng(0)
+        for name in fresh:
+            views[name][...] = rng.standard_normal(views[name].shape) * LORA_CHECK_B_STD
+        trainer.upload_parameters(lora, params)
+        params = trainer.download_parameters(lora, master=False)          # rounded to floatX as the device's
+    cpu.lora = reference.LoRA(lora.targets, cpu.config.num_layers, lora.rank, lora.alpha, dtype=cpu_dtype)
+    cpu.lora.params[...] = params
+    reference.freeze(cpu)
+    return [name for name, _ in reversed(lora.param_shapes)]
+
+
 def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, verbose=True, record=None):
     """Run one batch through gpt2_cpu (in cpu_dtype, with exactly the GPU's parameter values) and
     through `model` of `trainer` (the gpt2_cuda module: its forward, backward and buffers), and
@@ -46,10 +74,11 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
     import gpt2_cpu                                    # the reference (llmc never imports it at load)
     cpu = gpt2_cpu.GPT2(cfg, cpu_dtype)
     cpu.params[...] = trainer.download_parameters(model, master=False)
+    lora_names = lora_reference(trainer, model, cpu, gpt2_cpu, cpu_dtype, verbose) if model.lora else None
     gpt2_cpu.gpt2_forward(cpu, inputs, targets)
-    gpt2_cpu.gpt2_zero_grad(cpu)
+    gpt2_cpu.gpt2_zero_grad(cpu.lora or cpu)
     gpt2_cpu.gpt2_backward(cpu)
-    trainer.gpt2_zero_grad(model)
+    trainer.gpt2_zero_grad(model.lora or model)
     trainer.gpt2_forward(model, inputs, targets)
     A = trainer.gpt2_activations(model, B, T)
     results = []
@@ -88,14 +117,23 @@ def check_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, ver
     compare("losses", fetch["losses"], CA["losses"], "loss")
     compare("mean loss", np.array([fetch["losses"].mean(dtype=np.float64)]), np.array([cpu.mean_loss]), "loss")
     trainer.gpt2_backward(model)
-    grads = gpt2_cpu.tensor_views(trainer.as_float32(model.grads.get()), model.param_shapes)
     if verbose:
         print("backward:")
+    if lora_names:                                     # a frozen model: the adapters' gradients only
+        compare_gradients(compare, trainer, model.lora, cpu.lora, lora_names, gpt2_cpu)
+        return all(results)
     backward_order = ("lnfw", "lnfb", "fcprojw", "fcprojb", "fcw", "fcb", "ln2w", "ln2b", "attprojw", "attprojb",
                       "qkvw", "qkvb", "ln1w", "ln1b", "wpe", "wte")
-    for name in backward_order:
-        compare(f"d{name}", grads[name], cpu.G[name], "grad")
+    compare_gradients(compare, trainer, model, cpu, backward_order, gpt2_cpu)
     return all(results)
+
+
+def compare_gradients(compare, trainer, trained, reference_trained, names, reference):
+    """compare(d<name>) of the device's gradients of `trained` (a model or its LoRA) with the
+    reference's, for each of `names`, in that order."""
+    grads = reference.tensor_views(trainer.as_float32(trained.grads.get()), trained.param_shapes)
+    for name in names:
+        compare(f"d{name}", grads[name], reference_trained.G[name], "grad")
 
 
 def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float32, verbose=True, record=None):
@@ -111,12 +149,14 @@ def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float
     L, NH, C, V = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.vocab_size
     group = tolerance_group(model)
     import llama3_cpu                                  # the reference (llmc never imports it at load)
+    import gpt2_cpu                                    # LoRA's reference (llama3_cpu imports it from there)
     cpu = llama3_cpu.Llama3(cfg, cpu_dtype)
     cpu.params[...] = trainer.download_parameters(model, master=False)
+    lora_names = lora_reference(trainer, model, cpu, gpt2_cpu, cpu_dtype, verbose) if model.lora else None
     llama3_cpu.llama3_forward(cpu, inputs, targets)
-    llama3_cpu.gpt2_zero_grad(cpu)
+    llama3_cpu.gpt2_zero_grad(cpu.lora or cpu)
     llama3_cpu.llama3_backward(cpu)
-    trainer.gpt2_zero_grad(model)
+    trainer.gpt2_zero_grad(model.lora or model)
     trainer.llama3_forward(model, inputs, targets)
     A = trainer.llama3_activations(model, B, T)
     results = []
@@ -137,18 +177,19 @@ def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float
     for name in names:
         kind = "statistic" if name.endswith("_rstd") or name == "lse" else "activation"
         compare(name, trainer.as_float32(A[name].get()), refs.get(name, CA.get(name)), kind)
-    logits = trainer.as_float32(trainer.prefix(A["logits"], (B, T, V)).get())
+    logits = trainer.as_float32(trainer.prefix(A["logits"], (B, T, model.Vp)).get())[..., :V]   # Vp: --pad-vocab
     losses = trainer.as_float32(A["losses"].get())
     compare("logits", logits, CA["logits"], "logits")
     compare("losses", losses, CA["losses"], "loss")
     compare("mean loss", np.array([losses.mean(dtype=np.float64)]), np.array([cpu.mean_loss]), "loss")
     trainer.llama3_backward(model)
-    grads = llama3_cpu.tensor_views(trainer.as_float32(model.grads.get()), model.param_shapes)
     if verbose:
         print("backward:")
     backward_order = ("wlmhead", "lnfw", "fcprojw", "fcw", "fcw2", "ln2w", "attprojw", "qkvw", "ln1w", "wte")
-    for name in backward_order:
-        compare(f"d{name}", grads[name], cpu.G[name], "grad")
+    if lora_names:                                     # a frozen model: the adapters' gradients only
+        compare_gradients(compare, trainer, model.lora, cpu.lora, lora_names, gpt2_cpu)
+    else:
+        compare_gradients(compare, trainer, model, cpu, backward_order, gpt2_cpu)
     return all(results)
 
 

@@ -41,15 +41,18 @@ def add_bias(out, bias, N, OC):
 
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, tf32=False):
     """Backward of out = inp @ weight^T + bias (shapes as matmul_forward). Writes dinp (B,T,C);
-    accumulates dweight (OC,C) and dbias (OC,) (dbias may be None). partial: fp32 for bias_backward's partial sums.
+    accumulates dweight (OC,C) and dbias (OC,) (either may be None: a frozen parameter, LoRA's base,
+    whose gradient GEMM is skipped). partial: fp32 for bias_backward's partial sums.
         dinp     = dout @ weight     column-major: dinp^T (C,N) = weight^T (C,OC) @ dout^T (OC,N), both as stored
         dweight += dout^T @ inp      column-major: dweight^T (C,OC) = inp^T (C,N) @ dout (N,OC), op(B) = T
         dbias   += sum over rows of dout   (kernels/bias.cu)"""
     N = B * T
-    check_launch("matmul_backward", [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC),
-                                     ("inp", inp, N * C), ("weight", weight, OC * C)])
+    trained = [("dweight", dweight, OC * C)] if dweight is not None else []
+    check_launch("matmul_backward", [("dinp", dinp, N * C), ("dout", dout, N * OC), ("inp", inp, N * C),
+                                     ("weight", weight, OC * C)] + trained)
     cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C, tf32=tf32)
-    cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, accumulate=True, tf32=tf32)
+    if dweight is not None:
+        cuda.gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, accumulate=True, tf32=tf32)
     if dbias is not None:
         bias_backward(dbias, dout, partial, N, OC)
 

@@ -8,7 +8,8 @@ keeping one query head); three training steps from the command line with llama3_
 gradient norms, validation losses and sample; the KV-cached sampler against llama3_cpu's (each
 step's logits, the cache, the ids drawn within and past maxT) and the full forward's ids;
 checkpoints (-n, -y 1) on a tiny model: a resumed run equals the straight one byte for byte in
-fp32 and bf16, and either trainer resumes the other's.
+fp32 and bf16, and either trainer resumes the other's; a run killed (SIGKILL) after a checkpoint
+resumes to the straight run's losses and model file (slow).
 
 Run: python -m pytest -q tests/test_llama3_cuda.py   (~1 minute on 2 cores once the emulated
 device's kernels are built; the first run compiles them, a few minutes)
@@ -354,3 +355,33 @@ def test_help_describes_llama3_not_gpt2(tool):
     model_help = text.split("-e MODEL, --model MODEL", 1)[1].split(" -o OUTPUT_DIR")[0]
     assert "llama3:d2 llama3:d4 llama3:d6" in model_help and "(default: llama3:d4)" in model_help
     assert "GPT-2" not in model_help and "gpt3" not in model_help and "llm.c's default" not in model_help
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_straight_runs_result(tmp_path):
+    """kill -9 of a running llama3_cuda.py (emulated device) once its step-2 checkpoint is complete,
+    wherever it then is (mid-step, mid-checkpoint: its temporaries are left behind); -y 1 resumes from
+    its newest complete checkpoint and ends with the straight run's losses and model file, byte for byte."""
+    import signal
+    import time
+    model = str(tmp_path / "tiny_llama3.bin")
+    llama3_cpu.write_model(model, llama3_cpu.llama3_init(TINY, seed=3))
+    flags = [sys.executable, os.path.join(ROOT, "llama3_cuda.py"), "--device", "cpu", "-e", model, "-i",
+             _write_shards(tmp_path, V=TINY.vocab_size), "-j", "", "-b", "2", "-t", "16", "-v", "0", "-s", "0",
+             "-l", "1e-3", "-k", "constant", "-x", "12", "-n", "2"]
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    subprocess.run(flags + ["-o", straight], check=True, capture_output=True, timeout=600, cwd=ROOT)
+    victim = subprocess.Popen(flags + ["-o", killed], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(os.path.join(killed, "DONE_00000002")) and victim.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert not os.path.exists(os.path.join(killed, "DONE_00000012"))      # killed before the end
+    r = subprocess.run(flags + ["-o", killed, "-y", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr
+    assert _train_losses(os.path.join(killed, "main.log")) == _train_losses(os.path.join(straight, "main.log"))
+    with open(os.path.join(straight, "model_00000012.bin"), "rb") as a, \
+            open(os.path.join(killed, "model_00000012.bin"), "rb") as b:
+        assert a.read() == b.read()

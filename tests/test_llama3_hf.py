@@ -35,6 +35,7 @@ import export_hf_llama3  # noqa: E402
 import import_hf  # noqa: E402
 import import_hf_llama3  # noqa: E402
 import llama3_cpu as m  # noqa: E402
+from llmc import hf_layout  # noqa: E402
 from llmc.utils import InputError  # noqa: E402
 
 # logits compared relative to their largest magnitude, as tests/test_hf.py: fp32 sums over C <= 64
@@ -117,7 +118,7 @@ def test_export_matches_transformers(tmp_path, monkeypatch, config):
     ours = m.llama3_forward(model, tokens)
     assert_logits_close(ours, hf_logits(hf_dir, tokens))
     # without the permutation of q's and k's rows, HF's rotate_half rotates the wrong pairs
-    monkeypatch.setattr(export_hf_llama3, "hf_rope_rows", lambda HS: np.arange(HS))
+    monkeypatch.setattr(hf_layout, "hf_rope_rows", lambda HS: np.arange(HS))
     assert export_hf_llama3.main(["-i", ours_bin, "-o", hf_dir]) == 0
     with pytest.raises(AssertionError, match="max"):
         assert_logits_close(ours, hf_logits(hf_dir, tokens))

@@ -15,7 +15,8 @@ out, HF's channel i of a head is our channel 2i and HF's channel i+HS/2 is our 2
 k_proj's rows are permuted within each head (hf_rope_rows): HF row j of head h = our row
 ROPE_TO_HF[j] of head h, ROPE_TO_HF = [0, 2, 4, .., HS-2, 1, 3, .., HS-1]. A query-key score is
 a sum over a head's channels, which the same permutation of q and k leaves unchanged; v and o_proj
-are not permuted. (HF's own convert_llama_weights_to_hf.py applies this permutation to Meta's weights.)
+are not permuted. (HF's own convert_llama_weights_to_hf.py applies this permutation to Meta's weights;
+llmc/hf_layout.py holds it, as llmc/lora.py permutes LoRA adapters the same way.)
 
 What it is not: a tokenizer exporter (our Llama 3 models use GPT-2's tokenizer). The inverse is
 dev/eval/import_hf_llama3.py.
@@ -37,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from llama3_cpu import (ROPE_HIGH_FREQ_FACTOR, ROPE_LOW_FREQ_FACTOR, ROPE_ORIGINAL_CONTEXT,  # noqa: E402
                         ROPE_SCALE_FACTOR, read_model)
 from llmc.cli import ArgumentParser, run_main  # noqa: E402
+from llmc.hf_layout import hf_rope_rows, rope_rows_from_hf, rope_rows_to_hf  # noqa: E402,F401 (import_hf_llama3 takes them from here)
 from llmc.utils import atomic_write, require  # noqa: E402
 
 HF_WEIGHTS = "model.safetensors"
@@ -53,24 +55,6 @@ HF_GLOBAL_TENSORS = {"wte": "model.embed_tokens.weight", "lnfw": "model.norm.wei
 # the two SwiGLU sizing fields HF's config has no place for (it stores H itself): kept so that a
 # round trip ours -> HF -> ours gives the same model file, byte for byte (import_hf_llama3 reads them)
 LLMC_KEYS = ("llmc_multiple_of", "llmc_ffn_dim_multiplier")
-
-
-def hf_rope_rows(HS):
-    """ROPE_TO_HF (HS,): HF row j of a head is our row ROPE_TO_HF[j] (see the top):
-    [0, 2, .., HS-2, 1, 3, .., HS-1]."""
-    return np.concatenate([np.arange(0, HS, 2), np.arange(1, HS, 2)])
-
-
-def rope_rows_to_hf(w, HS):
-    """A q or k projection (nh*HS, C) in our pair layout -> HF's half layout, per head."""
-    nh = w.shape[0] // HS
-    return w.reshape(nh, HS, -1)[:, hf_rope_rows(HS)].reshape(w.shape)
-
-
-def rope_rows_from_hf(w, HS):
-    """rope_rows_to_hf's inverse: HF's half layout (nh*HS, C) -> our pair layout."""
-    nh = w.shape[0] // HS
-    return w.reshape(nh, HS, -1)[:, np.argsort(hf_rope_rows(HS))].reshape(w.shape)
 
 
 def hf_config(config):
