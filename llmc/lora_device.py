@@ -140,6 +140,9 @@ class LoraMatmul:
     def __init__(self, base, lora, P):
         self.base, self.lora, self.tf32 = base, lora, base.tf32
         self.name = f"{base.name} + LoRA"
+        # the residual is added by the model's fused residual + LayerNorm kernel, after the adapters
+        # (a residual in the base GEMM's epilogue, --residual-epilogue, is cuBLASLt's without LoRA)
+        self.residual_epilogue = False
         self.adapted = {}                                  # device address of a weight -> its adapters
         for l, adapters in enumerate(lora.layers):
             for name, on_weight in adapters.items():

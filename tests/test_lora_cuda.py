@@ -202,9 +202,13 @@ def test_the_frozen_base_holds_no_gradient_moment_or_master_weight(emulated, nam
     lora = device_model(name, "bf16")
     lora_bytes = pool.used_bytes() - before
     adapters = lora.lora.num_parameters
-    # full: its grads (2n), m, v, master (12n); LoRA: the adapters' params, grads, m, v, master (16 a)
-    # and their gradient norm's partial sums and result (fp32)
-    assert full_bytes - lora_bytes == 14 * n - 16 * adapters - 4 * (gpt2_cuda.GLOBAL_NORM_GRID + 1)
+    # full: its grads (2n), m, v, master (12n); LoRA: the adapters' params, grads, m, v, master (16 a),
+    # their gradient norm's partial sums and result with its clipping factor (fp32), and AdamW's
+    # per-step buffers of their own (the learning rate and bias corrections, a seed per tensor)
+    update = lora.lora.update
+    adapters_own = 4 * (gpt2_cuda.GLOBAL_NORM_GRID + gpt2_cuda.NORM_VALUES) + update.scalars.nbytes + update.seeds.nbytes
+    assert update.seeds.size == len(lora.lora.param_shapes)
+    assert full_bytes - lora_bytes == 14 * n - 16 * adapters - adapters_own
 
 
 def test_two_fs_ranks_train_the_adapters_of_one(tmp_path):
