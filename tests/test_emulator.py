@@ -673,3 +673,17 @@ def test_the_sanitizer_python_finds_this_environments_numpy():
     site_dir = os.path.dirname(os.path.dirname(os.path.abspath(numpy.__file__)))
     assert site_dir in env["PYTHONPATH"].split(os.pathsep), env["PYTHONPATH"]
     assert env["PYTHONPATH"].split(os.pathsep)[0] == build.ROOT
+
+
+def test_kernels_run_where_the_compiler_fortifies_string_functions(tmp_path):
+    """Ubuntu's g++ (the GPU machine's) defines _FORTIFY_SOURCE=3, whose memset checks the object a
+    pointer came from: the shared arrays' NaN fill, reached from a one-char TLS anchor, aborted
+    with "buffer overflow detected" there. The same build here, through a g++ that fortifies."""
+    wrapper = tmp_path / "g++"
+    wrapper.write_text('#!/bin/sh\nexec g++ -U_FORTIFY_SOURCE -D_FORTIFY_SOURCE=3 "$@"\n')
+    wrapper.chmod(0o755)
+    env = dict(os.environ, CXX=str(wrapper), LLMC_EMULATOR_CACHE=str(tmp_path / "cache"), PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "cuda", "tensor_core.py"), "--device", "cpu"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "after cp.async.wait_all     : group 0: 32  group 1: 32  group 2: 32" in result.stdout

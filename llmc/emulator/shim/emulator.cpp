@@ -484,13 +484,17 @@ static void start_runner(Worker& w) {
 #endif
 }
 
+// the start of this library's TLS block: through an integer, since the anchor is one char and a
+// pointer derived from it may not reach the arrays (_FORTIFY_SOURCE=3 checks the memsets below)
+static char* tls_block() { return (char*)((uintptr_t)&llmc_emu_tls_anchor - (uintptr_t)anchor_offset); }
+
 static void fill_shared_with_nan() {
-    char* base = &llmc_emu_tls_anchor - anchor_offset;
+    char* base = tls_block();
     for (auto& [offset, bytes] : shared_arrays) memset(base + offset, 0xff, bytes);
 }
 
 bool is_shared(const void* p, size_t bytes) {
-    const char* base = &llmc_emu_tls_anchor - anchor_offset;
+    const char* base = tls_block();
     for (auto& [offset, size] : shared_arrays) {
         if ((const char*)p >= base + offset && (const char*)p + bytes <= base + offset + size) return true;
     }
