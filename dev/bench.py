@@ -314,6 +314,10 @@ def kernel_breakdown(model, x, y, step):
         originals.append((cublaslt, "matmul_cublaslt", cublaslt.matmul_cublaslt))
         cublaslt.matmul_cublaslt = timed(lambda d, a, b, m, n, k, transa, transb, epilogue=cublaslt.NO_EPILOGUE,
                                          *rest: f"cuBLASLt gemm {m}x{n}x{k} {epilogue.name}", cublaslt.matmul_cublaslt)
+    if model.attention.name == "flash":            # its kernels launch with dynamic shared memory, not cuda.launch
+        originals.append((llmc.attention, "launch_with_shared_memory", llmc.attention.launch_with_shared_memory))
+        llmc.attention.launch_with_shared_memory = timed(lambda kernel, *rest: f"flash_attention.cu:{kernel.name}",
+                                                         llmc.attention.launch_with_shared_memory)
     if model.attention.name == "cudnn":
         from llmc import cudnn_attention
         for fn_name in ("attention_forward_cudnn", "attention_backward_cudnn"):

@@ -49,7 +49,7 @@ RESULTS = os.path.join(ROOT, "dev", "results")
 # dev/cuda/matmul.py's table from the H100 (`make dev-cuda`, B = 8, T = 1024): versions 1-5
 MEASURED_TABLE = os.path.join(RESULTS, "2026-11-26_nvidia-h100-80gb-hbm3_session2_matmul.md")
 # the table of the GPU run with versions 6-8 (dev/results/next_gpu_issue36.sh), once there is one
-TENSOR_CORE_TABLE = None
+TENSOR_CORE_TABLE = "2026-11-27_nvidia-h100-80gb-hbm3_issue36_layers_dev_cuda_matmul.md"
 MEASURED_SHAPES = ("qkv", "fc", "fcproj")
 CUBLAS, CUBLASLT = 4, 5                          # dev/cuda/matmul.py's library versions
 LANES_SHOWN = (0, 1, 9, 31)                      # the lanes the tutorial's excerpt shows

@@ -238,12 +238,12 @@ def launch_with_shared_memory(kernel, grid, block, args, shared_bytes):
     kernel(grid, (block,), args, shared_mem=shared_bytes)
 
 
-_FLASH_KERNELS = {}                     # (device, precision, name) -> cupy.RawKernel
+_FLASH_KERNELS = {}                     # (device, precision, build variant, name) -> cupy.RawKernel
 
 
 def flash_kernel(precision, name):
     """Kernel `name` of kernels/flash_attention.cu (compiled once per device and precision)."""
-    key = (cuda.device(), precision, name)
+    key = (cuda.device(), precision, cuda.build_variant(), name)
     if key not in _FLASH_KERNELS:
         _FLASH_KERNELS[key] = cuda.load_module("flash_attention", precision).get_function(name)
     return _FLASH_KERNELS[key]

@@ -80,6 +80,21 @@ def test_breakdown_times_every_gemm_with_cublaslt_too(monkeypatch):
     assert {"BIAS", "GELU_AUX_BIAS", "DGELU", "BGRADB"} <= epilogues, epilogues
 
 
+def test_breakdown_times_the_flash_kernels(monkeypatch):
+    """With --attention flash the breakdown lists the flash kernels, which launch with dynamic shared
+    memory (llmc.attention.launch_with_shared_memory), not through cuda.launch: the H100 run of
+    2026-11-27 listed only their backward's preprocess. One forward and one dk/dv + dq pair per layer."""
+    from llmc import cuda
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    model, cfg, (x, y) = bench.cupy_model("d2", 1, 32, "flash", False)
+    rows = {name: calls for name, calls, _ in bench.kernel_breakdown(model, x, y, 1)}
+    L = cfg.num_layers
+    flash = {name.split(":")[1].rsplit("_hs", 1)[0]: calls for name, calls in rows.items()
+             if name.startswith("flash_attention.cu:")}
+    assert flash == {"flash_attention_forward": L, "flash_attention_backward_dkdv": L,
+                     "flash_attention_backward_dq": L, "flash_attention_backward_preprocess": L}, flash
+
+
 def test_gpt2_steps_read_a_step_late_match_gpt2_cpu(monkeypatch):
     """gpt2_cuda.py's steps as the bench times them (d2, B=1, T=32, bf16 as on a GPU, on the
     emulated device): all on the device, as one CUDA graph or kernel by kernel, each loss
