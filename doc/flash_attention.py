@@ -26,8 +26,8 @@ from llmc import attention, cuda  # noqa: E402
 RESULTS = os.path.join(ROOT, "dev", "results")
 # the H100 table of the previous kernel (dev/cuda/attention.py's version 3 then, wmma tiles)
 RECORDED_LOG = os.path.join(RESULTS, "2026-11-26_nvidia-h100-80gb-hbm3_session2_dev-cuda.log")
-# the tables of the tensor-core kernels, once a GPU run of dev/results/next_gpu_issue37.sh is
-# recorded (its 124M and gqa tables)
+# the tables of the tensor-core kernels from the H100 (the fifth session's second call: its 124M
+# and gqa tables)
 NEW_TABLES = os.path.join(RESULTS, "*_issue37_*dev_cuda_attention.md")
 SHAPE_124M = dict(B=16, T=1024, NH=12, HS=64)
 CUDNN_VERSION = 4

@@ -18,8 +18,8 @@ What it is: the tutorial's numbers, all on the CPU:
   5. the pipeline's shared memory and the split of dweight's K sum at the model's shapes
      (dev/cuda/matmul.py's own tables and dweight_splits).
 What it is not: a GPU run. The measured numbers are read from the tables `dev/cuda/matmul.py`
-wrote on an H100, kept in dev/results/. TENSOR_CORE_TABLE names the table with versions 6-8 once a
-GPU has run them (dev/results/next_gpu_issue36.sh); while it is None, their section quotes none.
+wrote on an H100, kept in dev/results/: MEASURED_TABLE versions 1-5 (the second session),
+TENSOR_CORE_TABLE versions 5-8 (the fifth session's second call).
 
 Run:
     python doc/tensor_cores.py
@@ -48,7 +48,7 @@ H100_NAME = "NVIDIA H100 80GB HBM3"
 RESULTS = os.path.join(ROOT, "dev", "results")
 # dev/cuda/matmul.py's table from the H100 (`make dev-cuda`, B = 8, T = 1024): versions 1-5
 MEASURED_TABLE = os.path.join(RESULTS, "2026-11-26_nvidia-h100-80gb-hbm3_session2_matmul.md")
-# the table of the GPU run with versions 6-8 (dev/results/next_gpu_issue36.sh), once there is one
+# the table of the GPU run with versions 5-8 (dev/results/2026-11-27_..._session5_call_b.sh)
 TENSOR_CORE_TABLE = "2026-11-27_nvidia-h100-80gb-hbm3_issue36_layers_dev_cuda_matmul.md"
 MEASURED_SHAPES = ("qkv", "fc", "fcproj")
 CUBLAS, CUBLASLT = 4, 5                          # dev/cuda/matmul.py's library versions
