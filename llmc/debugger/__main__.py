@@ -27,6 +27,7 @@ quiet_ctrl_c_while_importing(__name__)
 from llmc.utils import require  # noqa: E402
 require("python -m llmc.debugger", "numpy", "plotly")
 
+from llmc import lora  # noqa: E402
 from llmc.cli import build_parser, is_checkpoint_path, run_main  # noqa: E402
 from llmc.debugger.checkrun import CheckRun  # noqa: E402
 from llmc.debugger.kerneltrace import KernelTrace  # noqa: E402
@@ -49,6 +50,7 @@ def parse_args(argv=None):
     import gpt2_cpu                                     # the reference (llmc never imports it at load)
     p = build_parser("python -m llmc.debugger", "The visual debugger: one training step of gpt2_cpu.py "
                      "(or llama3_cpu.py, -e llama3:dX), op by op, in the browser.", gpt2_cpu.LR_SCHEDULES)
+    lora.add_flags(p, gpt2_cpu.LORA_FAMILY.default_targets)   # the reference's step runs with its adapters, if any
     p.set_defaults(**DEBUGGER_DEFAULTS)
     a = p.add_argument_group("debugger options").add_argument
     a("--host", default="127.0.0.1", help="address to listen on (only this machine by default)")

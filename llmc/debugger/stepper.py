@@ -10,6 +10,7 @@ return. It picks out the *ops* of a training step by where they are called from:
                   (gpt2_backward), entered from train() itself (not from the validation loss or
                   the sampler, which call the same forward from their own functions);
     an op         a function named `*_forward` or `*_backward` called directly from a container
+                  (LoRA's adapter calls only on a layer with adapters: adds_nothing)
                   (layernorm_forward, matmul_backward, ...), or the step's gradient norm and
                   AdamW update (gpt2_grad_norm, gpt2_update) called from train().
 When an op returns, the hook hands its frame (arguments and locals, the reference's own names)
@@ -35,6 +36,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 OP_SUFFIXES = ("_forward", "_backward")
+
+
+def adds_nothing(frame):
+    """Whether an op's call does nothing: LoRA's adapter calls (gpt2_cpu.lora_add_forward and
+    _backward) on a layer without adapters (their `adapters` argument empty), which every step makes
+    whether or not it fine-tunes: not ops of the list."""
+    return frame.f_code.co_name.startswith("lora_add_") and not frame.f_locals.get("adapters")
 
 
 # ----------------------------------------------------------------------------
@@ -243,7 +251,8 @@ class StepHook:
             self.containers = [frame]
         elif code is self.block and self.containers and parent is self.containers[-1]:
             self.containers.append(frame)
-        elif self.containers and parent is self.containers[-1] and code.co_name.endswith(OP_SUFFIXES):
+        elif (self.containers and parent is self.containers[-1] and code.co_name.endswith(OP_SUFFIXES)
+              and not adds_nothing(frame)):
             self._op_called(frame)
         elif code in self.step_ops and parent is not None and parent.f_code in self.step_callers:
             self._op_called(frame)
