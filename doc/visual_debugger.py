@@ -6,7 +6,9 @@ What it is: compute(fig_dir) runs the tutorial's session for real: `python -m ll
 the default d4 model, driven in Chromium (llmc/debugger/harness.py) through the clicks the text
 describes, a screenshot of each view into fig_dir, with a bf16 `gpt2_cuda.py --device cpu
 --check-save` run of d2 on the emulated device beside it; it returns the numbers the text quotes:
-the op counts, the first step's loss as the page shows it, the bf16 run's largest error, and the
+the op counts, the first step's loss as the page shows it, the bf16 run's largest error, the warp
+requests of the kernel trace it records with dev/kernel_trace.py (one layernorm_forward launch of a
+d2 step on the emulated device) and shows, and the
 speed figures of dev/bench_debugger.py's last run (dev/results/visual_debugger_bench.json, which
 that script writes; a benchmark, so they are quoted from its record, not measured here).
 What it is not: a test of the page's values (tests/test_debugger_browser.py is that).
@@ -28,6 +30,7 @@ from llmc.paths import DEFAULT_TRAIN  # noqa: E402
 
 BENCH = os.path.join(ROOT, "dev", "results", "visual_debugger_bench.json")
 CHECK_ARGS = ["-e", "d2", "-b", "1", "-t", "32", "--precision", "bf16"]
+TRACE_ARGS = ["-e", "d2", "-b", "1", "-t", "32", "-x", "1", "-v", "0", "-s", "0"]
 
 
 def unavailable_reason():
@@ -61,11 +64,19 @@ def compute(fig_dir):
     run = CheckRun(check)
     numbers["check_worst_rel_err"] = f"{max(row['rel'] for row in run.rows):.0e}"
     numbers["check_tensors"] = str(len(run.rows))
+    # one launch of layernorm_forward on the emulated device, thread by thread, for the kernel view
+    trace = os.path.join(scratch.name, "kernel_trace.json")
+    r = subprocess.run([sys.executable, "dev/kernel_trace.py", "layernorm_forward", "-o", trace, "--", *TRACE_ARGS],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"dev/kernel_trace.py failed: {r.stdout[-1000:]} {r.stderr[-1000:]}")
+    with open(trace) as f:
+        numbers["trace_requests"] = str(len(json.load(f)["accesses"]))
 
     def shot(page, name):
         page.screenshot(path=os.path.join(fig_dir, f"visual_debugger_{name}.png"))
 
-    with DebuggerProcess(["--check-run", check]) as dbg, browser_page() as page:
+    with DebuggerProcess(["--check-run", check, "--kernel-trace", trace]) as dbg, browser_page() as page:
         page.goto(dbg.url)
         wait_ready(page)
         ops = page.query_selector_all("#oplist li[data-op]")
