@@ -32,7 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmc.cli import ArgumentParser  # noqa: E402  (a bad flag: one error line, exit 1)
 from llmc.debugger.harness import (DebuggerProcess, browser_page, chromium_unavailable_reason,  # noqa: E402
-                                   click_and_wait, redrawn, show_view, wait_ready)
+                                   click_and_wait, op_index, redrawn, show_view, wait_ready)
 
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "visual_debugger_bench.json")
 D4_STEPS = 30
@@ -44,13 +44,6 @@ def timed(fn):
     fn()
     return time.perf_counter() - t0
 
-
-def op_index(page, label, layer=None):
-    for li in page.query_selector_all("#oplist li[data-op]"):
-        text = li.inner_text()
-        if label in text and (layer is None or f" L{layer} " in text):
-            return int(li.get_attribute("data-op"))
-    raise LookupError(label)
 
 
 def run_to(page, index):

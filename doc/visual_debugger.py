@@ -42,18 +42,11 @@ def unavailable_reason():
     return reason
 
 
-def op_index(page, label, layer=None):
-    for li in page.query_selector_all("#oplist li[data-op]"):
-        text = li.inner_text()
-        if label in text and (layer is None or f" L{layer} " in text):
-            return int(li.get_attribute("data-op"))
-    raise LookupError(label)
-
 
 def compute(fig_dir):
     from llmc.debugger.checkrun import CheckRun
-    from llmc.debugger.harness import (DebuggerProcess, browser_page, choose, click, click_and_wait, show_view,
-                                       wait_ready)
+    from llmc.debugger.harness import (DebuggerProcess, browser_page, choose, click, click_and_wait, op_index,
+                                       show_view, wait_ready)
     numbers = {}
     scratch = tempfile.TemporaryDirectory()
     check = os.path.join(scratch.name, "check_bf16.npz")

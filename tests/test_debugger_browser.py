@@ -18,7 +18,7 @@ import gpt2_cpu as g
 from llmc.check import TOLERANCES, save_comparison
 from llmc.dataloader import DataLoader
 from llmc.debugger.harness import (DebuggerProcess, browser_page, choose, chromium_unavailable_reason, click,
-                                   click_and_wait, hover_cell, show_view, wait_ready)
+                                   click_and_wait, hover_cell, op_index, show_view, wait_ready)
 from llmc.paths import DEFAULT_TRAIN
 
 B, T, STEPS = 2, 16, 2
@@ -82,14 +82,6 @@ def session(files):
         yield dbg, page
         assert not page.errors, page.errors
 
-
-def op_index(page, label, layer=None):
-    """The op-list index (0-based) of the first op with this label (and layer)."""
-    for li in page.query_selector_all("#oplist li[data-op]"):
-        text = li.inner_text()
-        if label in text and (layer is None or f" L{layer} " in text):
-            return int(li.get_attribute("data-op"))
-    raise LookupError(label)
 
 
 def test_a_whole_step_in_the_browser(session):

@@ -156,6 +156,15 @@ def click(page, selector):
     redrawn(page, lambda: page.click(selector))
 
 
+def op_index(page, label, layer=None):
+    """The op-list index (0-based) of the first op whose line shows `label` (and, given, layer)."""
+    for li in page.query_selector_all("#oplist li[data-op]"):
+        text = li.inner_text()
+        if label in text and (layer is None or f" L{layer} " in text):
+            return int(li.get_attribute("data-op"))
+    raise LookupError(label)
+
+
 def hover_cell(page, div_id, row, col):
     """Move the mouse over the heatmap cell (row, col) (element indices) of Plotly div `div_id`
     and return the hover label's text."""
