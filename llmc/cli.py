@@ -12,7 +12,6 @@ forward for HellaSwag, sampling, saving a checkpoint).
 import argparse
 import bdb
 import codecs
-import difflib
 import glob
 import math
 import os
@@ -24,13 +23,15 @@ import traceback
 
 import numpy as np
 
+from llmc.argparser import ArgumentParser
 from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, config_path, latest_checkpoint_step,
                              move_previous_run_aside, read_run_config, rotate_checkpoints, write_done_marker,
                              write_run_config)
-from llmc.comm import abort_all_ranks, launched_size
+from llmc.comm import abort_all_ranks
 from llmc.dataloader import DataLoader, data_fingerprint
 from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
 from llmc.interrupt import restore_ctrl_c
+from llmc.launcher import launched_rank
 from llmc.logger import Logger
 from llmc.multinode import disagreement
 from llmc.sampler import SAMPLE_SEED
@@ -42,32 +43,8 @@ from llmc.utils import TMP_SUFFIX, InputError, lock_directory, release_directory
 WRITE_PROBE = ".write_probe"           # make_output_dir's test file in -o
 
 
-
 # ----------------------------------------------------------------------------
 # the flags
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with this project's promise for a bad flag: one `error:` line (on rank 0 only
-    under mpiexec) and exit 1, instead of argparse's usage dump and exit 2."""
-
-    def error(self, message):
-        if launched_rank() in (None, 0):
-            print(f"error: {message}{self.did_you_mean(message)} (see --help)", file=sys.stderr)
-        sys.exit(1)
-
-    def did_you_mean(self, message):
-        """For an unrecognized flag, the closest real one ("; did you mean --learning-rate?"), if
-        any is close; else ''."""
-        if not message.startswith("unrecognized arguments:"):
-            return ""
-        flags = [option for action in self._actions for option in action.option_strings]
-        for word in message.split(":", 1)[1].split():
-            if word.startswith("-"):
-                close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.75)
-                if close:
-                    return f"; did you mean {close[0]}?"
-        return ""
-
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help with the defaults shown, wrapped at spaces only: a long path (a default data file)
@@ -590,12 +567,6 @@ class TrainingRun:
         self.say(f"step {step + 1:4d}/{self.num_steps} | loss {loss:.6f}{z(zloss)} | norm {norm:.4f}{z(zgrad)} | "
                  f"lr {lr:.2e} | {seconds * 1000:.1f} ms | {self.total_batch / seconds:.0f} tok/s{extra}")
         self.logger.log_train(step, loss, lr, norm)
-
-
-def launched_rank():
-    """This process's rank under mpiexec (PMI_RANK / OMPI_COMM_WORLD_RANK), None without it."""
-    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
-    return int(rank) if rank is not None and launched_size() > 1 else None
 
 
 def error_line(e, expected):

@@ -20,6 +20,9 @@ import subprocess
 
 import numpy as np
 
+from llmc.launcher import launcher_environment
+from llmc.utils import InputError
+
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 PRECISIONS = ("bf16", "fp32")
 PRECISION_DEFINES = {"bf16": "-DENABLE_BF16", "fp32": "-DENABLE_FP32"}
@@ -162,12 +165,26 @@ def address(arr):
     return arr.data.ptr
 
 
+def choose_device(local_rank, device_count, visible=None):
+    """The CUDA device index for a process of local rank `local_rank` that sees `device_count`
+    devices (visible: $CUDA_VISIBLE_DEVICES, or None). Normally the local rank itself; device 0
+    when the launcher gave each process one GPU of its own (CUDA_VISIBLE_DEVICES names exactly one,
+    srun --gpus-per-task=1). Raises InputError where that device does not exist, rather than put
+    two processes on one GPU."""
+    one_each = device_count == 1 and visible is not None and len([d for d in visible.split(",") if d.strip()]) == 1
+    if one_each:
+        return 0
+    if local_rank >= device_count:
+        raise InputError(f"local rank {local_rank} needs GPU {local_rank} but this process sees {device_count} "
+                         f"GPU(s): two processes would share one (start at most one process per GPU)")
+    return local_rank
+
+
 def select_device(comm):
-    """Bind this process to its GPU: llmc.multinode.choose_device of its local rank (comm.local_rank
-    from llmc.multinode: the launcher's local rank, or -pr % -pg; for a plain llmc.comm.Comm the
+    """Bind this process to its GPU: choose_device of its local rank (comm.local_rank from
+    llmc.multinode: the launcher's local rank, or -pr % -pg; for a plain llmc.comm.Comm the
     launcher's, else the rank). Returns (device index, device name, compute capability as an int,
     e.g. 90). Raises InputError rather than put two processes on one GPU."""
-    from llmc.multinode import choose_device, launcher_environment
     cp = cupy()
     local = getattr(comm, "local_rank", None)
     if local is None:

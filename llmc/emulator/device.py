@@ -48,7 +48,8 @@ EMULATOR_OWN = ("EMULATOR_OWN", "ALLOCATION_ALIGNMENT", "UNINITIALIZED_BYTE", "M
                 "EMULATED_COMPUTE_CAPABILITY", "DEVICE_NAME", "BUILD_MODE", "EXACT_ALLOCATIONS", "COMPARISONS",
                 "EMULATED_DEVICE_COUNT", "CUDA_ERRORS", "DYNAMIC_SHARED_PATTERN", "static_dynamic_shared",
                 "enqueue", "refuse_while_capturing", "refuse_transfer_while_capturing", "stream_at",
-                "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS")
+                "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS", "CUBLAS_CAPTURE_UNSUPPORTED",
+                "set_cublas_stream", "cublas_stream")
 
 
 # ----------------------------------------------------------------------------
@@ -86,7 +87,7 @@ class ndarray(np.ndarray):
         synchronize then is CUDA's error (refuse_while_capturing);
       - a product that CuPy computes with cuBLAS (dev @ dev, np.matmul, np.dot, np.vdot, np.inner,
         np.tensordot on floating or complex operands) while the stream captures raises CuPy's
-        NotImplementedError (llmc/emulator/cublas.py, setStream).
+        NotImplementedError (set_cublas_stream, which llmc/emulator/cublas.py's setStream is).
     What it cannot refuse: np.asarray(dev) and np.array(dev), which CuPy refuses through
     __array__ (NumPy never asks an ndarray subclass for that), and a NumPy reduction called as a
     ufunc method, np.add.reduce(dev) (dev.sum() reaches __array_ufunc__ the same way)."""
@@ -224,12 +225,11 @@ CUBLAS_KINDS = "fc"
 def _cupy_cublas_call(name, operands):
     """What CuPy's product `name` does first on device operands when it calls cuBLAS: set its
     handle to the current stream, which CuPy 14 refuses while the stream captures
-    (NotImplementedError, llmc/emulator/cublas.py setStream). Other names and operands: nothing."""
+    (NotImplementedError, set_cublas_stream). Other names and operands: nothing."""
     arrays = [x for x in operands if isinstance(x, np.ndarray)]
     if (name in CUBLAS_PRODUCTS and arrays and all(x.ndim and x.size for x in arrays)
             and np.result_type(*arrays).kind in CUBLAS_KINDS):
-        from llmc.emulator import cublas          # imports this module: imported on first use
-        cublas.setStream(cuda.device.get_cublas_handle(), cuda.Stream._current.ptr)
+        set_cublas_stream(cuda.device.get_cublas_handle(), cuda.Stream._current.ptr)
 
 
 def _host_arrays(values):
@@ -672,6 +672,29 @@ _CUBLAS_HANDLE = 1
 def get_cublas_handle():
     """The handle llmc.emulator.cublas takes (its calls run on the current stream)."""
     return _CUBLAS_HANDLE
+
+
+# A cuBLAS handle's calls run on the stream it was last set to (cublasSetStream). CuPy sets it
+# before every call it makes, its own products' (cp.matmul, cp.dot) as well as llmc.cuda's gemmEx,
+# so the handle's stream lives here beside the handle, and llmc.emulator.cublas's setStream and
+# getStream are these two. CuPy's refusal, word for word (cupy_backends/cuda/libs/cublas.pyx
+# v14.2.0, setStream):
+CUBLAS_CAPTURE_UNSUPPORTED = "calling cuBLAS API during stream capture is currently unsupported"
+_CUBLAS_STREAMS = {}                   # handle -> cudaStream_t its calls run on (0: the legacy stream)
+
+
+def set_cublas_stream(handle, stream):
+    """CuPy 14's cublas.setStream: the stream (a cudaStream_t) the handle's calls run on. Raises
+    NotImplementedError while that stream captures (CuPy checks cudaStreamIsCapturing first;
+    cupy/cupy#6290)."""
+    if stream_is_capturing(stream):
+        raise NotImplementedError(CUBLAS_CAPTURE_UNSUPPORTED)
+    _CUBLAS_STREAMS[handle] = stream
+
+
+def cublas_stream(handle):
+    """CuPy's cublas.getStream: the stream set_cublas_stream last gave the handle (0: the legacy one)."""
+    return _CUBLAS_STREAMS.get(handle, 0)
 
 
 def alloc_pinned_memory(size):
