@@ -75,7 +75,7 @@ def build_parser(prog, description, lr_schedules, model_help=None):
     a("-d", "--total-batch-size", type=int, default=-1, help="tokens per optimizer step (-1: B*T*processes, no accumulation)")
     a("-x", "--max-steps", type=int, default=-1, help="optimizer steps (-1: one epoch of the train data)")
     a("-k", "--lr-schedule", default="cosine", choices=lr_schedules, help="learning-rate schedule")
-    a("-l", "--learning-rate", type=float, default=3e-4, help="peak learning rate")
+    a("-l", "--learning-rate", "--lr", type=float, default=3e-4, help="peak learning rate")
     a("-u", "--warmup-iters", type=int, default=0, help="linear warmup steps")
     a("-q", "--final-lr-frac", type=float, default=1.0, help="final learning rate as a fraction of the peak")
     a("-c", "--weight-decay", type=float, default=0.0, help="AdamW weight decay")

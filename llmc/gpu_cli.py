@@ -5,6 +5,7 @@ prints about the device (the banner, -lg's status line).
 """
 
 import argparse
+import re
 
 from llmc import cuda, multinode
 from llmc.attention import ATTENTION_CHOICES, DEFAULT_ATTENTION
@@ -52,12 +53,26 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
            "(needs nvmath-python: CuPy's cuBLAS refuses calls during a capture)")
     a("--check", action="store_true", help="compare one batch with gpt2_cpu.py, print per-tensor errors, exit 1 on failure")
     a("--check-dtype", default="float32", choices=("float32", "float64"), help="gpt2_cpu's dtype for --check")
-    a("--device", default="cuda", choices=cuda.DEVICES,
+    a("--device", default="cuda", type=device_flag, choices=cuda.DEVICES,
       help="cpu: the emulated CUDA device (llmc/emulator/: our kernels compiled by g++ and run on the CPU, "
            "slow; defaults --precision fp32 -f 0, so the losses are gpt2_cpu.py's)")
     a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
     multinode.add_flags(p)                     # -pm -pn -pr -pg -ps -pp -pj: one node or many
     return p
+
+
+def device_flag(value):
+    """--device's value, "cuda" or "cpu". PyTorch's "cuda:N" is refused with the way to pick GPU N
+    here (each process takes the GPU of its local rank, llmc.cuda.select_device), anything else
+    with the choices: argparse.ArgumentTypeError, the parser's one error line."""
+    if value in cuda.DEVICES:
+        return value
+    match = re.fullmatch(r"cuda:(\d+)", value)
+    if match:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: pass --device cuda; each process takes the GPU of its local rank (GPU 0 for one "
+            f"process), and CUDA_VISIBLE_DEVICES={match.group(1)} runs on GPU {match.group(1)} alone")
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(cuda.DEVICES)})")
 
 
 def auto_or_bit(value):

@@ -1,7 +1,8 @@
 """
 tests/test_newcomer.py: what a newcomer meets first says what to do, in one line.
 
-A mistyped long flag names the closest real one; --help keeps paths whole; -e naming a run
+A mistyped long flag names the closest real one, and one typed from PyTorch's, nanoGPT's or llm.c's
+habits (--lr, --epochs, --batch_size, --device cuda:0) is taken or named; --help keeps paths whole; -e naming a run
 directory names the newest model in it; --eval-only needs no train data; a tool whose package is
 missing (the project's .venv not activated) names the pip package and the venv instead of a
 traceback.
@@ -35,6 +36,54 @@ def test_a_mistyped_flag_names_the_closest_one(flag, meant):
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert f"did you mean {meant}?" in r.stderr
+
+
+def test_lr_is_the_learning_rate_and_no_flag_is_a_prefix(capsys):
+    """PyTorch's and nanoGPT's --lr is -l; argparse's prefix matching once took it for
+    --lr-schedule. A prefix of a real flag is now an unknown flag with its did-you-mean."""
+    import gpt2_cpu
+    for argv in (["--lr", "1e-3"], ["--lr=1e-3"], ["-l", "1e-3"], ["--learning-rate", "1e-3"]):
+        assert gpt2_cpu.parse_args(argv).learning_rate == 1e-3
+    assert gpt2_cpu.parse_args([]).lr_schedule == "cosine"
+    with pytest.raises(SystemExit) as e:
+        gpt2_cpu.parse_args(["--lr-sched", "linear"])
+    assert e.value.code == 1
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --lr-sched linear; did you mean --lr-schedule? "
+                                       "(see --help)\n")
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--epochs", "3"], "this trainer counts optimizer steps, not epochs: -x N trains N steps, -x -1 one epoch"),
+    (["--num_epochs", "3"], "this trainer counts optimizer steps, not epochs"),
+    (["--max_iters", "5"], "did you mean -x/--max-steps (optimizer steps)?"),
+    (["--batch_size", "8"], "did you mean --batch-size?"),
+    (["--learning_rate=1e-3"], "did you mean --learning-rate?"),
+    (["--warmup_steps", "10"], "did you mean -u/--warmup-iters (linear warmup steps)?"),
+    (["--block_size", "64"], "did you mean -t/--seq-len (sequence length T)?"),
+    (["--device", "cpu"], "this program runs on the CPU only; gpt2_cuda.py and llama3_cuda.py take --device cuda|cpu"),
+])
+def test_habits_from_other_trainers_name_the_flag_meant(capsys, argv, hint):
+    import gpt2_cpu
+    with pytest.raises(SystemExit) as e:
+        gpt2_cpu.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and err.startswith("error: unrecognized arguments: ")
+    assert f"; {hint}" in err
+
+
+@pytest.mark.parametrize("value, said", [
+    ("cuda:0", "'cuda:0': pass --device cuda; each process takes the GPU of its local rank (GPU 0 for one process), "
+               "and CUDA_VISIBLE_DEVICES=0 runs on GPU 0 alone"),
+    ("cuda:3", "CUDA_VISIBLE_DEVICES=3 runs on GPU 3 alone"),
+    ("gpu", "invalid choice: 'gpu' (choose from cuda, cpu)"),
+])
+def test_the_cuda_trainers_device_flag_answers_pytorchs_cuda_n(capsys, value, said):
+    import gpt2_cuda
+    assert gpt2_cuda.parse_args(["--device", "cpu"]).device == "cpu"
+    with pytest.raises(SystemExit) as e:
+        gpt2_cuda.parse_args(["--device", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and err.startswith("error: argument --device: ") and said in err
 
 
 def test_a_flag_close_to_nothing_gets_no_guess():
