@@ -7,7 +7,7 @@ SETUP   = $(PYTHON) dev/setup_env.py
 PY     := $(shell $(PYTHON) dev/setup_env.py --python)
 export PATH := $(dir $(PY)):$(PATH)
 
-.PHONY: help data train train-cpu test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels sanitize clean
+.PHONY: help data train train-cpu twin test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels sanitize clean
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -17,12 +17,15 @@ data:            ## tokenize Shakespeare into data/ (does nothing if it is there
 	$(PY) dev/data/tinyshakespeare.py
 
 # train: the GPU trainer where CuPy sees a CUDA GPU, else the NumPy trainer, saying why.
-train: data      ## train GPT-2 on Shakespeare (GPU if present, else CPU; ARGS="-x 50" passes flags)
+train: data      ## train GPT-2 on Shakespeare (GPU if present, else CPU; ARGS="-x 50" passes flags); installs matplotlib, safetensors, tqdm too
 	$(SETUP) train
 	@trainer=$$($(PY) dev/setup_env.py --trainer) && echo "$(PY) $$trainer $(ARGS)" && $(PY) $$trainer $(ARGS)
 
 train-cpu: data  ## train with the NumPy trainer (ARGS="-x 50" passes flags)
 	$(PY) gpt2_cpu.py $(ARGS)
+
+twin:            ## install torch (about 2 GB) for the PyTorch twins, dev/torch_reference.py and dev/torch_reference_llama3.py
+	$(SETUP) twin
 
 test:            ## run the test suite (GPU tests skip without a GPU)
 	$(SETUP) test

@@ -43,20 +43,16 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llmc.utils import require  # noqa: E402
 
-try:
-    import torch
-except ModuleNotFoundError as e:       # run as a script without torch: one line
-    if __name__ != "__main__" or e.name != "torch":
-        raise
-    sys.exit(f"error: dev/torch_reference.py needs the pip package torch, which this Python ({sys.executable}) "
-             f"does not have: activate the project's environment first (source .venv/bin/activate; `make test` "
-             f"installs every package into it)")
+if __name__ == "__main__":
+    require("dev/torch_reference.py", "numpy", "torch")    # a package missing: one line naming its command, no traceback
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmc import formats  # noqa: E402
 from llmc.cli import ArgumentParser, build_parser, check_args, run_main  # noqa: E402
 from llmc.utils import InputError  # noqa: E402

@@ -40,14 +40,18 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torch_reference as gpt2_twin  # noqa: E402  (exits with one line if torch is missing)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llmc.utils import require  # noqa: E402
+
+if __name__ == "__main__":
+    require("dev/torch_reference_llama3.py", "numpy", "torch")    # a package missing: one line naming its command, no traceback
+import numpy as np  # noqa: E402
+import torch_reference as gpt2_twin  # noqa: E402
 from torch_reference import (ADAMW_BETAS, ADAMW_EPS, DEFAULT_TRAIN, HEADER_BYTES, HEADER_INTS, INIT_STD,  # noqa: E402
                              LR_SCHEDULES, TokenLoader, TwinError, check_flags, learning_rate_at,
                              write_debug_state_file, write_output)
-from llmc import formats  # noqa: E402  (on the path: torch_reference puts the repository there)
+from llmc import formats  # noqa: E402
 from llmc.cli import ArgumentParser, run_main  # noqa: E402
 
 import torch  # noqa: E402

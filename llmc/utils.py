@@ -22,13 +22,35 @@ TMP_SUFFIX = ".tmp"                    # atomic_write writes `<path>.tmp<pid>`, 
 # the pip name is the one to install).
 PIP_PACKAGES = {"numpy": "numpy", "matplotlib": "matplotlib", "tiktoken": "tiktoken", "torch": "torch", "transformers": "transformers",
                 "safetensors": "safetensors", "mpi4py": "mpi4py", "tqdm": "tqdm"}
+# The one command that installs each (dev/setup_env.py's targets): `make train` the small ones the
+# README's commands use, `make twin` torch (about 2 GB), dev/setup_env.py's test target the rest
+INSTALLED_BY = {"numpy": "make train", "tiktoken": "make train", "matplotlib": "make train", "safetensors": "make train",
+                "tqdm": "make train", "torch": "make twin", "transformers": "python3 dev/setup_env.py test",
+                "mpi4py": "python3 dev/setup_env.py test"}
+PROJECT_VENV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv")
+
+
+def missing_package_line(tool, module, python, in_virtual_env, project_venv_exists):
+    """The one `error:` line for a tool whose third-party `module` is missing from `python` (the
+    interpreter's path): the pip package and the one command that installs it. Outside any virtual
+    environment while the project's .venv exists (made by `make`), the advice is first to activate
+    it; inside one (the project's or another), the command installs into that one."""
+    package = PIP_PACKAGES.get(module, module)
+    install = INSTALLED_BY.get(module, f"pip install {package}")
+    line = f"error: {tool} needs the pip package {package}, which this Python ({python}) does not have: "
+    if in_virtual_env:
+        return line + f"`{install}` installs it into this environment"
+    if project_venv_exists:
+        return line + (f"activate the project's environment first (source .venv/bin/activate); if it lacks "
+                       f"{package} too, `{install}` installs it there")
+    return line + f"`{install}` installs it into the project's environment .venv (then: source .venv/bin/activate)"
 
 
 def require(tool, *modules):
     """Import the third-party `modules` a command-line tool needs before it does anything; for the
-    first one that is missing, print one `error:` line naming its pip package and the project's
-    virtual environment (`make` installs into .venv, which a newcomer may not have activated), and
-    exit 1. Returns nothing; the tool then imports the modules as usual."""
+    first one that is missing, print one `error:` line naming its pip package and the command that
+    installs it (missing_package_line), and exit 1. Returns nothing; the tool then imports the
+    modules as usual."""
     import importlib
     import sys
     for module in modules:
@@ -37,9 +59,9 @@ def require(tool, *modules):
         except ImportError as e:
             if (e.name or module).split(".")[0] != module.split(".")[0]:
                 raise                                          # the package is there but broken: its own error
-            print(f"error: {tool} needs the pip package {PIP_PACKAGES.get(module, module)}, which this Python "
-                  f"({sys.executable}) does not have: activate the project's environment first "
-                  f"(source .venv/bin/activate; `make test` installs every package into it)", file=sys.stderr)
+            in_virtual_env = sys.prefix != sys.base_prefix or bool(os.environ.get("VIRTUAL_ENV"))
+            print(missing_package_line(tool, module, sys.executable, in_virtual_env, os.path.isdir(PROJECT_VENV)),
+                  file=sys.stderr)
             sys.exit(1)
 
 

@@ -4,8 +4,9 @@ tests/test_newcomer.py: what a newcomer meets first says what to do, in one line
 A mistyped long flag names the closest real one, and one typed from PyTorch's, nanoGPT's or llm.c's
 habits (--lr, --epochs, --batch_size, --device cuda:0) is taken or named; --help keeps paths whole; -e naming a run
 directory names the newest model in it; --eval-only needs no train data; a tool whose package is
-missing (the project's .venv not activated) names the pip package and the venv instead of a
-traceback.
+missing names the pip package and the one command that installs it (`make train` the small ones,
+`make twin` torch), and to activate the project's .venv only where no environment is active,
+instead of a traceback.
 """
 
 import os
@@ -15,13 +16,14 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS_AND_PACKAGES = [  # (command line, the package it must name)
-    (["dev/vislog.py", "main.log"], "matplotlib"),
-    (["dev/eval/export_hf.py", "-i", "model.bin", "-o", "hf"], "safetensors"),
-    (["dev/eval/import_hf.py", "-i", "hf"], "safetensors"),
-    (["dev/data/tinyshakespeare.py"], "tiktoken"),
-    (["dev/data/hellaswag.py"], "tiktoken"),
-    (["dev/torch_reference.py", "-x", "1"], "torch"),
+TOOLS_AND_PACKAGES = [  # (command line, the package it must name, the command that installs it)
+    (["dev/vislog.py", "main.log"], "matplotlib", "make train"),
+    (["dev/eval/export_hf.py", "-i", "model.bin", "-o", "hf"], "safetensors", "make train"),
+    (["dev/eval/import_hf.py", "-i", "hf"], "safetensors", "make train"),
+    (["dev/data/tinyshakespeare.py"], "tiktoken", "make train"),
+    (["dev/data/hellaswag.py"], "tiktoken", "make train"),
+    (["dev/torch_reference.py", "-x", "1"], "torch", "make twin"),
+    (["dev/torch_reference_llama3.py", "-e", "llama3:d2", "-x", "10"], "torch", "make twin"),   # the README's line
 ]
 
 
@@ -118,15 +120,53 @@ def test_eval_only_needs_no_train_data(tmp_path):
     assert r.stdout.startswith("val loss ")
 
 
-@pytest.mark.parametrize("argv, package", TOOLS_AND_PACKAGES, ids=[a[0] for a, _ in TOOLS_AND_PACKAGES])
-def test_a_tool_without_its_package_says_which_and_to_activate_the_venv(tmp_path, argv, package):
-    """The package is hidden by a stand-in on PYTHONPATH that raises ModuleNotFoundError as a
-    missing one does."""
+def hide_package(tmp_path, package):
+    """A directory to put first on PYTHONPATH that holds a stand-in `package` raising
+    ModuleNotFoundError, as a missing one does."""
     blocked = tmp_path / package
     blocked.mkdir()
     (blocked / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}'\", name='{package}')\n")
-    r = run(argv, env=dict(os.environ, PYTHONPATH=str(tmp_path)), timeout=120)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("argv, package, command", TOOLS_AND_PACKAGES, ids=[a[0] for a, _, _ in TOOLS_AND_PACKAGES])
+def test_a_tool_without_its_package_names_the_command_that_installs_it(tmp_path, argv, package, command):
+    """Run by the project's environment (a virtual environment, as `make` made it): the advice is
+    the command, never to activate the environment that is active."""
+    r = run(argv, env=dict(os.environ, PYTHONPATH=hide_package(tmp_path, package)), timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
-    assert f"needs the pip package {package}" in lines[0] and "source .venv/bin/activate" in lines[0]
+    assert f"needs the pip package {package}" in lines[0] and lines[0].endswith(f"`{command}` installs it into "
+                                                                                 f"this environment")
+    assert "activate" not in lines[0]
+
+
+def test_outside_any_environment_the_advice_is_to_activate_the_projects_first(tmp_path):
+    """The README's trainer run by the system's Python (no environment active): activate .venv,
+    which `make` created, and the command for the case it lacks the package too."""
+    base_python = getattr(sys, "_base_executable", sys.executable)
+    if os.path.realpath(base_python) == os.path.realpath(sys.executable) and sys.prefix == sys.base_prefix:
+        pytest.skip("the tests run outside a virtual environment")
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PYTHONPATH"] = hide_package(tmp_path, "numpy")
+    r = subprocess.run([base_python, "gpt2_cpu.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    if os.path.isdir(os.path.join(ROOT, ".venv")):
+        assert r.stderr.strip().endswith("activate the project's environment first (source .venv/bin/activate); if it "
+                                         "lacks numpy too, `make train` installs it there")
+    else:
+        assert "`make train` installs it into the project's environment .venv" in r.stderr
+
+
+def test_the_missing_package_line_in_each_case():
+    from llmc.utils import missing_package_line
+    start = "error: dev/vislog.py needs the pip package matplotlib, which this Python (/usr/bin/python3) does not have: "
+    assert missing_package_line("dev/vislog.py", "matplotlib", "/usr/bin/python3", True, True) == \
+        start + "`make train` installs it into this environment"
+    assert missing_package_line("dev/vislog.py", "matplotlib", "/usr/bin/python3", False, True) == \
+        start + ("activate the project's environment first (source .venv/bin/activate); if it lacks matplotlib too, "
+                 "`make train` installs it there")
+    assert missing_package_line("dev/vislog.py", "matplotlib", "/usr/bin/python3", False, False) == \
+        start + "`make train` installs it into the project's environment .venv (then: source .venv/bin/activate)"
+    assert missing_package_line("x.py", "torch", "p", True, True).endswith("`make twin` installs it into this environment")

@@ -212,16 +212,16 @@ def test_ctrl_c_during_the_imports_exits_130_without_a_traceback(tmp_path, tool)
 
 @pytest.mark.parametrize("tool", ["gpt2_cpu.py", "gpt2_cuda.py", "llama3_cpu.py", "llama3_cuda.py"])
 def test_a_python_without_numpy_is_one_line_naming_it(tmp_path, tool):
-    """The trainers run by a Python without NumPy (the README's environment not activated): one
-    error line naming the pip package and the environment, exit 1 (a stand-in numpy, first on the
-    path, is missing as an uninstalled one is)."""
+    """The trainers run by a Python without NumPy: one error line naming the pip package and the
+    command that installs it, exit 1 (a stand-in numpy, first on the path, is missing as an
+    uninstalled one is; tests/test_newcomer.py has the case of no environment active)."""
     fake = tmp_path / "numpy"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     r = run([tool, "--help"], timeout=60, env=env)
     assert r.returncode == 1 and one_error_line(r.stderr), r.stderr
-    assert "needs the pip package numpy" in r.stderr and "source .venv/bin/activate" in r.stderr
+    assert "needs the pip package numpy" in r.stderr and "`make train` installs it" in r.stderr
 
 
 def test_quiet_ctrl_c_leaves_a_debuggers_handler_alone():
