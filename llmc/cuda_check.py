@@ -10,6 +10,7 @@ this module imports neither trainer when it loads.
 
 import numpy as np
 
+from llmc import cuda
 from llmc.check import check_against
 from llmc.cli import check_args
 from llmc.dataloader import DataLoader
@@ -151,6 +152,7 @@ def run_check(trainer, args, model, check=check_against_cpu):
     check_args(args)
     loader = DataLoader(args.input_bin, args.batch_size, args.seq_len)
     x, y = loader.next_batch()
+    cuda.load_modules(trainer.KERNEL_FILES + model.attention.kernel_files, model.precision)   # a first build: its progress
     ok = check(trainer, model, x, y, np.dtype(args.check_dtype).type)
     print("check: all tensors OK" if ok else "check: SOME TENSORS NOT OK")
     return 0 if ok else 1

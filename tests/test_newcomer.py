@@ -9,6 +9,7 @@ missing names the pip package and the one command that installs it (`make train`
 instead of a traceback.
 """
 
+import io
 import os
 import subprocess
 import sys
@@ -170,3 +171,47 @@ def test_the_missing_package_line_in_each_case():
     assert missing_package_line("dev/vislog.py", "matplotlib", "/usr/bin/python3", False, False) == \
         start + "`make train` installs it into the project's environment .venv (then: source .venv/bin/activate)"
     assert missing_package_line("x.py", "torch", "p", True, True).endswith("`make twin` installs it into this environment")
+
+
+class Terminal(io.StringIO):
+    """stderr as a terminal (isatty), its output kept."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("with_tqdm", [True, False])
+def test_a_first_kernel_build_shows_progress_on_a_terminal_and_a_cached_one_nothing(tmp_path, monkeypatch, with_tqdm):
+    """The emulated device compiles kernels/cast.cu into an empty build cache: the terminal shows
+    the build, named and counted (a tqdm bar, or a counted line without tqdm); loading it again
+    from the cache in a new process (the in-process table cleared) shows nothing, and neither
+    does a first build whose stderr is not a terminal (a log, a test's capture)."""
+    from llmc import cuda
+    from llmc.emulator import build
+    monkeypatch.setattr(build, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cuda, "_device", cuda.device())                # restored after the test
+    monkeypatch.setattr(cuda, "_MODULES", {})
+    if not with_tqdm:
+        monkeypatch.setitem(sys.modules, "tqdm", None)                  # import tqdm: ImportError
+    cuda.use_device("cpu")
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    cuda.load_modules(["cast"], "fp32")
+    shown = terminal.getvalue()
+    if with_tqdm:
+        assert "compiling kernels for the emulated device (g++, once)" in shown and "1/1" in shown, shown
+        assert "cast.cu" in shown and "100%" in shown
+    else:
+        assert shown == "compiling kernels for the emulated device (g++, once): 1/1 cast.cu\n"
+    assert ("cpu", "cast", "fp32") in cuda._MODULES
+    monkeypatch.setattr(cuda, "_MODULES", {})                            # a new process: the disk cache answers
+    terminal.seek(0)
+    terminal.truncate()
+    cuda.load_modules(["cast"], "fp32")
+    assert terminal.getvalue() == ""
+    monkeypatch.setattr(build, "CACHE_DIR", str(tmp_path / "cache2"))  # a first build again, into a log
+    monkeypatch.setattr(cuda, "_MODULES", {})
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    cuda.load_modules(["cast"], "fp32")
+    assert log.getvalue() == "" and os.listdir(tmp_path / "cache2")

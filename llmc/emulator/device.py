@@ -742,12 +742,21 @@ class RawModule:
         self.options = tuple(options)
         self.library = None
 
+    def _build_arguments(self):
+        """(the source file in the build cache, -D defines, -I directories) g++ compiles."""
+        defines = [o for o in self.options if o.startswith("-D")]
+        include_dirs = [o[2:] for o in self.options if o.startswith("-I")]
+        return build.source_file(static_dynamic_shared(self.code)), defines, include_dirs
+
+    def _is_built(self):
+        """Whether compile() finds its library built in the cache, so runs no g++ (the emulator's
+        own question: llmc.cuda.load_modules shows a first build's progress)."""
+        return self.library is not None or build.is_built(*self._build_arguments(), BUILD_MODE)
+
     def compile(self, log_stream=None):
         if self.library is not None:
             return
-        defines = [o for o in self.options if o.startswith("-D")]
-        include_dirs = [o[2:] for o in self.options if o.startswith("-I")]
-        path = build.source_file(static_dynamic_shared(self.code))
+        path, defines, include_dirs = self._build_arguments()
         try:
             self.library = build.Library(path, defines, include_dirs, BUILD_MODE)
         except build.EmulatorError as e:
