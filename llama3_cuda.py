@@ -8,13 +8,13 @@ written as gpt2_cuda.py's are: it checks its arguments, computes the grid and la
 that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
-What it deliberately is not (yet): gpt2_cuda.py's other trainer options (recomputation, fused
+What it deliberately is not: gpt2_cuda.py's other trainer options (recomputation, fused
 residual + norm kernels, cuBLASLt, bf16 without master weights: it has no -r, --cublaslt or -w,
 and refuses them as unknown flags); it trains with llama3_cpu.py's flags and loop, data-parallel
 over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs: NCCL all-reduce of the
 gradients, or with -z 1 ZeRO-1's reduce-scatter, sharded AdamW and all-gather), with --cuda-graph 1
 replays each micro-batch's forward + backward as one CUDA graph (llama3_micro_batch, as
-gpt2_cuda.py's; emulated device so far), samples with a KV cache, writes and resumes
+gpt2_cuda.py's), samples with a KV cache, writes and resumes
 llama3_cpu.py's checkpoints (-n, -y 1: llmc/checkpoint.py's files, so either trainer resumes the
 other's run; one state file per rank), and checks one batch against it (--check).
 
