@@ -81,8 +81,8 @@ def read_eval_file(path):
     """Read a multiple-choice eval file -> list of example dicts (tokens as lists of int).
     Every length is checked against the others: raises InputError naming the file and the
     example on a bad magic or version, a missing start marker, a truncated example, an nbytes
-    field that disagrees with the fields inside it, trailing bytes, or a header whose example
-    count or longest-example size disagrees with the body."""
+    field that disagrees with the fields inside it, an empty context or completion, trailing
+    bytes, or a header whose example count or longest-example size disagrees with the body."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such eval file")
     with open(path, "rb") as f:
@@ -118,6 +118,10 @@ def read_eval_file(path):
             q += 1 + length
         if q != n:
             raise InputError(f"{where}: fields fill {q * UINT16_BYTES} of the example's {nbytes} bytes: inconsistent lengths")
+        for k, part in enumerate(parts):                      # as example_stream refuses to write one
+            if not part:
+                raise InputError(f"{where}: {'the context' if k == 0 else f'completion {k - 1}'} is empty: an "
+                                 f"example is scored on each completion's tokens after its context")
         examples.append({"index": index, "label": label, "context": parts[0], "completions": parts[1:]})
         seen_longest = max(seen_longest, nbytes)
         pos += n
