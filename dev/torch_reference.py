@@ -55,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from llmc import formats  # noqa: E402
 from llmc.cli import ArgumentParser, build_parser, check_args, run_main  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
+from llmc.utils import InputError, check_input_file  # noqa: E402
 
 # ----------------------------------------------------------------------------
 # constants: file magics and versions (doc/file_formats.md)
@@ -362,8 +362,7 @@ def _write_file(path, chunks):
 def read_checkpoint(path):
     """Read an llm.c model checkpoint (version 3 fp32 or 5 bf16) -> (Config, list of 16 float32
     arrays in file order). Raises TwinError on a missing, truncated or inconsistent file."""
-    if not os.path.isfile(path):
-        raise TwinError(f"{path}: no such model checkpoint")
+    check_input_file(path, "model checkpoint")
     with open(path, "rb") as f:
         h = _read_header(f, path, MODEL_MAGIC, (MODEL_VERSION_FP32, MODEL_VERSION_BF16), "model checkpoint")
         maxT, V, L, NH, C, Vp = (int(v) for v in h[2:8])
@@ -421,8 +420,7 @@ def write_debug_state_file(path, x, y, logits, loss, grads):
 
 def read_tokens(path):
     """A token shard's tokens (uint16 numpy, memory-mapped). Raises TwinError."""
-    if not os.path.isfile(path):
-        raise TwinError(f"{path}: no such token shard")
+    check_input_file(path, "token shard")
     with open(path, "rb") as f:
         h = _read_header(f, path, SHARD_MAGIC, (SHARD_VERSION,), "token shard")
     n = int(h[2])

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from llmc.utils import require  # noqa: E402
+from llmc.utils import check_input_file, require  # noqa: E402
 
 if __name__ == "__main__":
     require("dev/torch_reference_llama3.py", "numpy", "torch")    # a package missing: one line naming its command, no traceback
@@ -335,8 +335,7 @@ def check_model_file(path):
 
 def read_model_file(path):
     """-> (Config, the 10 arrays in table order). Raises TwinError."""
-    if not os.path.isfile(path):
-        raise TwinError(f"{path}: no such model file")
+    check_input_file(path, "model file")
     raw = open(path, "rb").read()
     if len(raw) < 2 * HEADER_BYTES:
         raise TwinError(f"{path}: shorter than the two headers of a Llama 3 model file")

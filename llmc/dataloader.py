@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from llmc.formats import HEADER_BYTES, read_shard_tokens, shard_format, shard_num_tokens
-from llmc.utils import InputError
+from llmc.utils import InputError, check_input_file
 
 VALIDATE_CHUNK = 1 << 22               # tokens read per piece when checking a shard's ids (8 MiB)
 # data_fingerprint reads this many evenly spaced blocks of this many bytes from each shard
@@ -28,9 +28,11 @@ def data_fingerprint(paths):
     the same (llmc/cli.py): sha256 over each shard's size and FINGERPRINT_BLOCKS evenly spaced
     blocks of it (the whole shard when it is smaller), so it costs a few hundred KiB of reads
     per shard however large the data. Other data of the same size differs in the sampled
-    blocks; an edit between two of them goes unseen (a fingerprint, not a proof)."""
+    blocks; an edit between two of them goes unseen (a fingerprint, not a proof). Raises InputError
+    for a path that is not a regular file."""
     digest = hashlib.sha256()
     for path in paths:
+        check_input_file(path, "data shard")         # a FIFO would be waited on, not read
         size = os.path.getsize(path)
         digest.update(f"{os.path.basename(path)} {size}\n".encode())
         with open(path, "rb") as f:

@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from llmc.formats import HEADER_BYTES, make_header, read_header
-from llmc.utils import InputError, atomic_write
+from llmc.utils import InputError, atomic_write, check_input_file
 
 EVAL_MAGIC = 20240522
 EVAL_VERSION = 1
@@ -83,8 +83,7 @@ def read_eval_file(path):
     example on a bad magic or version, a missing start marker, a truncated example, an nbytes
     field that disagrees with the fields inside it, an empty context or completion, trailing
     bytes, or a header whose example count or longest-example size disagrees with the body."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such eval file")
+    check_input_file(path, "eval file")
     with open(path, "rb") as f:
         h = read_header(f, path, EVAL_MAGIC, (EVAL_VERSION,), "multiple-choice eval")
         body = f.read()
@@ -214,7 +213,7 @@ def read_hellaswag(path, vocab_size=None):
     """The HellaSwag examples for -h 1, with a hint when the file was never built. Every token id
     must be in [0, vocab_size) (None: not checked). Raises InputError, also for a file with no
     examples."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise InputError(f"{path}: no such eval file (build it with `python dev/data/hellaswag.py`, needs internet)")
     examples = read_eval_file(path)
     if not examples:

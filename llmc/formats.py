@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from llmc.utils import InputError, atomic_write, physical_memory_bytes
+from llmc.utils import InputError, atomic_write, check_input_file, physical_memory_bytes
 
 HEADER_INTS = 256                      # every file starts with 256 int32
 HEADER_BYTES = HEADER_INTS * 4
@@ -158,8 +158,7 @@ def check_model_path(path):
         steps = sorted(name for name in os.listdir(path) if re.fullmatch(r"model_\d{8}\.bin", name))
         hint = f": its newest model is -e {os.path.join(path, steps[-1])}" if steps else " (it holds no model_<step>.bin)"
         raise InputError(f"{path}: -e names a directory, not a model checkpoint{hint}")
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such model checkpoint")
+    check_input_file(path, "model checkpoint")
 
 
 def read_model_shape(path):
@@ -252,6 +251,8 @@ def is_llama3_model_file(path):
     """Whether `path` is a file that opens with the Llama 3 model file's magic (LLAMA3_MODEL_MAGIC),
     so that a tool taking either family's file knows which reader to call; False for any other
     file or one that cannot be read (the reader then says why in one line)."""
+    if not os.path.isfile(path):                 # a FIFO is never opened: it would wait for a writer
+        return False
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -450,8 +451,7 @@ def read_debug_state(path, vocab_size, param_shapes):
     (list of (name, shape)). Returns a dict with x, y (B,T) int32, logits (B,T,V), loss (float),
     grads {name: array of that shape}. B, T and the file's size are checked before anything is
     read, and every token id against V. Raises InputError on a bad or mismatched file."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such debug-state file")
+    check_input_file(path, "debug-state file")
     with open(path, "rb") as f:
         h = read_header(f, path, DEBUG_STATE_MAGIC, (DEBUG_STATE_VERSION,), "debug state")
         B, T = int(h[DEBUG_SLOT_B]), int(h[DEBUG_SLOT_T])
@@ -499,8 +499,7 @@ def shard_format(path):
     """(N, dtype) of a token shard: its number of tokens and how each is stored (uint16 or
     uint32, by its magic and version: SHARD_TOKEN_DTYPES), after checking its header and that the
     file is exactly HEADER_BYTES + N * dtype.itemsize bytes. Raises InputError naming the file."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such data shard")
+    check_input_file(path, "data shard")
     size = os.path.getsize(path)
     if size == 0:
         raise InputError(f"{path}: empty data shard")

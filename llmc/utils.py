@@ -117,6 +117,18 @@ LOCK_NAME = ".llmc.lock"               # the run lock file in -o (lock_directory
 _held_locks = {}                       # directory (real path) -> its open lock file, in this process
 
 
+def check_input_file(path, what):
+    """Raise InputError unless `path` is a regular file a program can read: "<path>: no such <what>"
+    when nothing is there, "<path>: <what> is not a regular file" for a FIFO, a device or a
+    directory, which every reader refuses before it opens them: a FIFO would wait forever for a
+    writer, a device would read forever."""
+    if not os.path.lexists(path):
+        raise InputError(f"{path}: no such {what}")
+    if not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "a FIFO, a device or a socket"
+        raise InputError(f"{path}: not a regular file ({kind}), so not a {what}: pass the file itself")
+
+
 def check_regular_file(path, what):
     """Raise InputError if `path` exists but is not a regular file (a FIFO, a device, a
     directory): opening a FIFO waits forever for a writer or a reader, and a device reads forever."""

@@ -21,7 +21,7 @@ import urllib.parse
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from llmc.utils import InputError, check_regular_file  # noqa: E402
+from llmc.utils import InputError, check_input_file  # noqa: E402
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -63,9 +63,9 @@ def read_hf_config(source):
     path). Raises InputError for a missing, irregular (a FIFO), non-JSON or non-UTF-8 config.json."""
     hf_dir = source if os.path.isdir(source) else fetch_from_hub(source)
     config_path = os.path.join(hf_dir, HF_CONFIG)
-    check_regular_file(config_path, "the Hugging Face config")
-    if not os.path.isfile(config_path):
+    if not os.path.lexists(config_path):
         raise InputError(f"{hf_dir}: no {HF_CONFIG}")
+    check_input_file(config_path, "Hugging Face config")
     try:
         with open(config_path, encoding="utf-8") as f:
             hf = json.load(f)
@@ -86,8 +86,8 @@ def load_tensors(hf_dir):
     bf16 / fp16 tensors are upcast exactly. Raises InputError for a missing, irregular or
     unreadable file."""
     path = os.path.join(hf_dir, HF_WEIGHTS)
-    check_regular_file(path, "the weights file")
-    if os.path.isfile(path):
+    if os.path.lexists(path):
+        check_input_file(path, "safetensors file")
         from safetensors import safe_open       # optional (requirements-dev.txt): the tools require() it first
         try:
             with safe_open(path, framework="numpy") as f:
@@ -102,8 +102,8 @@ def load_tensors(hf_dir):
             raise InputError(f"{path}: holds bfloat16 tensors, which need torch to read (pip install torch)")
         return {name: t.float().numpy() for name, t in load_file(path).items()}
     path = os.path.join(hf_dir, HF_TORCH_WEIGHTS)
-    check_regular_file(path, "the weights file")
-    if os.path.isfile(path):
+    if os.path.lexists(path):
+        check_input_file(path, "PyTorch state dict")
         try:
             import torch                        # optional: only for a pytorch_model.bin
         except ImportError:
