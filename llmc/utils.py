@@ -114,7 +114,7 @@ def stale_temporaries(directory, own_names):
 
 
 LOCK_NAME = ".llmc.lock"               # the run lock file in -o (lock_directory)
-_held_locks = {}                       # directory (real path) -> its open lock file, in this process
+_held_locks = {}                       # directory (real path) -> (its open lock file, its directory fd or None)
 
 
 def check_input_file(path, what):
@@ -138,30 +138,59 @@ def check_regular_file(path, what):
 
 
 def lock_directory(directory):
-    """Take `directory`'s run lock: an exclusive fcntl (POSIX record) lock on directory/LOCK_NAME,
-    held until this process exits. The kernel releases it when the process dies, even by kill -9,
-    so a lock is never stale. Taking it again in the same process is a no-op. The file holds the
-    owner's pid, for the message. Returns the open lock file. Raises InputError naming the pid
-    when another process holds it."""
+    """Take `directory`'s run lock, held until this process exits, in two ways, because a user may
+    delete the lock file while the run lives (a new file then locks freely) but cannot delete the
+    directory without its files: an exclusive flock on the directory itself, and an exclusive fcntl
+    (POSIX record) lock on directory/LOCK_NAME, which holds the owner's pid for the message and is
+    what a network file system without flock on directories (NFS) still has. The kernel releases
+    both when the process dies, even by kill -9, so a lock is never stale. Taking it again in the
+    same process is a no-op. Returns the open lock file. Raises InputError naming the pid (when
+    the lock file still holds it) when another process holds either."""
     key = os.path.realpath(directory)
     if key in _held_locks:
-        return _held_locks[key]
-    check_regular_file(os.path.join(directory, LOCK_NAME), "the run lock")
-    f = open(os.path.join(directory, LOCK_NAME), "a+")
+        return _held_locks[key][0]
+    lock_path = os.path.join(directory, LOCK_NAME)
+    check_regular_file(lock_path, "the run lock")
+    directory_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(directory_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:                              # another run holds the directory
+        os.close(directory_fd)
+        raise InputError(another_run(directory, lock_path)) from None
+    except OSError:                                      # no flock on this file system's directories
+        os.close(directory_fd)
+        directory_fd = None
+    try:
+        f = open(lock_path, "a+")
+    except OSError:
+        if directory_fd is not None:
+            os.close(directory_fd)
+        raise
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.seek(0)
-        owner = f.read().strip() or "?"
         f.close()
-        raise InputError(f"-o {directory}: another run (pid {owner}) is using this directory: wait for it to "
-                         f"end, or use another -o") from None
+        if directory_fd is not None:
+            os.close(directory_fd)
+        raise InputError(another_run(directory, lock_path)) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
-    _held_locks[key] = f
+    _held_locks[key] = (f, directory_fd)
     return f
+
+
+def another_run(directory, lock_path):
+    """The line for a directory whose lock another process holds, with its pid where the lock
+    file still holds one (the user may have deleted the file: the directory's own lock remains)."""
+    try:
+        with open(lock_path) as f:
+            owner = f.read().strip()
+    except OSError:
+        owner = ""
+    who = f"another run (pid {owner})" if owner.isdigit() else "another run"
+    return f"-o {directory}: {who} is using this directory: wait for it to end, or use another -o"
 
 
 def release_directory_locks():
@@ -169,7 +198,10 @@ def release_directory_locks():
     command line's run_main calls it, so a process that runs several commands, as the tests
     do, holds none between them)."""
     while _held_locks:
-        _held_locks.popitem()[1].close()
+        f, directory_fd = _held_locks.popitem()[1]
+        f.close()
+        if directory_fd is not None:
+            os.close(directory_fd)
 
 
 def prefix(buf, shape):

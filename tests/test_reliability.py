@@ -562,6 +562,31 @@ def test_second_run_on_one_output_dir_refuses(data, small_model, tmp_path, capsy
     assert code == 0, err
 
 
+@pytest.mark.parametrize("resume", ["0", "1"])
+def test_a_live_run_whose_lock_file_was_deleted_keeps_its_directory(data, small_model, tmp_path, capsys, resume):
+    """The user deletes -o/.llmc.lock while a run lives: the lock file is not all that says the run
+    lives (its directory is locked too), so a second run is refused and moves nothing aside."""
+    code, out, err = in_process(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=ROOT, out=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (tmp_path / ".llmc.lock").unlink()
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+        code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path),
+                                                                "-y": resume}), capsys)
+        assert one_line(code, err), err
+        assert err[0] == f"error: -o {tmp_path}: another run is using this directory: wait for it to end, or use " \
+                         f"another -o"
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "nothing moved aside, nothing written"
+    finally:
+        holder.kill()
+        holder.wait()
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0 and "moved them to" in out, err                # the run is dead now: its files go aside
+
+
 def test_fresh_run_into_an_old_runs_directory_moves_it_aside(data, small_model, tmp_path, capsys):
     code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}), capsys)
     assert code == 0, err
