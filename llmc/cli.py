@@ -28,17 +28,19 @@ from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, config_path, late
                              move_previous_run_aside, read_run_config, rotate_checkpoints, write_done_marker,
                              write_run_config)
 from llmc.comm import abort_all_ranks
-from llmc.dataloader import DataLoader, data_fingerprint
-from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
+from llmc.dataloader import DataLoader, data_fingerprint, shard_paths
+from llmc.evalloader import check_hellaswag_path, evaluate_multiple_choice, read_hellaswag
 from llmc.interrupt import restore_ctrl_c
 from llmc.launcher import launched_rank
 from llmc.logger import Logger
-from llmc.multinode import disagreement
+from llmc.formats import check_model_path
+from llmc.multinode import PROBLEM_KEY, disagreement
 from llmc.sampler import SAMPLE_SEED
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
 from llmc.tokenizer import GPT2_EOT, Tokenizer, prompt_encoding
 from llmc.outlier import OUTLIER_STATE_FLOATS, OutlierDetector, skip_reason
-from llmc.utils import TMP_SUFFIX, InputError, lock_directory, release_directory_locks, stale_temporaries
+from llmc.utils import (TMP_SUFFIX, InputError, check_input_file, lock_directory, release_directory_locks,
+                        stale_temporaries)
 
 WRITE_PROBE = ".write_probe"           # make_output_dir's test file in -o
 
@@ -208,13 +210,38 @@ class AgreedError(InputError):
 PER_RANK_DESTS = ("process_rank", "server_ip", "fs_path", "gpus_per_node")
 
 
+def start_problem(args):
+    """The one line this process would stop with for want of its input files, or None: -i (unless
+    --eval-only or --generate) or -j matching no file or naming one that is not a regular file,
+    -e naming no model checkpoint (a path; with -y 1 the model comes from -o), -h 1's eval file
+    missing. Each rank checks its own before the ranks compare, so a rank given a wrong path is
+    named with it (llmc.multinode.disagreement), not only as differing from rank 0."""
+    try:
+        patterns = [] if args.generate else ([args.input_val_bin] if args.input_val_bin else [])
+        patterns += [] if args.eval_only or args.generate else [args.input_bin]
+        for pattern in patterns:
+            for path in shard_paths(pattern):
+                check_input_file(path, "data shard")
+        if is_checkpoint_path(args.model) and not (args.resume and args.output_dir):
+            check_model_path(args.model)
+        if args.hellaswag:
+            check_hellaswag_path(args.hellaswag_file)
+    except InputError as e:
+        return str(e)
+    return None
+
+
 def agreement_config(args):
     """What decides a rank's part of the result, to compare with rank 0's: every flag but
     PER_RANK_DESTS (a different -x hangs the job; a different -l or -t trains silently wrong),
-    and fingerprints of the train data's and the model file's content (the same path can hold
-    other files on another node)."""
+    fingerprints of the train data's and the model file's content (the same path can hold other
+    files on another node), and this rank's start_problem (PROBLEM_KEY), without fingerprints
+    where it has one."""
     config = {f"--{dest.replace('_', '-')}": value for dest, value in sorted(vars(args).items())
               if dest not in PER_RANK_DESTS}
+    config[PROBLEM_KEY] = start_problem(args)
+    if config[PROBLEM_KEY] is not None:
+        return config
     files = sorted(glob.glob(args.input_bin)) if not os.path.isfile(args.input_bin) else [args.input_bin]
     config["-i content"] = data_fingerprint(files) if files else None
     config["-e content"] = data_fingerprint([args.model]) if os.path.isfile(args.model) else None

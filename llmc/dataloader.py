@@ -45,6 +45,16 @@ def data_fingerprint(paths):
     return digest.hexdigest()[:16]
 
 
+def shard_paths(pattern):
+    """The shards of -i / -j: the file `pattern` names (a name with glob characters, [1] or *,
+    that exists is that file), else the files its glob matches, sorted. Raises InputError when
+    nothing matches."""
+    files = [pattern] if os.path.isfile(pattern) else sorted(glob.glob(pattern))
+    if not files:
+        raise InputError(f"{pattern}: no data file matches (run `make data` for the default dataset)")
+    return files
+
+
 class DataLoader:
     """Batches of B sequences of T tokens from a glob of shards, llm.c's scheme:
     a shard holds shard_num_samples global batches of B*T*num_processes tokens; process `rank`
@@ -60,10 +70,7 @@ class DataLoader:
         self.pattern, self.B, self.T = pattern, B, T
         self.process_rank, self.num_processes = process_rank, num_processes
         self.vocab_size = vocab_size
-        # a file of exactly this name is that file, even when its name has glob characters ([1], *)
-        self.files = [pattern] if os.path.isfile(pattern) else sorted(glob.glob(pattern))
-        if not self.files:
-            raise InputError(f"{pattern}: no data file matches (run `make data` for the default dataset)")
+        self.files = shard_paths(pattern)
         need = B * T * num_processes + 1
         self.num_tokens, self.num_batches = 0, 0
         for path in self.files:               # every shard's header and size up front

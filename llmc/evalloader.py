@@ -209,12 +209,19 @@ def evaluate_multiple_choice(forward_losses, examples, B, T, comm):
     return total / len(examples), len(examples)
 
 
+def check_hellaswag_path(path):
+    """Raise InputError unless -h 1's eval file is there as a regular file (with how to build a
+    missing one)."""
+    if not os.path.lexists(path):
+        raise InputError(f"{path}: no such eval file (build it with `python dev/data/hellaswag.py`, needs internet)")
+    check_input_file(path, "eval file")
+
+
 def read_hellaswag(path, vocab_size=None):
     """The HellaSwag examples for -h 1, with a hint when the file was never built. Every token id
     must be in [0, vocab_size) (None: not checked). Raises InputError, also for a file with no
     examples."""
-    if not os.path.lexists(path):
-        raise InputError(f"{path}: no such eval file (build it with `python dev/data/hellaswag.py`, needs internet)")
+    check_hellaswag_path(path)
     examples = read_eval_file(path)
     if not examples:
         raise InputError(f"{path}: the eval file holds no examples: nothing to measure an accuracy on")

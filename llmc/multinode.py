@@ -166,12 +166,26 @@ def resolve_placement(args, env=os.environ, host=None):
                      args.rendezvous_port, args.fs_path, job, args.rendezvous_timeout, source)
 
 
+# the agreement's entry holding the one line this rank would stop with alone (llmc.cli.start_problem)
+PROBLEM_KEY = "problem"
+
+
 def disagreement(agreements):
     """agreements: {rank: what decides that rank's part of the result} (a dict of flags and file
     fingerprints: llmc.cli.agreement_config), rank 0's included. None when every rank's is rank
-    0's; else the one line naming every key that differs. Values are compared as JSON, so that one
-    sent through the rendezvous (tuples become lists) equals the same value at home, and NaN
-    equals NaN."""
+    0's; else one line. A rank that cannot start at all (its PROBLEM_KEY: a missing -i, ...) is
+    named with its problem, which matters more than the differences it causes; a problem every
+    rank has is said once, as one process would say it. Otherwise the line names every key that
+    differs. Values are compared as JSON, so that one sent through the rendezvous (tuples become
+    lists) equals the same value at home, and NaN equals NaN."""
+    problems = {rank: config.get(PROBLEM_KEY) for rank, config in sorted(agreements.items()) if config.get(PROBLEM_KEY)}
+    if problems:
+        first = next(iter(problems.values()))
+        alike = [rank for rank, problem in problems.items() if problem == first]
+        if len(alike) == len(agreements):
+            return first
+        who = f"rank {alike[0]}" if len(alike) == 1 else f"ranks {', '.join(map(str, alike))}"
+        return f"{who} cannot start: {first}"
     as_json = {rank: {key: json.dumps(value, sort_keys=True) for key, value in config.items()}
                for rank, config in agreements.items()}
     reference = as_json[0]
