@@ -349,8 +349,9 @@ class TrainingRun:
 
     def prepare(self, config):
         """Everything that needs the model's shape: checks T, works out gradient accumulation,
-        opens the loaders and the HellaSwag file, loads the tokenizer for samples, makes -o (and
-        removes the temporary files a killed run left there)."""
+        opens the loaders and the HellaSwag file, loads the tokenizer for samples, and for a
+        training run makes -o (and removes the temporary files a killed run left there); --eval-only
+        and --generate write nothing there, so a read-only -o serves them."""
         args, comm, B, T = self.args, self.comm, self.B, self.T
         if T > config.max_seq_len:
             raise AgreedError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")
@@ -381,8 +382,8 @@ class TrainingRun:
             except InputError as e:
                 self.say(f"note: {e}; samples will print token ids")
             self.check_sampling_vocabulary(config.vocab_size)
-        if args.output_dir:                                # last: a run refused above moved nothing aside
-            self.make_output_dir(args.output_dir)
+        if args.output_dir and self.training:              # last: a run refused above moved nothing aside
+            self.make_output_dir(args.output_dir)          # (--eval-only and --generate only read -o)
 
     def check_sampling_vocabulary(self, V):
         """Before the first step, not at the first sample: the model's vocabulary V must be the
@@ -452,7 +453,8 @@ class TrainingRun:
                 pass
             os.remove(probe)
         except OSError as e:
-            raise InputError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
+            raise InputError(f"-o {out_dir}: cannot write there ({e.strerror or e}): a training run writes its "
+                             f"lock, checkpoints and main.log in -o") from None
         if self.master and self.training:
             lock_directory(out_dir)
             for path in stale_temporaries(out_dir, f"{RUN_FILE_NAMES}|{re.escape(WRITE_PROBE)}"):

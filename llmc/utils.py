@@ -162,10 +162,11 @@ def lock_directory(directory):
         directory_fd = None
     try:
         f = open(lock_path, "a+")
-    except OSError:
+    except OSError as e:                                 # a read-only -o, permissions
         if directory_fd is not None:
             os.close(directory_fd)
-        raise
+        raise InputError(f"-o {directory}: cannot write there ({e.strerror or e}): a training run writes its "
+                         f"lock, checkpoints and main.log in -o") from None
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

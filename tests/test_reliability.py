@@ -689,6 +689,51 @@ def test_rotation_across_a_resume(data, small_model, tmp_path, capsys):
         ["DONE_00000009", "model_00000009.bin", "state_00000009_00000.bin"]
 
 
+def run_read_only(directory, args):
+    """gpt2_cpu.py `args` in a subprocess that sees `directory` read-only: by its mode for a user
+    (whom a mode stops), by a read-only bind mount in a mount namespace of its own for root (whom
+    no mode stops; `unshare -m`, where the kernel lets root make one); the test skips where
+    neither can be had."""
+    cmd = [sys.executable, os.path.join(ROOT, "gpt2_cpu.py")] + args
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        finally:
+            os.chmod(directory, 0o755)
+    if not shutil.which("unshare"):
+        pytest.skip("root, and no unshare to make a read-only mount")
+    mount = 'mount --bind -o ro "$0" "$0" || exit 97; exec "$@"'
+    r = subprocess.run(["unshare", "-m", "sh", "-c", mount, str(directory)] + cmd, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    if r.returncode == 97 or "unshare:" in r.stderr:
+        pytest.skip(f"root, and no read-only mount here: {r.stderr.strip()[:200]}")
+    return r
+
+
+def test_a_read_only_run_directory_serves_eval_only_and_generate_and_refuses_training(data, small_model, tmp_path,
+                                                                                     capsys):
+    """--eval-only -y 1 and --generate -y 1 only read -o: they run on a read-only -o and write
+    nothing; a training run, which writes there, says so in one line."""
+    run_dir = tmp_path / "run"
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(run_dir)}), capsys)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    argv = common(small_model, data, **{"-j": data, "-m": "2", "-o": str(run_dir), "-y": "1"})
+    code, writable, err = in_process(argv + ["--eval-only"], capsys)
+    assert code == 0 and writable.startswith("val loss "), err
+    r = run_read_only(run_dir, argv + ["--eval-only"])
+    assert r.returncode == 0 and r.stdout == writable and r.stderr == "", r.stderr
+    r = run_read_only(run_dir, argv + ["--generate", "4", "--prompt", "ROMEO:"])
+    assert r.returncode == 0 and r.stdout.startswith("ROMEO:") and r.stderr == "", r.stderr
+    r = run_read_only(run_dir, argv + ["-x", "3", "-n", "1"])
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: -o {run_dir}: cannot write there (") and lines[0].endswith(
+        "): a training run writes its lock, checkpoints and main.log in -o"), lines[0]
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
 # ----------------------------------------------------------------------------
 # class 5: the other commands keep the same promise
 
