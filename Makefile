@@ -7,7 +7,7 @@ SETUP   = $(PYTHON) dev/setup_env.py
 PY     := $(shell $(PYTHON) dev/setup_env.py --python)
 export PATH := $(dir $(PY)):$(PATH)
 
-.PHONY: help data train train-cpu debug finetune test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels sanitize clean
+.PHONY: help data train train-cpu debug finetune twin test test-gpu bench bench-cpu compile-kernels dev-cuda gpu-wheels sanitize clean
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -17,7 +17,7 @@ data:            ## tokenize Shakespeare into data/ (does nothing if it is there
 	$(PY) dev/data/tinyshakespeare.py
 
 # train: the GPU trainer where CuPy sees a CUDA GPU, else the NumPy trainer, saying why.
-train: data      ## train GPT-2 on Shakespeare (GPU if present, else CPU; ARGS="-x 50" passes flags)
+train: data      ## train GPT-2 on Shakespeare (GPU if present, else CPU; ARGS="-x 50" passes flags); installs matplotlib, safetensors, tqdm too
 	$(SETUP) train
 	@trainer=$$($(PY) dev/setup_env.py --trainer) && echo "$(PY) $$trainer $(ARGS)" && $(PY) $$trainer $(ARGS)
 
@@ -43,6 +43,8 @@ finetune: data   ## LoRA: fine-tune the default d4 on the Sonnets, val loss befo
 		-x 300 -v 100 -s 0 -l 3e-3 --lora-rank 8 --lora-targets all-linear --lora-save $(FINETUNE_DIR)/adapters $(ARGS)
 	$(PY) gpt2_cpu.py -e $(FINETUNE_BASE) --lora-load $(FINETUNE_DIR)/adapters --lora-merge $(FINETUNE_DIR)/model.bin
 	$(PY) gpt2_cpu.py -e $(FINETUNE_DIR)/model.bin --generate 48 --prompt "Shall I compare thee" --temperature 0.8 --top-k 40
+twin:            ## install torch (about 2 GB) for the PyTorch twins, dev/torch_reference.py and dev/torch_reference_llama3.py
+	$(SETUP) twin
 
 test:            ## run the test suite (GPU tests skip without a GPU)
 	$(SETUP) test

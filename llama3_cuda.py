@@ -8,7 +8,7 @@ written as gpt2_cuda.py's are: it checks its arguments, computes the grid and la
 that writes into preallocated arrays, outputs first, like llm.c:
 `rmsnorm_forward(out, rstd, inp, weight, B, T, C)`.
 
-What it deliberately is not (yet): gpt2_cuda.py's other trainer options (recomputation, fused
+What it deliberately is not: gpt2_cuda.py's other trainer options (recomputation, fused
 residual + norm kernels, cuBLASLt, bf16 without master weights: it has no -r, --cublaslt or -w,
 and refuses them as unknown flags); it trains with llama3_cpu.py's flags and loop, data-parallel
 over several processes as gpt2_cuda.py does (mpiexec or -pm tcp|fs: NCCL all-reduce of the

@@ -151,7 +151,7 @@ def matmul_workload(family, cfg, B, T, rng):
 
 
 def parse_args(argv=None):
-    """The flags; a bad one is one `error:` line and exit 1 (llmc.cli.ArgumentParser)."""
+    """The flags; a bad one is one `error:` line and exit 1 (llmc.argparser.ArgumentParser)."""
     p = ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-e", "--model", default="d12", help="a GPT-2 descriptor (d12) or Llama 3's (llama3:d4)")
     p.add_argument("-b", "--batch-size", type=int, default=4)

@@ -164,7 +164,7 @@ class KernelTimes:
 
 
 def parse_args(argv=None):
-    """The flags; a bad one is one `error:` line and exit 1 (llmc.cli.ArgumentParser)."""
+    """The flags; a bad one is one `error:` line and exit 1 (llmc.argparser.ArgumentParser)."""
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-e", "--model", default="d4", help="model spec, as gpt2_cpu.py -e, or llama3:dX or a Llama 3 "

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpt2_cpu as g  # noqa: E402
-from llmc.cli import ArgumentParser  # noqa: E402
+from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.tokenizer import GPT2_EOT  # noqa: E402
 
 
@@ -57,6 +57,11 @@ def main(argv=None):
     p.add_argument("--full-tokens", type=int, default=64, help="tokens timed on the full-recompute path")
     p.add_argument("--seed", type=int, default=1337, help="sampler seed (both paths)")
     args = p.parse_args(argv)
+    return run_main(benchmark, args)          # an unknown -e: one `error:` line, exit 1
+
+
+def benchmark(args):
+    """Time both paths for each count of -n; 0 if they draw the same tokens, else 1."""
     cfg = g.config_from_descriptor(args.model)
     model = g.gpt2_init(cfg, 42)
     maxT = cfg.max_seq_len

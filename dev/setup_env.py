@@ -9,7 +9,7 @@ before anything is installed.
                                                   (and, on stderr, why the GPU trainer cannot run)
     python3 dev/setup_env.py gpu-wheels           download the wheels a GPU machine without network
                                                   lacks into .whl/ (see dev/results/README.md)
-TARGET is one of data, train, debug, bench, bench-cpu, test, test-gpu, dev-cuda, compile-kernels.
+TARGET is one of data, train, twin, debug, bench, bench-cpu, test, test-gpu, dev-cuda, compile-kernels.
 
 The rules, in order:
   1. Where: the active virtual environment when there is one (sys.prefix != sys.base_prefix, or
@@ -32,7 +32,10 @@ The rules, in order:
      first GPU run used. They are optional, installed after the rest in a pip call with a short
      network timeout: offline that costs seconds and one line, and the trainer takes its own
      attention and cuBLAS instead, saying so.
-  5. Versions come from requirements.txt and requirements-dev.txt (one place for the pins); the
+  5. The tools' packages (TOOL_PACKAGES): `make train` also installs matplotlib, safetensors and
+     tqdm, which the README's commands after it use, with the GPU extras' short timeout; torch
+     (the PyTorch twins, about 2 GB) is `make twin`'s, and `make test` installs every test package.
+  6. Versions come from requirements.txt and requirements-dev.txt (one place for the pins); the
      CUDA-13 forms are in CUDA13_PACKAGES below, the GPU extras' in GPU_EXTRAS.
   6. Chromium (the browser tests drive it with Playwright): Debian's package, with apt-get, where
      /usr/bin/chromium is missing and this runs as root with apt-get; otherwise one line saying so,
@@ -47,6 +50,7 @@ Example, on a fresh CPU machine with a stock Python:
     $ make train
     setup: no active virtual environment: created .venv (python3 -m venv --system-site-packages); make runs .venv/bin/python
     setup (train): installing numpy>=1.26 tiktoken>=0.7
+    setup (train): installing what the README's later commands use: matplotlib>=3.8 safetensors>=0.8 tqdm
 """
 
 import argparse
@@ -69,10 +73,17 @@ NVIDIA_SMI_TIMEOUT_S = 30
 
 # Keys are the names used below; "cupy" is the GPU array library (any cupy-* distribution) and
 # "nvrtc" CuPy's NVRTC binding plus the CUDA headers (what dev/cuda/nvrtc_compile.py needs).
+# The README's commands after `make train` need a few small packages (TOOL_PACKAGES: the plots of
+# dev/vislog.py and the tutorials, the Hugging Face export, progress bars), so make train installs
+# them too, after the rest, in a pip call of their own with a short timeout: offline that costs
+# seconds and one line, and each tool names its missing package when run. torch (about 2 GB, the
+# PyTorch twins) stays behind `make twin` (and `make test`, which installs every test package).
+TOOL_PACKAGES = ("matplotlib", "safetensors", "tqdm")
 NEEDS = {
     "data":            {"required": ["numpy", "tiktoken"], "optional": []},
-    "train":           {"required": ["numpy", "tiktoken"], "optional": ["cupy", "cudnn", "nvmath"]},
+    "train":           {"required": ["numpy", "tiktoken"], "optional": ["cupy", "cudnn", "nvmath", *TOOL_PACKAGES]},
     "debug":           {"required": ["numpy", "tiktoken", "plotly"], "optional": []},
+    "twin":            {"required": ["numpy", "torch"], "optional": []},
     "bench":           {"required": ["numpy", "tiktoken", "cupy", "torch"], "optional": ["cudnn", "nvmath"]},
     "bench-cpu":       {"required": ["numpy"], "optional": []},
     "test-gpu":        {"required": ["numpy", "tiktoken", "pytest", "cupy"], "optional": ["torch", "cudnn", "nvmath"]},
@@ -166,6 +177,11 @@ def plan(target, works, installed, cuda_major, specs):
                 missing.append(key)
     install.sort(key=is_gpu_extra)             # stable: the others first, in their order
     return install, notes, missing
+
+
+def is_tool_package(requirement):
+    """True for a requirement of TOOL_PACKAGES (make train installs them last, with a short timeout)."""
+    return _name(requirement) in {name for key in TOOL_PACKAGES for name in PACKAGES[key][0]}
 
 
 def is_gpu_extra(requirement):
@@ -372,7 +388,8 @@ def setup(target, dry_run):
               + (f"; with apt-get: {' '.join(apt)}" if apt else ""))
         return 0
     extras = [r for r in install if is_gpu_extra(r)]
-    install = [r for r in install if not is_gpu_extra(r)]
+    tools = [r for r in install if is_tool_package(r)] if target == "train" else []
+    install = [r for r in install if not is_gpu_extra(r) and r not in tools]
     failure = None
     if install:
         print(f"setup ({target}): installing {' '.join(install)}")
@@ -380,6 +397,12 @@ def setup(target, dry_run):
         if failure and len(install) > 1:      # one that cannot be had must not keep out the others
             failures = [pip_install([requirement]) for requirement in install]
             failure = next((f for f in failures if f), None)
+    if tools:                                 # optional: a short timeout, one line if they cannot be had
+        print(f"setup ({target}): installing what the README's later commands use: {' '.join(tools)}")
+        tools_failure = pip_install(tools, EXTRAS_PIP_OPTIONS)
+        if tools_failure:
+            print(f"setup ({target}): could not install them ({tools_failure}); training needs none of them, "
+                  f"and a tool that does names its package when run")
     if extras:                                # optional: a short timeout, one line if they cannot be had
         print(f"setup ({target}): installing the GPU fast paths' libraries (optional): {' '.join(extras)}")
         extras_failure = pip_install(extras, EXTRAS_PIP_OPTIONS)
@@ -390,11 +413,12 @@ def setup(target, dry_run):
            if key in APT_PACKAGES and works.get(key) is not None]
     for key in apt:
         apt_install(target, key)
-    if install or extras:
+    if install or extras or tools:
         works = probe(target)
         still = [k for k in NEEDS[target]["required"] if works[k] is not None]
         if failure:
-            optional = [k for k in NEEDS[target]["optional"] if works[k] is not None and k not in GPU_EXTRAS]
+            optional = [k for k in NEEDS[target]["optional"] if works[k] is not None and k not in GPU_EXTRAS
+                        and not (target == "train" and k in TOOL_PACKAGES)]      # those said above
             if optional and not still:
                 print(f"setup ({target}): could not install ({failure}); the tests that need "
                       f"{', '.join(optional)} will skip")

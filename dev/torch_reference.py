@@ -43,23 +43,19 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llmc.utils import require  # noqa: E402
 
-try:
-    import torch
-except ModuleNotFoundError as e:       # run as a script without torch: one line
-    if __name__ != "__main__" or e.name != "torch":
-        raise
-    sys.exit(f"error: dev/torch_reference.py needs the pip package torch, which this Python ({sys.executable}) "
-             f"does not have: activate the project's environment first (source .venv/bin/activate; `make test` "
-             f"installs every package into it)")
+if __name__ == "__main__":
+    require("dev/torch_reference.py", "numpy", "torch")    # a package missing: one line naming its command, no traceback
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmc import formats  # noqa: E402
 from llmc.cli import ArgumentParser, build_parser, check_args, run_main  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
+from llmc.utils import InputError, check_input_file  # noqa: E402
 
 # ----------------------------------------------------------------------------
 # constants: file magics and versions (doc/file_formats.md)
@@ -366,8 +362,7 @@ def _write_file(path, chunks):
 def read_checkpoint(path):
     """Read an llm.c model checkpoint (version 3 fp32 or 5 bf16) -> (Config, list of 16 float32
     arrays in file order). Raises TwinError on a missing, truncated or inconsistent file."""
-    if not os.path.isfile(path):
-        raise TwinError(f"{path}: no such model checkpoint")
+    check_input_file(path, "model checkpoint")
     with open(path, "rb") as f:
         h = _read_header(f, path, MODEL_MAGIC, (MODEL_VERSION_FP32, MODEL_VERSION_BF16), "model checkpoint")
         maxT, V, L, NH, C, Vp = (int(v) for v in h[2:8])
@@ -425,8 +420,7 @@ def write_debug_state_file(path, x, y, logits, loss, grads):
 
 def read_tokens(path):
     """A token shard's tokens (uint16 numpy, memory-mapped). Raises TwinError."""
-    if not os.path.isfile(path):
-        raise TwinError(f"{path}: no such token shard")
+    check_input_file(path, "token shard")
     with open(path, "rb") as f:
         h = _read_header(f, path, SHARD_MAGIC, (SHARD_VERSION,), "token shard")
     n = int(h[2])

@@ -40,14 +40,18 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torch_reference as gpt2_twin  # noqa: E402  (exits with one line if torch is missing)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llmc.utils import check_input_file, require  # noqa: E402
+
+if __name__ == "__main__":
+    require("dev/torch_reference_llama3.py", "numpy", "torch")    # a package missing: one line naming its command, no traceback
+import numpy as np  # noqa: E402
+import torch_reference as gpt2_twin  # noqa: E402
 from torch_reference import (ADAMW_BETAS, ADAMW_EPS, DEFAULT_TRAIN, HEADER_BYTES, HEADER_INTS, INIT_STD,  # noqa: E402
                              LR_SCHEDULES, TokenLoader, TwinError, check_flags, learning_rate_at,
                              write_debug_state_file, write_output)
-from llmc import formats  # noqa: E402  (on the path: torch_reference puts the repository there)
+from llmc import formats  # noqa: E402
 from llmc.cli import ArgumentParser, run_main  # noqa: E402
 
 import torch  # noqa: E402
@@ -331,8 +335,7 @@ def check_model_file(path):
 
 def read_model_file(path):
     """-> (Config, the 10 arrays in table order). Raises TwinError."""
-    if not os.path.isfile(path):
-        raise TwinError(f"{path}: no such model file")
+    check_input_file(path, "model file")
     raw = open(path, "rb").read()
     if len(raw) < 2 * HEADER_BYTES:
         raise TwinError(f"{path}: shorter than the two headers of a Llama 3 model file")

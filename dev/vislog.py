@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from llmc.cli import ArgumentParser  # noqa: E402
-from llmc.utils import InputError, require  # noqa: E402
+from llmc.utils import InputError, check_input_file, require  # noqa: E402
 
 LOG_NAME = "main.log"
 TRAIN_KEY, VAL_KEY, EVAL_KEY = "trl", "tel", "eval"
@@ -52,8 +52,7 @@ def parse_log(path):
     its last value wins. Blank lines are skipped. Raises InputError naming the file and line on
     anything else that is not `s:<int>` followed by `key:<float>` fields, and on a binary file
     (a NUL byte in its first BINARY_SNIFF_BYTES, as grep and git decide) or bytes not UTF-8."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such log file")
+    check_input_file(path, "log file")
     series = {}                                             # key -> {step: value}
     with open(path, "rb") as f:                             # lines end at b"\n" only, as the Logger writes
         if b"\0" in f.read(BINARY_SNIFF_BYTES):

@@ -12,7 +12,8 @@ column of its tables against this repository, so that the map cannot go stale:
 and raises AssertionError, naming the cell, if one does not. It also checks the claims of the
 "missing here" table (each returns `absent` or, once someone adds the feature, `present`, and the
 test then fails until the text is updated), counts functions and classes per module with `ast`,
-and finds where gpt2_cpu.py's layers and training loop begin.
+finds where gpt2_cpu.py's layers and training loop begin, and draws the table of llmc/'s import
+layers from the modules' import statements (`ast`).
 What it is not: a check of llm.c's column, which names files of another repository (as of its
 mid-2024 layout) and is not available here.
 
@@ -235,6 +236,50 @@ def module_counts():
 
 
 # ----------------------------------------------------------------------------
+# the layers of llmc/: who imports whom
+
+LLMC_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "llmc", "**", "*.py"), recursive=True)
+                    if not p.endswith("__init__.py"))
+
+
+def llmc_imports(path):
+    """The llmc/ files that `path` imports, wherever the import statement stands (ast)."""
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    files = {os.path.join(*name.split(".")) + ".py" for name in names if name.startswith("llmc.")}
+    return sorted(files & set(LLMC_FILES) - {path})
+
+
+def layer_table():
+    """Each llmc/ module's layer: 0 for one that imports no other llmc/ module, else one more
+    than the highest layer it imports (a circle would never settle: AssertionError). Returns the
+    markdown table, one row per layer."""
+    imports = {path: llmc_imports(path) for path in LLMC_FILES}
+    layer = {}
+
+    def layer_of(path, chain=()):
+        assert path not in chain, f"llmc/ imports in a circle: {' -> '.join(chain + (path,))}"
+        if path not in layer:
+            layer[path] = 1 + max((layer_of(p, chain + (path,)) for p in imports[path]), default=-1)
+        return layer[path]
+    for path in LLMC_FILES:
+        layer_of(path)
+    rows = ["| layer | modules (each imports only from the layers below it) |", "|---|---|"]
+    for level in range(max(layer.values()) + 1):
+        modules = ", ".join(f"`{os.path.relpath(p, 'llmc')}`" for p in LLMC_FILES if layer[p] == level)
+        rows.append(f"| {level} | {modules} |")
+    return {"layer_table": "\n" + "\n".join(rows),
+            "layer_cuda": f"{layer['llmc/cuda.py']}", "layer_comm": f"{layer['llmc/comm.py']}",
+            "layer_multinode": f"{layer['llmc/multinode.py']}", "layer_cli": f"{layer['llmc/cli.py']}"}
+
+
+# ----------------------------------------------------------------------------
 # the map's numbers
 
 def compute(fig_dir):
@@ -246,6 +291,7 @@ def compute(fig_dir):
     numbers |= verify_map(text)
     numbers |= missing_claims()
     numbers |= module_counts()
+    numbers |= layer_table()
     return numbers
 
 
@@ -256,8 +302,9 @@ def update_map(numbers):
     with open(MAP) as f:
         text = f.read()
     for key, value in numbers.items():
-        pattern = r"(\n\|[^\n]*)*" if key == "module_table" else WORD
-        assert key == "module_table" or re.fullmatch(WORD, value), (key, value)
+        table = key.endswith("_table")
+        pattern = r"(\n\|[^\n]*)*" if table else WORD
+        assert table or re.fullmatch(WORD, value), (key, value)
         text, n = re.subn(rf"<!--{key}-->{pattern}", lambda _: f"<!--{key}-->{value}", text)
         if n == 0:
             print(f"not quoted in doc/llmc_map.md: {key} = {value}")
@@ -268,4 +315,6 @@ def update_map(numbers):
 if __name__ == "__main__":
     if sys.argv[1:] == ["--update"]:
         update_map(compute(DOC_DIR))
-    print_numbers(compute)
+        print_numbers(compute, argv=[])
+    else:
+        print_numbers(compute)

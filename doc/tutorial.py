@@ -70,7 +70,7 @@ def save_figure(fig, fig_dir, name, dpi=100, **savefig_args):
 def print_numbers(compute, argv=None):
     """`python doc/<name>.py`: run compute(doc/), which redraws the figures in place, and print
     one `key = value` line per number the tutorial quotes. It takes no flags: --help says so, and
-    any other argument is one `error:` line and exit 1 (llmc.cli.ArgumentParser), as for every tool."""
+    any other argument is one `error:` line and exit 1 (llmc.argparser.ArgumentParser), as for every tool."""
     from llmc.cli import ArgumentParser
     name = os.path.relpath(sys.argv[0], os.path.dirname(DOC_DIR)) if argv is None else "doc/<name>.py"
     ArgumentParser(prog=name, description="redraw this tutorial's figures in doc/ and print, one `key = value` "

@@ -2,9 +2,13 @@
 llmc: the host infrastructure both trainers share, one module per concern, as llm.c keeps its
 in llmc/*.h. Nothing here is the algorithm: gpt2_cpu.py defines that, and gpt2_cuda.py runs it on
 a GPU. The dependency runs one way: llmc never imports gpt2_cpu or gpt2_cuda; where it needs the
-model's shape it takes it as an argument (a config object, a parameter table).
+model's shape it takes it as an argument (a config object, a parameter table). Inside llmc/ the
+imports run one way too, in layers: cuda, then comm, then multinode, then cli (doc/llmc_map.md,
+"Layers"; tests/test_import_layers.py).
 
     utils.py       InputError (bad input: one line, exit 1), atomic writes, stale temporaries
+    launcher.py    who started this process: rank, size, local rank from mpiexec's or Slurm's variables
+    argparser.py   the argument parser of every tool: a bad flag is one line, with the flag meant
     interrupt.py   Ctrl-C while a program still imports its packages: exit 130, no traceback
     paths.py       where the default data lives (data/)
     formats.py     file headers, model and debug-state files, token shards, bf16 bit patterns
@@ -13,6 +17,7 @@ model's shape it takes it as an argument (a config object, a parameter table).
     evalloader.py  the multiple-choice (HellaSwag) file, its rows and its scoring rule
     checkpoint.py  training state files, DONE markers, saving and resuming a run
     comm.py        data parallelism: MPI (mpi4py) on the host, NCCL on GPUs
+    multinode.py   one node or many: the NCCL id's rendezvous by MPI, tcp or a shared file system
     logger.py      llm.c's main.log
     outlier.py     z-scores of the loss and gradient norm, for skipping outlier steps (-sl, -sg)
     sampler.py     llm.c's xorshift* RNG and the token draw (temperature, top-k)

@@ -19,7 +19,7 @@ import numpy as np
 
 from llmc.formats import make_header, read_exact, read_header, read_model_file, write_model_file
 from llmc.outlier import OUTLIER_STATE_FLOATS, outlier_state_problem
-from llmc.utils import InputError, atomic_write
+from llmc.utils import InputError, atomic_write, check_input_file
 
 STATE_MAGIC = 20240527
 STATE_VERSION = 1
@@ -70,8 +70,9 @@ def write_run_config(path, config):
 def read_run_config(path):
     """The run configuration dict of a checkpoint, or None when it has none (a checkpoint written
     by llm.c, or before this file existed). Raises InputError on a corrupt file."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
+    check_input_file(path, "run configuration")
     try:
         with open(path) as f:
             config = json.load(f)
@@ -134,8 +135,7 @@ def read_state(path, num_parameters, process_rank, num_processes, zero_stage=0):
     outliers (OUTLIER_DETECTORS_FLOATS float64, or None when the file has none), zero_stage.
     Raises InputError on a missing, corrupt or mismatched file (a run of several processes must
     resume with the -z it was written with: the shards and the full state differ in size)."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such state file")
+    check_input_file(path, "state file")
     with open(path, "rb") as f:
         h = read_header(f, path, STATE_MAGIC, (STATE_VERSION,), "training state")
         if h[STATE_SLOT_NUM_PROCESSES] != num_processes or h[STATE_SLOT_RANK] != process_rank:

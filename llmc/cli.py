@@ -12,7 +12,6 @@ forward for HellaSwag, sampling, saving a checkpoint).
 import argparse
 import bdb
 import codecs
-import difflib
 import glob
 import math
 import os
@@ -24,50 +23,30 @@ import traceback
 
 import numpy as np
 
+from llmc.argparser import ArgumentParser
 from llmc.checkpoint import (RUN_FILE_NAMES, checkpoint_paths, config_path, latest_checkpoint_step,
                              move_previous_run_aside, read_run_config, rotate_checkpoints, write_done_marker,
                              write_run_config)
-from llmc.comm import abort_all_ranks, launched_size
-from llmc.dataloader import DataLoader, data_fingerprint
-from llmc.evalloader import evaluate_multiple_choice, read_hellaswag
+from llmc.comm import abort_all_ranks
+from llmc.dataloader import DataLoader, data_fingerprint, shard_paths
+from llmc.evalloader import check_hellaswag_path, evaluate_multiple_choice, read_hellaswag
 from llmc.interrupt import restore_ctrl_c
+from llmc.launcher import launched_rank
 from llmc.logger import Logger
-from llmc.multinode import disagreement
+from llmc.formats import check_model_path
+from llmc.multinode import PROBLEM_KEY, disagreement
 from llmc.sampler import SAMPLE_SEED
 from llmc.paths import DEFAULT_HELLASWAG, DEFAULT_TOKENIZER, DEFAULT_TRAIN, DEFAULT_VAL
 from llmc.tokenizer import GPT2_EOT, Tokenizer, prompt_encoding
 from llmc.outlier import OUTLIER_STATE_FLOATS, OutlierDetector, skip_reason
-from llmc.utils import TMP_SUFFIX, InputError, lock_directory, release_directory_locks, stale_temporaries
+from llmc.utils import (TMP_SUFFIX, InputError, check_input_file, lock_directory, release_directory_locks,
+                        stale_temporaries)
 
 WRITE_PROBE = ".write_probe"           # make_output_dir's test file in -o
 
 
-
 # ----------------------------------------------------------------------------
 # the flags
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with this project's promise for a bad flag: one `error:` line (on rank 0 only
-    under mpiexec) and exit 1, instead of argparse's usage dump and exit 2."""
-
-    def error(self, message):
-        if launched_rank() in (None, 0):
-            print(f"error: {message}{self.did_you_mean(message)} (see --help)", file=sys.stderr)
-        sys.exit(1)
-
-    def did_you_mean(self, message):
-        """For an unrecognized flag, the closest real one ("; did you mean --learning-rate?"), if
-        any is close; else ''."""
-        if not message.startswith("unrecognized arguments:"):
-            return ""
-        flags = [option for action in self._actions for option in action.option_strings]
-        for word in message.split(":", 1)[1].split():
-            if word.startswith("-"):
-                close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.75)
-                if close:
-                    return f"; did you mean {close[0]}?"
-        return ""
-
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help with the defaults shown, wrapped at spaces only: a long path (a default data file)
@@ -98,7 +77,7 @@ def build_parser(prog, description, lr_schedules, model_help=None):
     a("-d", "--total-batch-size", type=int, default=-1, help="tokens per optimizer step (-1: B*T*processes, no accumulation)")
     a("-x", "--max-steps", type=int, default=-1, help="optimizer steps (-1: one epoch of the train data)")
     a("-k", "--lr-schedule", default="cosine", choices=lr_schedules, help="learning-rate schedule")
-    a("-l", "--learning-rate", type=float, default=3e-4, help="peak learning rate")
+    a("-l", "--learning-rate", "--lr", type=float, default=3e-4, help="peak learning rate")
     a("-u", "--warmup-iters", type=int, default=0, help="linear warmup steps")
     a("-q", "--final-lr-frac", type=float, default=1.0, help="final learning rate as a fraction of the peak")
     a("-c", "--weight-decay", type=float, default=0.0, help="AdamW weight decay")
@@ -233,13 +212,38 @@ class AgreedError(InputError):
 PER_RANK_DESTS = ("process_rank", "server_ip", "fs_path", "gpus_per_node")
 
 
+def start_problem(args):
+    """The one line this process would stop with for want of its input files, or None: -i (unless
+    --eval-only or --generate) or -j matching no file or naming one that is not a regular file,
+    -e naming no model checkpoint (a path; with -y 1 the model comes from -o), -h 1's eval file
+    missing. Each rank checks its own before the ranks compare, so a rank given a wrong path is
+    named with it (llmc.multinode.disagreement), not only as differing from rank 0."""
+    try:
+        patterns = [] if args.generate else ([args.input_val_bin] if args.input_val_bin else [])
+        patterns += [] if args.eval_only or args.generate else [args.input_bin]
+        for pattern in patterns:
+            for path in shard_paths(pattern):
+                check_input_file(path, "data shard")
+        if is_checkpoint_path(args.model) and not (args.resume and args.output_dir):
+            check_model_path(args.model)
+        if args.hellaswag:
+            check_hellaswag_path(args.hellaswag_file)
+    except InputError as e:
+        return str(e)
+    return None
+
+
 def agreement_config(args):
     """What decides a rank's part of the result, to compare with rank 0's: every flag but
     PER_RANK_DESTS (a different -x hangs the job; a different -l or -t trains silently wrong),
-    and fingerprints of the train data's and the model file's content (the same path can hold
-    other files on another node)."""
+    fingerprints of the train data's and the model file's content (the same path can hold other
+    files on another node), and this rank's start_problem (PROBLEM_KEY), without fingerprints
+    where it has one."""
     config = {f"--{dest.replace('_', '-')}": value for dest, value in sorted(vars(args).items())
               if dest not in PER_RANK_DESTS}
+    config[PROBLEM_KEY] = start_problem(args)
+    if config[PROBLEM_KEY] is not None:
+        return config
     files = sorted(glob.glob(args.input_bin)) if not os.path.isfile(args.input_bin) else [args.input_bin]
     config["-i content"] = data_fingerprint(files) if files else None
     config["-e content"] = data_fingerprint([args.model]) if os.path.isfile(args.model) else None
@@ -347,8 +351,9 @@ class TrainingRun:
 
     def prepare(self, config):
         """Everything that needs the model's shape: checks T, works out gradient accumulation,
-        opens the loaders and the HellaSwag file, loads the tokenizer for samples, makes -o (and
-        removes the temporary files a killed run left there)."""
+        opens the loaders and the HellaSwag file, loads the tokenizer for samples, and for a
+        training run makes -o (and removes the temporary files a killed run left there); --eval-only
+        and --generate write nothing there, so a read-only -o serves them."""
         args, comm, B, T = self.args, self.comm, self.B, self.T
         if T > config.max_seq_len:
             raise AgreedError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")
@@ -379,8 +384,8 @@ class TrainingRun:
             except InputError as e:
                 self.say(f"note: {e}; samples will print token ids")
             self.check_sampling_vocabulary(config.vocab_size)
-        if args.output_dir:                                # last: a run refused above moved nothing aside
-            self.make_output_dir(args.output_dir)
+        if args.output_dir and self.training:              # last: a run refused above moved nothing aside
+            self.make_output_dir(args.output_dir)          # (--eval-only and --generate only read -o)
 
     def check_sampling_vocabulary(self, V):
         """Before the first step, not at the first sample: the model's vocabulary V must be the
@@ -450,7 +455,8 @@ class TrainingRun:
                 pass
             os.remove(probe)
         except OSError as e:
-            raise InputError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
+            raise InputError(f"-o {out_dir}: cannot write there ({e.strerror or e}): a training run writes its "
+                             f"lock, checkpoints and main.log in -o") from None
         if self.master and self.training:
             lock_directory(out_dir)
             for path in stale_temporaries(out_dir, f"{RUN_FILE_NAMES}|{re.escape(WRITE_PROBE)}"):
@@ -613,12 +619,6 @@ class TrainingRun:
         self.say(f"step {step + 1:4d}/{self.num_steps} | loss {loss:.6f}{z(zloss)} | norm {norm:.4f}{z(zgrad)} | "
                  f"lr {lr:.2e} | {seconds * 1000:.1f} ms | {self.total_batch / seconds:.0f} tok/s{extra}")
         self.logger.log_train(step, loss, lr, norm)
-
-
-def launched_rank():
-    """This process's rank under mpiexec (PMI_RANK / OMPI_COMM_WORLD_RANK), None without it."""
-    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
-    return int(rank) if rank is not None and launched_size() > 1 else None
 
 
 def error_line(e, expected):

@@ -6,17 +6,13 @@ emulation llmc/emulator/nccl.py on the emulated device: llmc.cuda.library("nccl"
 rank, and for ZeRO-1 (gpt2_cuda.py -z 1) reduce-scatters the gradients and all-gathers the parameters.
 """
 
-import os
+import sys
+import time
 
 import numpy as np
 
 from llmc import cuda
-
-
-def launched_size():
-    """The number of processes mpiexec started (PMI_SIZE / OMPI_COMM_WORLD_SIZE), 1 without it."""
-    return int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-
+from llmc.launcher import launched_size
 
 # -pm tcp|fs (llmc/multinode.py) have no MPI_Abort: each puts here a function(code) that tells the
 # other ranks over its rendezvous channel to stop, and ends this process
@@ -36,9 +32,7 @@ def abort_all_ranks(code):
     for hook in ABORT_HOOKS:
         hook(code)
     if launched_size() > 1:
-        import sys
-        import time
-        from mpi4py import MPI
+        from mpi4py import MPI         # optional (requirements-dev.txt): imported only under mpiexec
         sys.stdout.flush()
         sys.stderr.flush()
         time.sleep(ABORT_GRACE_S)      # let mpiexec forward this rank's last lines before it ends the job

@@ -17,8 +17,12 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 
 import numpy as np
+
+from llmc.launcher import launched_rank, launcher_environment
+from llmc.utils import InputError
 
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 PRECISIONS = ("bf16", "fp32")
@@ -162,12 +166,26 @@ def address(arr):
     return arr.data.ptr
 
 
+def choose_device(local_rank, device_count, visible=None):
+    """The CUDA device index for a process of local rank `local_rank` that sees `device_count`
+    devices (visible: $CUDA_VISIBLE_DEVICES, or None). Normally the local rank itself; device 0
+    when the launcher gave each process one GPU of its own (CUDA_VISIBLE_DEVICES names exactly one,
+    srun --gpus-per-task=1). Raises InputError where that device does not exist, rather than put
+    two processes on one GPU."""
+    one_each = device_count == 1 and visible is not None and len([d for d in visible.split(",") if d.strip()]) == 1
+    if one_each:
+        return 0
+    if local_rank >= device_count:
+        raise InputError(f"local rank {local_rank} needs GPU {local_rank} but this process sees {device_count} "
+                         f"GPU(s): two processes would share one (start at most one process per GPU)")
+    return local_rank
+
+
 def select_device(comm):
-    """Bind this process to its GPU: llmc.multinode.choose_device of its local rank (comm.local_rank
-    from llmc.multinode: the launcher's local rank, or -pr % -pg; for a plain llmc.comm.Comm the
+    """Bind this process to its GPU: choose_device of its local rank (comm.local_rank from
+    llmc.multinode: the launcher's local rank, or -pr % -pg; for a plain llmc.comm.Comm the
     launcher's, else the rank). Returns (device index, device name, compute capability as an int,
     e.g. 90). Raises InputError rather than put two processes on one GPU."""
-    from llmc.multinode import choose_device, launcher_environment
     cp = cupy()
     local = getattr(comm, "local_rank", None)
     if local is None:
@@ -256,34 +274,101 @@ def build_variant():
     return _device == "cpu" and cupy().MEMORY_TRACE is not None
 
 
+def new_module(file, precision):
+    """kernels/<file>.cu as the device's RawModule for `precision`, not yet compiled."""
+    path = os.path.join(KERNELS_DIR, f"{file}.cu")
+    with open(path) as f:
+        code = f.read()
+    if _device == "cpu":                   # g++'s messages and gdb's breakpoints name the real file
+        code = f'#line 1 "{path}"\n' + code
+    return cupy().RawModule(code=code, options=kernel_compile_options(precision))
+
+
+def compile_module(module, file, precision):
+    """RawModule compiles lazily; do it here, once. Raises KernelCompileError naming the file,
+    with the compiler's log."""
+    cp = cupy()
+    try:
+        module.compile()
+    except cp.cuda.compiler.CompileException as e:
+        compiler = "g++ (the emulated device)" if _device == "cpu" else "NVRTC"
+        raise KernelCompileError(f"{os.path.join(KERNELS_DIR, f'{file}.cu')}: {compiler} failed to compile it with "
+                                 f"{PRECISION_DEFINES[precision]}:\n{e.get_message()}") from None
+
+
 def load_module(file, precision):
     """kernels/<file>.cu compiled for `precision`, once per process and device (CuPy also caches
     the binary on disk, the emulated device its g++ build). Raises KernelCompileError naming the
     file, with the compiler's log."""
     key = (_device, file, precision, build_variant())
     if key not in _MODULES:
-        cp = cupy()
-        path = os.path.join(KERNELS_DIR, f"{file}.cu")
-        with open(path) as f:
-            code = f.read()
-        if _device == "cpu":               # g++'s messages and gdb's breakpoints name the real file
-            code = f'#line 1 "{path}"\n' + code
-        module = cp.RawModule(code=code, options=kernel_compile_options(precision))
-        try:
-            module.compile()               # RawModule compiles lazily; do it here, once
-        except cp.cuda.compiler.CompileException as e:
-            compiler = "g++ (the emulated device)" if _device == "cpu" else "NVRTC"
-            raise KernelCompileError(f"{path}: {compiler} failed to compile it with {PRECISION_DEFINES[precision]}:\n"
-                                     f"{e.get_message()}") from None
+        module = new_module(file, precision)
+        compile_module(module, file, precision)
         _MODULES[key] = module
     return _MODULES[key]
 
 
+# A first build shows its progress: g++ takes tens of seconds per kernel file on the emulated device
+# (it asks its cache first, so a built file shows nothing); on a GPU, NVRTC's time is only known by
+# waiting, so its bar appears once the loads take longer than this (CuPy's disk cache answers in less)
+PROGRESS_DELAY_S = 2.0
+
+
 def load_modules(files, precision):
-    """Compile (or fetch from CuPy's disk cache) every kernel file before training starts, so that
-    a compile error surfaces at once and the first step's time does not include NVRTC."""
-    for file in files:
-        load_module(file, precision)
+    """Compile (or fetch from the disk cache) every kernel file before training starts, so that
+    a compile error surfaces at once and the first step's time does not include the compiler.
+    A first build shows on stderr, where it is a terminal (rank 0's, under mpiexec), a bar over the
+    files, each named as it compiles: at once on the emulated device when g++ has a file to
+    build, after PROGRESS_DELAY_S on a GPU; counted lines instead where tqdm is not installed.
+    (A log or a test's captured stderr gets nothing, as a cached run would.)"""
+    pending = {file: new_module(file, precision) for file in dict.fromkeys(files)
+               if (_device, file, precision) not in _MODULES}
+    delay = None                                       # None: nothing shown
+    if launched_rank() in (None, 0) and getattr(sys.stderr, "isatty", lambda: False)():
+        if _device == "cuda":
+            delay = PROGRESS_DELAY_S
+        elif any(not module._is_built() for module in pending.values()):
+            delay = 0.0
+    progress = BuildProgress(len(pending), delay)
+    for file, module in pending.items():
+        progress.start(f"{file}.cu")
+        compile_module(module, file, precision)
+        _MODULES[(_device, file, precision)] = module
+        progress.done()
+    progress.close()
+
+
+class BuildProgress:
+    """The progress of compiling `total` kernel files on stderr: a tqdm bar shown after `delay`
+    seconds (None: nothing shown), or, without tqdm, one counted line per file
+    ("compiling kernels for the emulated device (g++, once): 3/9 layernorm.cu")."""
+
+    def __init__(self, total, delay):
+        self.total, self.count, self.bar, self.lines, self.delay = total, 0, None, False, delay
+        if delay is None or total == 0:
+            return
+        what = "compiling kernels for the emulated device (g++, once)" if _device == "cpu" else "compiling kernels (NVRTC)"
+        try:
+            from tqdm import tqdm          # make train installs it; counted lines without it
+        except ImportError:
+            self.lines, self.what = delay == 0, what
+            return
+        self.bar = tqdm(total=total, desc=what, unit="file", delay=delay, file=sys.stderr, dynamic_ncols=True)
+
+    def start(self, name):
+        self.count += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(name, refresh=self.delay == 0)   # a delayed bar shows at its next update
+        elif self.lines:
+            print(f"{self.what}: {self.count}/{self.total} {name}", file=sys.stderr, flush=True)
+
+    def done(self):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
 
 
 def launch(file, precision, name, grid, block, args):

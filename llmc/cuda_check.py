@@ -11,6 +11,7 @@ this module imports neither trainer when it loads. With the classifier in chunks
 
 import numpy as np
 
+from llmc import cuda
 from llmc.check import check_against, save_comparison
 from llmc.cli import check_args
 from llmc.dataloader import DataLoader
@@ -200,6 +201,7 @@ def run_check(trainer, args, model, check=check_against_cpu):
     check_args(args)
     loader = DataLoader(args.input_bin, args.batch_size, args.seq_len)
     x, y = loader.next_batch()
+    cuda.load_modules(trainer.KERNEL_FILES + model.attention.kernel_files, model.precision)   # a first build: its progress
     record = [] if getattr(args, "check_save", None) else None
     ok = check(trainer, model, x, y, np.dtype(args.check_dtype).type, record=record)
     print("check: all tensors OK" if ok else "check: SOME TENSORS NOT OK")

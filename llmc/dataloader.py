@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from llmc.formats import HEADER_BYTES, read_shard_tokens, shard_format, shard_num_tokens
-from llmc.utils import InputError
+from llmc.utils import InputError, check_input_file
 
 VALIDATE_CHUNK = 1 << 22               # tokens read per piece when checking a shard's ids (8 MiB)
 # data_fingerprint reads this many evenly spaced blocks of this many bytes from each shard
@@ -28,9 +28,11 @@ def data_fingerprint(paths):
     the same (llmc/cli.py): sha256 over each shard's size and FINGERPRINT_BLOCKS evenly spaced
     blocks of it (the whole shard when it is smaller), so it costs a few hundred KiB of reads
     per shard however large the data. Other data of the same size differs in the sampled
-    blocks; an edit between two of them goes unseen (a fingerprint, not a proof)."""
+    blocks; an edit between two of them goes unseen (a fingerprint, not a proof). Raises InputError
+    for a path that is not a regular file."""
     digest = hashlib.sha256()
     for path in paths:
+        check_input_file(path, "data shard")         # a FIFO would be waited on, not read
         size = os.path.getsize(path)
         digest.update(f"{os.path.basename(path)} {size}\n".encode())
         with open(path, "rb") as f:
@@ -41,6 +43,16 @@ def data_fingerprint(paths):
                 f.seek(k * (size - FINGERPRINT_BLOCK_BYTES) // (FINGERPRINT_BLOCKS - 1))
                 digest.update(f.read(FINGERPRINT_BLOCK_BYTES))
     return digest.hexdigest()[:16]
+
+
+def shard_paths(pattern):
+    """The shards of -i / -j: the file `pattern` names (a name with glob characters, [1] or *,
+    that exists is that file), else the files its glob matches, sorted. Raises InputError when
+    nothing matches."""
+    files = [pattern] if os.path.isfile(pattern) else sorted(glob.glob(pattern))
+    if not files:
+        raise InputError(f"{pattern}: no data file matches (run `make data` for the default dataset)")
+    return files
 
 
 class DataLoader:
@@ -58,10 +70,7 @@ class DataLoader:
         self.pattern, self.B, self.T = pattern, B, T
         self.process_rank, self.num_processes = process_rank, num_processes
         self.vocab_size = vocab_size
-        # a file of exactly this name is that file, even when its name has glob characters ([1], *)
-        self.files = [pattern] if os.path.isfile(pattern) else sorted(glob.glob(pattern))
-        if not self.files:
-            raise InputError(f"{pattern}: no data file matches (run `make data` for the default dataset)")
+        self.files = shard_paths(pattern)
         need = B * T * num_processes + 1
         self.num_tokens, self.num_batches = 0, 0
         for path in self.files:               # every shard's header and size up front

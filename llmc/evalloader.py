@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from llmc.formats import HEADER_BYTES, make_header, read_header
-from llmc.utils import InputError, atomic_write
+from llmc.utils import InputError, atomic_write, check_input_file
 
 EVAL_MAGIC = 20240522
 EVAL_VERSION = 1
@@ -81,10 +81,9 @@ def read_eval_file(path):
     """Read a multiple-choice eval file -> list of example dicts (tokens as lists of int).
     Every length is checked against the others: raises InputError naming the file and the
     example on a bad magic or version, a missing start marker, a truncated example, an nbytes
-    field that disagrees with the fields inside it, trailing bytes, or a header whose example
-    count or longest-example size disagrees with the body."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such eval file")
+    field that disagrees with the fields inside it, an empty context or completion, trailing
+    bytes, or a header whose example count or longest-example size disagrees with the body."""
+    check_input_file(path, "eval file")
     with open(path, "rb") as f:
         h = read_header(f, path, EVAL_MAGIC, (EVAL_VERSION,), "multiple-choice eval")
         body = f.read()
@@ -118,6 +117,10 @@ def read_eval_file(path):
             q += 1 + length
         if q != n:
             raise InputError(f"{where}: fields fill {q * UINT16_BYTES} of the example's {nbytes} bytes: inconsistent lengths")
+        for k, part in enumerate(parts):                      # as example_stream refuses to write one
+            if not part:
+                raise InputError(f"{where}: {'the context' if k == 0 else f'completion {k - 1}'} is empty: an "
+                                 f"example is scored on each completion's tokens after its context")
         examples.append({"index": index, "label": label, "context": parts[0], "completions": parts[1:]})
         seen_longest = max(seen_longest, nbytes)
         pos += n
@@ -206,12 +209,19 @@ def evaluate_multiple_choice(forward_losses, examples, B, T, comm):
     return total / len(examples), len(examples)
 
 
+def check_hellaswag_path(path):
+    """Raise InputError unless -h 1's eval file is there as a regular file (with how to build a
+    missing one)."""
+    if not os.path.lexists(path):
+        raise InputError(f"{path}: no such eval file (build it with `python dev/data/hellaswag.py`, needs internet)")
+    check_input_file(path, "eval file")
+
+
 def read_hellaswag(path, vocab_size=None):
     """The HellaSwag examples for -h 1, with a hint when the file was never built. Every token id
     must be in [0, vocab_size) (None: not checked). Raises InputError, also for a file with no
     examples."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such eval file (build it with `python dev/data/hellaswag.py`, needs internet)")
+    check_hellaswag_path(path)
     examples = read_eval_file(path)
     if not examples:
         raise InputError(f"{path}: the eval file holds no examples: nothing to measure an accuracy on")

@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from llmc.utils import InputError, atomic_write
+from llmc.utils import InputError, atomic_write, check_input_file, physical_memory_bytes
 
 HEADER_INTS = 256                      # every file starts with 256 int32
 HEADER_BYTES = HEADER_INTS * 4
@@ -111,8 +111,14 @@ def make_header(magic, version, values=None):
 
 
 def read_exact(f, path, count, dtype, what):
-    """Read exactly `count` items of `dtype` from f, or raise InputError (truncated)."""
+    """Read exactly `count` items of `dtype` from f, or raise InputError (truncated). A count
+    read from the file itself may be anything: the bytes left in the file are checked first, so a
+    corrupt count is never allocated."""
     dtype = np.dtype(dtype)
+    left = os.fstat(f.fileno()).st_size - f.tell()
+    if not 0 <= count * dtype.itemsize <= left:
+        raise InputError(f"{path}: truncated {what}: expected {count * dtype.itemsize} bytes, "
+                         f"{max(left, 0)} are left in the file")
     raw = f.read(count * dtype.itemsize)
     if len(raw) != count * dtype.itemsize:
         raise InputError(f"{path}: truncated {what}: expected {count * dtype.itemsize} bytes, got {len(raw)}")
@@ -152,8 +158,7 @@ def check_model_path(path):
         steps = sorted(name for name in os.listdir(path) if re.fullmatch(r"model_\d{8}\.bin", name))
         hint = f": its newest model is -e {os.path.join(path, steps[-1])}" if steps else " (it holds no model_<step>.bin)"
         raise InputError(f"{path}: -e names a directory, not a model checkpoint{hint}")
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such model checkpoint")
+    check_input_file(path, "model checkpoint")
 
 
 def read_model_shape(path):
@@ -246,6 +251,8 @@ def is_llama3_model_file(path):
     """Whether `path` is a file that opens with the Llama 3 model file's magic (LLAMA3_MODEL_MAGIC),
     so that a tool taking either family's file knows which reader to call; False for any other
     file or one that cannot be read (the reader then says why in one line)."""
+    if not os.path.isfile(path):                 # a FIFO is never opened: it would wait for a writer
+        return False
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -270,7 +277,8 @@ def read_llama3_headers(f, path):
 def master_hidden_dim(path, shape, itemsize):
     """H of a master-layout file, which its header does not hold (int(ffn_dim_multiplier) is all
     there is): the payload is 2VC + 2LC + C + L*QKV*C + L*C*C + 3*L*H*C items (the three SwiGLU
-    matrices are H*C each), solved for H. Raises InputError unless that is a positive integer."""
+    matrices are H*C each), solved for H. Raises InputError unless that is a positive integer and a
+    multiple of the header's multiple_of (Meta's rounding of H, which every Llama 3 has)."""
     V, C, L = shape["vocab_size"], shape["channels"], shape["num_layers"]
     QKV = (shape["num_heads"] + 2 * shape["num_kv_heads"]) * (C // shape["num_heads"])
     payload = os.path.getsize(path) - HEADER_BYTES
@@ -278,7 +286,11 @@ def master_hidden_dim(path, shape, itemsize):
     if payload % itemsize or rest <= 0 or rest % (3 * L * C):
         raise InputError(f"{path}: {payload:,} bytes after the header do not fit a Llama 3 of this header with any "
                          f"SwiGLU width (llm.c master's layout): truncated, or not this model")
-    return rest // (3 * L * C)
+    H = rest // (3 * L * C)
+    if H % shape["multiple_of"]:
+        raise InputError(f"{path}: the SwiGLU width its size gives, {H}, is not a multiple of the header's multiple_of "
+                         f"{shape['multiple_of']}: not a Llama 3, or a corrupt header")
+    return H
 
 
 def read_llama3_model_shape(path):
@@ -311,6 +323,12 @@ def read_llama3_model_shape(path):
             or not 0 <= shape["norm_eps"] < math.inf or not 0 < shape["rope_theta"] < math.inf:
         raise InputError(f"{path}: impossible Llama 3 model header {shape} (dimensions > 0, NH a multiple of NKV, "
                          "C of NH, finite ffn_dim_multiplier > 0, norm_eps >= 0, rope_theta > 0, use_scaled_rope 0 or 1)")
+    # the file holds no (maxT, C) table as GPT-2's wpe, so its size does not bound maxT: the model's
+    # RoPE tables do, cos and sin (maxT, HS/2) float64 each, which must fit in this machine's memory
+    rope_bytes = shape["max_seq_len"] * (shape["channels"] // shape["num_heads"]) * np.dtype(np.float64).itemsize
+    if rope_bytes > physical_memory_bytes():
+        raise InputError(f"{path}: impossible Llama 3 model header: max_seq_len {shape['max_seq_len']:,} needs RoPE "
+                         f"tables of {rope_bytes / 2**30:.1f} GiB, more than this machine's memory")
     if layout == LLAMA3_LAYOUT_MASTER:           # the branch's dict keeps exactly LlamaConfig's fields
         shape["layout"] = layout
         shape["hidden_dim"] = master_hidden_dim(path, shape, MODEL_DTYPES[int(h[SLOT_VERSION])].itemsize)
@@ -433,8 +451,7 @@ def read_debug_state(path, vocab_size, param_shapes):
     (list of (name, shape)). Returns a dict with x, y (B,T) int32, logits (B,T,V), loss (float),
     grads {name: array of that shape}. B, T and the file's size are checked before anything is
     read, and every token id against V. Raises InputError on a bad or mismatched file."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such debug-state file")
+    check_input_file(path, "debug-state file")
     with open(path, "rb") as f:
         h = read_header(f, path, DEBUG_STATE_MAGIC, (DEBUG_STATE_VERSION,), "debug state")
         B, T = int(h[DEBUG_SLOT_B]), int(h[DEBUG_SLOT_T])
@@ -482,8 +499,7 @@ def shard_format(path):
     """(N, dtype) of a token shard: its number of tokens and how each is stored (uint16 or
     uint32, by its magic and version: SHARD_TOKEN_DTYPES), after checking its header and that the
     file is exactly HEADER_BYTES + N * dtype.itemsize bytes. Raises InputError naming the file."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such data shard")
+    check_input_file(path, "data shard")
     size = os.path.getsize(path)
     if size == 0:
         raise InputError(f"{path}: empty data shard")

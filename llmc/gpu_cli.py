@@ -5,6 +5,7 @@ prints about the device (the banner, -lg's status line).
 """
 
 import argparse
+import re
 import sys
 
 from llmc import cuda, multinode
@@ -70,7 +71,7 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
     a("--check-save", default=None, metavar="FILE.npz", action=CheckSaveAction,
       help="run --check and also save every compared tensor, both sides, to this .npz (python -m llmc.debugger "
            "--check-run FILE shows it)")
-    a("--device", default="cuda", choices=cuda.DEVICES,
+    a("--device", default="cuda", type=device_flag, choices=cuda.DEVICES,
       help="cpu: the emulated CUDA device (llmc/emulator/: our kernels compiled by g++ and run on the CPU, "
            "slow; defaults --precision fp32 -f 0, so the losses are gpt2_cpu.py's)")
     a("-lg", "--log-gpu-every", type=int, default=-1, help="print GPU memory and utilization every N steps (-1: never)")
@@ -116,6 +117,20 @@ def cuda_graph_choice(requested):
     2026-11-27) and an eager launch runs where it is called, so stepping through gpt2_cuda.py in a
     debugger shows each kernel's result at its line."""
     return cuda.device() == "cuda" if requested == "auto" else bool(requested)
+
+
+def device_flag(value):
+    """--device's value, "cuda" or "cpu". PyTorch's "cuda:N" is refused with the way to pick GPU N
+    here (each process takes the GPU of its local rank, llmc.cuda.select_device), anything else
+    with the choices: argparse.ArgumentTypeError, the parser's one error line."""
+    if value in cuda.DEVICES:
+        return value
+    match = re.fullmatch(r"cuda:(\d+)", value)
+    if match:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: pass --device cuda; each process takes the GPU of its local rank (GPU 0 for one "
+            f"process), and CUDA_VISIBLE_DEVICES={match.group(1)} runs on GPU {match.group(1)} alone")
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(cuda.DEVICES)})")
 
 
 def auto_or_bit(value):

@@ -28,8 +28,8 @@ every rank prints their SHA-256, which must agree):
 prints `rank 0/2 (fs): id sha256 <64 hex digits>, GPU 0 of <host>` once per rank.
 """
 
-import argparse
 import atexit
+import hashlib
 import json
 import math
 import os
@@ -43,7 +43,10 @@ import time
 
 import numpy as np
 
-from llmc.comm import NcclComm
+from llmc import comm as llmc_comm
+from llmc import cuda
+from llmc.argparser import ArgumentParser
+from llmc.launcher import launcher_environment
 from llmc.utils import InputError
 
 METHODS = ("mpi", "tcp", "fs")
@@ -64,15 +67,6 @@ RETRY_SECONDS = 0.2                    # between connection attempts / file poll
 FS_POLL_SECONDS = 0.05
 STOP_POLL_SECONDS = 1.0                # fs: how often each rank looks for the stop file
 KEEPALIVE = {"TCP_KEEPIDLE": 60, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 6}   # a lost node is noticed in ~2 min
-
-# The launchers' environment variables: (rank, size, local rank), checked in this order. MPI's
-# come before Slurm's because mpirun inside an sbatch job inherits the batch step's SLURM_PROCID.
-LAUNCHERS = (
-    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("MPICH", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-)
-
 
 class RendezvousError(InputError):
     """The processes could not meet: one `error:` line (a peer that never arrived, a duplicate
@@ -107,24 +101,7 @@ def add_flags(parser):
 
 
 # ----------------------------------------------------------------------------
-# who am I: rank, size and local rank from the flags and the launcher's environment
-
-def launcher_environment(env=os.environ):
-    """(launcher name, rank, size, local rank or None) from the first launcher in LAUNCHERS whose
-    rank and size variables are set, or None without one. Raises InputError for a value that is
-    not an integer."""
-    for name, rank_var, size_var, local_var in LAUNCHERS:
-        if env.get(rank_var) is not None and env.get(size_var) is not None:
-            values = []
-            for var in (rank_var, size_var, local_var):
-                value = env.get(var)
-                try:
-                    values.append(None if value is None else int(value))
-                except ValueError:
-                    raise InputError(f"{var}={value!r} in the environment is not an integer") from None
-            return (name, *values)
-    return None
-
+# who am I: rank, size and local rank from the flags and the launcher's environment (llmc.launcher)
 
 def job_name(job_id, env=os.environ):
     """The name of this job's -pm fs files: -pj, else $SLURM_JOB_ID (with $SLURM_RESTART_COUNT
@@ -189,12 +166,26 @@ def resolve_placement(args, env=os.environ, host=None):
                      args.rendezvous_port, args.fs_path, job, args.rendezvous_timeout, source)
 
 
+# the agreement's entry holding the one line this rank would stop with alone (llmc.cli.start_problem)
+PROBLEM_KEY = "problem"
+
+
 def disagreement(agreements):
     """agreements: {rank: what decides that rank's part of the result} (a dict of flags and file
     fingerprints: llmc.cli.agreement_config), rank 0's included. None when every rank's is rank
-    0's; else the one line naming every key that differs. Values are compared as JSON, so that one
-    sent through the rendezvous (tuples become lists) equals the same value at home, and NaN
-    equals NaN."""
+    0's; else one line. A rank that cannot start at all (its PROBLEM_KEY: a missing -i, ...) is
+    named with its problem, which matters more than the differences it causes; a problem every
+    rank has is said once, as one process would say it. Otherwise the line names every key that
+    differs. Values are compared as JSON, so that one sent through the rendezvous (tuples become
+    lists) equals the same value at home, and NaN equals NaN."""
+    problems = {rank: config.get(PROBLEM_KEY) for rank, config in sorted(agreements.items()) if config.get(PROBLEM_KEY)}
+    if problems:
+        first = next(iter(problems.values()))
+        alike = [rank for rank, problem in problems.items() if problem == first]
+        if len(alike) == len(agreements):
+            return first
+        who = f"rank {alike[0]}" if len(alike) == 1 else f"ranks {', '.join(map(str, alike))}"
+        return f"{who} cannot start: {first}"
     as_json = {rank: {key: json.dumps(value, sort_keys=True) for key, value in config.items()}
                for rank, config in agreements.items()}
     reference = as_json[0]
@@ -229,21 +220,6 @@ def check_distinct_gpus(placements):
         if other != rank:
             raise RendezvousError(f"ranks {other} and {rank} would share GPU {local_rank} of {host}: "
                                   f"one process per GPU (check -pr, -pg and the launcher's tasks per node)")
-
-
-def choose_device(local_rank, device_count, visible=None):
-    """The CUDA device index for a process of local rank `local_rank` that sees `device_count`
-    devices (visible: $CUDA_VISIBLE_DEVICES, or None). Normally the local rank itself; device 0
-    when the launcher gave each process one GPU of its own (CUDA_VISIBLE_DEVICES names exactly one,
-    srun --gpus-per-task=1). Raises InputError where that device does not exist, rather than put
-    two processes on one GPU."""
-    one_each = device_count == 1 and visible is not None and len([d for d in visible.split(",") if d.strip()]) == 1
-    if one_each:
-        return 0
-    if local_rank >= device_count:
-        raise InputError(f"local rank {local_rank} needs GPU {local_rank} but this process sees {device_count} "
-                         f"GPU(s): two processes would share one (start at most one process per GPU)")
-    return local_rank
 
 
 # ----------------------------------------------------------------------------
@@ -671,7 +647,6 @@ class ProcessGroup:
         it) and say on each rank which GPU it took. Returns the NcclComm or None for one process."""
         if self.size == 1:
             return None
-        from llmc import comm as llmc_comm
         if self.mpi is not None:
             self.nccl = llmc_comm.NcclComm(self.mpi)
         else:
@@ -719,20 +694,18 @@ class ProcessGroup:
             self.mean(0.0)
 
 
-class NcclGroupComm(NcclComm):
+class NcclGroupComm(llmc_comm.NcclComm):
     """llmc.comm.NcclComm joined with an id from the tcp / fs rendezvous instead of MPI's broadcast,
     plus host_sum: a sum of host float64s over the ranks through a device buffer (library call:
     ncclAllReduce)."""
 
     def __init__(self, rank, size, unique_id):
-        from llmc import cuda
         self.nccl = cuda.library("nccl")
         self.communicator = nccl_communicator(self.nccl, size, unique_id, rank)
         self.rank, self.size = rank, size
 
     def host_sum(self, arr):
         """Sum over all ranks of a NumPy array (returned as float64; arr is not changed)."""
-        from llmc import cuda
         cp = cuda.cupy()
         buf = cp.asarray(np.ascontiguousarray(arr, dtype=np.float64))
         self.communicator.allReduce(cuda.address(buf), cuda.address(buf), buf.size, self.nccl.NCCL_FLOAT64,
@@ -750,7 +723,6 @@ def init_process_group(args, env=os.environ, agreement_of=None):
     agreement_of (args -> a JSON-able dict: llmc.cli.agreement_config), the tcp / fs rendezvous also
     checks that every rank's is rank 0's (under mpi, llmc.cli.check_ranks_agree does, with MPI).
     Raises InputError (RendezvousError) with one line."""
-    from llmc import comm as llmc_comm
     if args.init_method == "mpi":
         mpi = llmc_comm.Comm()
         launcher = launcher_environment(env)
@@ -763,7 +735,6 @@ def init_process_group(args, env=os.environ, agreement_of=None):
     p = resolve_placement(args, env)
 
     def make_id():
-        from llmc import cuda
         return nccl_id_to_bytes(cuda.library("nccl").get_unique_id())
     agreement = agreement_of(args) if agreement_of is not None and p.size > 1 else None
     unique_id, stop_line = exchange_id(p, make_id, agreement)
@@ -779,7 +750,6 @@ def wire_stop_line(stop_line, on_stop):
     way this process can end reach them: llmc.comm.abort_all_ranks (an error the command line
     caught) sends a stop notice and exits; an uncaught exception sends one before the traceback; a
     normal exit says goodbye."""
-    from llmc import comm as llmc_comm
     stop_line.watch(on_stop)
 
     def stop_others(code):
@@ -806,14 +776,11 @@ def main(argv=None):
     """Each process: the rendezvous with a random id from rank 0, then one line with the SHA-256
     of the id it holds. --fail-rank R checks the stop line: rank R fails after the rendezvous and
     the others, waiting, must stop at once. Returns the exit code (1 with one `error:` line)."""
-    import hashlib
-    from llmc.cli import ArgumentParser           # llmc.cli imports this module: imported here, when run
     parser = ArgumentParser(prog="python -m llmc.multinode", description="check the tcp/fs rendezvous")
     add_flags(parser)
     parser.add_argument("--fail-rank", type=int, default=-1, help="this rank fails after the rendezvous (-1: none)")
     parser.add_argument("--hold", type=float, default=0.0, help="seconds to wait after the rendezvous before exiting")
     args = parser.parse_args(argv)
-    from llmc import comm as llmc_comm
     try:
         if args.init_method == "mpi":
             raise InputError("-pm mpi: use mpiexec's own checks; this checks -pm tcp and fs")

@@ -63,9 +63,9 @@ def outlier_state_problem(state):
     every value finite (a NaN in the window would make every later z-score NaN, and a step's
     skip silently never happen). Else what is wrong, in a few words."""
     count, index = state[0], state[1]
-    if not (count == int(count) and 0 <= count <= OUTLIER_WINDOW):
+    if not (np.isfinite(count) and count == int(count) and 0 <= count <= OUTLIER_WINDOW):
         return f"count {count} is not an integer in [0, {OUTLIER_WINDOW}]"
-    if not (index == int(index) and 0 <= index < OUTLIER_WINDOW):
+    if not (np.isfinite(index) and index == int(index) and 0 <= index < OUTLIER_WINDOW):
         return f"index {index} is not an integer in [0, {OUTLIER_WINDOW})"
     if not np.isfinite(state).all():
         return "a value is not finite"

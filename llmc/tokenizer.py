@@ -16,7 +16,7 @@ import struct
 
 from llmc.formats import make_header, read_header
 from llmc.paths import DEFAULT_BPE, DEFAULT_TOKENIZER
-from llmc.utils import InputError, atomic_write
+from llmc.utils import InputError, atomic_write, check_input_file
 
 TOKENIZER_MAGIC = 20240328
 TOKENIZER_VERSION = 2                  # version 1 had no EOT slot
@@ -65,8 +65,7 @@ def write_tokenizer(path, token_bytes, eot_token=GPT2_EOT):
 
 def read_tokenizer(path):
     """Read a tokenizer file -> (token_bytes: list of bytes, eot_token: int). Raises InputError."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such tokenizer file")
+    check_input_file(path, "tokenizer file")
     with open(path, "rb") as f:
         h = read_header(f, path, TOKENIZER_MAGIC, (1, TOKENIZER_VERSION), "tokenizer")
         n = int(h[TOKENIZER_SLOT_VOCAB_SIZE])
@@ -125,8 +124,7 @@ def read_tiktoken_ranks(path):
     ranks 0..N-1) -> the N token byte strings, index = rank. Raises InputError, one line, for a
     missing file, a malformed line, ranks that are not 0..N-1 once each, a repeated token, or a
     BPE that lacks one of the 256 single bytes."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such tokenizer.model (Meta's Llama 3 BPE file)")
+    check_input_file(path, "tokenizer.model (Meta's Llama 3 BPE file)")
     with open(path, "rb") as f:
         lines = f.read().splitlines()
     ranks = {}

@@ -207,7 +207,7 @@ def test_help_is_one_block_with_cpu_and_gpu_flags():
 
 def test_bad_flag_names_gpt2_cuda():
     r = _run_cuda_cli(["--precision", "fp16"])
-    assert r.returncode == 1 and r.stdout == ""                # one `error:` line, exit 1 (llmc.cli.ArgumentParser)
+    assert r.returncode == 1 and r.stdout == ""                # one `error:` line, exit 1 (llmc.argparser.ArgumentParser)
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert r.stderr.startswith("error: argument --precision: invalid choice")
 

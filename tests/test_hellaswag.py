@@ -208,7 +208,7 @@ def test_render_and_build(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--url", "http://127.0.0.1:9/hellaswag_val.jsonl"], "cannot download"),    # nothing listens there
-    (["-i", "/nonexistent/hellaswag_val.jsonl"], "no such file"),
+    (["-i", "/nonexistent/hellaswag_val.jsonl"], "no such HellaSwag jsonl file"),
 ])
 def test_cli_fails_in_one_line(tmp_path, args, message):
     out = tmp_path / "out.bin"             # the jsonl would be cached beside it: none there yet

@@ -29,13 +29,13 @@ import time
 
 import pytest
 
-from llmc import multinode
+from llmc import cuda, launcher, multinode
 from llmc.utils import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 3.0                          # --rendezvous-timeout in these tests, seconds
 SLACK = 15.0                           # process start-up on a loaded 2-core machine, seconds
-LAUNCHER_VARIABLES = [v for launcher in multinode.LAUNCHERS for v in launcher[1:]] + [
+LAUNCHER_VARIABLES = [v for variables in launcher.LAUNCHERS for v in variables[1:]] + [
     "SLURM_JOB_ID", "SLURM_RESTART_COUNT", "CUDA_VISIBLE_DEVICES"]
 
 
@@ -64,12 +64,12 @@ def flags(**overrides):
     ({"SLURM_PROCID": "3"}, None),                                         # a rank without a size is no launcher
 ])
 def test_launcher_environment(env, expected):
-    assert multinode.launcher_environment(env) == expected
+    assert launcher.launcher_environment(env) == expected
 
 
 def test_launcher_environment_refuses_a_non_integer():
     with pytest.raises(InputError, match="SLURM_NTASKS='x'"):
-        multinode.launcher_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "x"})
+        launcher.launcher_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "x"})
 
 
 def test_placement_from_flags_and_launcher():
@@ -103,12 +103,12 @@ def test_placement_refuses_bad_flags(overrides, env, message):
 
 
 def test_choose_device():
-    assert [multinode.choose_device(r, 8) for r in range(8)] == list(range(8))
+    assert [cuda.choose_device(r, 8) for r in range(8)] == list(range(8))
     with pytest.raises(InputError, match="two processes would share one"):
-        multinode.choose_device(4, 4)                                  # 5 processes, 4 GPUs
-    assert multinode.choose_device(5, 1, "5") == 0                     # srun --gpus-per-task=1: its own GPU
+        cuda.choose_device(4, 4)                                  # 5 processes, 4 GPUs
+    assert cuda.choose_device(5, 1, "5") == 0                     # srun --gpus-per-task=1: its own GPU
     with pytest.raises(InputError, match="two processes would share one"):
-        multinode.choose_device(1, 1, None)                            # everyone sees the same single GPU
+        cuda.choose_device(1, 1, None)                            # everyone sees the same single GPU
 
 
 def test_check_distinct_gpus():

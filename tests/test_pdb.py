@@ -4,11 +4,13 @@ tests/test_pdb.py: gpt2_cpu.py steps through with the real pdb, as the README pr
 Every top-level function of gpt2_cpu.py that a training step and a sample run (found by running
 them under sys.setprofile, so the list cannot go stale) stops at a pdb breakpoint; `q` quits at
 once with no "internal error"; an internal error reaches pdb's post-mortem; --traceback and
-LLMC_TRACEBACK=1 print an internal error's traceback. pdb is driven through its stdin.
+LLMC_TRACEBACK=1 print an internal error's traceback; the README's walkthrough prints, line for
+line, what the README shows. pdb is driven through its stdin.
 """
 
 import inspect
 import os
+import shlex
 import subprocess
 import sys
 
@@ -18,6 +20,8 @@ import gpt2_cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "gpt2_cpu.py")
+README = os.path.join(ROOT, "README.md")
+PDB_PROMPT = "(Pdb) "
 # one optimizer step and one short sample of a small model (the README's pdb line, smaller)
 ARGV = ["-e", "d2", "-x", "1", "-v", "0", "-s", "1", "-g", "4", "-b", "2", "-t", "16"]
 PDB_TIMEOUT_S = 600
@@ -70,6 +74,39 @@ def test_every_function_of_a_step_and_a_sample_stops_at_a_breakpoint_and_q_quits
     assert "The program finished and will be restarted" not in r.stdout, "a breakpoint was never hit"
     hit = {name for name in functions if f"gpt2_cpu.py(" in r.stdout and f"){name}()" in r.stdout}
     assert hit == set(functions), f"never stopped in: {sorted(set(functions) - hit)}"
+
+
+def readme_walkthrough():
+    """The README's pdb section: (its command line, [(pdb command, the lines the README shows it
+    printing)])."""
+    section = open(README).read().split("## Step through a training step with pdb", 1)[1].split("\n## ", 1)[0]
+    lines = [line[4:] for line in section.splitlines() if line.startswith("    ")]
+    steps = []
+    for line in lines[1:]:
+        if line.startswith(PDB_PROMPT):
+            steps.append((line[len(PDB_PROMPT):], []))
+        else:
+            steps[-1][1].append(line)
+    return lines[0], steps
+
+
+def test_the_readme_walkthrough_prints_what_the_readme_says():
+    """The README's commands, typed into pdb as written: each command that the README shows
+    printing something prints exactly that, and none is refused (pdb's `***` lines: a NameError, a
+    breakpoint that cannot be set). It must reach the two the README names in its text."""
+    command, steps = readme_walkthrough()
+    words = shlex.split(command)
+    assert words[:4] == ["python", "-m", "pdb", "gpt2_cpu.py"]
+    r = subprocess.run([sys.executable] + words[1:], input="\n".join([c for c, _ in steps] + ["q"]) + "\n", cwd=ROOT,
+                       capture_output=True, text=True, timeout=PDB_TIMEOUT_S)
+    outputs = r.stdout.split(PDB_PROMPT)[1:]           # what each command printed, up to the next prompt
+    assert r.returncode == 0 and len(outputs) == len(steps) + 1, r.stdout + r.stderr
+    for (pdb_command, shown), printed in zip(steps, outputs):
+        assert "***" not in printed, f"(Pdb) {pdb_command}: {printed}"
+        if shown:
+            assert printed.splitlines() == shown, f"(Pdb) {pdb_command}: printed {printed!r}, the README shows {shown}"
+    printed_commands = [c for c, shown in steps if shown]
+    assert "p dresidual.shape" in printed_commands and any('model.G["qkvw"][0]' in c for c in printed_commands)
 
 
 def test_q_quits_at_the_first_prompt():

@@ -30,8 +30,8 @@ def readme_commands(text=None):
     '$ ' prompts and shown output removed, comments dropped."""
     commands = []
     for line in (text or open(README).read()).splitlines():
-        if not line.startswith("    ") or line.lstrip().startswith(("(Pdb)", "model:", "batch:", "step", "val loss",
-                                                                     "generating", "...", "(4,")):
+        if not line.startswith("    ") or line.lstrip().startswith(("(", "model:", "batch:", "step", "val loss",
+                                                                     "generating", "...")):
             continue
         text = line.strip().removeprefix("$ ")
         text = re.split(r"\s+#", text)[0].strip()

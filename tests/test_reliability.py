@@ -562,6 +562,31 @@ def test_second_run_on_one_output_dir_refuses(data, small_model, tmp_path, capsy
     assert code == 0, err
 
 
+@pytest.mark.parametrize("resume", ["0", "1"])
+def test_a_live_run_whose_lock_file_was_deleted_keeps_its_directory(data, small_model, tmp_path, capsys, resume):
+    """The user deletes -o/.llmc.lock while a run lives: the lock file is not all that says the run
+    lives (its directory is locked too), so a second run is refused and moves nothing aside."""
+    code, out, err = in_process(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0, err
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=ROOT, out=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (tmp_path / ".llmc.lock").unlink()
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+        code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path),
+                                                                "-y": resume}), capsys)
+        assert one_line(code, err), err
+        assert err[0] == f"error: -o {tmp_path}: another run is using this directory: wait for it to end, or use " \
+                         f"another -o"
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "nothing moved aside, nothing written"
+    finally:
+        holder.kill()
+        holder.wait()
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "1", "-o": str(tmp_path)}), capsys)
+    assert code == 0 and "moved them to" in out, err                # the run is dead now: its files go aside
+
+
 def test_fresh_run_into_an_old_runs_directory_moves_it_aside(data, small_model, tmp_path, capsys):
     code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(tmp_path)}), capsys)
     assert code == 0, err
@@ -662,6 +687,51 @@ def test_rotation_across_a_resume(data, small_model, tmp_path, capsys):
     assert code == 0, err
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("DONE", "model", "state"))) == \
         ["DONE_00000009", "model_00000009.bin", "state_00000009_00000.bin"]
+
+
+def run_read_only(directory, args):
+    """gpt2_cpu.py `args` in a subprocess that sees `directory` read-only: by its mode for a user
+    (whom a mode stops), by a read-only bind mount in a mount namespace of its own for root (whom
+    no mode stops; `unshare -m`, where the kernel lets root make one); the test skips where
+    neither can be had."""
+    cmd = [sys.executable, os.path.join(ROOT, "gpt2_cpu.py")] + args
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        finally:
+            os.chmod(directory, 0o755)
+    if not shutil.which("unshare"):
+        pytest.skip("root, and no unshare to make a read-only mount")
+    mount = 'mount --bind -o ro "$0" "$0" || exit 97; exec "$@"'
+    r = subprocess.run(["unshare", "-m", "sh", "-c", mount, str(directory)] + cmd, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    if r.returncode == 97 or "unshare:" in r.stderr:
+        pytest.skip(f"root, and no read-only mount here: {r.stderr.strip()[:200]}")
+    return r
+
+
+def test_a_read_only_run_directory_serves_eval_only_and_generate_and_refuses_training(data, small_model, tmp_path,
+                                                                                     capsys):
+    """--eval-only -y 1 and --generate -y 1 only read -o: they run on a read-only -o and write
+    nothing; a training run, which writes there, says so in one line."""
+    run_dir = tmp_path / "run"
+    code, out, err = in_process(common(small_model, data, **{"-x": "2", "-n": "2", "-o": str(run_dir)}), capsys)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    argv = common(small_model, data, **{"-j": data, "-m": "2", "-o": str(run_dir), "-y": "1"})
+    code, writable, err = in_process(argv + ["--eval-only"], capsys)
+    assert code == 0 and writable.startswith("val loss "), err
+    r = run_read_only(run_dir, argv + ["--eval-only"])
+    assert r.returncode == 0 and r.stdout == writable and r.stderr == "", r.stderr
+    r = run_read_only(run_dir, argv + ["--generate", "4", "--prompt", "ROMEO:"])
+    assert r.returncode == 0 and r.stdout.startswith("ROMEO:") and r.stderr == "", r.stderr
+    r = run_read_only(run_dir, argv + ["-x", "3", "-n", "1"])
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: -o {run_dir}: cannot write there (") and lines[0].endswith(
+        "): a training run writes its lock, checkpoints and main.log in -o"), lines[0]
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
 # ----------------------------------------------------------------------------

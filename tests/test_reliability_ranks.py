@@ -5,7 +5,8 @@ Ranks started with different flags used to train together silently (-l, -t), han
 ends, rank 1 waits in an all-reduce) or die in an MPI stack trace (-e, -v). Every rank now
 compares its flags and the content of its data and model files with rank 0's before anything
 else, and the job ends within seconds with one line from rank 0 naming what differs. An error
-every rank finds alike (a bad -d) is said once, by rank 0. Both ranks run gpt2_cpu.py, started
+every rank finds alike (a bad -d, a missing -i) is said once, by rank 0; a rank given a file that
+is not there is named with that file, on every rank of a -pm tcp|fs job too. Both ranks run gpt2_cpu.py, started
 with mpiexec's MPMD form (`-n 1 cmd A : -n 1 cmd B`).
 """
 
@@ -74,6 +75,26 @@ def test_an_error_every_rank_finds_is_said_once_by_rank_0():
     assert error_lines(r) == ["error: rank 0: -d 100 is not a multiple of B*T*processes = 64"]
 
 
+MISSING = "/nonexistent/train.bin"
+MISSING_LINE = f"{MISSING}: no data file matches (run `make data` for the default dataset)"
+
+
+@needs_mpi
+def test_one_rank_given_a_missing_file_is_named_with_it_once():
+    """Rank 1's -i names no file: the line names rank 1 and the file (not only that the ranks
+    differ), said once, by rank 0."""
+    r, seconds = job([], ["-i", MISSING])
+    assert r.returncode != 0 and seconds < 60 and "Traceback" not in r.stderr
+    assert error_lines(r) == [f"error: rank 0: rank 1 cannot start: {MISSING_LINE}"], r.stderr
+
+
+@needs_mpi
+def test_a_missing_file_every_rank_is_given_is_said_once():
+    r, seconds = job(["-i", MISSING], ["-i", MISSING])
+    assert r.returncode != 0 and seconds < 60
+    assert error_lines(r) == [f"error: rank 0: {MISSING_LINE}"], r.stderr
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -107,3 +128,22 @@ def test_tcp_and_fs_ranks_started_with_different_flags_stop_at_once_naming_the_f
         assert code == 1 and len(lines) == 1 and "Traceback" not in err, (rank, err)
         assert "the ranks of this job were started with different" in lines[0] and named in lines[0], (rank, err)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("method", ["tcp", "fs"])
+def test_tcp_and_fs_one_rank_given_a_missing_file_every_rank_names_it(tmp_path, method):
+    """Without MPI each rank is a process of its own (srun's, or started by hand): each says, in
+    its one line, which rank cannot start and why."""
+    extra = (["-ps", "127.0.0.1", "--rendezvous-port", str(free_port())] if method == "tcp"
+             else ["-pp", str(tmp_path), "-pj", "missing"])
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                                                            "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "gpt2_cuda.py"), "--device", "cpu"] + BASE + mine
+                              + ["-pm", method, "-pn", "2", "-pr", str(r), "--rendezvous-timeout", "60"] + extra,
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, mine in enumerate(([], ["-i", MISSING]))]
+    results = [p.communicate(timeout=JOB_TIMEOUT_S) + (p.returncode,) for p in procs]
+    for rank, (out, err, code) in enumerate(results):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in err, (rank, err)
+        assert lines[0].endswith(f"rank 1 cannot start: {MISSING_LINE}"), (rank, lines[0])

@@ -212,16 +212,16 @@ def test_ctrl_c_during_the_imports_exits_130_without_a_traceback(tmp_path, tool)
 
 @pytest.mark.parametrize("tool", ["gpt2_cpu.py", "gpt2_cuda.py", "llama3_cpu.py", "llama3_cuda.py"])
 def test_a_python_without_numpy_is_one_line_naming_it(tmp_path, tool):
-    """The trainers run by a Python without NumPy (the README's environment not activated): one
-    error line naming the pip package and the environment, exit 1 (a stand-in numpy, first on the
-    path, is missing as an uninstalled one is)."""
+    """The trainers run by a Python without NumPy: one error line naming the pip package and the
+    command that installs it, exit 1 (a stand-in numpy, first on the path, is missing as an
+    uninstalled one is; tests/test_newcomer.py has the case of no environment active)."""
     fake = tmp_path / "numpy"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     r = run([tool, "--help"], timeout=60, env=env)
     assert r.returncode == 1 and one_error_line(r.stderr), r.stderr
-    assert "needs the pip package numpy" in r.stderr and "source .venv/bin/activate" in r.stderr
+    assert "needs the pip package numpy" in r.stderr and "`make train` installs it" in r.stderr
 
 
 def test_quiet_ctrl_c_leaves_a_debuggers_handler_alone():
@@ -270,3 +270,70 @@ def test_generate_with_a_tokenizer_the_model_cannot_use_is_one_line_before_any_o
     r = run([tool, "-e", path, "--generate", "3", "--prompt", "hello world"])
     assert r.returncode == 1 and one_error_line(r.stderr) and r.stdout == "", (r.stdout, r.stderr)
     assert "the tokenizer has 50,257 tokens, but the model's vocabulary is V=100" in r.stderr
+
+
+# ----------------------------------------------------------------------------
+# a named pipe (or another file that is not a regular one) as an input: refused in one line, never
+# opened (opening a FIFO waits for a writer forever)
+
+FIFO_INPUTS = [  # (argv with {fifo} where the input goes; what the line must call it)
+    ["gpt2_cpu.py", "-e", "d2", "-x", "1", "-i", "{fifo}"],
+    ["gpt2_cpu.py", "-e", "d2", "-x", "1", "-j", "{fifo}"],
+    ["gpt2_cpu.py", "-e", "{fifo}.bin", "-x", "1"],
+    ["gpt2_cpu.py", "-e", "d2", "--eval-only", "-j", "", "-h", "1", "--hellaswag-file", "{fifo}"],
+    ["llama3_cpu.py", "-e", "llama3:d2", "-x", "1", "-i", "{fifo}"],
+    ["llama3_cpu.py", "-e", "{fifo}.bin", "-x", "1"],
+    ["gpt2_cuda.py", "--device", "cpu", "-e", "{fifo}.bin", "-x", "1"],
+    ["dev/eval/export_hf.py", "-i", "{fifo}.bin", "-o", "{tmp}/hf"],
+    ["dev/eval/export_hf_llama3.py", "-i", "{fifo}.bin", "-o", "{tmp}/hf"],
+    ["dev/eval/import_hf.py", "-i", "{tmp}", "-o", "{tmp}/m"],               # {tmp}/config.json is the FIFO
+    ["dev/eval/import_hf_llama3.py", "-i", "{tmp}", "-o", "{tmp}/m"],
+    ["dev/vislog.py", "{fifo}", "-o", "{tmp}/loss.png"],
+    ["dev/torch_reference.py", "-e", "{fifo}.bin", "-x", "1"],
+    ["dev/torch_reference.py", "-e", "d2", "-x", "1", "-i", "{fifo}"],
+    ["dev/torch_reference_llama3.py", "-e", "{fifo}.bin", "-x", "1"],
+    ["tests/check_gpt2.py", "-e", "{fifo}.bin", "-s", "{fifo}"],
+    ["dev/bench_cpu.py", "-e", "{fifo}.bin"],
+    ["dev/data/hellaswag.py", "-i", "{fifo}", "-o", "{tmp}/h.bin"],
+    ["dev/data/tinyshakespeare.py", "--data-dir", "{tmp}/data", "--tokenizer-model", "{fifo}"],
+]
+FIFO_TIMEOUT_S = 120                   # a refusal takes seconds (the imports); a hang takes forever
+
+
+@pytest.mark.parametrize("argv", FIFO_INPUTS, ids=[" ".join(a[:3]) for a in FIFO_INPUTS])
+def test_a_named_pipe_as_an_input_is_refused_in_one_line(tmp_path, argv):
+    fifo = str(tmp_path / "config.json") if "import_hf" in argv[0] else str(tmp_path / "pipe")
+    for path in (fifo, fifo + ".bin"):
+        os.mkfifo(path)
+    argv = [a.format(fifo=fifo, tmp=tmp_path) for a in argv]
+    r = run(argv, timeout=FIFO_TIMEOUT_S)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "not a regular file (a FIFO, a device or a socket)" in lines[0] and fifo in lines[0], lines[0]
+
+
+def test_a_named_pipe_as_the_tokenizer_is_a_note_and_the_samples_print_ids(tmp_path):
+    """A missing or unreadable tokenizer only changes how samples print (the run trains on)."""
+    os.mkfifo(tmp_path / "pipe")
+    r = run(["gpt2_cpu.py", "-e", "d2", "-x", "1", "-t", "16", "-b", "2", "-v", "0", "-s", "1", "-g", "2",
+             "--tokenizer", str(tmp_path / "pipe")], timeout=FIFO_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr
+    assert f"note: {tmp_path / 'pipe'}: not a regular file (a FIFO, a device or a socket), so not a tokenizer file" \
+        in r.stdout
+
+
+def test_bench_generate_refuses_an_unknown_model_in_one_line():
+    r = run(["dev/bench_generate.py", "-e", "d3"])
+    assert r.returncode == 1 and one_error_line(r.stderr) and "unknown model 'd3'" in r.stderr, r.stderr
+
+
+def test_a_named_pipe_in_a_run_directory_is_refused_on_resume(tmp_path):
+    base = ["gpt2_cpu.py", "-e", "d2", "-t", "16", "-b", "2", "-v", "0", "-s", "0", "-o", str(tmp_path / "run"), "-n", "1"]
+    assert run(base + ["-x", "1"]).returncode == 0
+    state = tmp_path / "run" / "state_00000001_00000.bin"
+    state.unlink()
+    os.mkfifo(state)
+    r = run(base + ["-x", "2", "-y", "1"], timeout=FIFO_TIMEOUT_S)
+    assert r.returncode == 1 and one_error_line(r.stderr), r.stderr
+    assert r.stderr.strip() == f"error: {state}: not a regular file (a FIFO, a device or a socket), so not a state file: " \
+                               f"pass the file itself"

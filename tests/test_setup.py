@@ -204,14 +204,15 @@ def test_script_chooses_the_cupy_of_the_fake_driver(bare_venv, tmp_path, version
     assert r.returncode == 0, r.stderr
     major = version.split(".")[0]
     extras = setup_env.GPU_EXTRAS["cudnn"][1][int(major)] + setup_env.GPU_EXTRAS["nvmath"][1][int(major)]
+    tools = [SPECS[name] for name in setup_env.TOOL_PACKAGES]
     assert r.stdout.strip().splitlines()[-1] == \
-        f"setup (train): would install: {SPECS['numpy']} {SPECS['tiktoken']} {wheel} {' '.join(extras)}"
+        f"setup (train): would install: {SPECS['numpy']} {SPECS['tiktoken']} {wheel} {' '.join(tools + extras)}"
 
 
 def test_script_installs_nothing_when_cupy_and_the_gpu_extras_import(bare_venv, tmp_path):
     """Not a dry run, and pip has no index: any install would fail the run."""
     site = tmp_path / "site"
-    for module in ("numpy", "tiktoken"):
+    for module in ("numpy", "tiktoken") + setup_env.TOOL_PACKAGES:
         fake_package(str(site), module)
     fake_package(str(site), "cupy", "cupy-cuda13x")
     fake_package(str(site), "cudnn", "nvidia-cudnn-frontend")
@@ -224,7 +225,7 @@ def test_script_offline_without_the_gpu_extras_is_one_line_and_trains(bare_venv,
     """The project's GPU machine (CuPy there, no cuDNN frontend, no nvmath, no network): make train
     tries the optional libraries once, says in one line that it could not, and exits 0."""
     site = tmp_path / "site"
-    for module in ("numpy", "tiktoken"):
+    for module in ("numpy", "tiktoken") + setup_env.TOOL_PACKAGES:
         fake_package(str(site), module)
     fake_package(str(site), "cupy", "cupy-cuda13x")
     r = run_script(bare_venv / "bin" / "python", ["train"], tmp_path, "13.0", site)
@@ -232,6 +233,28 @@ def test_script_offline_without_the_gpu_extras_is_one_line_and_trains(bare_venv,
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("setup (train): installing the GPU fast paths' libraries (optional): ")
     assert lines[1].startswith("setup (train): could not install them (") and "takes its own attention" in lines[1]
+
+
+def test_script_offline_without_the_tools_packages_is_one_line_and_trains(bare_venv, tmp_path):
+    """A CPU machine offline: make train tries matplotlib, safetensors and tqdm once (the README's
+    later commands use them), says in one line that it could not, and exits 0 (training needs none)."""
+    site = tmp_path / "site"
+    for module in ("numpy", "tiktoken"):
+        fake_package(str(site), module)
+    start = time.monotonic()
+    r = run_script(bare_venv / "bin" / "python", ["train"], tmp_path, None, site)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.strip().splitlines()
+    tools = " ".join(SPECS[name] for name in setup_env.TOOL_PACKAGES)
+    assert lines[-2:] == [f"setup (train): installing what the README's later commands use: {tools}",
+                          lines[-1]] and lines[-1].startswith("setup (train): could not install them (")
+    assert lines[-1].endswith("training needs none of them, and a tool that does names its package when run")
+    assert time.monotonic() - start < TIMEOUT_S
+
+
+def test_twin_installs_torch_only():
+    install, notes, missing = setup_env.plan("twin", all_work("twin", torch=BROKEN), set(), None, SPECS)
+    assert install == [SPECS["torch"]] and not notes and not missing
 
 
 def test_script_reports_a_broken_cupy_and_does_not_install_another(bare_venv, tmp_path):

@@ -36,7 +36,7 @@ from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.evalloader import NUM_COMPLETIONS, write_eval_file  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.tokenizer import gpt2_encoding  # noqa: E402
-from llmc.utils import InputError, atomic_write, require  # noqa: E402
+from llmc.utils import InputError, atomic_write, check_input_file, require  # noqa: E402
 
 HELLASWAG_VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_DIR = os.path.join(DEFAULT_DATA_DIR, "hellaswag")
@@ -79,8 +79,7 @@ def render_example(record, encode, index):
 def read_jsonl(path):
     """The records of a jsonl file, in order. Raises InputError on a missing file, a line that
     is not UTF-8 or not JSON; OSError when it cannot be read."""
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such file")
+    check_input_file(path, "HellaSwag jsonl file")
     records = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):

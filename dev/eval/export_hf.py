@@ -31,15 +31,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import export_hf_llama3  # noqa: E402
 from gpt2_cpu import LN_EPS, read_model  # noqa: E402
+from hf_files import HF_CONFIG, HF_WEIGHTS  # noqa: E402
 from llmc.tokenizer import GPT2_EOT  # noqa: E402
 from llmc.cli import ArgumentParser  # noqa: E402
 from llmc.formats import is_llama3_model_file  # noqa: E402
 from llmc.utils import InputError, atomic_write, require  # noqa: E402
 
 HF_PREFIX = "transformer."          # GPT2LMHeadModel keeps the transformer under this name
-HF_WEIGHTS = "model.safetensors"
-HF_CONFIG = "config.json"
 HF_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")   # both are the tanh approximation we use
 # our per-layer tensor -> (HF name inside transformer.h.<l>., stored transposed?)
 HF_LAYER_TENSORS = {
@@ -113,7 +113,6 @@ def main(argv=None):
     args = parse_args(argv)
     require("dev/eval/export_hf.py", "safetensors")
     if is_llama3_model_file(args.input):
-        import export_hf_llama3
         return export_hf_llama3.main(argv)
     try:
         model = read_model(args.input)

@@ -34,15 +34,15 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from hf_files import HF_CONFIG, HF_WEIGHTS  # noqa: E402
 from llama3_cpu import (ROPE_HIGH_FREQ_FACTOR, ROPE_LOW_FREQ_FACTOR, ROPE_ORIGINAL_CONTEXT,  # noqa: E402
                         ROPE_SCALE_FACTOR, read_model)
 from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.hf_layout import hf_rope_rows, rope_rows_from_hf, rope_rows_to_hf  # noqa: E402,F401 (import_hf_llama3 takes them from here)
 from llmc.utils import atomic_write, require  # noqa: E402
 
-HF_WEIGHTS = "model.safetensors"
-HF_CONFIG = "config.json"
 HF_PREFIX = "model."                 # LlamaForCausalLM keeps the decoder under this name (lm_head outside it)
 HF_ROPE_TYPE = "llama3"              # HF's name for Llama 3.1's frequency scaling (rope_parameters' rope_type)
 HF_ACT = "silu"

@@ -3,7 +3,8 @@ dev/eval/import_hf.py: a Hugging Face GPT-2 (local directory or hub id) -> our c
 A Llama (config.json's model_type "llama") is handed to dev/eval/import_hf_llama3.py, which writes
 our Llama 3 model files.
 
-Reads config.json and model.safetensors (or, failing that, pytorch_model.bin through torch) and
+Reads config.json and model.safetensors (or, failing that, pytorch_model.bin through torch; both
+through dev/eval/hf_files.py, which the Llama importer shares) and
 writes PREFIX.bin (version 3, fp32) and PREFIX_bf16.bin (version 5, bf16) with
 gpt2_cpu.write_model: the same files llm.c's train_gpt2.py writes from the OpenAI weights, so
 that `-e data/gpt2_124M.bin` starts from GPT-2. The mapping is export_hf.py's, inverted: Conv1D
@@ -26,12 +27,9 @@ Offline, a hub id fails with one line ("error: cannot reach huggingface.co ...")
 """
 
 import argparse
-import json
 import math
 import os
-import socket
 import sys
-import urllib.parse
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -40,83 +38,21 @@ quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load:
 
 import numpy as np  # noqa: E402
 
-from export_hf import (HF_CONFIG, HF_GELU_TANH, HF_GLOBAL_TENSORS, HF_LAYER_TENSORS, HF_PREFIX,  # noqa: E402
-                       HF_WEIGHTS)
+from export_hf import HF_GELU_TANH, HF_GLOBAL_TENSORS, HF_LAYER_TENSORS, HF_PREFIX  # noqa: E402
+import import_hf_llama3  # noqa: E402
+from hf_files import is_llama, load_tensors, read_hf_config  # noqa: E402
 from gpt2_cpu import (GPT2, LN_EPS, MODEL_DESCRIPTORS, MODEL_SIZES, GPT2Config, padded_vocab,  # noqa: E402
                       parameter_shapes, write_model)
 from llmc.cli import ArgumentParser, run_main  # noqa: E402
 from llmc.paths import DEFAULT_DATA_DIR  # noqa: E402
 from llmc.utils import InputError, physical_memory_bytes, require  # noqa: E402
 
-HF_TORCH_WEIGHTS = "pytorch_model.bin"
-LLAMA_MODEL_TYPE = "llama"            # config.json's model_type of a Llama: import_hf_llama3.py imports it
-REACH_TIMEOUT_S = 10
 HEADER_INT_MAX = 2 ** 31 - 1          # a checkpoint header slot is an int32
 OUTPUT_DTYPES = {"float32": "", "bfloat16": "_bf16"}   # write_model dtype -> file-name suffix
 
 
 # ----------------------------------------------------------------------------
-# reading a Hugging Face directory
-
-def check_reachable(url, timeout_s=REACH_TIMEOUT_S):
-    """Raise InputError (one line) unless a TCP connection to url's host opens within timeout_s:
-    offline, the hub client would retry for ~20 s and log every retry."""
-    parts = urllib.parse.urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
-    except OSError as e:
-        raise InputError(f"cannot reach {parts.hostname} ({e}): offline? pass a local Hugging Face directory instead")
-
-
-def fetch_from_hub(repo_id):
-    """Download config.json + weights of a hub model into the Hugging Face cache; returns the dir."""
-    try:
-        import huggingface_hub.constants
-        import huggingface_hub.utils.logging
-    except ImportError:
-        raise InputError(f"'{repo_id}' is not a directory, and huggingface_hub (pip install transformers) is not installed to fetch it")
-    huggingface_hub.utils.logging.set_verbosity_error()
-    if not huggingface_hub.constants.HF_HUB_OFFLINE:
-        check_reachable(huggingface_hub.constants.ENDPOINT)
-    try:
-        return huggingface_hub.snapshot_download(repo_id, allow_patterns=[HF_CONFIG, HF_WEIGHTS])
-    except Exception as e:                      # not found, offline mode, HTTP errors, ...
-        first_line = (str(e).strip().splitlines() or [""])[0][:200]
-        raise InputError(f"cannot fetch '{repo_id}' from the Hugging Face hub ({type(e).__name__}: {first_line})")
-
-
-def load_tensors(hf_dir):
-    """{name: float32 numpy array} from model.safetensors, else pytorch_model.bin (needs torch).
-    bf16 / fp16 tensors are upcast exactly."""
-    path = os.path.join(hf_dir, HF_WEIGHTS)
-    if os.path.isfile(path):
-        from safetensors import safe_open
-        try:
-            with safe_open(path, framework="numpy") as f:
-                return {name: f.get_tensor(name).astype(np.float32) for name in f.keys()}
-        except (TypeError, ValueError):         # bf16: numpy has no such dtype, so go through torch
-            pass
-        except Exception as e:                  # safetensors' own error for a corrupt header
-            raise InputError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})")
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise InputError(f"{path}: holds bfloat16 tensors, which need torch to read (pip install torch)")
-        return {name: t.float().numpy() for name, t in load_file(path).items()}
-    path = os.path.join(hf_dir, HF_TORCH_WEIGHTS)
-    if os.path.isfile(path):
-        try:
-            import torch
-        except ImportError:
-            raise InputError(f"{path}: reading {HF_TORCH_WEIGHTS} needs torch (pip install torch)")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise InputError(f"{path}: not a readable PyTorch state dict ({type(e).__name__})")
-        return {name: t.float().numpy() for name, t in state.items()}
-    raise InputError(f"{hf_dir}: neither {HF_WEIGHTS} nor {HF_TORCH_WEIGHTS} found")
-
+# a Hugging Face GPT-2 (its files read by hf_files.py) as our GPT2
 
 def header_size(hf, key, where):
     """hf[key] as a model dimension: a positive integer that fits a checkpoint header's int32.
@@ -198,27 +134,6 @@ def model_from_hf(config, tensors, where):
     return model
 
 
-def read_hf_config(source):
-    """A local HF directory or a hub id -> (its directory, its config.json as read, the config's path)."""
-    hf_dir = source if os.path.isdir(source) else fetch_from_hub(source)
-    config_path = os.path.join(hf_dir, HF_CONFIG)
-    if not os.path.isfile(config_path):
-        raise InputError(f"{hf_dir}: no {HF_CONFIG}")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{config_path}: not JSON ({e.msg})")
-    except UnicodeDecodeError:
-        raise InputError(f"{config_path}: not UTF-8 text") from None
-    return hf_dir, hf, config_path
-
-
-def is_llama(hf):
-    """Whether a config.json is a Llama's (import_hf_llama3.py's to import)."""
-    return isinstance(hf, dict) and hf.get("model_type") == LLAMA_MODEL_TYPE
-
-
 def import_hf(source):
     """A local HF GPT-2 directory or a hub id -> our GPT2 (fp32)."""
     hf_dir, hf, config_path = read_hf_config(source)
@@ -255,7 +170,6 @@ def import_command(args):
     makes it one line and exit 1). A Llama's config.json goes to import_hf_llama3.py."""
     hf_dir, hf, config_path = read_hf_config(args.input)
     if is_llama(hf):
-        import import_hf_llama3
         return import_hf_llama3.import_command(args, hf_dir, hf, config_path)
     model = model_from_hf(config_from_hf(hf, config_path), load_tensors(hf_dir), hf_dir)
     cfg = model.config

@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from export_hf_llama3 import (HF_ACT, HF_GLOBAL_TENSORS, HF_LAYER_TENSORS, HF_PREFIX, HF_QKV,  # noqa: E402
                               HF_ROPE_TYPE, LLMC_KEYS, rope_rows_from_hf)
+from hf_files import load_tensors, read_hf_config  # noqa: E402
 import llama3_cpu  # noqa: E402
 from llama3_cpu import (FFN_DIM_MULTIPLIER, FFN_MULTIPLE_OF, MLP_EXPANSION, ROPE_HIGH_FREQ_FACTOR,  # noqa: E402
                         ROPE_LOW_FREQ_FACTOR, ROPE_ORIGINAL_CONTEXT, ROPE_SCALE_FACTOR, Llama3, LlamaConfig,
@@ -176,7 +177,6 @@ def model_from_hf(config, tensors, where):
 
 def import_hf(hf_dir, hf, where):
     """A local HF Llama directory (its config.json already read into hf) -> our Llama3 (fp32)."""
-    from import_hf import load_tensors
     config = config_from_hf(hf, where)
     return model_from_hf(config, load_tensors(hf_dir), hf_dir)
 
@@ -208,7 +208,6 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     require("dev/eval/import_hf_llama3.py", "safetensors")
-    from import_hf import read_hf_config
 
     def command(args):
         hf_dir, hf, where = read_hf_config(args.input)

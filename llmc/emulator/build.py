@@ -136,10 +136,10 @@ def source_file(code):
     return path
 
 
-def library_path(path, defines, include_dirs, mode="fibers"):
-    """The cached shared library of the .cu file `path` compiled with `defines` and
-    `include_dirs` (searched in order; the file's own directory first) in `mode`, compiled first
-    if it is not in the cache. Raises EmulatorError with g++'s log."""
+def library_base(path, defines, include_dirs, mode="fibers"):
+    """(the cache path of the library without its extension, the source text, the g++ flags) of
+    the .cu file `path` compiled with `defines` and `include_dirs` (searched in order; the file's
+    own directory first) in `mode`: the base's name holds a hash of everything the build reads."""
     with open(path) as f:
         source = f.read()
     include_dirs = list(dict.fromkeys([os.path.dirname(os.path.abspath(path))] + list(include_dirs)))
@@ -155,7 +155,19 @@ def library_path(path, defines, include_dirs, mode="fibers"):
             digest.update(f.read())
     digest.update(" ".join(flags + (compiler_version(), os.path.abspath(path))).encode())
     stem = os.path.splitext(os.path.basename(path))[0]
-    base = os.path.join(CACHE_DIR, f"{stem}-{mode}-{digest.hexdigest()[:16]}")
+    return os.path.join(CACHE_DIR, f"{stem}-{mode}-{digest.hexdigest()[:16]}"), source, flags
+
+
+def is_built(path, defines, include_dirs, mode="fibers"):
+    """Whether library_path would find the library in the cache, whole (no g++ to run)."""
+    return cached_library_problem(library_base(path, defines, include_dirs, mode)[0]) is None
+
+
+def library_path(path, defines, include_dirs, mode="fibers"):
+    """The cached shared library of the .cu file `path` compiled with `defines` and
+    `include_dirs` (library_base) in `mode`, compiled first if it is not in the cache. Raises
+    EmulatorError with g++'s log."""
+    base, source, flags = library_base(path, defines, include_dirs, mode)
     os.makedirs(CACHE_DIR, exist_ok=True)
     with open(base + ".lock", "a") as lock:              # one builder per library; the others wait, then load
         fcntl.flock(lock, fcntl.LOCK_EX)

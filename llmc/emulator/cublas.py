@@ -33,7 +33,7 @@ import ctypes
 
 import numpy as np
 
-from llmc.emulator.device import cuda, enqueue, stream_at, stream_is_capturing
+from llmc.emulator.device import cublas_stream, cuda, enqueue, set_cublas_stream, stream_at
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 # enums (cublas_api.h, library_types.h), the values llmc.cuda uses
@@ -53,11 +53,7 @@ DATA_TYPES = {CUDA_R_32F: np.dtype(np.float32), CUDA_R_16BF: np.dtype(np.uint16)
 COMPUTE_TYPES = (CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32)
 TF32_DROPPED_BITS = 13                 # fp32 has 23 mantissa bits, TF32 10
 
-# CuPy's refusal, word for word (cupy_backends/cuda/libs/cublas.pyx v14.2.0, setStream)
-CAPTURE_UNSUPPORTED = "calling cuBLAS API during stream capture is currently unsupported"
-
 _POINTER_MODE = {}                     # handle -> pointer mode
-_STREAM = {}                           # handle -> cudaStream_t its calls run on (0: the legacy stream)
 
 
 class CUBLASError(RuntimeError):
@@ -80,14 +76,13 @@ def getPointerMode(handle):
 
 def setStream(handle, stream):
     """The stream the handle's calls run on. Raises NotImplementedError while that stream
-    captures, as CuPy 14's setStream (it checks cudaStreamIsCapturing first)."""
-    if stream_is_capturing(stream):
-        raise NotImplementedError(CAPTURE_UNSUPPORTED)
-    _STREAM[handle] = stream
+    captures, as CuPy 14's setStream (it checks cudaStreamIsCapturing first). The handle's
+    stream is kept with the handle, in llmc.emulator.device, whose cp.matmul sets it too."""
+    set_cublas_stream(handle, stream)
 
 
 def getStream(handle):
-    return _STREAM.get(handle, 0)
+    return cublas_stream(handle)
 
 
 def _setStream(handle):

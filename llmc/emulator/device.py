@@ -50,7 +50,8 @@ EMULATOR_OWN = ("EMULATOR_OWN", "ALLOCATION_ALIGNMENT", "UNINITIALIZED_BYTE", "M
                 "EMULATED_COMPUTE_CAPABILITY", "DEVICE_NAME", "BUILD_MODE", "EXACT_ALLOCATIONS", "COMPARISONS",
                 "EMULATED_DEVICE_COUNT", "CUDA_ERRORS", "DYNAMIC_SHARED_PATTERN", "static_dynamic_shared",
                 "enqueue", "refuse_while_capturing", "refuse_transfer_while_capturing", "stream_at",
-                "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS", "ALLOCATIONS", "MEMORY_TRACE")
+                "stream_is_capturing", "CUBLAS_PRODUCTS", "CUBLAS_KINDS", "ALLOCATIONS", "MEMORY_TRACE",
+                "CUBLAS_CAPTURE_UNSUPPORTED", "set_cublas_stream", "cublas_stream")
 
 
 # ----------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class ndarray(np.ndarray):
         synchronize then is CUDA's error (refuse_while_capturing);
       - a product that CuPy computes with cuBLAS (dev @ dev, np.matmul, np.dot, np.vdot, np.inner,
         np.tensordot on floating or complex operands) while the stream captures raises CuPy's
-        NotImplementedError (llmc/emulator/cublas.py, setStream).
+        NotImplementedError (set_cublas_stream, which llmc/emulator/cublas.py's setStream is).
     What it cannot refuse: np.asarray(dev) and np.array(dev), which CuPy refuses through
     __array__ (NumPy never asks an ndarray subclass for that), and a NumPy reduction called as a
     ufunc method, np.add.reduce(dev) (dev.sum() reaches __array_ufunc__ the same way)."""
@@ -230,12 +231,11 @@ CUBLAS_KINDS = "fc"
 def _cupy_cublas_call(name, operands):
     """What CuPy's product `name` does first on device operands when it calls cuBLAS: set its
     handle to the current stream, which CuPy 14 refuses while the stream captures
-    (NotImplementedError, llmc/emulator/cublas.py setStream). Other names and operands: nothing."""
+    (NotImplementedError, set_cublas_stream). Other names and operands: nothing."""
     arrays = [x for x in operands if isinstance(x, np.ndarray)]
     if (name in CUBLAS_PRODUCTS and arrays and all(x.ndim and x.size for x in arrays)
             and np.result_type(*arrays).kind in CUBLAS_KINDS):
-        from llmc.emulator import cublas          # imports this module: imported on first use
-        cublas.setStream(cuda.device.get_cublas_handle(), cuda.Stream._current.ptr)
+        set_cublas_stream(cuda.device.get_cublas_handle(), cuda.Stream._current.ptr)
 
 
 def _host_arrays(values):
@@ -690,6 +690,29 @@ def get_cublas_handle():
     return _CUBLAS_HANDLE
 
 
+# A cuBLAS handle's calls run on the stream it was last set to (cublasSetStream). CuPy sets it
+# before every call it makes, its own products' (cp.matmul, cp.dot) as well as llmc.cuda's gemmEx,
+# so the handle's stream lives here beside the handle, and llmc.emulator.cublas's setStream and
+# getStream are these two. CuPy's refusal, word for word (cupy_backends/cuda/libs/cublas.pyx
+# v14.2.0, setStream):
+CUBLAS_CAPTURE_UNSUPPORTED = "calling cuBLAS API during stream capture is currently unsupported"
+_CUBLAS_STREAMS = {}                   # handle -> cudaStream_t its calls run on (0: the legacy stream)
+
+
+def set_cublas_stream(handle, stream):
+    """CuPy 14's cublas.setStream: the stream (a cudaStream_t) the handle's calls run on. Raises
+    NotImplementedError while that stream captures (CuPy checks cudaStreamIsCapturing first;
+    cupy/cupy#6290)."""
+    if stream_is_capturing(stream):
+        raise NotImplementedError(CUBLAS_CAPTURE_UNSUPPORTED)
+    _CUBLAS_STREAMS[handle] = stream
+
+
+def cublas_stream(handle):
+    """CuPy's cublas.getStream: the stream set_cublas_stream last gave the handle (0: the legacy one)."""
+    return _CUBLAS_STREAMS.get(handle, 0)
+
+
 def alloc_pinned_memory(size):
     """Page-locked host memory stands for ordinary host memory here: a bytearray of `size` bytes."""
     return bytearray(size)
@@ -735,12 +758,21 @@ class RawModule:
         self.options = tuple(options)
         self.library = None
 
+    def _build_arguments(self):
+        """(the source file in the build cache, -D defines, -I directories) g++ compiles."""
+        defines = [o for o in self.options if o.startswith("-D")]
+        include_dirs = [o[2:] for o in self.options if o.startswith("-I")]
+        return build.source_file(static_dynamic_shared(self.code)), defines, include_dirs
+
+    def _is_built(self):
+        """Whether compile() finds its library built in the cache, so runs no g++ (the emulator's
+        own question: llmc.cuda.load_modules shows a first build's progress)."""
+        return self.library is not None or build.is_built(*self._build_arguments(), BUILD_MODE)
+
     def compile(self, log_stream=None):
         if self.library is not None:
             return
-        defines = [o for o in self.options if o.startswith("-D")]
-        include_dirs = [o[2:] for o in self.options if o.startswith("-I")]
-        path = build.source_file(static_dynamic_shared(self.code))
+        path, defines, include_dirs = self._build_arguments()
         mode = "trace" if MEMORY_TRACE is not None and BUILD_MODE == "fibers" else BUILD_MODE
         try:
             self.library = build.Library(path, defines, include_dirs, mode)

@@ -7,7 +7,7 @@ returns this module on the emulated device and CuPy's on a GPU, so llmc/comm.py 
 The unique id has the installed CuPy's form (ID_TYPE): bytes from CuPy 14 on, CuPy 13's tuple of
 signed chars before; NcclCommunicator refuses the other form with the TypeError CuPy raises.
 
-Who the ranks are: under mpiexec with more than one process (llmc.comm.launched_size() > 1),
+Who the ranks are: under mpiexec with more than one process (llmc.launcher.launched_size() > 1),
 one MPI process each (mpi4py; the communicator is COMM_WORLD split in NCCL rank order); without
 it, processes started without MPI (llmc/multinode.py's -pm tcp and fs) or threads of one process
 (NCCL allows several ranks per process, one thread each), which meet in files of a folder named
@@ -47,6 +47,7 @@ import numpy as np
 
 from llmc.emulator.device import enqueue, stream_at
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from llmc.launcher import launched_size
 
 # ----------------------------------------------------------------------------
 # constants (nccl.h's ncclDataType_t and ncclRedOp_t, as cupy.cuda.nccl names them)
@@ -305,7 +306,6 @@ class NcclCommunicator:
     get_unique_id). Every call is collective: all ranks make it, with the same counts."""
 
     def __init__(self, ndev, commId, rank):                       # noqa: N803 (CuPy's names)
-        from llmc.comm import launched_size
         if type(commId) is not ID_TYPE:                            # Cython's check of the typed argument
             raise TypeError(f"Argument 'commId' has incorrect type (expected {ID_TYPE.__name__}, "
                             f"got {type(commId).__name__})")
