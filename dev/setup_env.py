@@ -74,7 +74,7 @@ NEEDS = {
     "train":           {"required": ["numpy", "tiktoken"], "optional": ["cupy", "cudnn", "nvmath"]},
     "debug":           {"required": ["numpy", "tiktoken", "plotly"], "optional": []},
     "bench":           {"required": ["numpy", "tiktoken", "cupy", "torch"], "optional": ["cudnn", "nvmath"]},
-    "bench-cpu":       {"required": ["numpy"], "optional": []},
+    "bench-cpu":       {"required": ["numpy"], "optional": ["torch"]},     # torch: PyTorch's step, the reference
     "test-gpu":        {"required": ["numpy", "tiktoken", "pytest", "cupy"], "optional": ["torch", "cudnn", "nvmath"]},
     "dev-cuda":        {"required": ["numpy", "cupy"], "optional": ["cudnn", "nvmath"]},
     "compile-kernels": {"required": ["numpy", "nvrtc"], "optional": []},
