@@ -67,7 +67,7 @@ GELU_CUBIC_COEFF = 0.044715            # tanh-approximation GELU (Hendrycks & Gi
 INIT_STD = 0.02                        # GPT-2 weight init std (Radford et al. 2019)
 VOCAB_PAD_MULTIPLE = 128               # Vp is V rounded up to this (tensor-core friendly)
 ADAMW_BETA1, ADAMW_BETA2, ADAMW_EPS = 0.9, 0.95, 1e-8   # llm.c's CUDA trainer defaults
-ADAMW_CHUNK = 1 << 17                  # floats per AdamW slice (speed only): a slice's temporaries stay in cache
+ADAMW_CHUNK = 1 << 15                  # floats per AdamW slice (speed only): 5 arrays of it fit a core's L2 cache
 
 # ----------------------------------------------------------------------------
 # model configuration
@@ -736,16 +736,17 @@ def gpt2_backward(model, loss_scale=1.0):
     encoder_backward(G["wte"], G["wpe"], dresidual, model.inputs)
 
 
-GRAD_NORM_CHUNK = 1 << 20              # gradient values squared per float64 chunk (8 MiB)
+GRAD_NORM_CHUNK = 1 << 14              # gradient values per float32 dot product (64 KiB)
 
 
 def gpt2_grad_norm(model):
-    """Global L2 norm of all parameter gradients, a Python float. The squares are summed in
-    float64 (np.dot of float32 arrays would sum in float32, off by ~1e-4 relative on a d12), a
-    chunk of GRAD_NORM_CHUNK values at a time so the float64 copy stays small."""
+    """Global L2 norm of all parameter gradients, a Python float. np.dot of float32 arrays sums in
+    float32, off by ~1e-4 relative over a d12's 124M values; over GRAD_NORM_CHUNK values it is off by
+    ~1e-9, and the chunks' sums are added in float64 (a Python float), with no float64 copy of the
+    gradients."""
     total = 0.0
     for start in range(0, model.grads.size, GRAD_NORM_CHUNK):
-        g = model.grads[start:start + GRAD_NORM_CHUNK].astype(np.float64)
+        g = model.grads[start:start + GRAD_NORM_CHUNK]
         total += float(np.dot(g, g))
     return math.sqrt(total)
 
@@ -803,27 +804,45 @@ def model_config(spec):
 # ----------------------------------------------------------------------------
 # AdamW
 
-def adamw_update(p, g, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+def adamw_update(p, g, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, scratch=None):
     """One AdamW step, in place, on parameters p, gradients g and moments m, v, all (n,), t the
-    1-based step (Loshchilov & Hutter 2019, Alg. 2; bias correction: Kingma & Ba 2015, Alg. 1).
-    grad_scale multiplies the gradient first (clipping passes max_norm / norm). The decay is
-    decoupled: it shrinks p directly, so Adam's per-parameter scaling does not weaken it."""
-    g = grad_scale * g                                        # clipped gradient
-    m[...] = beta1 * m + (1.0 - beta1) * g                    # first moment: running mean of g
-    v[...] = beta2 * v + (1.0 - beta2) * g * g                # second moment: running mean of g^2
-    m_hat = m / (1.0 - beta1 ** t)                            # bias corrections: m and v start at 0
-    v_hat = v / (1.0 - beta2 ** t)
-    p -= learning_rate * (m_hat / (np.sqrt(v_hat) + eps) + weight_decay * p)
+    1-based step (Loshchilov & Hutter 2019, Alg. 2; bias correction: Kingma & Ba 2015, Alg. 1):
+        g' = grad_scale g                       the clipped gradient (clipping passes max_norm / norm)
+        m  = beta1 m + (1 - beta1) g'           first moment: running mean of g'
+        v  = beta2 v + (1 - beta2) g'^2         second moment: running mean of g'^2
+        p -= lr (m_hat / (sqrt(v_hat) + eps) + weight_decay p),   m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t)
+    (the bias corrections because m and v start at 0). The decay is decoupled: it shrinks p
+    directly, so Adam's per-parameter scaling does not weaken it. Each line below is one pass over
+    the n values, written in place; the one temporary u lives in scratch ((n,), like p; allocated
+    when None), and the scalar factors are multiplied together before they meet an array."""
+    u = np.empty_like(p) if scratch is None else scratch
+    np.multiply(g, grad_scale * (1.0 - beta1), out=u)         # (1 - beta1) g'
+    m *= beta1
+    m += u                                                    # m = beta1 m + (1 - beta1) g'
+    np.multiply(g, g, out=u)
+    u *= grad_scale * grad_scale * (1.0 - beta2)              # (1 - beta2) g'^2
+    v *= beta2
+    v += u                                                    # v = beta2 v + (1 - beta2) g'^2
+    np.sqrt(v, out=u)
+    u *= 1.0 / math.sqrt(1.0 - beta2 ** t)                    # sqrt(v_hat)
+    u += eps
+    np.divide(m, u, out=u)                                    # m / (sqrt(v_hat) + eps)
+    u *= learning_rate / (1.0 - beta1 ** t)                   # lr m_hat / (sqrt(v_hat) + eps)
+    if weight_decay:
+        p *= 1.0 - learning_rate * weight_decay               # p - lr weight_decay p
+    p -= u
 
 
 def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, decayed=DECAYED_PARAMETERS):
     """AdamW over the model: adamw_update on each parameter tensor's part of the flat buffers, weight
     decay on the tensors named in `decayed` only. A tensor is updated ADAMW_CHUNK floats at a time, so
-    that the temporaries of adamw_update stay in cache (the same arithmetic per element). A plain
-    loop in one thread, so that a debugger's breakpoint in adamw_update stops."""
+    that p, g, m, v and the temporary of a slice stay in the core's cache across adamw_update's dozen
+    passes (the same arithmetic per element). A plain loop in one thread, so that a debugger's
+    breakpoint in adamw_update stops."""
     if model.m is None:
         model.m = np.zeros_like(model.params)
         model.v = np.zeros_like(model.params)
+    scratch = np.empty(ADAMW_CHUNK, model.params.dtype)
     offset = 0
     for name, shape in model.param_shapes:
         n = math.prod(shape)
@@ -831,7 +850,7 @@ def gpt2_update(model, learning_rate, beta1, beta2, eps, weight_decay, t, grad_s
         for start in range(offset, offset + n, ADAMW_CHUNK):
             part = slice(start, min(start + ADAMW_CHUNK, offset + n))
             adamw_update(model.params[part], model.grads[part], model.m[part], model.v[part],
-                         learning_rate, beta1, beta2, eps, wd, t, grad_scale)
+                         learning_rate, beta1, beta2, eps, wd, t, grad_scale, scratch[:part.stop - part.start])
         offset += n
 
 
