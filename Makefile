@@ -67,7 +67,7 @@ bench:           ## GPU benchmark: gpt2_cuda.py vs the PyTorch twin (needs a GPU
 	$(SETUP) bench
 	$(PY) dev/bench.py $(ARGS)
 
-bench-cpu:       ## CPU benchmark: the NumPy step vs its matmuls alone (ARGS="-e llama3:d4" for llama3_cpu.py)
+bench-cpu:       ## CPU benchmark: the NumPy step vs PyTorch's CPU step and vs its matmuls alone (about a minute; ARGS="-e llama3:d4")
 	$(SETUP) bench-cpu
 	$(PY) dev/bench_cpu.py $(ARGS)
 

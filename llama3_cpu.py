@@ -491,9 +491,9 @@ def llama3_forward(model, inputs, targets=None):
         residual = A["residual3"][l]
     # forward pass 3: final RMSNorm, untied classifier, softmax, cross-entropy
     A["lnf"][...], A["lnf_rstd"][...] = rmsnorm_forward(residual, P["lnfw"], cfg.norm_eps)
-    A["logits"][...] = matmul_forward(A["lnf"], P["wlmhead"], None)         # (B,T,C) @ (C,V) -> (B,T,V)
+    matmul_forward(A["lnf"], P["wlmhead"], None, out=A["logits"])            # (B,T,C) @ (C,V) -> (B,T,V)
     if targets is not None:
-        A["probs"][...] = softmax_forward(A["logits"], cfg.vocab_size)
+        softmax_forward(A["logits"], cfg.vocab_size, out=A["probs"])
         A["losses"][...] = crossentropy_forward(A["probs"], targets)
         model.mean_loss = float(A["losses"].mean(dtype=np.float64))
     else:

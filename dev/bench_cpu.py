@@ -1,25 +1,34 @@
 """
-dev/bench_cpu.py: how close is gpt2_cpu.py's (or llama3_cpu.py's) training step to its matmuls alone?
+dev/bench_cpu.py: how fast is gpt2_cpu.py's (or llama3_cpu.py's) training step against PyTorch's on
+the CPU, and against its own matmuls alone?
 
 The NumPy trainer should be BLAS-bound: every layer is vectorized, so besides the
 matrix products there is only elementwise and reduction work. This benchmark
-measures, in the same run:
+measures, in the same run, interleaved so that a change in the machine's load hits all three alike:
   1. the median time of a full training step of gpt2_cpu.py (zero_grad, forward,
      backward, grad norm, AdamW update) for the GPT-2 124M shape (d12) at B=4, T=64;
-  2. the median time of the same matrix products alone (same shapes, same NumPy
+  2. the median time of the same step of the PyTorch twin (dev/torch_reference.py's Twin.train_steps:
+     zero_grad, forward, autograd's backward, clipping to norm 1, torch.optim.AdamW) on the same
+     model, the same batch, in fp32 with PyTorch's default threads; without torch installed this row
+     is left out, saying so;
+  3. the median time of the same matrix products alone (same shapes, same NumPy
      calls, random data): the forward and both backward products of every linear
      layer, the attention products and the tied classifier;
-and prints their ratio (goal: <= 1.3) and the peak resident memory.
-With -e llama3:d4 (any of llama3_cpu.py's descriptors, or a Llama 3 model file) the same for llama3_cpu.py's step: its
+and prints the ratios step / PyTorch (goal: <= 0.9) and step / matmuls (goal: <= 1.3), and the peak
+resident memory.
+With -e llama3:d4 (any of llama3_cpu.py's descriptors, or a Llama 3 model file) the same for llama3_cpu.py's step
+against dev/torch_reference_llama3.py's: its
 matmuls are the five linear layers of a block (qkv with NKV key/value heads, attproj, the SwiGLU
 pair c_fc and c_fc2, c_proj), the attention products over NH heads (after the K/V repeat) and the
 untied classifier wlmhead.
 
-Run:  python dev/bench_cpu.py [-e d12 | -e llama3:d4 | -e model.bin] [-b 4] [-t 64] [-n 5]
-Prints a small table; numbers depend on the machine, so only the ratio travels.
+Run:  python dev/bench_cpu.py [-e d12 | -e llama3:d4 | -e model.bin] [-b 4] [-t 64] [-n 5] [--no-torch]
+Prints a small table (about a minute for d12 on 2 cores); numbers depend on the machine and its load,
+so only the ratios travel, and only when measured in one run.
 """
 
 import argparse
+import importlib.util
 import os
 import resource
 import sys
@@ -33,6 +42,18 @@ import llama3_cpu  # noqa: E402
 from llmc.cli import ArgumentParser, is_checkpoint_path, run_main  # noqa: E402
 from llmc.formats import is_llama3_model_file  # noqa: E402
 from llmc.utils import InputError  # noqa: E402
+
+
+LEARNING_RATE = 1e-4
+GRAD_CLIP = 1.0                        # both steps clip the gradient to this global norm, as the trainers do
+GOAL_TORCH = 0.9                       # the NumPy step at most this many PyTorch steps (issue 42)
+GOAL_MATMULS = 1.3                     # the NumPy step at most this many times its matmuls alone
+
+
+def torch_threads():
+    """The number of threads PyTorch's CPU operations use (its default: one per core)."""
+    import torch
+    return torch.get_num_threads()
 
 
 def median_time(fn, repeats):
@@ -52,6 +73,7 @@ def median_time(fn, repeats):
 class GPT2Family:
     """gpt2_cpu.py: d12 and the other GPT-2 descriptors, or a GPT-2 model file's shape."""
     trainer = "gpt2_cpu.py"
+    twin_name = "torch_reference.py"
 
     def config(self, spec):
         return g.model_config(spec)
@@ -74,10 +96,16 @@ class GPT2Family:
         C = cfg.channels
         return [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
 
+    def twin(self, model):
+        """dev/torch_reference.py's Twin (fp32, CPU) holding a copy of model's parameters."""
+        import torch_reference
+        return torch_reference.Twin(model.config, [model.P[name] for name, _ in model.param_shapes])
+
 
 class Llama3Family:
     """llama3_cpu.py: the llama3:dX descriptors (GPT-2's vocabulary), or a Llama 3 model file's shape."""
     trainer = "llama3_cpu.py"
+    twin_name = "torch_reference_llama3.py"
 
     def config(self, spec):
         return llama3_cpu.model_config(spec)
@@ -100,6 +128,11 @@ class Llama3Family:
         attproj, c_fc, c_fc2 (the SwiGLU pair), c_proj."""
         C, H = cfg.channels, cfg.hidden_dim
         return [(llama3_cpu.qkv_channels(cfg), C), (C, C), (H, C), (H, C), (C, H)]
+
+    def twin(self, model):
+        """dev/torch_reference_llama3.py's Twin (fp32, CPU) holding a copy of model's parameters."""
+        import torch_reference_llama3
+        return torch_reference_llama3.Twin(model.config, [model.P[name] for name, _ in model.param_shapes])
 
 
 LLAMA3_PREFIX = "llama3:"
@@ -157,6 +190,7 @@ def parse_args(argv=None):
     p.add_argument("-b", "--batch-size", type=int, default=4)
     p.add_argument("-t", "--seq-len", type=int, default=64)
     p.add_argument("-n", "--repeats", type=int, default=5)
+    p.add_argument("--no-torch", action="store_true", help="leave out PyTorch's step (it is timed when torch imports)")
     return p.parse_args(argv)
 
 
@@ -175,8 +209,17 @@ def check_args(args):
     return cfg
 
 
+def torch_unavailable_reason(args):
+    """None when PyTorch's step is to be timed, else why not, in words (--no-torch, or no torch)."""
+    if args.no_torch:
+        return "--no-torch"
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install torch, or `make test`, installs it)"
+    return None
+
+
 def bench(args):
-    """Time the step and its matmuls, and print the table. Raises InputError for bad flags."""
+    """Time the step, PyTorch's step and the matmuls, and print the table. Raises InputError for bad flags."""
     cfg = check_args(args)
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
@@ -184,16 +227,9 @@ def bench(args):
     model = family.build(args.model)
     x = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
     y = rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
+    no_torch = torch_unavailable_reason(args)
+    twin = None if no_torch else family.twin(model)      # before the first update: the same parameters
     step_no = [0]
-
-    def train_step():
-        step_no[0] += 1
-        g.gpt2_zero_grad(model)
-        family.forward(model, x, y)
-        family.backward(model)
-        norm = g.gpt2_grad_norm(model)
-        family.update(model, 1e-4, step_no[0], min(1.0, 1.0 / norm))
-
     phases = {}
 
     def timed_step():
@@ -203,29 +239,47 @@ def bench(args):
         family.forward(model, x, y); t.append(time.perf_counter())
         family.backward(model); t.append(time.perf_counter())
         norm = g.gpt2_grad_norm(model); t.append(time.perf_counter())
-        family.update(model, 1e-4, step_no[0], min(1.0, 1.0 / norm)); t.append(time.perf_counter())
+        family.update(model, LEARNING_RATE, step_no[0], min(1.0, GRAD_CLIP / norm)); t.append(time.perf_counter())
         for name, a, b in zip(("zero_grad", "forward", "backward", "grad_norm", "update"), t, t[1:]):
             phases.setdefault(name, []).append(b - a)
 
+    def torch_step():
+        twin.train_steps([(x, y)], learning_rate=LEARNING_RATE, num_steps=1, schedule="constant",
+                         weight_decay=0.0, grad_clip=GRAD_CLIP)
+
     mm = matmul_workload(family, cfg, B, T, rng)
-    # interleave the two measurements so drift in machine load hits both alike
-    step_times, mm_times = [], []
-    train_step()
-    mm()
+    # interleave the measurements so drift in machine load hits them alike; one warm-up of each first
+    # (allocation, the AdamW moments, BLAS and OpenMP thread start)
+    runs = {"step": timed_step, "torch": torch_step, "matmuls": mm}
+    if twin is None:
+        del runs["torch"]
+    times = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()
+    phases.clear()
     for _ in range(args.repeats):
-        t0 = time.perf_counter(); timed_step(); step_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter(); mm(); mm_times.append(time.perf_counter() - t0)
-    step_med, mm_med = float(np.median(step_times)), float(np.median(mm_times))
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: float(np.median(ts)) for name, ts in times.items()}
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    threads = f", PyTorch (dev/{family.twin_name}) on {torch_threads()} threads" if twin is not None else ""
     print(f"{family.trainer} step, {args.model} ({model.num_parameters:,} params), B={B} T={T}, {args.repeats} repeats, "
-          f"{os.cpu_count()} cores")
-    print(f"{'what':<22}{'median ms':>12}")
-    print(f"{'training step':<22}{step_med * 1e3:>12.1f}")
+          f"{os.cpu_count()} cores{threads}, load average {os.getloadavg()[0]:.2f}")
+    print(f"{'what':<26}{'median ms':>12}")
+    print(f"{'training step':<26}{med['step'] * 1e3:>12.1f}")
     for name, ts in phases.items():
-        print(f"{'  ' + name:<22}{np.median(ts) * 1e3:>12.1f}")
-    print(f"{'matmuls alone':<22}{mm_med * 1e3:>12.1f}")
-    print(f"ratio step / matmuls: {step_med / mm_med:.2f}   (goal <= 1.3)")
-    print(f"tokens/s: {B * T / step_med:.0f}   peak resident memory: {peak_mib:.0f} MiB")
+        print(f"{'  ' + name:<26}{np.median(ts) * 1e3:>12.1f}")
+    if twin is not None:
+        print(f"{'PyTorch step':<26}{med['torch'] * 1e3:>12.1f}")
+    print(f"{'matmuls alone':<26}{med['matmuls'] * 1e3:>12.1f}")
+    if twin is not None:
+        print(f"ratio step / PyTorch: {med['step'] / med['torch']:.2f}   (goal <= {GOAL_TORCH})")
+    else:
+        print(f"PyTorch's step not timed: {no_torch}")
+    print(f"ratio step / matmuls: {med['step'] / med['matmuls']:.2f}   (goal <= {GOAL_MATMULS})")
+    print(f"tokens/s: {B * T / med['step']:.0f}   peak resident memory: {peak_mib:.0f} MiB")
 
 
 def main(argv=None):

@@ -85,7 +85,7 @@ NEEDS = {
     "debug":           {"required": ["numpy", "tiktoken", "plotly"], "optional": []},
     "twin":            {"required": ["numpy", "torch"], "optional": []},
     "bench":           {"required": ["numpy", "tiktoken", "cupy", "torch"], "optional": ["cudnn", "nvmath"]},
-    "bench-cpu":       {"required": ["numpy"], "optional": []},
+    "bench-cpu":       {"required": ["numpy"], "optional": ["torch"]},     # torch: PyTorch's step, the reference
     "test-gpu":        {"required": ["numpy", "tiktoken", "pytest", "cupy"], "optional": ["torch", "cudnn", "nvmath"]},
     "dev-cuda":        {"required": ["numpy", "cupy"], "optional": ["cudnn", "nvmath"]},
     "compile-kernels": {"required": ["numpy", "nvrtc"], "optional": []},

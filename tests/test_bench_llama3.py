@@ -1,6 +1,9 @@
 """
 tests/test_bench_llama3.py: dev/bench_cpu.py and dev/bench_emulator.py take -e llama3:dX, and a Llama 3
 model file; bad input (an unknown -e, B or T out of range, a bad model file) is one `error:` line and exit 1.
+dev/bench_cpu.py times PyTorch's step of the same model (both families): its twin holds the NumPy
+model's parameters (the same loss on the same batch), and the table has PyTorch's row and ratio, or
+says why not (--no-torch).
 
 A benchmark's numbers depend on the machine, so nothing here asserts a time: a tiny run must
 print its lines (the table, the ratio) for llama3_cpu.py's step, and the matmul workload must
@@ -39,6 +42,31 @@ def test_bench_cpu_times_the_llama3_step():
     for phase in ("training step", "forward", "backward", "update", "matmuls alone"):
         assert re.search(rf"^\s*{phase}\s+[0-9.]+$", r.stdout, re.MULTILINE), (phase, r.stdout)
     assert re.search(r"^ratio step / matmuls: [0-9.]+", r.stdout, re.MULTILINE)
+
+
+@pytest.mark.parametrize("spec", ["d2", "llama3:d2"])
+def test_bench_cpu_twin_is_the_same_model(spec):
+    """PyTorch's step is timed on the NumPy model's own parameters: the twin's loss on a batch is
+    the NumPy forward's (fp32, to 1e-5), so the two steps do the same work."""
+    pytest.importorskip("torch")
+    family = bench_cpu.model_family(spec)
+    model = family.build(spec)
+    x, y = (np.random.default_rng(seed).integers(0, model.config.vocab_size, (2, 8), dtype=np.int32) for seed in (1, 2))
+    family.forward(model, x, y)
+    _, twin_loss, _ = family.twin(model).forward_backward(x, y)
+    assert abs(twin_loss - model.mean_loss) < 1e-5, (twin_loss, model.mean_loss)
+
+
+def test_bench_cpu_times_pytorch_in_the_same_run():
+    pytest.importorskip("torch")
+    r = run("bench_cpu.py", ["-e", "d2", "-b", "1", "-t", "8", "-n", "1"])
+    assert r.returncode == 0, r.stderr
+    assert "PyTorch (dev/torch_reference.py) on" in r.stdout.splitlines()[0], r.stdout
+    assert re.search(r"^PyTorch step\s+[0-9.]+$", r.stdout, re.MULTILINE), r.stdout
+    assert re.search(r"^ratio step / PyTorch: [0-9.]+", r.stdout, re.MULTILINE), r.stdout
+    r = run("bench_cpu.py", ["-e", "d2", "-b", "1", "-t", "8", "-n", "1", "--no-torch"])
+    assert r.returncode == 0 and "PyTorch's step not timed: --no-torch" in r.stdout, r.stdout + r.stderr
+    assert "ratio step / PyTorch" not in r.stdout
 
 
 def test_bench_cpu_refuses_an_unknown_llama3_model_in_one_line():

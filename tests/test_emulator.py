@@ -125,22 +125,29 @@ def test_syncthreads_orders_shared_memory(kernels, blocks, n):
     np.testing.assert_array_equal(out.get(), expected)
 
 
-def test_a_launch_leaves_few_stacks_mapped():
+def test_fiber_stacks_are_one_pool_for_every_library():
     """A block of 1024 threads that all wait at a barrier takes 1023 fiber stacks, two memory
-    mappings each (guard page and stack); every kernel library has its own. Kept mapped after the
-    launch, a test run that loads many libraries reached Linux's 65530 mappings and the emulator
-    aborted ("out of memory for fiber stacks"). After a launch a library keeps a few (KEPT_STACKS)."""
+    mappings each (guard page and stack), and every kernel library has its own workers. Kept by each
+    library, a test run that loads many libraries reached Linux's 65530 mappings and the emulator
+    aborted ("out of memory for fiber stacks"); unmapped after every launch, they cost milliseconds
+    per launch. The process's one pool (shim/stack_pool.cpp) keeps them for the next launch of any
+    library: a second library's launch, and a second launch, map nothing more."""
     def mappings():
         with open("/proc/self/maps") as f:
             return sum(1 for _ in f)
-    module = cp.RawModule(code=TEST_KERNELS + "// a library of its own for this test\n", options=("-DENABLE_FP32",))
-    function = module.get_function("rotate_through_shared")
+    functions = [cp.RawModule(code=TEST_KERNELS + f"// library {k} of this test\n", options=("-DENABLE_FP32",))
+                 .get_function("rotate_through_shared") for k in range(2)]
     out = cp.empty(1024, np.float32)
-    function((1,), (32,), (out, np.int32(32)))                    # the library loaded, few stacks used
-    before = mappings()
-    function((1,), (1024,), (out, np.int32(1024)))
+    for function in functions:
+        function((1,), (32,), (out, np.int32(32)))                # both libraries loaded, few stacks used
+    functions[0]((1,), (1024,), (out, np.int32(1024)))             # the pool now holds a launch's stacks
     np.testing.assert_array_equal(out.get(), (np.arange(1, 1025) % 1024) * 10.0)
-    assert mappings() - before < 500, mappings() - before        # 1023 stacks kept: about 2046 more
+    assert build.stack_pool().llmc_emu_stack_pool_size() >= 1023
+    before = mappings()
+    for function in functions + functions:
+        function((1,), (1024,), (out, np.int32(1024)))
+        np.testing.assert_array_equal(out.get(), (np.arange(1, 1025) % 1024) * 10.0)
+    assert mappings() - before < 20, mappings() - before            # each launch's 1023 stacks from the pool
 
 
 @pytest.mark.parametrize("blocks,n", [(1, 100), (5, 1024)])
@@ -482,14 +489,21 @@ if kernel == "cast_floatX_to_float":        # out = inp, n floats of 2.5
 elif kernel == "adamw_update":              # one step from m = v = 0 on gradients of 1: p -= lr
     params, grads = cp.asarray(np.ones(n, np.float32)), cp.asarray(np.ones(n, np.float32))
     m, v = cp.asarray(np.zeros(n, np.float32)), cp.asarray(np.zeros(n, np.float32))
-    # learning rate, beta1, beta2, their corrections, eps, weight decay, grad scale
-    scalars = [np.float32(x) for x in (0.25, 0.5, 0.75, 0.5, 0.25, 0.0, 0.0, 1.0)]
-    library.kernel(kernel)((n // block + 1,), (block,), (params, np.uint64(0), grads, m, v, np.uint64(n), *scalars,
-                                                         np.uint32(7)))
+    vector = 4                                # x128::size in fp32
+    num_blocks = -(-n // (block * vector))
+    # one tensor: param offset, state offset, count, first block, decayed (kernels/adamw.cu's table)
+    tensors = cp.asarray(np.array([0, 0, n, 0, 0], np.int64))
+    seeds = cp.asarray(np.array([7], np.uint32))
+    step_scalars = cp.asarray(np.array([0.25, 0.5, 0.25], np.float32))   # learning rate, the two corrections
+    grad_scale = cp.asarray(np.array([1.0], np.float32))
+    library.kernel(kernel)((num_blocks,), (block,), (params, np.uint64(0), grads, m, v, tensors, np.int32(1),
+                                                     np.int64(num_blocks), seeds, step_scalars, grad_scale,
+                                                     np.float32(0.5), np.float32(0.75), np.float32(0.0),
+                                                     np.float32(0.0)))
     print("params", sorted(set(params.get().tolist())))
 else:                                       # global_norm_finalize over n partials of 1.0
-    out, partial = cp.empty(1, np.float32), cp.asarray(np.ones(n, np.float32))
-    library.kernel(kernel)((1,), (block,), (out, partial, np.int32(n)))
+    out, partial = cp.empty(2, np.float32), cp.asarray(np.ones(n, np.float32))   # the norm, the clipping factor
+    library.kernel(kernel)((1,), (block,), (out, partial, np.int32(n), np.float32(0.0)))
     print("norm", float(out.get()[0]))
 """
 
@@ -517,15 +531,14 @@ def run_sanitized(mode, path, kernel, n, block):
 
 OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = (float)inp[i];",
                  "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = (float)inp[i];")
-ADAMW_OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        const float grad",
-                       "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        const float grad")
+ADAMW_OUT_OF_BOUNDS = ("i < begin + x128::size && i < n; i++)", "i < begin + x128::size && i <= n; i++)")
 MISSING_BARRIER = ("        warp_sums[warp] = value;\n    }\n    __syncthreads();", "        warp_sums[warp] = value;\n    }")
 WRONG_MASK = ("value += __shfl_xor_sync(FULL_WARP_MASK, value, offset);",
               "value += __shfl_xor_sync(0x0000ffffu, value, offset);")
 
 
 # (file, kernel, the bug, what the clean run prints). adamw: grads[n] is read (then m, v and
-# params[n] written) by thread n of the 4 blocks of 256; clean, m = 0.5, v = 0.25 and
+# params[n] written) by the thread of the last, partial vector (the scalar path); clean, m = 0.5, v = 0.25 and
 # mhat / sqrt(vhat) = (0.5 / 0.5) / sqrt(0.25 / 0.25) = 1, so p = 1 - 0.25 exactly
 OUT_OF_BOUNDS_CASES = [("cast", "cast_floatX_to_float", OUT_OF_BOUNDS, "sum 2502.5"),
                        ("adamw", "adamw_update", ADAMW_OUT_OF_BOUNDS, "params [0.75]")]
@@ -574,8 +587,9 @@ def test_warp_collective_instructions_are_clean_under_threadsanitizer():
 def test_wrong_shuffle_mask_is_caught_by_the_emulator(tmp_path, planted):
     path = scratch_copy(tmp_path, "global_norm", header_replace=WRONG_MASK if planted else None)
     library = build.Library(path, ["-DENABLE_FP32"], ())
-    out, partial = cp.empty(1, np.float32), cp.asarray(np.ones(300, np.float32))
-    launch = lambda: library.kernel("global_norm_finalize")((1,), (128,), (out, partial, np.int32(300)))  # noqa: E731
+    out, partial = cp.empty(2, np.float32), cp.asarray(np.ones(300, np.float32))   # the norm, the clipping factor
+    launch = lambda: library.kernel("global_norm_finalize")((1,), (128,), (out, partial, np.int32(300),  # noqa: E731
+                                                                         np.float32(0.0)))
     if planted:
         with pytest.raises(build.EmulatorError, match="reads lane 16, which is not in the mask"):
             launch()

@@ -342,13 +342,54 @@ def address_of(arr):
     return arr.data.ptr
 
 
+STACK_POOL_SOURCE = os.path.join(SHIM_DIR, "stack_pool.cpp")
+_stack_pool = None
+
+
+def stack_pool():
+    """The fiber stack pool (shim/stack_pool.cpp: every kernel library's workers take their stacks
+    from it), built once into the cache and loaded once per process with RTLD_GLOBAL, so that the
+    kernel libraries loaded after it find its functions. Returns the ctypes library. Raises
+    EmulatorError with g++'s log."""
+    global _stack_pool
+    if _stack_pool is None:
+        flags = COMMON_FLAGS + ("-O2", "-g")
+        with open(STACK_POOL_SOURCE, "rb") as f:
+            key = hashlib.sha256(f.read() + " ".join(flags + (compiler_version(),)).encode()).hexdigest()[:16]
+        base = os.path.join(CACHE_DIR, f"stack_pool-{key}")
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        with open(base + ".lock", "a") as lock:          # one builder; the others wait, then load
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if cached_library_problem(base) is not None:
+                so_fd, so_tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
+                os.close(so_fd)
+                try:
+                    result = subprocess.run([CXX, *flags, STACK_POOL_SOURCE, "-o", so_tmp], capture_output=True, text=True)
+                    if result.returncode != 0:
+                        raise EmulatorError(f"{STACK_POOL_SOURCE}: g++ failed to compile it:\n{result.stderr[-4000:]}")
+                    size, digest = file_digest(so_tmp)
+                    os.replace(so_tmp, base + ".so")
+                    with open(base + ".sha256.tmp", "w") as f:
+                        f.write(f"{size} {digest}\n")
+                    os.replace(base + ".sha256.tmp", base + ".sha256")
+                finally:
+                    if os.path.exists(so_tmp):
+                        os.unlink(so_tmp)
+        _stack_pool = ctypes.CDLL(base + ".so", mode=ctypes.RTLD_GLOBAL)
+        _stack_pool.llmc_emu_stack_pool_size.restype = ctypes.c_size_t
+    return _stack_pool
+
+
 class Library:
     """A loaded kernel library of the .cu file `path`: .kernel(name) -> Kernel; .names: the
-    file's kernels in order. Compiled (or found in the cache) on construction."""
+    file's kernels in order. Compiled (or found in the cache) on construction; the fiber modes
+    load the stack pool (stack_pool) first."""
 
     def __init__(self, path, defines, include_dirs=(KERNELS_DIR,), mode="fibers"):
         self.source_path = path
         self.path = library_path(path, defines, include_dirs, mode)
+        if mode in ("fibers", "trace"):
+            stack_pool()
         self.library = ctypes.CDLL(self.path)
         with open(os.path.splitext(self.path)[0] + ".cpp") as f:       # the generated unit: the kernels built
             self.names = UNIT_KERNEL_PATTERN.findall(f.read())

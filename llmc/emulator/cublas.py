@@ -184,6 +184,9 @@ def _gemm_on_host(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, 
         product = np.matmul(op_bt, op_at)                                          # (batch,n,m), fp32
     if alpha != 1.0:
         product *= np.float32(alpha)
+    if beta == 1.0 and dtype == np.float32:                                        # C += product: the gradients'
+        ct += product                                                              # accumulation, in one pass
+        return
     if beta != 0.0:                                                                # beta == 0: C is not read
         product += np.float32(beta) * _to_float32(ct, dtype, False)
     ct[...] = float32_to_bfloat16_bits(product) if dtype == np.uint16 else product

@@ -24,7 +24,6 @@ llmc_emu_error() holds the message. In OS-thread mode they print it and abort.
 #include <stdarg.h>
 #include <string>
 #include <sched.h>
-#include <sys/mman.h>
 #include <thread>
 #include <vector>
 #ifndef LLMC_EMU_OS_THREADS
@@ -340,12 +339,13 @@ constexpr size_t GUARD_BYTES = 4096;
 constexpr uintptr_t COLOR_WINDOW = 64 * 1024;
 constexpr uintptr_t COLOR_STRIDE = 13 * 64;
 constexpr size_t STACK_MAPPING = STACK_BYTES + COLOR_WINDOW;
-// Stacks a worker keeps mapped from one launch to the next. Each stack is two memory mappings (its
-// guard page and the rest), every kernel library has its own workers, and Linux allows a process
-// 65530 mappings (vm.max_map_count): a test run that loads a hundred libraries, each of which once
-// ran blocks of 1024 waiting threads, would run out (mmap fails) if every stack stayed mapped. So a
-// launch unmaps the stacks beyond these when it ends; a launch that needs more maps them again.
-constexpr size_t KEPT_STACKS = 64;
+// The stacks come from the process's one pool (shim/stack_pool.cpp, its own library, which
+// build.py loads before any kernel library): a worker takes one when a CUDA thread first waits and
+// gives all of them back when its part of a launch ends, so that the stacks mapped stay bounded
+// however many kernel libraries (each with its own workers) a process loads, and a launch maps
+// nothing once the pool holds what it needs.
+extern "C" char* llmc_emu_stack_take(size_t bytes, size_t guard) __attribute__((weak));
+extern "C" void llmc_emu_stack_give(char* const* stacks, size_t n, size_t bytes, size_t guard) __attribute__((weak));
 
 // __shared__ arrays: thread_local, at these offsets from the start of this library's TLS block
 // (llmc/emulator/build.py reads them from the symbol table: readelf's TLS symbols)
@@ -450,16 +450,15 @@ static void run_next(Worker& w, Context& save, CudaThread* next) {
     }
 }
 
-// prepare w.runner: runner_main on a free stack (mapped on first need)
+// prepare w.runner: runner_main on a free stack (taken from the pool on first need)
 static void start_runner(Worker& w) {
     if (w.free_stacks.empty()) {
-        char* stack = (char*)mmap(nullptr, STACK_MAPPING, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (stack == MAP_FAILED) {
-            fputs("llmc emulator: out of memory for fiber stacks\n", stderr);
+        if (!llmc_emu_stack_take) {
+            fputs("llmc emulator: the fiber stack pool is not loaded (llmc.emulator.build loads it before any "
+                  "kernel library)\n", stderr);
             abort();
         }
-        mprotect(stack, GUARD_BYTES, PROT_NONE);
-        w.stacks.push_back(stack);
+        w.stacks.push_back(llmc_emu_stack_take(STACK_MAPPING, GUARD_BYTES));
         w.free_stacks.push_back((int)w.stacks.size() - 1);
     }
     w.runner_stack = w.free_stacks.back();
@@ -597,13 +596,12 @@ static ControlWords exchange_control_words(ControlWords next) {
 #endif
 
 // after a worker's last block of a launch, when every stack is free again (a finished runner
-// returns its stack; a failed block returns them all): unmap those beyond KEPT_STACKS
-static void trim_stacks(Worker& w) {
-    if (w.stacks.size() <= KEPT_STACKS) return;
-    for (size_t i = KEPT_STACKS; i < w.stacks.size(); i++) munmap(w.stacks[i], STACK_MAPPING);
-    w.stacks.resize(KEPT_STACKS);
+// returns its stack; a failed block returns them all): all of them back to the pool
+static void give_back_stacks(Worker& w) {
+    if (w.stacks.empty()) return;
+    llmc_emu_stack_give(w.stacks.data(), w.stacks.size(), STACK_MAPPING, GUARD_BYTES);
+    w.stacks.clear();
     w.free_stacks.clear();
-    for (int i = 0; i < (int)KEPT_STACKS; i++) w.free_stacks.push_back(i);
 }
 
 static void work(Worker& w) {
@@ -614,7 +612,7 @@ static void work(Worker& w) {
     for (long i; !failed.load(std::memory_order_relaxed) && (i = launch_now->next_block++) < launch_now->num_blocks;) {
         run_block(w, i);
     }
-    trim_stacks(w);
+    give_back_stacks(w);
 #if defined(__x86_64__)
     exchange_control_words(thread_control_words);
 #endif
