@@ -2,7 +2,7 @@
 # line of kernels/layernorm.cu that computes rstd; see doc/from_numpy_to_cuda.md, section 6.
 #   LLMC_EMULATOR_DEBUG=1 gdb -q -batch -x doc/layernorm_demo.gdb --args python doc/layernorm_demo.py
 set breakpoint pending on
-break layernorm.cu:84 if threadIdx.x == 37
+break layernorm.cu:87 if threadIdx.x == 37
 run
 print threadIdx
 print lane

@@ -240,7 +240,8 @@ def cuda_include_dir():
 
 def common_header_digest():
     """First 16 hex digits of the SHA-256 of the headers every kernel file may include: each
-    kernels/*.cuh (common.cuh, tensor_core.cuh), its name and its bytes, in name order."""
+    kernels/*.cuh (common.cuh, flash_attention.cuh, tensor_core.cuh), its name and its bytes, in
+    name order."""
     digest = hashlib.sha256()
     for name in sorted(f for f in os.listdir(KERNELS_DIR) if f.endswith(".cuh")):
         with open(os.path.join(KERNELS_DIR, name), "rb") as f:

@@ -386,7 +386,7 @@ def test_every_launch_names_a_kernel_of_its_file():
     for path in sorted(os.listdir(os.path.join(ROOT, "kernels"))):
         if path.endswith(".cu"):
             with open(os.path.join(ROOT, "kernels", path)) as f:
-                defined |= {(path[:-3], k) for k in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', f.read())}
+                defined |= {(path[:-3], k) for k in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)', f.read())}
     assert launched == defined                                           # every kernel has a launcher
     assert set(gpt2_cuda.KERNEL_FILES) | {"flash_attention"} | set(llama3_cuda.LLAMA3_KERNEL_FILES) == {
         file for file, _ in defined}                                     # flash: kernel_files(model)
