@@ -43,6 +43,7 @@ finetune: data   ## LoRA: fine-tune the default d4 on the Sonnets, val loss befo
 		-x 300 -v 100 -s 0 -l 3e-3 --lora-rank 8 --lora-targets all-linear --lora-save $(FINETUNE_DIR)/adapters $(ARGS)
 	$(PY) gpt2_cpu.py -e $(FINETUNE_BASE) --lora-load $(FINETUNE_DIR)/adapters --lora-merge $(FINETUNE_DIR)/model.bin
 	$(PY) gpt2_cpu.py -e $(FINETUNE_DIR)/model.bin --generate 48 --prompt "Shall I compare thee" --temperature 0.8 --top-k 40
+
 twin:            ## install torch (about 2 GB) for the PyTorch twins, dev/torch_reference.py and dev/torch_reference_llama3.py
 	$(SETUP) twin
 

@@ -107,6 +107,12 @@ def test_check_fails_when_an_adapters_backward_is_broken(emulated, monkeypatch):
     assert not check("llama3", device_model("llama3", "fp32"))
 
 
+# The adapters after a few AdamW steps at lr 1e-2, the kernels' against the NumPy trainer's: their two
+# float32 AdamW formulations round differently, and Adam's m / sqrt(v) enlarges a rounding-level
+# difference of a small gradient up to a fraction of a step's size (lr): 1e-5 is a thousandth of it
+ADAPTER_ATOL = 1e-5
+
+
 def shards(tmp_path):
     """Train shards of V = 75 with a pattern to learn: a fixed cycle, a tenth of it random."""
     rng = np.random.default_rng(4)
@@ -140,7 +146,7 @@ def test_training_run_equals_the_numpy_trainer(emulated, name, tmp_path, capsys)
     family = cpu.LORA_FAMILY
     saved = lora_files.load(str(tmp_path / "dev_lora"), config, family)[3]
     for key, value in lora_files.load(str(tmp_path / "cpu_lora"), config, family)[3].items():
-        np.testing.assert_allclose(saved[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(saved[key], value, rtol=1e-4, atol=ADAPTER_ATOL, err_msg=key)
     assert not np.array_equal(ref.lora.params, gpt2_cpu.lora_init(ref.lora.targets, config.num_layers, RANK, ALPHA,
                                                                    42).params)   # it trained
 
@@ -183,7 +189,7 @@ def test_two_processes_with_zero1_train_the_adapters_of_one(tmp_path):
     family = llama3_cpu.LORA_FAMILY
     got = lora_files.load(str(tmp_path / "dp"), LLAMA_TINY, family)[3]
     for key, value in lora_files.load(str(tmp_path / "one"), LLAMA_TINY, family)[3].items():
-        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=ADAPTER_ATOL, err_msg=key)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -237,7 +243,7 @@ def test_two_fs_ranks_train_the_adapters_of_one(tmp_path):
             "--lora-save", str(tmp_path / "one")] + common, ROOT)
     got = lora_files.load(str(tmp_path / "dp"), GPT2_TINY, gpt2_cpu.LORA_FAMILY)[3]
     for key, value in lora_files.load(str(tmp_path / "one"), GPT2_TINY, gpt2_cpu.LORA_FAMILY)[3].items():
-        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=ADAPTER_ATOL, err_msg=key)
     results = ranks("differ", [["--lora-alpha", "8"], ["--lora-alpha", "16"]])
     for _, err, code in results:
         assert code == 1 and "--lora-alpha" in err and "Traceback" not in err, err

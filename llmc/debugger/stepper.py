@@ -178,7 +178,13 @@ def is_table_key(node):
 def describe_outputs(call, statement):
     """(outputs, term_of, table_keys) of a call inside its statement: the names each returned value
     is assigned to; or, when the call is one term of a larger expression (`dresidual = dresidual +
-    layernorm_backward(...)`), the name that expression is assigned to."""
+    layernorm_backward(...)`), the name that expression is assigned to; or, for a call standing
+    alone that writes into its `out=` argument (`matmul_forward(..., out=A["logits"])`), that one."""
+    if isinstance(statement, ast.Expr) and statement.value is call:
+        out = [k.value for k in call.keywords if k.arg == "out"]
+        if out and target_name(out[0]) is not None:
+            return [target_name(out[0])], None, [target_name(out[0]) if is_table_key(out[0]) else None]
+        return [], None, []
     if not isinstance(statement, ast.Assign) or len(statement.targets) != 1:
         return [], None, []
     target, value = statement.targets[0], statement.value
