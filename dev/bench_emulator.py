@@ -65,11 +65,16 @@ class GPT2Family:
         return model
 
     def step(self, on_device, model, x, y, t):
-        """AdamW step t: zero_grad, forward, backward, the global norm, the update."""
+        """AdamW step t as each trainer's train() runs it: zero_grad, forward, backward, the
+        global norm, the update. On the device the zero_grad, forward and backward are
+        gpt2_micro_batch's (its forward leaves the classifier to the backward's fused kernel)."""
+        if on_device:
+            gpt2_cuda.gpt2_micro_batch(model, x, y, 1.0, first=True)
+        else:
+            gpt2_cpu.gpt2_zero_grad(model)
+            gpt2_cpu.gpt2_forward(model, x, y)
+            gpt2_cpu.gpt2_backward(model)
         trainer = gpt2_cuda if on_device else gpt2_cpu
-        trainer.gpt2_zero_grad(model)
-        trainer.gpt2_forward(model, x, y)
-        trainer.gpt2_backward(model)
         trainer.gpt2_grad_norm(model)
         trainer.gpt2_update(model, LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY, t)
 
@@ -98,8 +103,11 @@ class Llama3Family:
         trainer = self.llama3_cuda if on_device else llama3_cpu
         norms = gpt2_cuda if on_device else gpt2_cpu
         norms.gpt2_zero_grad(model)
-        trainer.llama3_forward(model, x, y)
-        trainer.llama3_backward(model)
+        if on_device:                      # the trainer's micro-batch: the classifier once, in the backward
+            trainer.llama3_micro_batch(model, x, y, 1.0)
+        else:
+            trainer.llama3_forward(model, x, y)
+            trainer.llama3_backward(model)
         norms.gpt2_grad_norm(model)
         if on_device:
             trainer.llama3_update(model, LEARNING_RATE, BETA1, BETA2, EPS, WEIGHT_DECAY, t)
