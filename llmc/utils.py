@@ -10,6 +10,8 @@ import fcntl
 import math
 import os
 import re
+import socket
+import urllib.parse
 
 
 class InputError(Exception):
@@ -208,3 +210,18 @@ def release_directory_locks():
 def prefix(buf, shape):
     """View of the first prod(shape) elements of a contiguous buffer, reshaped (no copy)."""
     return buf.reshape(-1)[:math.prod(shape)].reshape(shape)
+
+
+REACH_TIMEOUT_S = 10                   # a dead network fails in seconds, not after the hub's retries
+
+
+def check_reachable(url, offline_hint, timeout_s=REACH_TIMEOUT_S):
+    """Raise InputError (one line, ending with offline_hint) unless a TCP connection to url's host
+    opens within timeout_s: offline, the Hugging Face hub's client would retry for ~20 s and log
+    every retry (dev/data's downloads, dev/eval's imports)."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise InputError(f"cannot reach {parts.hostname} ({e}): offline? {offline_hint}")

@@ -34,12 +34,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from llmc.formats import read_shard, write_shard  # noqa: E402
 from llmc.tokenizer import GPT2_EOT, gpt2_encoding  # noqa: E402
-from llmc.utils import InputError  # noqa: E402
+from llmc.utils import InputError, check_reachable  # noqa: E402
 
 TOKEN_LIMIT = 2**16                 # shards store uint16 tokens
 DEFAULT_CHUNKSIZE = 16              # documents per imap task: amortizes the inter-process pickling
 COUNTER_EVERY_S = 2.0               # the fallback progress counter prints at most this often
-REACH_TIMEOUT_S = 10                # a dead network fails in seconds, not after the hub's retries
 
 
 # ----------------------------------------------------------------------------
@@ -160,16 +159,6 @@ def write_shards(documents, output_dir, name, shard_size, encode=gpt2_encode, eo
 # ----------------------------------------------------------------------------
 # the download half, shared by fineweb.py and tinystories.py
 
-def check_reachable(url, timeout_s=REACH_TIMEOUT_S):
-    """Raise InputError (one line) unless a TCP connection to url's host opens within timeout_s."""
-    parts = urllib.parse.urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
-    except OSError as e:
-        raise InputError(f"cannot reach {parts.hostname} ({e}): offline? the dataset download needs the network")
-
-
 def load_hf_texts(path, name=None, split="train", column="text"):
     """(iterator over the `column` strings of a Hugging Face dataset split, its length).
     Imports `datasets` here, so that nothing else needs it. Raises InputError, one line, when
@@ -184,7 +173,7 @@ def load_hf_texts(path, name=None, split="train", column="text"):
     datasets.logging.set_verbosity_error()
     huggingface_hub.utils.logging.set_verbosity_error()
     if not huggingface_hub.constants.HF_HUB_OFFLINE:
-        check_reachable(huggingface_hub.constants.ENDPOINT)
+        check_reachable(huggingface_hub.constants.ENDPOINT, "the dataset download needs the network")
     try:
         ds = datasets.load_dataset(path, name=name, split=split)
     except Exception as e:                  # offline, unknown dataset, ...: datasets raises many kinds

@@ -21,26 +21,12 @@ import urllib.parse
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from llmc.utils import InputError, check_input_file  # noqa: E402
+from llmc.utils import InputError, check_input_file, check_reachable  # noqa: E402
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_TORCH_WEIGHTS = "pytorch_model.bin"
 LLAMA_MODEL_TYPE = "llama"             # config.json's model_type of a Llama: import_hf_llama3.py imports it
-REACH_TIMEOUT_S = 10
-
-
-def check_reachable(url, timeout_s=REACH_TIMEOUT_S):
-    """Raise InputError (one line) unless a TCP connection to url's host opens within timeout_s:
-    offline, the hub client would retry for ~20 s and log every retry."""
-    parts = urllib.parse.urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
-    except OSError as e:
-        raise InputError(f"cannot reach {parts.hostname} ({e}): offline? pass a local Hugging Face directory instead")
-
-
 def fetch_from_hub(repo_id):
     """Download config.json + weights of a hub model into the Hugging Face cache; returns the dir."""
     try:
@@ -50,7 +36,7 @@ def fetch_from_hub(repo_id):
         raise InputError(f"'{repo_id}' is not a directory, and huggingface_hub (pip install transformers) is not installed to fetch it")
     huggingface_hub.utils.logging.set_verbosity_error()
     if not huggingface_hub.constants.HF_HUB_OFFLINE:
-        check_reachable(huggingface_hub.constants.ENDPOINT)
+        check_reachable(huggingface_hub.constants.ENDPOINT, "pass a local Hugging Face directory instead")
     try:
         return huggingface_hub.snapshot_download(repo_id, allow_patterns=[HF_CONFIG, HF_WEIGHTS])
     except Exception as e:                      # not found, offline mode, HTTP errors, ...
