@@ -43,6 +43,8 @@ from typing import NamedTuple
 
 from llmc.interrupt import quiet_ctrl_c_while_importing
 quiet_ctrl_c_while_importing(__name__)   # Ctrl-C while the packages below load: exit 130, no traceback
+from llmc.openblas import spin_briefly_when_idle  # noqa: E402
+spin_briefly_when_idle()                 # before NumPy loads OpenBLAS: the emulated device's kernels want the cores
 from llmc.utils import require  # noqa: E402
 require("gpt2_cuda.py", "numpy")         # no NumPy (the environment not activated): one line, exit 1
 import numpy as np  # noqa: E402

@@ -27,10 +27,12 @@ import sys
 import time
 from collections import defaultdict
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from llmc.openblas import spin_briefly_when_idle  # noqa: E402
+spin_briefly_when_idle()          # as gpt2_cuda.py: before NumPy loads (both steps run with it, measured alike)
+
+import numpy as np  # noqa: E402
 
 import gpt2_cpu  # noqa: E402
 import gpt2_cuda  # noqa: E402

@@ -31,6 +31,8 @@ imports run one way too, in layers: cuda, then comm, then multinode, then cli (d
     cudnn_attention.py  cuDNN's fused attention through the cudnn frontend package (optional;
                    gpt2_cuda --attention cudnn)
     mfu.py         model FLOPs utilization
+    openblas.py    how long NumPy's idle OpenBLAS threads spin, set before NumPy loads (the CUDA
+                   trainers: the emulated device's kernels want the cores)
     debugger/      the visual debugger (python -m llmc.debugger): the reference trainer's step op
                    by op in the browser; it imports the trainer it runs when it runs, as
                    cuda_check.py imports gpt2_cpu

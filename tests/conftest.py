@@ -10,6 +10,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from llmc.openblas import spin_briefly_when_idle  # noqa: E402
+spin_briefly_when_idle()        # as the CUDA trainers: before NumPy loads, for the emulated device's kernels
 
 
 def gpu_unavailable_reason():
