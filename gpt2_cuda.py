@@ -1181,13 +1181,15 @@ class CachedAttention:
     the keys and values of the earlier ones in `cache` (attention_forward_cached, which appends
     theirs). Its qkv projection goes to sampler_qkv (activation_aliases)."""
 
+    grouped_kv = False          # its cache holds NH heads (llama3_cuda repeats the NKV heads into it)
+
     def __init__(self, cache, pos):
         self.cache, self.pos = cache, pos
 
     def qkv(self, A, l, B, T, C):
         return A["sampler_qkv"]
 
-    def forward(self, A, l, B, T, C, NH, tf32):
+    def forward(self, A, l, B, T, C, NH, tf32, NKV=None):
         attention_forward_cached(A["atty"][l], self.qkv(A, l, B, T, C), self.cache.k[l], self.cache.v[l], self.pos,
                                  B, T, C, NH)
 

@@ -233,14 +233,16 @@ KERNEL_FILES = ("encoder", "layernorm", "attention", "classifier", "adamw", "glo
 def activation_table(config, B, T, attention, Vp=None):
     """Every device buffer of one forward + backward pass, in forward order: (name, shape, kind),
     kind "X" floatX, "f32" float32, "i32" int32. Names follow llama3_cpu.activation_shapes, but
-    qkv_proj (llama3_cpu's qkv: "qkv" is the attention path's buffer of GPT-2's layout, llama3_cpu's
-    qkv_att). Never kept, as in gpt2_cuda.py: qkv_att for the naive path (its qkvr is), attproj,
+    qkv_proj (llama3_cpu's qkv: "qkv" is the attention path's buffer, llama3_cpu's qkv_att in
+    GPT-2's layout, or for flash, which reads the NKV key/value heads in place, the rotated
+    qkv_proj). Never kept, as in gpt2_cuda.py: qkv_att for the naive path (its qkvr is), attproj,
     fcproj and probs (the fused classifier); the one-layer transients live in scratch buffers under
     the name of each role (activation_aliases)."""
     C, L, NH, H = config.channels, config.num_layers, config.num_heads, config.hidden_dim
     Vp = Vp or config.vocab_size                       # the classifier's width (Llama3's Vp)
     QKV = qkv_channels(config)
-    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(B, T, C, L, NH, B * T * Vp)
+    attention_kept, logits_floats, attention_backward_buffers = attention.buffers(
+        B, T, C, L, NH, B * T * Vp, QKV if attention.grouped_kv else None)      # flash keeps the NKV heads
     return [
         ("inputs", (B, T), "i32"), ("targets", (B, T), "i32"),
         ("encoded", (B, T, C), "X"),
@@ -451,10 +453,12 @@ def block_forward(model, A, l, B, T, attention=None, pos=0):
     # forward pass 1: attention block
     rmsnorm_forward(A["ln1"][l], A["ln1_rstd"][l], residual, p["ln1w"], B, T, C)
     mm.forward(A["qkv_proj"][l], A["ln1"][l], p["qkvw"], None, B, T, C, QKV)          # (B,T,(NH+2NKV)*HS)
-    rope_forward(A["qkv_rope"], A["qkv_proj"][l], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)   # q, k rotated
-    qkv_att = attention.qkv(A, l, B, T, C)                                             # (B,T,3C): GPT-2's layout
-    repeat_kv_forward(qkv_att, A["qkv_rope"], B, T, NH, NKV, HS)
-    attention.forward(A, l, B, T, C, NH, mm.tf32)                                      # atty[l] (B,T,C)
+    if attention.grouped_kv:        # flash: q, k rotated straight into what it reads, the NKV heads in place
+        rope_forward(attention.qkv(A, l, B, T, C), A["qkv_proj"][l], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)
+    else:                           # GPT-2's layout: each key and value head repeated for its query heads
+        rope_forward(A["qkv_rope"], A["qkv_proj"][l], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)   # q, k rotated
+        repeat_kv_forward(attention.qkv(A, l, B, T, C), A["qkv_rope"], B, T, NH, NKV, HS)         # (B,T,3C)
+    attention.forward(A, l, B, T, C, NH, mm.tf32, NKV)                                # atty[l] (B,T,C)
     mm.forward(A["attproj"], A["atty"][l], p["attprojw"], None, B, T, C, C)
     residual_forward(A["residual2"][l], residual, A["attproj"], B * T * C)
     # forward pass 2: SwiGLU MLP block
@@ -531,8 +535,11 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
                          B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
         mm.backward(A["datty"], g["attprojw"], None, dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
-        model.attention.backward(A["dqkv_att"], A["datty"], A, l, B, T, C, NH, mm.tf32)   # (B,T,3C)
-        repeat_kv_backward(A["dqkv"], A["dqkv_att"], B, T, NH, NKV, HS)                  # (B,T,(NH+2NKV)*HS)
+        if model.attention.grouped_kv:                   # each kv head's gradient summed over its query heads
+            model.attention.backward(A["dqkv"], A["datty"], A, l, B, T, C, NH, mm.tf32, NKV)   # (B,T,(NH+2NKV)*HS)
+        else:
+            model.attention.backward(A["dqkv_att"], A["datty"], A, l, B, T, C, NH, mm.tf32)    # (B,T,3C)
+            repeat_kv_backward(A["dqkv"], A["dqkv_att"], B, T, NH, NKV, HS)              # (B,T,(NH+2NKV)*HS)
         rope_backward(A["dqkv"], A["dqkv"], cos, sin, B, T, NH + 2 * NKV, NH + NKV, HS)  # in place
         mm.backward(A["dln1"], g["qkvw"], None, A["dqkv"], A["ln1"][l], p["qkvw"], partial, B, T, C, QKV)
         rmsnorm_backward(dresidual, g["ln1w"], partial, A["dln1"], residual, p["ln1w"], A["ln1_rstd"][l], B, T, C)

@@ -321,10 +321,13 @@ class NaiveAttention:
     name = "naive"
     kernel_files = ()
     check_names = ("qkvr", "att")
+    grouped_kv = False          # takes GPT-2's (B,T,3C): Llama 3 repeats its NKV key/value heads first
 
-    def buffers(self, B, T, C, L, NH, logits_floats):
+    def buffers(self, B, T, C, L, NH, logits_floats, qkv_channels=None):
         """(kept per layer, floats of `logits`, the backward's own buffers) for activation_shapes;
-        logits_floats: what the classifier needs of `logits` (B*T*Vp, or a chunk's rows)."""
+        logits_floats: what the classifier needs of `logits` (B*T*Vp, or a chunk's rows);
+        qkv_channels: the width of the qkv projection a grouped_kv path reads in place
+        ((NH+2NKV)*HS; None: 3C)."""
         HS = C // NH
         kept = [("qkvr", (L, 3, B, NH, T, HS), "X"), ("att", (L, B, NH, T, T), "X")]
         backward = [("dqkvr", (3, B, NH, T, HS), "X"),            # attention backward: dq, dk, dv per head
@@ -344,12 +347,12 @@ class NaiveAttention:
         """Where layer l's qkv projection (B,T,3C) is written."""
         return prefix(A["att_workspace"], (B, T, 3 * C))
 
-    def forward(self, A, l, B, T, C, NH, tf32):
-        """atty[l] (B,T,C) from the qkv projection in att_workspace."""
+    def forward(self, A, l, B, T, C, NH, tf32, NKV=None):
+        """atty[l] (B,T,C) from the qkv projection in att_workspace (NKV: grouped_kv paths only)."""
         attention_forward(A["atty"][l], A["qkvr"][l], A["att"][l], A["att_workspace"], B, T, C, NH, tf32)
 
-    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
-        """dqkv (B,T,3C) written from datty (B,T,C)."""
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32, NKV=None):
+        """dqkv (B,T,3C) written from datty (B,T,C) (NKV: grouped_kv paths only)."""
         attention_backward(dqkv, A["dqkvr"], A["att_workspace"], A["dy"], datty, A["qkvr"][l], A["att"][l], B, T, C, NH,
                            tf32)
 
@@ -360,13 +363,16 @@ class NaiveAttention:
 
 class FlashAttention(NaiveAttention):
     """Our flash attention (kernels/flash_attention.cu): no (T,T) matrix; qkv (L,B,T,3C) itself and
-    lse (L,B,NH,T), the log-sum-exp of each query's scores, are kept; `logits` holds only the logits."""
+    lse (L,B,NH,T), the log-sum-exp of each query's scores, are kept; `logits` holds only the logits.
+    grouped_kv: its kernels read Llama 3's NKV key/value heads where the qkv projection left them,
+    (B,T,(NH+2NKV)*HS), each shared by NH/NKV query heads, so nothing is repeated; kept so."""
     name = "flash"
     kernel_files = ("flash_attention",)
     check_names = ("qkv", "lse")
+    grouped_kv = True
 
-    def buffers(self, B, T, C, L, NH, logits_floats):
-        kept = [("qkv", (L, B, T, 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
+    def buffers(self, B, T, C, L, NH, logits_floats, qkv_channels=None):
+        kept = [("qkv", (L, B, T, qkv_channels or 3 * C), "X"), ("lse", (L, B, NH, T), "f32")]
         return kept, logits_floats, [("att_D", (B, NH, T), "f32")]   # flash backward: rowsum(dout * out)
 
     def aliases(self, B, T, C, NH):
@@ -375,11 +381,11 @@ class FlashAttention(NaiveAttention):
     def qkv(self, A, l, B, T, C):
         return A["qkv"][l]
 
-    def forward(self, A, l, B, T, C, NH, tf32):
-        flash_attention_forward(A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH)
+    def forward(self, A, l, B, T, C, NH, tf32, NKV=None):
+        flash_attention_forward(A["atty"][l], A["lse"][l], A["qkv"][l], B, T, C, NH, NKV)
 
-    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
-        flash_attention_backward(dqkv, A["att_D"], datty, A["atty"][l], A["qkv"][l], A["lse"][l], B, T, C, NH)
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32, NKV=None):
+        flash_attention_backward(dqkv, A["att_D"], datty, A["atty"][l], A["qkv"][l], A["lse"][l], B, T, C, NH, NKV)
 
     def references(self, cpu_acts, L, B, T, C, NH):
         return {"lse": np.stack([attention_lse(cpu_acts["qkv"][l], NH) for l in range(L)])}       # (L,B,NH,T)
@@ -390,16 +396,17 @@ class CudnnAttention(FlashAttention):
     "stats"); its graphs and workspace are built before the first step (prepare)."""
     name = "cudnn"
     kernel_files = ()
+    grouped_kv = False          # its graphs are built for GPT-2's (B,T,3C)
 
     def prepare(self, sizes, NH, HS):
         from llmc import cudnn_attention
         cudnn_attention.prepare(sizes, NH, HS)
 
-    def forward(self, A, l, B, T, C, NH, tf32):
+    def forward(self, A, l, B, T, C, NH, tf32, NKV=None):
         from llmc import cudnn_attention
         cudnn_attention.attention_forward_cudnn(A["atty"][l], A["lse"][l], A["qkv"][l], B, T, NH, C // NH)
 
-    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32):
+    def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32, NKV=None):
         from llmc import cudnn_attention
         cudnn_attention.attention_backward_cudnn(dqkv, datty, A["qkv"][l], A["atty"][l], A["lse"][l], B, T, NH, C // NH)
 

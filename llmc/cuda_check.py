@@ -168,7 +168,8 @@ def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float
             record.append((label, kind, gpu, ref))
 
     CA = cpu.acts
-    refs = {"qkv_proj": CA["qkv"], "qkv": CA["qkv_att"],
+    qkv_kept = grouped_kv_heads(CA["qkv_att"], NH, cfg.num_kv_heads) if model.attention.grouped_kv else CA["qkv_att"]
+    refs = {"qkv_proj": CA["qkv"], "qkv": qkv_kept,
             **model.attention.references({"qkv": CA["qkv_att"]}, L, B, T, C, NH)}
     names = ("encoded", "ln1", "ln1_rstd", "qkv_proj") + model.attention.check_names + (
         "atty", "residual2", "ln2", "ln2_rstd", "fch", "fch2", "fch_swiglu", "residual3", "lnf", "lnf_rstd")
@@ -192,6 +193,17 @@ def check_llama3_against_cpu(trainer, model, inputs, targets, cpu_dtype=np.float
     else:
         compare_gradients(compare, trainer, model, cpu, backward_order, gpt2_cpu)
     return all(results)
+
+
+def grouped_kv_heads(qkv_att, NH, NKV):
+    """llama3_cpu's qkv_att (..., 3C), the key and value heads repeated for their query heads, back
+    in the qkv projection's layout (..., (NH+2NKV)*HS): the NH query heads, then key head j and
+    value head j, each taken from query head j*NH/NKV, the first of the NH/NKV it serves
+    (llama3_cpu.repeat_kv_forward). What a grouped_kv attention path keeps after RoPE."""
+    heads = qkv_att.reshape(*qkv_att.shape[:-1], 3, NH, -1)
+    group = NH // NKV
+    parts = [heads[..., 0, :, :], heads[..., 1, ::group, :], heads[..., 2, ::group, :]]
+    return np.concatenate([part.reshape(*qkv_att.shape[:-1], -1) for part in parts], axis=-1)
 
 
 def run_check(trainer, args, model, check=check_against_cpu):

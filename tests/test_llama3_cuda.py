@@ -65,6 +65,21 @@ def test_tiny_model_matches_llama3_cpu(emulated, precision, attention, capsys):
     assert "dwte: TENSOR OK" in out and "dqkvw: TENSOR OK" in out
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_flash_reads_the_kv_heads_in_place(emulated, monkeypatch, precision, capsys):
+    """Flash attention takes the NKV key/value heads where RoPE leaves them: no repeat_kv launch,
+    its kept qkv is (L,B,T,(NH+2NKV)*HS), and every tensor still matches llama3_cpu's."""
+    def never(*args):
+        raise AssertionError("the flash path repeated the kv heads")
+    monkeypatch.setattr(llama3_cuda, "repeat_kv_forward", never)
+    monkeypatch.setattr(llama3_cuda, "repeat_kv_backward", never)
+    assert tiny_check(precision, "flash")
+    assert "NOT OK" not in capsys.readouterr().out
+    model = llama3_cuda.Llama3(TINY, precision, "flash")
+    HS = TINY.channels // TINY.num_heads
+    assert llama3_cuda.llama3_activations(model, 2, 13)["qkv"].shape == (2, 2, 13, (6 + 2 * 2) * HS)
+
+
 def broken_launcher(name, real):
     """A wrong version of llama3_cuda's launcher `name` (real: the right one), for the check to catch."""
     def rope_backward_skipped(dinp, dout, cos, sin, B, T, nh, n_rot, HS):       # dq, dk not rotated back

@@ -3,8 +3,9 @@
 # "Next GPU session"), one command, most needed first; each step under the smaller of its limit and
 # the time left before DEADLINE seconds (a step with under 20 s left is NOT RUN). Run from the
 # repository root with data/ and .whl/ carried: bash dev/results/next_gpu_session6.sh
-#   1. the GPU's tensor-core instructions against the emulated device's (issue 36) and the
-#      emulated memory counters against Nsight Compute's (issue 38)
+#   1. the GPU's tensor-core instructions against the emulated device's (issue 36), Llama 3's flash
+#      path reading the kv heads in place (issue 37), and the emulated memory counters against
+#      Nsight Compute's (issue 38)
 #   2. the classifier's backward, versions 5 and 8, and version 8's other tiles (issue 36)
 #   3. the Llama 3 padded-vocabulary bench, ours and the twin (issue 41)
 #   4. B=64, ours and the twin, with and without the classifier chunk (issue 40)
@@ -24,6 +25,7 @@ step() {  # step LIMIT_S COMMAND...
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } 2>&1 | tee -a $LOG
 step 60 python3 -m pytest -m gpu -q -rs tests/test_tensor_cores.py
+step 60 python3 llama3_cuda.py -e llama3:d4 --check --attention flash --precision bf16
 step 60 python3 dev/ncu_memory_counters.py
 step 150 python3 dev/cuda/matmul.py --versions 5,8 --exclude '*_qkv,*_attproj,*_fc,*_fcproj,*gelu*,*llama3*,matmul_forward_*' -r 10 -o $OUT/mm_classifier
 step 150 bash dev/results/next_gpu_issue41.sh
