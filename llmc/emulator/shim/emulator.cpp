@@ -209,19 +209,18 @@ NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mas
     t.source = source;
     t.what = what;
     const int warp = t.linear / WARP, lane = t.linear % WARP;
-    const uint3 block = blockIdx;
     if (!(t.mask >> lane & 1u)) {
-        record_error(block, &t, "%s: the calling lane %d is not in its mask 0x%08x", t.what, lane, t.mask);
+        record_error(blockIdx, &t, "%s: the calling lane %d is not in its mask 0x%08x", t.what, lane, t.mask);
         return false;
     }
     const unsigned existing = lanes_of_warp(b, warp);
     if (op == WARP_GATHER && existing != 0xffffffffu) {
-        record_error(block, &t, "%s: a warp-collective instruction needs all 32 lanes, and this block of %d threads "
+        record_error(blockIdx, &t, "%s: a warp-collective instruction needs all 32 lanes, and this block of %d threads "
                      "leaves warp %d with lanes 0x%08x", t.what, b.n, warp, existing);
         return false;
     }
     if (t.mask & ~existing) {
-        record_error(block, &t, "%s: mask 0x%08x names lanes that do not exist (this warp has lanes 0x%08x)",
+        record_error(blockIdx, &t, "%s: mask 0x%08x names lanes that do not exist (this warp has lanes 0x%08x)",
                      t.what, t.mask, existing);
         return false;
     }
@@ -237,18 +236,18 @@ NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mas
     for (int l = 0; l < WARP; l++) {
         if (!(t.mask >> l & 1u)) continue;
         if (lanes[l].mask != t.mask || lanes[l].op != t.op) {
-            record_error(block, &t, "%s with mask 0x%08x: lane %d of the mask is waiting in %s with mask 0x%08x",
+            record_error(blockIdx, &t, "%s with mask 0x%08x: lane %d of the mask is waiting in %s with mask 0x%08x",
                          t.what, t.mask, l, lanes[l].what, lanes[l].mask);
             return false;
         }
         if (t.op == WARP_GATHER && (strcmp(lanes[l].what, t.what) != 0 ||
                                     ((const Gather*)(uintptr_t)lanes[l].value)->bytes != ((const Gather*)(uintptr_t)t.value)->bytes)) {
-            record_error(block, &t, "%s: lane %d of the warp is in another warp-collective instruction, %s "
+            record_error(blockIdx, &t, "%s: lane %d of the warp is in another warp-collective instruction, %s "
                          "(every lane must execute the same one)", t.what, l, lanes[l].what);
             return false;
         }
         if (t.op == WARP_SHFL && !(t.mask >> lanes[l].source & 1u)) {
-            record_error(block, &lanes[l], "%s with mask 0x%08x: lane %d reads lane %d, which is not in the mask",
+            record_error(blockIdx, &lanes[l], "%s with mask 0x%08x: lane %d reads lane %d, which is not in the mask",
                          t.what, t.mask, l, lanes[l].source);
             return false;
         }
