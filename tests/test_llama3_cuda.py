@@ -80,6 +80,21 @@ def test_flash_reads_the_kv_heads_in_place(emulated, monkeypatch, precision, cap
     assert llama3_cuda.llama3_activations(model, 2, 13)["qkv"].shape == (2, 2, 13, (6 + 2 * 2) * HS)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("HS", [32, 64, 128])
+def test_flash_check_at_every_head_size(emulated, precision, HS, capsys):
+    """--check through flash attention at the head sizes Llama 3 and GPT-2 use (TINY's is 16), with
+    grouped-query heads (NH = 4 on NKV = 2) and a ragged T = 13: every tensor llama3_cpu's."""
+    config = llama3_cpu.LlamaConfig(max_seq_len=16, vocab_size=75, num_layers=1, num_heads=4, num_kv_heads=2,
+                                    channels=4 * HS, multiple_of=32)
+    host = llama3_cpu.llama3_init(config, seed=5)
+    model = llama3_cuda.Llama3(config, precision, "flash")
+    llama3_cuda.upload_parameters(model, host.params)
+    rng = np.random.default_rng(1)
+    inputs, targets = rng.integers(0, 75, (1, 13)), rng.integers(0, 75, (1, 13))
+    assert check_llama3_against_cpu(llama3_cuda, model, inputs, targets, verbose=False)
+
+
 def broken_launcher(name, real):
     """A wrong version of llama3_cuda's launcher `name` (real: the right one), for the check to catch."""
     def rope_backward_skipped(dinp, dout, cos, sin, B, T, nh, n_rot, HS):       # dq, dk not rotated back
