@@ -167,11 +167,15 @@ def op_index(page, label, layer=None):
 
 def hover_cell(page, div_id, row, col):
     """Move the mouse over the heatmap cell (row, col) (element indices) of Plotly div `div_id`
-    and return the hover label's text."""
+    and return the hover label's text. A label left from an earlier hover (the same cell before a
+    redraw) is cleared first, so the text read is the redrawn heatmap's."""
     x, y = page.evaluate("""([id, row, col]) => {
         const gd = document.getElementById(id), L = gd._fullLayout, box = gd.getBoundingClientRect();
         return [box.left + L.xaxis._offset + L.xaxis.l2p(col), box.top + L.yaxis._offset + L.yaxis.l2p(row)];
     }""", [div_id, row, col])
+    page.mouse.move(0, 0)                                          # off the plot, then no label left
+    page.evaluate("id => Plotly.Fx.unhover(document.getElementById(id))", div_id)
+    page.wait_for_selector(f"#{div_id} .hoverlayer .hovertext", state="detached")
     page.mouse.move(x, y)
     page.wait_for_selector(f"#{div_id} .hoverlayer .hovertext")
     return page.eval_on_selector(f"#{div_id} .hoverlayer .hovertext",      # SVG: one tspan per line

@@ -178,7 +178,7 @@ function heatmap(div, tile, opts) {
     yaxis: { autorange: "reversed", title: ry, tickvals: opts.yticks && opts.yticks.vals, ticktext: opts.yticks && opts.yticks.text },
     xaxis: { title: rx, tickvals: opts.xticks && opts.xticks.vals, ticktext: opts.xticks && opts.xticks.text },
   };
-  Plotly.react(div, [trace], layout, PLOT_CONFIG);
+  const drawn = Plotly.react(div, [trace], layout, PLOT_CONFIG);   // a promise: the plot is drawn
   div.dataset.reduce = tile.reduce;
   if (!div._zoomHooked && opts.onZoom) {
     div._zoomHooked = true;
@@ -187,6 +187,7 @@ function heatmap(div, tile, opts) {
     });
   }
   div._onZoom = opts.onZoom;
+  return drawn;
 }
 
 function zoomRange(ev, tile) {   // the element region a Plotly zoom asks for
@@ -350,7 +351,7 @@ async function drawParamDetail(zoom) {
   try {
     const tile = await api("/api/tile", { op: S.selected, tensor: key, ...(zoom || {}) });
     const label = { P: "model.P", G: "model.G", update: "AdamW update" }[which] + `["${p.name}"]` + (p.layer !== null ? `[${p.layer}]` : "");
-    heatmap($("param-heatmap"), tile, { axes: tile.axes, valueName: label, zmid: 0,
+    await heatmap($("param-heatmap"), tile, { axes: tile.axes, valueName: label, zmid: 0,
       title: `${label}: ${tile.rows} x ${tile.cols}` + (tile.reduce === "exact" ? "" : ` (blocks of ${tile.step.join("x")}: mean)`),
       onZoom: (ev) => drawParamDetail(zoomRange(ev, tile)) });
   } catch (e) {
