@@ -16,12 +16,12 @@ import pytest
 
 import gpt2_cpu as g
 from llmc.check import TOLERANCES, save_comparison
-from llmc.dataloader import DataLoader
 from llmc.debugger.harness import (DebuggerProcess, browser_page, choose, chromium_unavailable_reason, click,
                                    click_and_wait, hover_cell, op_index, show_view, wait_ready)
 from llmc.paths import DEFAULT_TRAIN
+from test_debugger import B, T, reference_gpt2  # noqa: E402  (tests/ is on sys.path: the same reference)
 
-B, T, STEPS = 2, 16, 2
+STEPS = 2                                         # test_debugger's ARGS: -b 2 -t 16 -x 2
 REASON = chromium_unavailable_reason() or (None if os.path.exists(DEFAULT_TRAIN) else "no Shakespeare data: make data")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"browser tests: {REASON}")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
@@ -31,22 +31,6 @@ def hover_value(page, div, row, col):
     """The number a heatmap's hover label shows for cell (row, col), as the float32 it names."""
     text = hover_cell(page, div, row, col)
     return np.float32(float(NUMBER.findall(text.split("\n")[-1])[-1])), text
-
-
-def reference():
-    """gpt2_cpu's first step on the first batch as train() takes it (d2, seed 42, -x STEPS):
-    (the model before the update, with its activations and gradients; the parameters after it)."""
-    model = g.gpt2_init(g.config_from_descriptor("d2"), 42)
-    x, y = DataLoader(DEFAULT_TRAIN, B, T).next_batch()
-    g.gpt2_zero_grad(model)
-    g.gpt2_forward(model, x, y)
-    g.gpt2_backward(model)
-    norm = g.gpt2_grad_norm(model)
-    after = g.GPT2(model.config)
-    after.params[...], after.grads[...] = model.params, model.grads
-    g.gpt2_update(after, g.learning_rate_at(0, "cosine", 3e-4, 0, STEPS, 0.0), g.ADAMW_BETA1, g.ADAMW_BETA2,
-                  g.ADAMW_EPS, 0.0, 1, 1.0 / norm if norm > 1.0 else 1.0)
-    return model, after
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +70,7 @@ def session(files):
 
 def test_a_whole_step_in_the_browser(session):
     dbg, page = session
-    ref, after = reference()
+    ref, after, _, _ = reference_gpt2()             # tests/test_debugger.py's: the same run, B, T, steps
     status = page.inner_text("#status")
     assert status.startswith("step 1 · micro-batch 1 · forward · op 1/51") and "encoder_forward" in status
     ln1 = op_index(page, "layernorm_forward -> ln1", 0)
