@@ -79,12 +79,10 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 
 // ----------------------------------------------------------------------------
 // the indices: threadIdx and blockIdx belong to the running CUDA thread (the worker sets them
-// at each switch), blockDim and gridDim to the launch. Hidden: each kernel library has its own
-// (shim/emulator.cpp is compiled into it), so g++ reaches them through the library's TLS block
-// (the local-dynamic model: one __tls_get_addr per function, not one per access)
+// at each switch), blockDim and gridDim to the launch
 
-extern __attribute__((visibility("hidden"))) thread_local uint3 threadIdx;
-extern __attribute__((visibility("hidden"))) thread_local uint3 blockIdx;
+extern thread_local uint3 threadIdx;
+extern thread_local uint3 blockIdx;
 extern dim3 blockDim;
 extern dim3 gridDim;
 
