@@ -274,7 +274,7 @@ def test_wrong_shuffle_masks_stop_the_launch(kernels, mask, active, lane_mask, m
 
 
 def test_mask_naming_missing_lanes_of_a_partial_warp(kernels):
-    out = cp.zeros(48, np.float32)                      # warp 1 has lanes 0-15 only
+    out = cp.zeros(48 * 4, np.float32)                  # warp 1 has lanes 0-15 only; 4 floats per thread
     with pytest.raises(build.EmulatorError, match="do not exist"):
         kernels.get_function("shuffles")((1,), (48,), (out, np.int32(32)))
 
@@ -532,7 +532,7 @@ def run_sanitized(mode, path, kernel, n, block):
 OUT_OF_BOUNDS = ("i < n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = (float)inp[i];",
                  "i <= n;\n         i += (size_t)gridDim.x * blockDim.x) {\n        out[i] = (float)inp[i];")
 ADAMW_OUT_OF_BOUNDS = ("i < begin + x128::size && i < n; i++)", "i < begin + x128::size && i <= n; i++)")
-MISSING_BARRIER = ("        warp_sums[warp] = value;\n    }\n    __syncthreads();", "        warp_sums[warp] = value;\n    }")
+MISSING_BARRIER = ("    values[threadIdx.x] = value;\n    __syncthreads();", "    values[threadIdx.x] = value;")   # blockSumToThread0
 WRONG_MASK = ("value += __shfl_xor_sync(FULL_WARP_MASK, value, offset);",
               "value += __shfl_xor_sync(0x0000ffffu, value, offset);")
 
