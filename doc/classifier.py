@@ -10,7 +10,7 @@ crossentropy_softmax_backward and a tiny GPT-2 from gpt2_init:
   3. weight tying: wte's gradient split into its classifier part and its encoder part, each
      recomputed on its own, and the sum checked against finite differences of the whole model;
   4. a NumPy emulation of kernels/classifier.cu's row-wise online logsumexp (1024 threads, strided
-     columns, warp-shuffle and block reductions), checked against the NumPy layers
+     columns, the block reduction in warp 0), checked against the NumPy layers
      (figures classifier_gradient.png and classifier_online.png).
 What it is not: a model of the kernel's speed or of its bf16 rounding (the emulation is fp32).
 
@@ -72,24 +72,15 @@ def softmax_state_add(m, l, x, valid):
     return np.where(valid, np.where(bigger, x, m), m), np.where(valid, l_new, l)
 
 
-def softmax_state_merge(ma, la, mb, lb):
-    """The kernel's softmax_state_merge: two partial states over disjoint columns -> one."""
-    m = np.maximum(ma, mb)
-    empty = m == -np.inf                                      # both empty: keep a (avoids -inf - -inf)
-    with np.errstate(invalid="ignore"):
-        l = la * np.exp(ma - m) + lb * np.exp(mb - m)
-    return np.where(empty, ma, m), np.where(empty, la, l)
-
-
-def warp_reduce(m, l):
-    """warpReduceSoftmax: butterfly over the last axis (32 lanes), lane i merging with lane i^offset;
-    afterwards every lane holds the warp's state."""
+def butterfly_sum(values):
+    """warpReduceSum: butterfly over the last axis (32 lanes), lane i adding lane i^offset's value,
+    in float32; afterwards every lane holds the sum."""
     lanes = np.arange(WARP_SIZE)
     offset = WARP_SIZE // 2
     while offset > 0:
-        m, l = softmax_state_merge(m, l, m[..., lanes ^ offset], l[..., lanes ^ offset])
+        values = values + values[..., lanes ^ offset]
         offset //= 2
-    return m, l
+    return values
 
 
 def fused_classifier_emulated(logits, targets, dloss, V):
@@ -109,15 +100,18 @@ def fused_classifier_emulated(logits, targets, dloss, V):
             valid = cols < V                                  # padded columns are skipped
             x = logits[:, np.minimum(cols, Vp - 1)]           # (N,BLOCK_THREADS)
             m, l = softmax_state_add(m, l, x, valid[None, :])
-    # blockReduceSoftmax: reduce each warp, then lane 0 of each warp into one more warp
-    num_warps = BLOCK_THREADS // WARP_SIZE
-    m, l = warp_reduce(m.reshape(N, num_warps, WARP_SIZE), l.reshape(N, num_warps, WARP_SIZE))
-    m, l = m[:, :, 0], l[:, :, 0]                             # (N,num_warps): warp_max[], warp_sum[]
-    pad = WARP_SIZE - num_warps                               # lanes >= num_warps start empty
-    m = np.concatenate([m, np.full((N, pad), -np.inf, np.float32)], axis=1)
-    l = np.concatenate([l, np.zeros((N, pad), np.float32)], axis=1)
-    m, l = warp_reduce(m, l)
-    m, l = m[:, 0], l[:, 0]                                   # (N,): every thread now has these
+    # blockReduceSoftmax: the 1024 states go to shared memory; lane j of warp 0 takes the states
+    # j, j + 32, j + 64, ... in order: the block's max M first, then each lane's sum of the states'
+    # sums rescaled to M (an empty state, m = -inf, adds nothing), then a butterfly sum over the lanes
+    M = m.max(axis=1)                                         # (N,): every thread gets M (a max is exact)
+    table_m = m.reshape(N, -1, WARP_SIZE)                     # [row, j, lane]: thread j*32 + lane
+    table_l = l.reshape(N, -1, WARP_SIZE)
+    lane_sums = np.zeros((N, WARP_SIZE), np.float32)
+    with np.errstate(invalid="ignore"):                       # exp(-inf - -inf) of a row of -inf, discarded
+        for j in range(table_m.shape[1]):
+            rescaled = table_l[:, j] * np.exp(table_m[:, j] - M[:, None])
+            lane_sums = lane_sums + np.where(table_m[:, j] == -np.inf, np.float32(0), rescaled)
+    m, l = M, butterfly_sum(lane_sums)[:, 0]                  # (N,): every thread now has these
     rows = np.arange(N)
     losses = m + np.log(l) - logits[rows, targets]            # lse - logit[target]
     cols = np.arange(Vp)

@@ -153,13 +153,33 @@ __device__ inline float warpReduceMax(float value) {
     return value;
 }
 
+// Two sums of one warp at once: each butterfly step moves both values in one 64-bit shuffle (the
+// hardware issues it as two 32-bit SHFLs, the emulated device as one warp exchange). The same
+// additions in the same order as two warpReduceSum calls, so the results are bitwise theirs.
+__device__ inline unsigned long long pack_floats(float low, float high) {
+    return ((unsigned long long)__float_as_uint(high) << 32) | __float_as_uint(low);
+}
+__device__ inline float low_float(unsigned long long packed) { return __uint_as_float((unsigned int)packed); }
+__device__ inline float high_float(unsigned long long packed) { return __uint_as_float((unsigned int)(packed >> 32)); }
+
+__device__ inline void warpReduceSum2(float& a, float& b) {
+    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
+        const unsigned long long other = __shfl_xor_sync(FULL_WARP_MASK, pack_floats(a, b), offset);
+        a += low_float(other);
+        b += high_float(other);
+    }
+}
+
 // Sum over the whole block, returned to every thread. Needs blockDim.x a multiple of 32, at most
 // 1024, and all threads of the block to call it (it contains __syncthreads). Step 1 reduces each
-// warp, step 2 lets every warp reduce the per-warp sums again, so all threads get the result.
-// The trailing __syncthreads lets the caller reduce again right away without a race on
-// warp_sums.
+// warp; step 2: warp 0 reduces the per-warp sums and writes the total to shared memory, which
+// every thread reads after the second __syncthreads (the other warps wait there instead of
+// repeating warp 0's shuffles). Calling it again right away is safe: warp 0 has read warp_sums
+// before the second barrier, and block_sum is rewritten only after the next call's first barrier,
+// which every thread reaches after reading it.
 __device__ inline float blockReduceSum(float value) {
     __shared__ float warp_sums[MAX_WARPS_PER_BLOCK];
+    __shared__ float block_sum;
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
@@ -168,10 +188,36 @@ __device__ inline float blockReduceSum(float value) {
         warp_sums[warp] = value;
     }
     __syncthreads();
-    value = (lane < num_warps) ? warp_sums[lane] : 0.0f;
-    value = warpReduceSum(value);
+    if (warp == 0) {
+        value = (lane < num_warps) ? warp_sums[lane] : 0.0f;
+        value = warpReduceSum(value);
+        if (lane == 0) {
+            block_sum = value;
+        }
+    }
     __syncthreads();
-    return value;
+    return block_sum;
+}
+
+// Sum over the whole block for a kernel that writes one value per block: the sum is returned to
+// thread 0 only (the others get a partial sum or 0). Every thread stores its value in shared
+// memory, and after one __syncthreads warp 0 adds them up: lane l the values l, l + 32, l + 64, ...
+// in order (consecutive lanes read consecutive words: no bank conflicts), then the 32 lanes in a
+// butterfly. The other warps are done after the barrier, and warp 0 needs no second one. The
+// order is fixed, so the result is deterministic. At most one call per kernel: a second would
+// overwrite values that warp 0 may still be reading.
+__device__ inline float blockSumToThread0(float value) {
+    __shared__ float values[MAX_WARPS_PER_BLOCK * WARP_SIZE];
+    values[threadIdx.x] = value;
+    __syncthreads();
+    float sum = 0.0f;
+    if (threadIdx.x < WARP_SIZE) {
+        for (int i = threadIdx.x; i < blockDim.x; i += WARP_SIZE) {
+            sum += values[i];
+        }
+        sum = warpReduceSum(sum);
+    }
+    return sum;
 }
 
 // ----------------------------------------------------------------------------
@@ -215,37 +261,54 @@ __device__ inline SoftmaxState softmax_state_merge(SoftmaxState a, SoftmaxState 
     return merged;
 }
 
+// max and sum travel together, one 64-bit shuffle per step (see warpReduceSum2)
 __device__ inline SoftmaxState warpReduceSoftmax(SoftmaxState state) {
     for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
+        const unsigned long long packed = __shfl_xor_sync(FULL_WARP_MASK, pack_floats(state.max, state.sum), offset);
         SoftmaxState other;
-        other.max = __shfl_xor_sync(FULL_WARP_MASK, state.max, offset);
-        other.sum = __shfl_xor_sync(FULL_WARP_MASK, state.sum, offset);
+        other.max = low_float(packed);
+        other.sum = high_float(packed);
         state = softmax_state_merge(state, other);
     }
     return state;
 }
 
-// same contract as blockReduceSum: every thread gets the block's state
+// The block's state, returned to every thread (all threads of the block must call it). Each
+// thread stores its state in shared memory; after a __syncthreads, warp 0 combines them in two
+// passes, lane l over the states l, l + 32, l + 64, ... in order: the block's max M first (then a
+// warp max), then the sum of every state's sum rescaled to M, sum_i s_i exp(m_i - M) (the
+// rescaling of softmax_state_merge, but the exps are independent of each other, so they overlap,
+// instead of a chain of merges), then a warp sum. A state that saw no values (m_i = -inf, s_i = 0)
+// adds nothing, so a row of -inf keeps M = -inf and sum 0. The other warps only wait at the two
+// barriers. Calling it again at once (the next row) is safe: warp 0 has read the arrays before the
+// second barrier, and block_state is rewritten only after the next call's first one.
 __device__ inline SoftmaxState blockReduceSoftmax(SoftmaxState state) {
-    __shared__ float warp_max[MAX_WARPS_PER_BLOCK];
-    __shared__ float warp_sum[MAX_WARPS_PER_BLOCK];
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int num_warps = blockDim.x / WARP_SIZE;
-    state = warpReduceSoftmax(state);
-    if (lane == 0) {
-        warp_max[warp] = state.max;
-        warp_sum[warp] = state.sum;
+    __shared__ float maxes[MAX_WARPS_PER_BLOCK * WARP_SIZE];
+    __shared__ float sums[MAX_WARPS_PER_BLOCK * WARP_SIZE];
+    __shared__ SoftmaxState block_state;
+    maxes[threadIdx.x] = state.max;
+    sums[threadIdx.x] = state.sum;
+    __syncthreads();
+    if (threadIdx.x < WARP_SIZE) {
+        float block_max = NEGATIVE_INFINITY;
+        for (int i = threadIdx.x; i < blockDim.x; i += WARP_SIZE) {
+            block_max = fmaxf(block_max, maxes[i]);
+        }
+        block_max = warpReduceMax(block_max);
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < blockDim.x; i += WARP_SIZE) {
+            if (maxes[i] != NEGATIVE_INFINITY) {
+                sum += sums[i] * expf(maxes[i] - block_max);
+            }
+        }
+        sum = warpReduceSum(sum);
+        if (threadIdx.x == 0) {
+            block_state.max = block_max;
+            block_state.sum = sum;
+        }
     }
     __syncthreads();
-    state = softmax_state_empty();
-    if (lane < num_warps) {
-        state.max = warp_max[lane];
-        state.sum = warp_sum[lane];
-    }
-    state = warpReduceSoftmax(state);
-    __syncthreads();
-    return state;
+    return block_state;
 }
 
 // ----------------------------------------------------------------------------

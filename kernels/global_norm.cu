@@ -8,14 +8,15 @@ limits.
 
 Kernels:
 - global_norm_squared: grid-stride sum of squares (x128 groups, then a scalar tail), reduced
-  over the block, written (=) to partial[num_slots_offset + blockIdx.x]. llm.c
+  over the block in one barrier (common.cuh blockSumToThread0: every thread's sum into shared
+  memory, warp 0 adds them), written (=) to partial[num_slots_offset + blockIdx.x]. llm.c
   dev/cuda/global_norm.cu's grid-stride + block reduction, but writing one slot per block
   instead of an atomicAdd, so the sum order is fixed (as train_gpt2.cu does). The launcher
   either makes one call over the flat gradient buffer, or one call per tensor with disjoint
   slot ranges (num_slots_offset += gridDim.x after each); with a fixed grid size the slot
   layout, and therefore the result, is the same every step.
 - global_norm_finalize: one block sums the num_partials slots (each thread a fixed strided
-  subset, in order, then a block reduction) and writes out[0] = sqrt(total) and out[1] = the
+  subset, in order, then blockSumToThread0) and writes out[0] = sqrt(total) and out[1] = the
   gradient clipping factor (grad_clip / norm above grad_clip, else 1), so AdamW reads it on the
   device and the step needs no host round trip. Blocks other than block 0 exit at once.
 
@@ -42,7 +43,7 @@ extern "C" __global__ void global_norm_squared(float* partial, const floatX* dat
         const float x = (float)data[i];
         sum += x * x;
     }
-    sum = blockReduceSum(sum);
+    sum = blockSumToThread0(sum);
     if (threadIdx.x == 0) {
         partial[num_slots_offset + blockIdx.x] = sum;
     }
@@ -59,7 +60,7 @@ extern "C" __global__ void global_norm_finalize(float* out, const float* partial
     for (int i = threadIdx.x; i < num_partials; i += blockDim.x) {
         sum += partial[i];
     }
-    sum = blockReduceSum(sum);
+    sum = blockSumToThread0(sum);
     if (threadIdx.x == 0) {
         const float norm = sqrtf(sum);
         out[0] = norm;

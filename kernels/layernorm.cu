@@ -217,8 +217,9 @@ extern "C" __global__ void layernorm_backward(floatX* dinp, float* scratch, cons
                 dnorm_norm_sum += dnorm * norm;
             }
         }
-        const float dnorm_mean = warpReduceSum(dnorm_sum) / C;
-        const float dnorm_norm_mean = warpReduceSum(dnorm_norm_sum) / C;
+        warpReduceSum2(dnorm_sum, dnorm_norm_sum);            // both sums, one shuffle per step
+        const float dnorm_mean = dnorm_sum / C;
+        const float dnorm_norm_mean = dnorm_norm_sum / C;
         for (int c = lane * x128::size; c < C; c += lane_stride) {
             const x128 dout_group = load128(dout + offset + c);
             const x128 inp_group = load128(inp + offset + c);

@@ -12,7 +12,9 @@ then the logits are overwritten by dlogits = (softmax - onehot(target)) * dloss:
             with warp shuffles. 32x the threads, every load a full cache line.
   version 3 (kernels/classifier.cu fused_classifier, production) gives each row a block
             (gpt2_cuda.py uses 1024 threads): the online softmax (max and sum in one pass,
-            Milakov & Gimelshein 2018) reduced over the block, x128 loads and stores. One read
+            Milakov & Gimelshein 2018) reduced over the block (each thread's state to shared
+            memory, warp 0 combines them: the block max, then the sums rescaled to it), x128
+            loads and stores. One read
             pass fewer, 16 bytes per load, and 32x more threads per row again: a 50304-column
             row is 1.5 elements per lane of a block instead of 1572 per lane of a warp.
 

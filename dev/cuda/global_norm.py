@@ -17,7 +17,9 @@ which the trainer's AdamW reads on the device:
   version 3 (kernels/global_norm.cu global_norm_squared + global_norm_finalize, production)
             has the same shape with x128 loads (streaming hint), and replaces the atomics by one
             slot per block that a second one-block kernel sums in order: deterministic, which
-            the trainer needs so that the clipping factor (and so the run) is reproducible.
+            the trainer needs so that the clipping factor (and so the run) is reproducible. Its
+            block reduction takes one barrier: each thread's sum goes to shared memory and warp
+            0 adds them (common.cuh blockSumToThread0); the other warps are done.
   version 4 (candidate: dev/cuda/global_norm.cu global_norm_squared_v4, then the production
             finalize): each thread issues 4 of its x128 loads before it sums any, 4x the bytes in
             flight. Version 3 read at 68% of the H100's copy bandwidth (a read-only kernel needs
