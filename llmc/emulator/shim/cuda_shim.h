@@ -154,41 +154,58 @@ inline unsigned __lane_id() {
     return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % warpSize;
 }
 
-// the shuffle's source lane for the calling lane; `width` splits the warp into segments
-inline int __shfl_source_idx(int src, int width) { return (__lane_id() & ~(width - 1)) + (src % width); }
-inline int __shfl_source_up(unsigned delta, int width) {
-    int lane = __lane_id();
-    return (lane % width) >= (int)delta ? lane - (int)delta : lane;
+// A shuffle's source lane depends on the calling lane; `width` splits the warp into segments. The
+// shuffle passes its rule (kind, parameter, width) to warp_call, and the launcher, which knows
+// the lane, applies it (shfl_source): the calling thread need not read threadIdx for it.
+enum ShflKind { SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR };
+constexpr int SHFL_PARAM_BITS = 8, SHFL_WIDTH_BITS = 8;
+// the parameter is reduced to what decides the source: idx's lane within the segment, a delta
+// above 32 as 32, an xor mask with bits above the warp's as 32 (each gives the calling lane)
+inline int __shfl_rule(ShflKind kind, int param, int width) {
+    return (int)kind << (SHFL_PARAM_BITS + SHFL_WIDTH_BITS) | width << SHFL_PARAM_BITS | param;
 }
-inline int __shfl_source_down(unsigned delta, int width) {
-    int lane = __lane_id();
-    return (lane % width) + (int)delta < width ? lane + (int)delta : lane;
-}
-inline int __shfl_source_xor(int lane_mask, int width) {
-    int lane = __lane_id(), src = lane ^ lane_mask;
-    return (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane;
+inline int __shfl_rule_idx(int src, int width) { return __shfl_rule(SHFL_IDX, src & (width - 1), width); }
+inline int __shfl_rule_up(unsigned delta, int width) { return __shfl_rule(SHFL_UP, delta < 32u ? (int)delta : 32, width); }
+inline int __shfl_rule_down(unsigned delta, int width) { return __shfl_rule(SHFL_DOWN, delta < 32u ? (int)delta : 32, width); }
+inline int __shfl_rule_xor(int lane_mask, int width) { return __shfl_rule(SHFL_XOR, (lane_mask & ~31) ? 32 : lane_mask, width); }
+// the source lane of `lane` under a rule of __shfl_rule (PTX ISA, shfl.sync: idx reads lane
+// (lane's segment) + src; up and down read lane -/+ delta, or the lane itself when that leaves
+// its segment; xor reads lane ^ mask, or the lane itself when that leaves its segment)
+inline int shfl_source(int rule, int lane) {
+    const int param = rule & ((1 << SHFL_PARAM_BITS) - 1);
+    const int width = (rule >> SHFL_PARAM_BITS) & ((1 << SHFL_WIDTH_BITS) - 1);
+    const int segment = lane & ~(width - 1);
+    switch ((ShflKind)(rule >> (SHFL_PARAM_BITS + SHFL_WIDTH_BITS))) {
+    case SHFL_IDX: return segment + param;
+    case SHFL_UP: return (lane % width) >= param ? lane - param : lane;
+    case SHFL_DOWN: return (lane % width) + param < width ? lane + param : lane;
+    default: {
+        const int src = lane ^ param;
+        return (src & ~(width - 1)) == segment ? src : lane;
+    }
+    }
 }
 
-template <class T> T __shfl_exchange(unsigned mask, T value, int source, const char* what) {
+template <class T> T __shfl_exchange(unsigned mask, T value, int rule, const char* what) {
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "a shuffle moves at most 8 bytes");
     unsigned long long bits = 0;
     memcpy(&bits, &value, sizeof(T));
-    bits = llmc_emu::warp_call(llmc_emu::WARP_SHFL, mask, bits, source, what);
+    bits = llmc_emu::warp_call(llmc_emu::WARP_SHFL, mask, bits, rule, what);
     T out;
     memcpy(&out, &bits, sizeof(T));
     return out;
 }
 template <class T> T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize) {
-    return __shfl_exchange(mask, var, __shfl_source_idx(src_lane, width), "__shfl_sync");
+    return __shfl_exchange(mask, var, __shfl_rule_idx(src_lane, width), "__shfl_sync");
 }
 template <class T> T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
-    return __shfl_exchange(mask, var, __shfl_source_up(delta, width), "__shfl_up_sync");
+    return __shfl_exchange(mask, var, __shfl_rule_up(delta, width), "__shfl_up_sync");
 }
 template <class T> T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
-    return __shfl_exchange(mask, var, __shfl_source_down(delta, width), "__shfl_down_sync");
+    return __shfl_exchange(mask, var, __shfl_rule_down(delta, width), "__shfl_down_sync");
 }
 template <class T> T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize) {
-    return __shfl_exchange(mask, var, __shfl_source_xor(lane_mask, width), "__shfl_xor_sync");
+    return __shfl_exchange(mask, var, __shfl_rule_xor(lane_mask, width), "__shfl_xor_sync");
 }
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
     return (unsigned)llmc_emu::warp_call(llmc_emu::WARP_VOTE, mask, predicate != 0, 0, "__ballot_sync");

@@ -206,9 +206,9 @@ NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mas
     t.op = op;
     t.mask = mask;
     t.value = value;
-    t.source = source;
     t.what = what;
     const int warp = t.linear / WARP, lane = t.linear % WARP;
+    t.source = op == WARP_SHFL ? shfl_source(source, lane) : source;     // a shuffle brings its rule
     if (!(t.mask >> lane & 1u)) {
         record_error(blockIdx, &t, "%s: the calling lane %d is not in its mask 0x%08x", t.what, lane, t.mask);
         return false;
@@ -259,7 +259,7 @@ NO_TSAN static bool warp_arrive(Block& b, CudaThread& t, WarpOp op, unsigned mas
         lanes[l].result = t.op == WARP_SHFL ? lanes[lanes[l].source].value : ballot;
     }
     b.warp_arrived[warp] &= ~t.mask;
-    for (int l = 0; l < WARP; l++) {
+    for (int l = WARP - 1; l >= 0; l--) {        // from the last lane: a wake that queues in front runs lane 0 first
         if (t.mask >> l & 1u) {
             lanes[l].wait = RUNNING;
             if (&lanes[l] != &t) wake(lanes[l]);
@@ -319,7 +319,8 @@ static uint3 block_index(long i) {
 // fiber mode
 //
 // A worker runs a block's threads in the order of its run queue: first every thread in threadIdx
-// order, then each thread again when its wait completes. A thread that never waits costs a
+// order, then each thread again when its wait completes: a barrier's threads join the back of the
+// queue, the lanes a warp call releases its front (a warp's shuffles run back to back). A thread that never waits costs a
 // function call: a *runner* (a loop on a fiber stack) calls the kernel for one thread after
 // another, as long as each returns. When a thread waits, its frames stay on the runner's stack,
 // and it hands the worker directly to the next thread of the queue: a fresh runner on a free
@@ -363,6 +364,7 @@ struct Worker {
     int queue[MAX_THREADS_PER_BLOCK];            // the run queue, a ring: a thread is in it at most once
     unsigned head, tail;                         // next to run, next free slot (both counting up)
     CudaThread* current;
+    uint3* thread_index;                         // &threadIdx of this worker's OS thread, found once per launch
 };
 static thread_local Worker* this_worker;
 
@@ -401,6 +403,9 @@ static void switch_context(Context& save, Context& next) { swapcontext(&save.uc,
 #endif
 
 static void enqueue(Worker& w, CudaThread& t) { w.queue[w.tail++ % MAX_THREADS_PER_BLOCK] = t.linear; }
+// in front of the queue: the lanes a warp call releases run next, so a warp goes through its
+// shuffles with its 32 stacks warm in the cache, instead of after every other thread of the block
+static void enqueue_first(Worker& w, CudaThread& t) { w.queue[--w.head % MAX_THREADS_PER_BLOCK] = t.linear; }
 
 // the next thread of the run queue, or nullptr when it is empty or the launch failed
 static CudaThread* next_thread(Worker& w) {
@@ -433,7 +438,7 @@ static void run_next(Worker& w, Context& save, CudaThread* next) {
     for (;;) {
         CudaThread& t = *w.current;
         t.started = true;
-        threadIdx = t.idx;
+        *w.thread_index = t.idx;                 // threadIdx, without a TLS lookup per thread
         launch_now->body(launch_now->args);
         t.wait = FINISHED;
         w.block.live--;
@@ -526,7 +531,7 @@ static void run_block(Worker& w, long index) {
 static void wait_here(Worker& w, CudaThread& t) {
     run_next(w, t.context, next_thread(w));
     w.current = &t;
-    threadIdx = t.idx;                           // gdb reads it here
+    *w.thread_index = t.idx;                     // threadIdx (gdb reads it there)
 }
 
 [[noreturn]] void fail(const char* format, ...) {
@@ -547,7 +552,7 @@ unsigned long long warp_call(WarpOp op, unsigned mask, unsigned long long value,
     Worker& w = *this_worker;
     CudaThread& t = *w.current;
     bool completed = false;
-    if (!warp_arrive(w.block, t, op, mask, value, source, what, &completed, [&](CudaThread& u) { enqueue(w, u); })) {
+    if (!warp_arrive(w.block, t, op, mask, value, source, what, &completed, [&](CudaThread& u) { enqueue_first(w, u); })) {
         switch_context(t.context, w.scheduler);  // failed: never resumed
     }
     if (!completed) wait_here(w, t);
@@ -605,6 +610,7 @@ static void give_back_stacks(Worker& w) {
 
 static void work(Worker& w) {
     this_worker = &w;
+    w.thread_index = &threadIdx;
 #if defined(__x86_64__)
     const ControlWords thread_control_words = exchange_control_words(FIBER_CONTROL_WORDS);
 #endif
