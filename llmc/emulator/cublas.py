@@ -30,6 +30,7 @@ speed, or its other calls.
 """
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -124,6 +125,21 @@ def _to_float32(x, dtype, tf32):
     return x
 
 
+_scratch = threading.local()            # per host thread: the fp32 product buffer of _gemm_on_host
+
+
+def _product_buffer(shape):
+    """An fp32 array of `shape` in a buffer kept for the next GEMM (grown when too small), for a
+    product that is scaled, accumulated or converted before it reaches C. A new array each call
+    would be a fresh mapping for a large product (the 51 MB gradient of wte at d4), whose page
+    faults cost twice the product itself."""
+    size = int(np.prod(shape))
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < size:
+        buffer = _scratch.buffer = np.empty(size, np.float32)
+    return buffer[:size].reshape(shape)
+
+
 def _check_gemm(name, transa, transb, m, n, k, Atype, lda, Btype, ldb, Ctype, ldc, compute, batch=1):
     """cuBLAS's argument checks of a GEMM: raises CUBLASError with the status cuBLAS returns for an
     unknown op, a negative size, a leading dimension below the stored rows, an unknown or mixed
@@ -181,7 +197,7 @@ def _gemm_on_host(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, 
         if direct:
             np.matmul(op_bt, op_at, out=ct)                                        # (n,k) @ (k,m) -> (n,m), fp32
             return
-        product = np.matmul(op_bt, op_at)                                          # (batch,n,m), fp32
+        product = np.matmul(op_bt, op_at, out=_product_buffer((batch, n, m)))     # (batch,n,m), fp32
     if alpha != 1.0:
         product *= np.float32(alpha)
     if beta == 1.0 and dtype == np.float32:                                        # C += product: the gradients'
