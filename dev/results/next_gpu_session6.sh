@@ -9,7 +9,9 @@
 #   2. the classifier's backward, versions 5 and 8, and version 8's other tiles (issue 36)
 #   3. the Llama 3 padded-vocabulary bench, ours and the twin (issue 41)
 #   4. B=64, ours and the twin, with and without the classifier chunk (issue 40)
-#   5. dev/cuda's AdamW and global-norm tables (issue 40)
+#   5. dev/cuda's AdamW, global-norm, classifier and layernorm tables (issue 40; the block
+#      reductions of global_norm and fused_classifier, and layernorm_backward's two row sums in one
+#      shuffle, changed on 2026-11-27 for the emulated device's speed, issue 42: timed on no GPU yet)
 START=$SECONDS; DEADLINE=${DEADLINE:-480}; LOG=$OUT/session6.log
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/llmc-site .whl/*.whl \
@@ -31,6 +33,6 @@ step 150 python3 dev/cuda/matmul.py --versions 5,8 --exclude '*_qkv,*_attproj,*_
 step 150 bash dev/results/next_gpu_issue41.sh
 step 150 python3 dev/bench.py -b 64 --steps 10 --warmup 3 --json $OUT/bench_b64.json
 step 40 python3 dev/bench.py --only cupy -b 64 --classifier-chunk 4 --steps 10 --warmup 3 --json $OUT/bench_b64_chunk4.json
-step 60 python3 dev/cuda/run_all.py adamw global_norm -r 20 -o $OUT
+step 100 python3 dev/cuda/run_all.py adamw global_norm classifier layernorm -r 20 -o $OUT
 step 90 python3 dev/cuda/matmul_tiles.py -o $OUT
 echo "session6: $((SECONDS - START)) s" | tee -a $LOG
