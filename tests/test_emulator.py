@@ -78,6 +78,15 @@ extern "C" __global__ void shuffles(float* out, int width) {
     o[3] = __shfl_sync(0xffffffffu, v, 9, width);
     (void)lane;
 }
+// the four shuffles with run-time operands, 4 floats per thread (test_shuffle_operands_as_ptx_reads_them)
+extern "C" __global__ void shuffle_operands(float* out, int width, int lane_mask, unsigned delta, int src) {
+    const float v = (float)(100 + threadIdx.x);
+    float* o = out + 4 * threadIdx.x;
+    o[0] = __shfl_xor_sync(0xffffffffu, v, lane_mask, width);
+    o[1] = __shfl_up_sync(0xffffffffu, v, delta, width);
+    o[2] = __shfl_down_sync(0xffffffffu, v, delta, width);
+    o[3] = __shfl_sync(0xffffffffu, v, src, width);
+}
 // lanes below `active` shuffle among themselves with `mask`, reading lane ^ `lane_mask`
 extern "C" __global__ void partial_shuffle(float* out, unsigned mask, int active, int lane_mask) {
     const int lane = threadIdx.x % 32;
@@ -252,6 +261,41 @@ def test_shuffles_match_cuda(kernels, width):
     out = cp.empty(64 * 4, np.float32)
     kernels.get_function("shuffles")((1,), (64,), (out, np.int32(width)))
     np.testing.assert_array_equal(out.get().reshape(64, 4), shuffle_reference(64, width))
+
+
+def ptx_shuffle_source(mode, lane, b, width):
+    """The source lane by the PTX ISA's shfl.sync semantics, operand by operand, with the c operand
+    CUDA's __shfl_*_sync pass: segment mask (32 - width), clamp 0 for up and 31 for the others."""
+    c = (32 - width) << 8 | (0 if mode == "up" else 0x1F)
+    bval, cval, segmask = b & 0x1F, c & 0x1F, (c >> 8) & 0x1F
+    max_lane = (lane & segmask) | (cval & ~segmask & 0x1F)
+    min_lane = lane & segmask
+    if mode == "up":
+        j, in_range = lane - bval, lane - bval >= max_lane
+    elif mode == "down":
+        j, in_range = lane + bval, lane + bval <= max_lane
+    elif mode == "bfly":
+        j, in_range = lane ^ bval, (lane ^ bval) <= max_lane
+    else:
+        j = min_lane | (bval & ~segmask & 0x1F)
+        in_range = j <= max_lane
+    return j if in_range else lane
+
+
+@pytest.mark.parametrize("width,lane_mask,delta,src", [
+    (16, 16, 40, -1),          # xor across segments: the upper reads the lower; delta 40 is 8; src -1 is 15
+    (8, 12, 33, 37),           # xor 12 = 8 + 4: lanes of odd segments read the segment below; delta 1; src 5
+    (32, 37, 31, 31),          # xor 37 reads as 5; the largest delta
+    (4, 3, 2, 6),              # small segments
+])
+def test_shuffle_operands_as_ptx_reads_them(kernels, width, lane_mask, delta, src):
+    out = cp.empty(64 * 4, np.float32)
+    kernels.get_function("shuffle_operands")((1,), (64,), (out, np.int32(width), np.int32(lane_mask),
+                                                              np.uint32(delta), np.int32(src)))
+    expected = np.array([[100 + t - t % 32 + ptx_shuffle_source(mode, t % 32, b, width)
+                          for mode, b in (("bfly", lane_mask), ("up", delta), ("down", delta), ("idx", src))]
+                         for t in range(64)], np.float32)
+    np.testing.assert_array_equal(out.get().reshape(64, 4), expected)
 
 
 def test_partial_mask_shuffles_among_its_lanes(kernels):

@@ -159,30 +159,29 @@ inline unsigned __lane_id() {
 // the lane, applies it (shfl_source): the calling thread need not read threadIdx for it.
 enum ShflKind { SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR };
 constexpr int SHFL_PARAM_BITS = 8, SHFL_WIDTH_BITS = 8;
-// the parameter is reduced to what decides the source: idx's lane within the segment, a delta
-// above 32 as 32, an xor mask with bits above the warp's as 32 (each gives the calling lane)
 inline int __shfl_rule(ShflKind kind, int param, int width) {
     return (int)kind << (SHFL_PARAM_BITS + SHFL_WIDTH_BITS) | width << SHFL_PARAM_BITS | param;
 }
-inline int __shfl_rule_idx(int src, int width) { return __shfl_rule(SHFL_IDX, src & (width - 1), width); }
-inline int __shfl_rule_up(unsigned delta, int width) { return __shfl_rule(SHFL_UP, delta < 32u ? (int)delta : 32, width); }
-inline int __shfl_rule_down(unsigned delta, int width) { return __shfl_rule(SHFL_DOWN, delta < 32u ? (int)delta : 32, width); }
-inline int __shfl_rule_xor(int lane_mask, int width) { return __shfl_rule(SHFL_XOR, (lane_mask & ~31) ? 32 : lane_mask, width); }
-// the source lane of `lane` under a rule of __shfl_rule (PTX ISA, shfl.sync: idx reads lane
-// (lane's segment) + src; up and down read lane -/+ delta, or the lane itself when that leaves
-// its segment; xor reads lane ^ mask, or the lane itself when that leaves its segment)
+// the lane or offset operand as shfl.sync reads it: its low 5 bits, b[4:0] (so a delta of 33 is 1)
+inline int __shfl_rule_idx(int src, int width) { return __shfl_rule(SHFL_IDX, src & 31, width); }
+inline int __shfl_rule_up(unsigned delta, int width) { return __shfl_rule(SHFL_UP, (int)(delta & 31u), width); }
+inline int __shfl_rule_down(unsigned delta, int width) { return __shfl_rule(SHFL_DOWN, (int)(delta & 31u), width); }
+inline int __shfl_rule_xor(int lane_mask, int width) { return __shfl_rule(SHFL_XOR, lane_mask & 31, width); }
+// The source lane of `lane` under a rule of __shfl_rule: the PTX ISA's shfl.sync with the c operand
+// CUDA's intrinsics pass (segment mask 32 - width; clamp 0 for up, 31 otherwise). Its segment runs
+// from minLane = lane & ~(width - 1) to maxLane = minLane + width - 1: idx reads minLane + (b mod
+// width); up reads lane - b if that is >= minLane; down and xor read lane + b and lane ^ b if those
+// are <= maxLane. Else the lane reads itself. So an xor may read an earlier segment, never a later.
 inline int shfl_source(int rule, int lane) {
     const int param = rule & ((1 << SHFL_PARAM_BITS) - 1);
     const int width = (rule >> SHFL_PARAM_BITS) & ((1 << SHFL_WIDTH_BITS) - 1);
-    const int segment = lane & ~(width - 1);
+    const int min_lane = lane & ~(width - 1);
+    const int max_lane = min_lane + width - 1;
     switch ((ShflKind)(rule >> (SHFL_PARAM_BITS + SHFL_WIDTH_BITS))) {
-    case SHFL_IDX: return segment + param;
-    case SHFL_UP: return (lane % width) >= param ? lane - param : lane;
-    case SHFL_DOWN: return (lane % width) + param < width ? lane + param : lane;
-    default: {
-        const int src = lane ^ param;
-        return (src & ~(width - 1)) == segment ? src : lane;
-    }
+    case SHFL_IDX: return min_lane + (param & (width - 1));
+    case SHFL_UP: return lane - param >= min_lane ? lane - param : lane;
+    case SHFL_DOWN: return lane + param <= max_lane ? lane + param : lane;
+    default: return (lane ^ param) <= max_lane ? (lane ^ param) : lane;
     }
 }
 
