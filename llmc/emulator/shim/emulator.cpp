@@ -320,9 +320,9 @@ static uint3 block_index(long i) {
 //
 // A worker runs a block's threads in the order of its run queue: first every thread in threadIdx
 // order, then each thread again when its wait completes: a barrier's threads join the back of the
-// queue, the lanes a warp call releases its front (a warp's shuffles run back to back). A thread that never waits costs a
-// function call: a *runner* (a loop on a fiber stack) calls the kernel for one thread after
-// another, as long as each returns. When a thread waits, its frames stay on the runner's stack,
+// queue, the lanes a warp call releases its front (a warp's shuffles run back to back). A thread
+// that never waits costs a function call: a *runner* (a loop on a fiber stack) calls the kernel
+// for one thread after another, as long as each returns. When a thread waits, its frames stay on the runner's stack,
 // and it hands the worker directly to the next thread of the queue: a fresh runner on a free
 // stack when that thread has not started, else the waiting thread itself (a warp whose lanes only
 // shuffle switches lane to lane). The worker's own stack (the scheduler) is reached only when the
