@@ -1004,6 +1004,40 @@ def test_classifier_kernel(device, gpu_rng, precision, B, T, V, Vp):
 
 
 @pytest.mark.parametrize("device", on_devices([()]), indirect=True)
+def test_classifier_block_reduction_on_rows_that_stress_it(device):
+    """kernels/common.cuh blockReduceSoftmax on the rows that test its merge, in fp32 against a
+    float64 logsumexp: row 0 spans 1e4 (most threads' sums rescale to 0 against the block's max),
+    row 1 has one finite logit among -inf (every other thread's state is empty: m = -inf, sum 0),
+    row 2 holds a NaN (a diverged model shows a NaN loss, and NaN gradients)."""
+    cp = llmc.cuda.cupy()
+    V, Vp, rows = 1000, 1024, 3
+    rng = np.random.default_rng(11)
+    logits = np.zeros((rows, Vp), np.float32)
+    logits[0] = rng.uniform(-5000, 5000, Vp)
+    logits[1] = -np.inf
+    logits[1, 777] = 3.0
+    logits[2] = rng.standard_normal(Vp)
+    logits[2, 5] = np.nan
+    logits[:, V:] = 1e30                                   # padding: must be ignored
+    targets = np.array([int(np.argmax(logits[0, :V])) - 1, 777, 9], np.int32)
+    real = logits[:, :V].astype(np.float64)
+    top = real[:2].max(axis=1, keepdims=True)
+    lse = top[:, 0] + np.log(np.exp(real[:2] - top).sum(axis=1))
+    expected = lse - real[np.arange(2), targets[:2]]
+    dev = cp.asarray(logits)
+    losses = cp.full((rows,), np.nan, np.float32)
+    dloss = 0.25
+    gpt2_cuda.fused_classifier(dev, losses, cp.asarray(targets), dloss, 1, rows, V, Vp, write_dlogits=True)
+    got, dlogits = losses.get(), dev.get()
+    np.testing.assert_allclose(got[:2], expected, rtol=1e-6, atol=1e-4)
+    assert got[1] == 0.0 and np.all(dlogits[1] == 0.0), "p = 1 at the one finite logit, 0 elsewhere"
+    probs = np.exp(real[0] - lse[0])
+    np.testing.assert_allclose(dlogits[0, :V], (probs - (np.arange(V) == targets[0])) * dloss, atol=1e-7)
+    assert np.isnan(got[2]) and np.isnan(dlogits[2, :V]).all()
+    assert np.all(dlogits[:, V:] == 0.0)
+
+
+@pytest.mark.parametrize("device", on_devices([()]), indirect=True)
 def test_stochastic_rounding_near_the_largest_float_never_gives_nan(device):
     # AdamW's bf16 store of a value just under float32's largest: the stochastic carry out of the
     # largest finite bf16 must give inf (the high half 0x7F80), never NaN (kernels/common.cuh)
