@@ -3,12 +3,13 @@ kernels/tensor_core.cuh: the sm_80 tensor-core and asynchronous-copy instruction
 functions, one per instruction, for the kernels that use them (dev/cuda/matmul.cu's versions 6-8,
 kernels/flash_attention.cu).
 
-Each function's body is the instruction's inline PTX when NVRTC compiles for a GPU, and a call of
-the emulated device's implementation of the same instruction when g++ compiles for the emulated
-device (llmc/emulator/shim/tensor_cores.h, LLMC_EMULATED_DEVICE): the kernels that call them are
-one source for both. The emulated versions follow the PTX ISA's lane layouts and check its rules
-(alignment, shared-memory addresses, every lane of the warp in the same instruction), and a
-cp.async lands at its wait, not at its issue.
+Each function's body is the instruction's inline PTX, for a GPU and the emulated device alike:
+before g++ compiles a kernel for the emulated device, llmc/emulator/ptx.py turns each asm
+statement into a call of the emulator's implementation of that instruction
+(llmc/emulator/shim/tensor_cores.h), its operands bound as the asm binds them. The emulated
+instructions follow the PTX ISA's lane layouts and check its rules (alignment, shared-memory
+addresses, every lane of the warp in the same instruction), and a cp.async lands at its wait, not
+at its issue.
 
 The instructions (NVIDIA, "Parallel Thread Execution ISA", sections named after each):
 - mma_m16n8k16_bf16(d, a, b, c): mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, D = A B + C,
@@ -48,45 +49,6 @@ __device__ inline unsigned pack_bf16x2(float lo, float hi) {
            (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16;
 }
 
-#if defined(LLMC_EMULATED_DEVICE)
-
-__device__ inline void mma_m16n8k16_bf16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
-    llmc_emu::mma_m16n8k16_row_col_f32_bf16(d, a, b, c);
-}
-__device__ inline void ldmatrix_x1(unsigned r[1], const void* row) {
-    llmc_emu::ldmatrix_m8n8_b16(r, 1, false, row, "ldmatrix.sync.aligned.m8n8.x1.shared.b16");
-}
-__device__ inline void ldmatrix_x2(unsigned r[2], const void* row) {
-    llmc_emu::ldmatrix_m8n8_b16(r, 2, false, row, "ldmatrix.sync.aligned.m8n8.x2.shared.b16");
-}
-__device__ inline void ldmatrix_x4(unsigned r[4], const void* row) {
-    llmc_emu::ldmatrix_m8n8_b16(r, 4, false, row, "ldmatrix.sync.aligned.m8n8.x4.shared.b16");
-}
-__device__ inline void ldmatrix_x1_trans(unsigned r[1], const void* row) {
-    llmc_emu::ldmatrix_m8n8_b16(r, 1, true, row, "ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16");
-}
-__device__ inline void ldmatrix_x2_trans(unsigned r[2], const void* row) {
-    llmc_emu::ldmatrix_m8n8_b16(r, 2, true, row, "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16");
-}
-__device__ inline void ldmatrix_x4_trans(unsigned r[4], const void* row) {
-    llmc_emu::ldmatrix_m8n8_b16(r, 4, true, row, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16");
-}
-template <int BYTES>
-__device__ inline void cp_async_ca(void* smem, const void* gmem) {
-    llmc_emu::cp_async(smem, gmem, BYTES, BYTES, "cp.async.ca.shared.global");
-}
-__device__ inline void cp_async_cg(void* smem, const void* gmem, int src_bytes = 16) {
-    llmc_emu::cp_async(smem, gmem, 16, src_bytes, "cp.async.cg.shared.global");
-}
-__device__ inline void cp_async_commit_group() { llmc_emu::cp_async_commit_group(); }
-template <int N>
-__device__ inline void cp_async_wait_group() { llmc_emu::cp_async_wait_group(N); }
-__device__ inline void cp_async_wait_all() {
-    llmc_emu::cp_async_commit_group();
-    llmc_emu::cp_async_wait_group(0);
-}
-
-#else
 
 __device__ inline unsigned shared_address(const void* p) {
     unsigned address;
@@ -136,5 +98,3 @@ __device__ inline void cp_async_commit_group() { asm volatile("cp.async.commit_g
 template <int N>
 __device__ inline void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 __device__ inline void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-#endif

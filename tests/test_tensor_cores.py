@@ -306,6 +306,42 @@ def test_broken_rules_stop_the_launch_naming_the_thread(rule_kernels, name, bloc
     assert f"kernel {name}, block (0,0,0)" in str(e.value)
 
 
+def test_kernels_hold_no_emulator_only_branch():
+    """One kernel source: the emulated device compiles kernels/ as a GPU does, inline PTX included
+    (llmc/emulator/ptx.py translates it), so no file there asks which device it is built for."""
+    for name in sorted(os.listdir(os.path.join(ROOT, "kernels"))):
+        with open(os.path.join(ROOT, "kernels", name)) as f:
+            assert "LLMC_EMULATED_DEVICE" not in f.read(), name
+
+
+def test_inline_ptx_becomes_the_emulators_instructions_line_for_line():
+    from llmc.emulator import ptx
+    with open(os.path.join(ROOT, "kernels", "tensor_core.cuh")) as f:
+        source = f.read()
+    translated = ptx.translate(source)
+    assert not ptx.has_inline_asm(translated) and ptx.has_inline_asm(source)
+    before, after = source.splitlines(), translated.splitlines()
+    assert len(before) == len(after)                    # gdb's and g++'s line numbers stay the file's
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+    # the line of each asm now holds its call; the asm's continuation lines are left empty (its ';' on the last)
+    assert changed and all("asm" in before[i] or after[i].strip() in ("", ";") for i in changed)
+    assert "llmc_emu::mma_m16n8k16_row_col_f32_bf16(llmc_d, llmc_a, llmc_b, llmc_c); d[0] = llmc_d[0];" in translated
+    assert ("llmc_emu::cp_async(llmc_emu::shared_window_pointer((unsigned)(shared_address(smem))), "
+            "(const void*)(gmem), (int)16, (int)(src_bytes), \"cp.async.cg.shared.global\");") in translated
+
+
+def test_inline_ptx_the_emulator_lacks_is_named():
+    from llmc.emulator import device as emulated
+    code = ('extern "C" __global__ void lane_of(unsigned* out) {\n'
+            '    unsigned lane;\n'
+            '    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));\n'
+            '    out[threadIdx.x] = lane;\n'
+            '}\n')
+    module = emulated.RawModule(code=code, options=("-DENABLE_BF16",))
+    with pytest.raises(emulated.cuda.compiler.CompileException, match=r"no implementation of the inline PTX 'mov\.u32 %0, %%laneid;'"):
+        module.compile()
+
+
 def test_an_aligned_ldmatrix_of_the_same_kernel_runs(rule_kernels):
     from llmc.emulator import device as emulated
     out = emulated.zeros(32, np.uint32)

@@ -1,7 +1,9 @@
 """llmc/emulator/build.py: kernels/<file>.cu compiled by g++ into a host shared library, cached,
 loaded with ctypes, and launched with CuPy's (grid, block, args).
 
-The kernel file is compiled unmodified: a generated unit includes it after the shim
+The kernel file is compiled unmodified, but for its inline PTX (a build that includes an asm
+statement compiles copies in which llmc/emulator/ptx.py has turned each into the emulator's
+implementation of that instruction): a generated unit includes it after the shim
 (shim/cuda_shim.h, force-included; `#include <cuda_bf16.h>` finds shim/cuda_bf16.h first), then
 the launcher (shim/emulator.cpp), then one extern "C" entry per `extern "C" __global__` kernel
 of the file that the preprocessor keeps with the build's defines (built_kernel_names):
@@ -28,6 +30,8 @@ import sys
 import tempfile
 
 import numpy as np
+
+from llmc.emulator import ptx
 
 EMULATOR_DIR = os.path.dirname(os.path.abspath(__file__))
 SHIM_DIR = os.path.join(EMULATOR_DIR, "shim")
@@ -75,15 +79,25 @@ def kernel_names(source):
     return KERNEL_PATTERN.findall(source)
 
 
-def built_kernel_names(path, flags):
-    """The kernels of the .cu file `path` that exist when it is compiled with `flags`: a kernel
-    inside `#if defined(ENABLE_BF16)` is one of the bf16 build's only, as NVRTC compiles it. g++'s
-    -E -fdirectives-only evaluates the conditionals and the includes without expanding macros,
-    so KERNEL_PATTERN still finds each `extern "C" __global__` as written. Raises EmulatorError."""
+def preprocessed(path, flags):
+    """g++'s -E -fdirectives-only output of the .cu file `path` with `flags`: the conditionals
+    and the includes evaluated, the macros not expanded. Raises EmulatorError."""
     result = subprocess.run([CXX, *flags, "-x", "c++", "-E", "-fdirectives-only", path], capture_output=True, text=True)
     if result.returncode != 0:
         raise EmulatorError(f"{path}: g++ failed to preprocess it for the emulated device:\n{result.stderr[-4000:]}")
-    return kernel_names(result.stdout)
+    return result.stdout
+
+
+def built_kernel_names(path, flags):
+    """The kernels of the .cu file `path` that exist when it is compiled with `flags`: a kernel
+    inside `#if defined(ENABLE_BF16)` is one of the bf16 build's only, as NVRTC compiles it.
+    KERNEL_PATTERN still finds each `extern "C" __global__` as written in the preprocessed text."""
+    return kernel_names(preprocessed(path, flags))
+
+
+def included_files(text):
+    """The files a preprocessed text came from (its linemarkers `# N "path"`), as absolute paths."""
+    return {os.path.abspath(p) for p in re.findall(r'^# \d+ "([^"<]+)"', text, re.M)}
 
 
 def compiler_flags(defines, include_dirs, mode="fibers"):
@@ -159,6 +173,8 @@ def library_base(path, defines, include_dirs, mode="fibers"):
     for name in SHIM_FILES:
         with open(os.path.join(SHIM_DIR, name), "rb") as f:
             digest.update(f.read())
+    with open(ptx.__file__, "rb") as f:                # the translation of inline PTX
+        digest.update(f.read())
     digest.update(" ".join(flags + (compiler_version(), os.path.abspath(path))).encode())
     stem = os.path.splitext(os.path.basename(path))[0]
     return os.path.join(CACHE_DIR, f"{stem}-{mode}-{digest.hexdigest()[:16]}"), source, flags
@@ -221,18 +237,35 @@ def cached_library_problem(base):
     return None
 
 
+def inline_ptx_translated(base, path, flags, included):
+    """(the .cu file to compile, the flags) for `path`: itself and `flags` when no file it
+    includes (`included`, absolute paths) holds inline asm, else the copies llmc.emulator.ptx writes under base.ptx/ with their
+    asm statements turned into the emulator's instructions, and the -I directories of the copies.
+    Raises EmulatorError for an instruction the emulated device lacks."""
+    include_dirs = [f[2:] for f in flags if f.startswith("-I") and f[2:] != SHIM_DIR]
+    try:
+        compiled, dirs = ptx.emulated_sources(path, include_dirs, base + ".ptx", included)
+    except ValueError as e:
+        raise EmulatorError(f"{path}: {e}") from None
+    kept = tuple(f for f in flags if not (f.startswith("-I") and f[2:] != SHIM_DIR))
+    return compiled, kept + tuple(f"-I{d}" for d in dirs)
+
+
 def build_library(base, path, flags, defines):
     """Compile the generated unit of `path` into base.so. Every file is written under a private
     temporary name and renamed into place (the unit base.cpp, kept for reading; the library; then
     its size and checksum, base.sha256, last), so a process that reads the cache never sees a
     half-written file. The caller holds base.lock. Raises EmulatorError with g++'s log."""
+    text = preprocessed(path, flags)
+    names = kernel_names(text)
+    compiled, flags = inline_ptx_translated(base, path, flags, included_files(text))
     unit_fd, unit_tmp = tempfile.mkstemp(suffix=".cpp", dir=CACHE_DIR)
     so_fd, so_tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
     os.close(so_fd)
     try:
         traced = "-DLLMC_EMU_TRACE" in flags
         with os.fdopen(unit_fd, "w") as f:
-            f.write(unit_source(os.path.abspath(path), built_kernel_names(path, flags), with_launcher=not traced))
+            f.write(unit_source(os.path.abspath(compiled), names, with_launcher=not traced))
         if traced:
             commands = traced_build_commands(flags, unit_tmp, so_tmp)
         else:

@@ -114,6 +114,10 @@ inline void warp_gather(const void* mine, void* all, int bytes, const char* what
 }
 // whether [p, p + bytes) lies inside one __shared__ array of the running block
 bool is_shared(const void* p, size_t bytes);
+// cvta.to.shared and back: a shared array's generic address as the 32-bit address of the .shared
+// window (fails for an address outside the block's shared memory), and that address as a pointer
+unsigned shared_window_address(const void* p);
+void* shared_window_pointer(unsigned address);
 // cp.async (tensor_cores.h): the copy's source read now, its destination written at the wait
 void cp_async(void* dst, const void* src, int cp_size, int src_size, const char* what);
 void cp_async_commit_group();

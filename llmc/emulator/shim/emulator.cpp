@@ -850,6 +850,25 @@ NO_TSAN static void run_grid(long num_blocks) {
 #endif
 
 // ----------------------------------------------------------------------------
+// the shared-memory window (the PTX ISA's "cvta": cvta.to.shared turns a generic address into
+// one of the .shared state space, the 32-bit address that ldmatrix and cp.async take). Here the
+// window starts where this library's __shared__ arrays start: the TLS block in fiber mode, the
+// llmc_emu_shared section in OS-thread mode.
+
+#ifdef LLMC_EMU_OS_THREADS
+static char* shared_window() { return __start_llmc_emu_shared; }
+#else
+static char* shared_window() { return tls_block(); }
+#endif
+
+unsigned shared_window_address(const void* p) {
+    if (!is_shared(p, 1)) fail("cvta.to.shared: the address %p is not inside the block's shared memory", p);
+    return (unsigned)((const char*)p - shared_window());
+}
+
+void* shared_window_pointer(unsigned address) { return shared_window() + address; }
+
+// ----------------------------------------------------------------------------
 // cp.async (tensor_cores.h, the PTX ISA's "cp.async", "cp.async.commit_group" and
 // "cp.async.wait_group"): each CUDA thread keeps its copies in flight; a copy joins the group that
 // the thread's next commit_group closes, and wait_group N lands every copy of the committed groups

@@ -13,8 +13,9 @@ of sm_80 on the emulated device, with the lane layouts and rules of NVIDIA's PTX
   thread); the rules they check are listed here.
 
 Kernels never call these directly: kernels/tensor_core.cuh gives each instruction one inline
-function, whose body is the inline PTX under NVRTC and a call of these under g++, so that the
-kernel source a GPU runs is the source the emulated device runs.
+function whose body is its inline PTX, and llmc/emulator/ptx.py turns each asm statement into a
+call of these before g++ compiles the kernel, so that the kernel source a GPU runs is the source
+the emulated device runs.
 
 How a warp-collective instruction is emulated: each lane brings its operand registers (or the row
 of a matrix it was given the address of) to llmc_emu::warp_gather, which waits until all 32 lanes
