@@ -14,7 +14,8 @@ sampler's KV cache excepted). A step runs wholly on the device, the gradient cli
 included, with no device-to-host synchronization inside it; its loss and norm are copied back at
 its end and logged a step late, while the next step runs (with -sl / -sg, or ZeRO-1 over several
 ranks, the host reads them before the update instead). The attention path (--attention naive |
-flash | cudnn) and the matmul backend (cuBLAS, or --cublaslt 1; -f 1: TF32; --residual-epilogue)
+flash | cudnn) and the matmul backend (cuBLAS, or --cublaslt 1; -f 1: TF32; --residual-epilogue,
+--cublaslt-autotune, -ge)
 are objects chosen once by setup_model and kept on the model; --cuda-graph 1 (the default on a
 GPU) replays the whole step as one CUDA graph (one per micro-batch with -d > B*T); --lora-rank R fine-tunes LoRA adapters on the frozen
 model (llmc/lora_device.py, doc/lora.md). Precision: bf16 (the default from
@@ -1296,7 +1297,8 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     optimizer shard of this rank of comm (default: one process), its matmul backend from -f and
     --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
-    matmul, fallback = matmul_backend(args.cublaslt, tf32, args.residual_epilogue)
+    matmul, fallback = matmul_backend(args.cublaslt, tf32, args.residual_epilogue, args.cublaslt_autotune,
+                                      args.gelu_fusion)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
@@ -1453,6 +1455,10 @@ def train(args):
             lines.line(step, lr, *host_step(model, run, args, comm, step, lr, cuda_graph, nccl),
                        time.perf_counter() - t0)
     lines.flush()
+    if getattr(model.matmul, "autotune", 1) > 1:
+        from llmc import cublaslt
+        for line in cublaslt.tuning_report():       # what --cublaslt-autotune found, product by product
+            run.say(f"cuBLASLt autotune: {line}")
     if args.lora_save and comm.rank == 0:
         save_lora(args.lora_save, model, LORA_FAMILY, args.model)
         run.say(f"LoRA adapters written to {args.lora_save}")

@@ -15,7 +15,7 @@ and llama3_cuda.py's steps are timed from their start to the read of their loss.
 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), the device memory in use at the end
 (total - free: the CUDA context, the allocator's pool, library workspaces), and the ratio of the
 two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph, --cublaslt,
---residual-epilogue, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
+--residual-epilogue, --cublaslt-autotune, --gelu-fusion, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
 Every B of ours is timed before the twin's, and each (trainer, B) prints its line as soon as it is
 done: a worker that fails (a traceback, an error) is one line saying so, and the rest still run, so
 a bench that is cut short or fails at its end keeps the numbers it has (exit status 1 if any failed).
@@ -54,6 +54,8 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py --only cupy -b 16          # one trainer, one B
     python dev/bench.py --attention flash --cuda-graph 0
     python dev/bench.py -b 64 --residual-epilogue 1 --classifier-chunk 4
+    python dev/bench.py --only cupy -b 16 --cublaslt-autotune 8   # and what each GEMM's tuning found
+    python dev/bench.py --only cupy -b 16 --gelu-fusion 0          # the GELU in our kernels, not the GEMMs'
     python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
     python dev/bench.py -e llama3:d4                # llama3_cuda.py against dev/torch_reference_llama3.py
@@ -144,18 +146,21 @@ def device_memory_and_name(trainer):
     return total - free, props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
 
 
-def cupy_matmul(use_cublaslt, residual_epilogue=0):
+def cupy_matmul(use_cublaslt, residual_epilogue=0, autotune=1, gelu_fusion=2):
     """The linear layers' backend of the bench's model for --cublaslt 0, 1 or auto (and
-    --residual-epilogue), as the trainer chooses it (llmc.matmul.matmul_backend), except that 1
+    --residual-epilogue, --cublaslt-autotune, --gelu-fusion), as the trainer chooses it
+    (llmc.matmul.matmul_backend), except that 1
     raises RuntimeError where cuBLASLt is unavailable, so that the bench never times cuBLAS under
     cuBLASLt's name."""
-    matmul, fallback = llmc.matmul.matmul_backend(use_cublaslt, residual_epilogue=residual_epilogue)
+    matmul, fallback = llmc.matmul.matmul_backend(use_cublaslt, residual_epilogue=residual_epilogue, autotune=autotune,
+                                                  gelu_fusion=gelu_fusion)
     if fallback and use_cublaslt == 1:
         raise RuntimeError(fallback)
     return matmul
 
 
-def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilogue=0, classifier_chunk=0):
+def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilogue=0, classifier_chunk=0,
+               autotune=1, gelu_fusion=2):
     """gpt2_cuda.py's model in bf16 with its buffers for (B,T), on a created stream (a CUDA graph
     cannot be captured on the legacy default stream), and the fixed batch."""
     cupy = llmc.cuda.cupy()
@@ -167,7 +172,8 @@ def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilog
     if fallback:
         print(f"dev/bench.py: {fallback}", file=sys.stderr)
     model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True, attention=path,
-                           matmul=cupy_matmul(use_cublaslt, residual_epilogue), classifier_chunk=classifier_chunk)
+                           matmul=cupy_matmul(use_cublaslt, residual_epilogue, autotune, gelu_fusion),
+                           classifier_chunk=classifier_chunk)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
     llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), model.precision)
     gpt2_cuda.gpt2_allocate(model, (B, T))
@@ -226,7 +232,7 @@ def cupy_step(model, x, y, step, cuda_graph, readback):
 
 
 def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto",
-               residual_epilogue=0, classifier_chunk=0, pad_vocab=False):
+               residual_epilogue=0, classifier_chunk=0, pad_vocab=False, autotune=1, gelu_fusion=2):
     """Train gpt2_cuda.py's model (llama3_cuda.py's for -e llama3:dX, pad_vocab its --pad-vocab)
     num_steps steps on one fixed batch; return (seconds per step, losses, config, the model, the batch). gpt2_cuda.py's steps
     are read a step late, as its train() logs them: step s is queued before step s-1's loss is
@@ -245,7 +251,8 @@ def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, 
             times.append(time.perf_counter() - t0)
         llmc.cuda.cupy().cuda.get_current_stream().synchronize()
         return times, losses, cfg, model, (x, y)
-    model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt, residual_epilogue, classifier_chunk)
+    model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt, residual_epilogue, classifier_chunk,
+                                    autotune, gelu_fusion)
     readback = gpt2_cuda.StepReadback(B * T)
     times, losses, pending = [], [], None
     last_read = time.perf_counter()
@@ -401,7 +408,8 @@ def worker(args):
             times, losses, cfg, model, (x, y) = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps,
                                                            args.attention, cuda_graph_of(args), args.cublaslt,
                                                            args.residual_epilogue, args.classifier_chunk,
-                                                           bool(args.pad_vocab))
+                                                           bool(args.pad_vocab), args.cublaslt_autotune,
+                                                           args.gelu_fusion)
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1)
         else:
@@ -426,6 +434,9 @@ def worker(args):
               "device": device, "losses": losses, "breakdown": breakdown}
     if args.worker == "cupy":                               # what auto chose, for the breakdown's heading
         result.update(attention=model.attention.name, matmul=model.matmul.name, cuda_graph=cuda_graph_of(args))
+        if args.cublaslt_autotune > 1:                      # what the autotuning found, product by product
+            from llmc import cublaslt
+            result["autotune"] = cublaslt.tuning_report()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -443,6 +454,7 @@ def worker_command(trainer, B, args, probe):
             "-e", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--attention", args.attention, "--cuda-graph", str(args.cuda_graph), "--cublaslt", str(args.cublaslt),
             "--residual-epilogue", str(args.residual_epilogue), "--classifier-chunk", str(args.classifier_chunk),
+            "--cublaslt-autotune", str(args.cublaslt_autotune), "--gelu-fusion", str(args.gelu_fusion),
             "--compile", str(args.compile), "--pad-vocab", str(args.pad_vocab)] + (["--probe"] if probe else [])
 
 
@@ -505,7 +517,8 @@ def options_line(args):
     return (f"GPT-2 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
             f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
             f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}, residual epilogue "
-            f"{args.residual_epilogue}, classifier chunk {args.classifier_chunk}; twin: torch.compile {args.compile}")
+            f"{args.residual_epilogue}, cuBLASLt autotune {args.cublaslt_autotune}, GELU fusion {args.gelu_fusion}, "
+            f"classifier chunk {args.classifier_chunk}; twin: torch.compile {args.compile}")
 
 
 def print_table(runs, args):
@@ -550,6 +563,12 @@ def parse_args(argv=None):
                    help="gpt2_cuda.py with cuBLASLt: 1 adds the residual in the output projections' GEMMs")
     p.add_argument("--classifier-chunk", type=int, default=0,
                    help="gpt2_cuda.py: the classifier on this many sequences at a time (0: all B)")
+    p.add_argument("--cublaslt-autotune", type=int, default=1, choices=range(1, llmc.gpu_cli.MAX_AUTOTUNE + 1),
+                   metavar="N", help="gpt2_cuda.py with cuBLASLt: time the heuristic's N best algorithms per product "
+                                     "and keep the fastest (1: its first); the tuning is in the warm-up steps")
+    p.add_argument("--gelu-fusion", type=int, default=2, choices=(0, 1, 2),
+                   help="gpt2_cuda.py with cuBLASLt (its -ge): 2 GELU and its derivative in the GEMM epilogues, "
+                        "1 the forward only, 0 neither")
     p.add_argument("--cublaslt", type=llmc.gpu_cli.auto_or_bit, default="auto", metavar="{auto,0,1}",
                    help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable), "
                         "0 through cuBLAS, auto as the trainer chooses (cuBLASLt where it loads)")
@@ -566,6 +585,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.pad_vocab and not is_llama3(args.model):
         p.error(f"--pad-vocab 1 is llama3_cuda.py's (gpt2_cuda.py always pads its vocabulary): drop it for -e {args.model}")
+    if is_llama3(args.model) and (args.cublaslt_autotune != 1 or args.gelu_fusion != 2):
+        p.error(f"--cublaslt-autotune and --gelu-fusion are gpt2_cuda.py's cuBLASLt options (llama3_cuda.py's matmuls "
+                f"are cuBLAS): drop them for -e {args.model}")
     if is_llama3(args.model) and args.cublaslt == 1:
         p.error(f"--cublaslt 1: llama3_cuda.py has no cuBLASLt backend (cuBLAS is its only one); drop --cublaslt "
                 f"for -e {args.model}")
@@ -623,6 +645,9 @@ def main(argv=None):
                   f"matmuls)")
             print("\n".join(format_breakdown([tuple(r) for r in ours["breakdown"]], ours["ms_median"],
                                              args.breakdown_top)))
+        if isinstance(ours, dict) and ours.get("autotune"):
+            print(f"\ncuBLASLt autotune at B={B} (time per call, each product's first call):")
+            print("\n".join(ours["autotune"]))
     print()
     for B, rs in runs:
         print(summary_line(args.model, args.seq_len, B, rs.get("cupy"), rs.get("torch")), flush=True)
@@ -632,6 +657,7 @@ def main(argv=None):
             json.dump({"model": args.model, "T": args.seq_len, "attention": args.attention,
                        "cuda_graph": args.cuda_graph, "cublaslt": args.cublaslt, "compile": args.compile,
                        "residual_epilogue": args.residual_epilogue, "classifier_chunk": args.classifier_chunk,
+                       "cublaslt_autotune": args.cublaslt_autotune, "gelu_fusion": args.gelu_fusion,
                        "pad_vocab": args.pad_vocab,
                        "runs": runs_json}, f, indent=1)
     if failed:

@@ -13,9 +13,23 @@ plain cuBLAS path of gpt2_cuda.py does in two or three launches:
     backward  dweight += dout^T @ inp                  EPILOGUE_BGRADB: the same pass over dout
               dbias = column sums of dout              also sums its columns
 
+Which algorithm: cuBLASLt's heuristic ranks its algorithms for a product (a kernel, a tile, a
+split of k, ...) from the shapes alone; by default each product takes the first, as llm.c does.
+With autotune = N > 1 (gpt2_cuda.py --cublaslt-autotune N) the first call of each product asks for
+the heuristic's N best instead, times each on the real operands (CUDA events, AUTOTUNE_REPEATS
+calls after one untimed) and keeps the fastest for the rest of the run, as PyTorch's
+TunableOp does for its GEMMs. The trial calls write D (restored where the product reads it:
+an accumulation, or a residual added in place) and the epilogue's outputs, which the real call
+then writes again. Two algorithms may sum in different orders, so a tuned run can differ from an
+untuned one in the last bits, and from another tuned run where the timings rank two algorithms
+differently; within a run every call of a product uses one algorithm. A product first met while a
+stream captures a CUDA graph keeps the heuristic's first (a capture records, it runs nothing to
+time); gpt2_cuda.py runs every product eagerly before its first capture. tuning_report() lists
+each tuned product's timings.
+
 What it deliberately is not: a general GEMM wrapper. No batched products (attention keeps
-llmc.cuda.gemm), no FP8, no autotuning beyond cuBLASLt's first heuristic answer, one GPU per
-process (llmc.cuda.select_device binds it), not wired into gpt2_cuda.py by this module.
+llmc.cuda.gemm), no FP8, one GPU per process (llmc.cuda.select_device binds it), not wired into
+gpt2_cuda.py by this module.
 
 Why the low-level bindings and not nvmath.linalg.advanced.Matmul: our bf16 tensors are CuPy
 uint16 arrays holding bf16 bit patterns (CuPy has no bfloat16 dtype; llmc/cuda.py), and Matmul
@@ -49,7 +63,7 @@ the library is loaded at the first call, which without a CUDA driver raises NotS
 ("CUDA driver is not found"). unavailable_reason() says in one line what is missing.
 
 Run the tests: python -m pytest -q tests/test_cublaslt.py
-    without a GPU: "66 passed, 25 skipped" in a few seconds (the host logic, on the emulated
+    without a GPU: "87 passed, 25 skipped" in a few seconds (the host logic, on the emulated
     device's cuBLASLt, llmc/emulator/cublaslt.py); on a GPU with nvmath-python the GPU tests run too
 
 Dimensions: B, T, C, OC as in gpt2_cpu.py, N = B*T rows. Column-major: llmc/cuda.py explains once
@@ -75,7 +89,9 @@ MIN_ALIGNMENT_BYTES = 16               # every pointer we pass is 16-byte aligne
 AUX_LD_MULTIPLE = 8                    # cuBLASLt: the GELU aux leading dimension must be a multiple of 8
 MIN_CUBLASLT_VERSION = 111103          # CUDA 11.8: first with DGELU and BGRADB (nvmath's epilog version table)
 NVMATH_PIP_PACKAGE = "nvmath-python[cu12]"
-HEURISTIC_ALGORITHMS = 1               # ask the heuristic for its best algorithm only, as llm.c does
+HEURISTIC_ALGORITHMS = 1               # by default ask the heuristic for its best algorithm only, as llm.c does
+MAX_AUTOTUNE = 16                      # autotune: at most this many of the heuristic's algorithms are timed
+AUTOTUNE_REPEATS = 5                   # autotune: timed calls per algorithm (after one untimed call)
 CUBLAS_STATUS_SUCCESS = 0
 
 # cublasLtEpilogue_t
@@ -206,13 +222,20 @@ _BGRAD = {}        # (precision, OC) -> floatX scratch that BGRADB writes the bi
 
 class Plan:
     """One cached product: its matmul descriptor, the layouts of A, B, C and D (C's is D's: C is D
-    itself, or a residual of D's shape), and the heuristic's algorithm (a cublasLtMatmulHeuristicResult_t held
-    in a NumPy array; None until the first call, `unsupported` says why when there is none)."""
+    itself, or a residual of D's shape), and the algorithm it runs (`heuristic`: one
+    cublasLtMatmulHeuristicResult_t held in a NumPy array; None until the first call, `unsupported`
+    says why when there is none). autotune: how many of the heuristic's algorithms to ask for;
+    `candidates` holds those it returned (the first is its choice), `timings_ms` each one's time
+    per call once timed (inf where a trial failed; [] where the plan was first used inside a graph
+    capture and never timed), `chosen` the index of the one kept."""
 
-    def __init__(self, desc, layouts):
-        self.desc, self.layouts = desc, layouts
+    def __init__(self, desc, layouts, autotune=HEURISTIC_ALGORITHMS):
+        self.desc, self.layouts, self.autotune = desc, layouts, autotune
         self.heuristic = None
         self.unsupported = None
+        self.candidates = None
+        self.timings_ms = None
+        self.chosen = 0
 
 
 def _set_attribute(setter, obj, attr, value, dtypes):
@@ -236,11 +259,12 @@ def stored_shape(rows, cols, trans):
     return (cols, rows, cols) if trans == CUBLAS_OP_T else (rows, cols, rows)
 
 
-def _plan(precision, m, n, k, transa, transb, epilogue, tf32):
+def _plan(precision, m, n, k, transa, transb, epilogue, tf32, autotune=HEURISTIC_ALGORITHMS):
     """The cached Plan of D (m,n) = op(A) (m,k) @ op(B) (k,n) with `epilogue`, built on first use;
-    tf32: fp32 inputs rounded to TF32 (llmc.cuda.compute_type, as llmc.cuda.gemm)."""
+    tf32: fp32 inputs rounded to TF32 (llmc.cuda.compute_type, as llmc.cuda.gemm); autotune: how
+    many of the heuristic's algorithms it times (a plan of its own per count)."""
     compute = cuda.compute_type(precision, tf32)
-    key = (precision, compute, m, n, k, transa, transb, epilogue.code)
+    key = (precision, compute, m, n, k, transa, transb, epilogue.code, autotune)
     if key not in _PLANS:
         lt = bindings()
         data_type = CUBLAS_DATA_TYPES[precision]
@@ -257,13 +281,14 @@ def _plan(precision, m, n, k, transa, transb, epilogue, tf32):
                    lt.matrix_layout_create(data_type, *stored_shape(k, n, transb)),      # B
                    lt.matrix_layout_create(data_type, m, n, m),                          # C
                    lt.matrix_layout_create(data_type, m, n, m))                          # D
-        _PLANS[key] = Plan(desc, layouts)
+        _PLANS[key] = Plan(desc, layouts, autotune)
     return _PLANS[key]
 
 
 def _choose_algorithm(plan):
-    """Ask cuBLASLt's heuristic for the plan's algorithm, once: within our workspace and for
-    16-byte aligned pointers. Sets plan.heuristic, or plan.unsupported (why there is none)."""
+    """Ask cuBLASLt's heuristic for the plan's algorithms, once: up to plan.autotune of them,
+    within our workspace and for 16-byte aligned pointers. Sets plan.candidates and plan.heuristic
+    (the first), or plan.unsupported (why there is none)."""
     lt = bindings()
     handle, _ = _context()
     pref = lt.matmul_preference_create()
@@ -273,20 +298,68 @@ def _choose_algorithm(plan):
         for attr in (PREF_MIN_ALIGNMENT_A_BYTES, PREF_MIN_ALIGNMENT_B_BYTES, PREF_MIN_ALIGNMENT_C_BYTES,
                      PREF_MIN_ALIGNMENT_D_BYTES):
             _set_attribute(setter, pref, attr, MIN_ALIGNMENT_BYTES, PREF_ATTRIBUTE_DTYPES)
-        result = np.zeros(HEURISTIC_ALGORITHMS, dtype=lt.matmul_heuristic_result_dtype)
+        result = np.zeros(plan.autotune, dtype=lt.matmul_heuristic_result_dtype)
         count = np.zeros(1, dtype=np.int32)
         try:
-            lt.matmul_algo_get_heuristic(handle, plan.desc, *plan.layouts, pref, HEURISTIC_ALGORITHMS,
+            lt.matmul_algo_get_heuristic(handle, plan.desc, *plan.layouts, pref, plan.autotune,
                                          result.ctypes.data, count.ctypes.data)
         except lt.cuBLASLtError as e:      # CUBLAS_STATUS_NOT_SUPPORTED: no algorithm for this configuration
             plan.unsupported = f"cublasLtMatmulAlgoGetHeuristic: {e}"
             return
     finally:
         lt.matmul_preference_destroy(pref)
-    if count[0] < 1 or result["state"][0] != CUBLAS_STATUS_SUCCESS:
+    returned = result[:max(0, int(count[0]))]
+    usable = returned[returned["state"] == CUBLAS_STATUS_SUCCESS]
+    if len(usable) < 1:
         plan.unsupported = "cublasLtMatmulAlgoGetHeuristic returned no algorithm"
     else:
-        plan.heuristic = result
+        plan.candidates = usable.copy()
+        plan.heuristic = plan.candidates[:1].copy()
+
+
+def _autotune(plan, product, d, d_read):
+    """Time each of plan.candidates through `product(algo)` (one cuBLASLt call with that
+    cublasLtMatmulHeuristicResult_t) and keep the fastest in plan.heuristic: one untimed call, then
+    AUTOTUNE_REPEATS calls between two CUDA events on the current stream. A candidate whose call
+    fails (cuBLASLtError) is skipped (inf). d: the product's D, saved first and restored after
+    when d_read (the product reads D: an accumulation, or C is D), since every trial writes it."""
+    cp = cuda.cupy()
+    lt = bindings()
+    saved = d.copy() if d_read else None
+    timings = []
+    for i in range(len(plan.candidates)):
+        algo = plan.candidates[i:i + 1]
+        try:
+            product(algo)                                  # untimed: first-call costs
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(AUTOTUNE_REPEATS):
+                product(algo)
+            end.record()
+            end.synchronize()
+            timings.append(cp.cuda.get_elapsed_time(start, end) / AUTOTUNE_REPEATS)
+        except lt.cuBLASLtError:
+            timings.append(float("inf"))
+    if saved is not None:
+        d[...] = saved
+    plan.timings_ms = timings
+    plan.chosen = int(np.argmin(timings))
+    plan.heuristic = plan.candidates[plan.chosen:plan.chosen + 1].copy()
+
+
+def tuning_report():
+    """One line per autotuned product (every cached plan that timed more than one algorithm):
+    its shape m x n x k, op(A) and op(B) (N or T), epilogue, the time per call of the heuristic's first and of the one kept, and all
+    the timings in the heuristic's order."""
+    lines = []
+    for (precision, _, m, n, k, transa, transb, code, _), plan in _PLANS.items():
+        if plan.timings_ms:
+            first, best = plan.timings_ms[0], plan.timings_ms[plan.chosen]
+            ops = "".join("T" if op == CUBLAS_OP_T else "N" for op in (transa, transb))
+            lines.append(f"{m}x{n}x{k} {ops} {EPILOGUE_NAMES.get(code, code)} {precision}: heuristic's first {first:.4f} ms, "
+                         f"kept #{plan.chosen + 1} of {len(plan.timings_ms)} {best:.4f} ms "
+                         f"({first / best:.3f}x); all: " + " ".join(f"{t:.4f}" for t in plan.timings_ms))
+    return lines
 
 
 def clear_cache():
@@ -309,7 +382,7 @@ def clear_cache():
 # one product (llm.c's matmul_cublaslt)
 
 def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias=None, aux=None,
-                    accumulate=False, tf32=False, c=None):
+                    accumulate=False, tf32=False, c=None, autotune=HEURISTIC_ALGORITHMS):
     """Library call: D (m,n) = epilogue(op(A) (m,k) @ op(B) (k,n) [+ C]), column-major, on the
     trainer's current CuPy stream. C is D itself with accumulate (in place), or `c`, another
     (m,n) matrix of D's layout (out of place: D = op(A) op(B) + c, the bias, if any, added too:
@@ -317,16 +390,18 @@ def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias
     arrays of one precision (CuPy, or host arrays on the emulated device), contiguous, 16-byte
     aligned (the callers check); `epilogue` from epilogue_for, with `bias` given iff epilogue.bias
     and `aux` ((m,n), ld m) iff epilogue.aux. alpha = 1, beta = 1 if accumulate or c is given else
-    0 (beta scales C only, never the bias gradient); tf32: fp32 inputs rounded to TF32. Raises
-    CublasLtUnsupported when cuBLASLt has no algorithm, ValueError on misuse."""
+    0 (beta scales C only, never the bias gradient); tf32: fp32 inputs rounded to TF32; autotune:
+    how many of the heuristic's algorithms the first call times (the module docstring: 1 takes its
+    first). Raises CublasLtUnsupported when cuBLASLt has no algorithm, ValueError on misuse."""
     require(not (accumulate and c is not None), "accumulate (C = D) and another C are exclusive")
     require((bias is not None) == (epilogue.bias is not None), f"{epilogue.name}: bias must be given iff it uses one")
     require((aux is not None) == (epilogue.aux is not None), f"{epilogue.name}: aux must be given iff it uses one")
     require(aux is None or m % AUX_LD_MULTIPLE == 0,
             f"{epilogue.name}: the GELU aux has leading dimension m={m}, which cuBLASLt needs to be a multiple of 8")
+    require(1 <= autotune <= MAX_AUTOTUNE, f"autotune={autotune}: between 1 and {MAX_AUTOTUNE} algorithms")
     lt = bindings()
     precision = cuda.precision_of(d)
-    plan = _plan(precision, m, n, k, transa, transb, epilogue, tf32)
+    plan = _plan(precision, m, n, k, transa, transb, epilogue, tf32, autotune)
     setter = lt.matmul_desc_set_attribute
     if bias is not None:                   # the pointers change per call; the rest of the descriptor does not
         _set_attribute(setter, plan.desc, DESC_BIAS_POINTER, cuda.address(bias), DESC_ATTRIBUTE_DTYPES)
@@ -341,16 +416,26 @@ def matmul_cublaslt(d, a, b, m, n, k, transa, transb, epilogue=NO_EPILOGUE, bias
     beta = np.full(1, 1.0 if accumulate or c is not None else 0.0, np.float32)
     stream = cuda.cupy().cuda.get_current_stream()
     layout_a, layout_b, layout_c, layout_d = plan.layouts
-    lt.matmul(handle, plan.desc, alpha.ctypes.data, cuda.address(a), layout_a, cuda.address(b), layout_b,
-              beta.ctypes.data, cuda.address(d if c is None else c), layout_c, cuda.address(d), layout_d,
-              plan.heuristic.ctypes.data,          # the struct starts with its cublasLtMatmulAlgo_t
-              cuda.address(workspace), WORKSPACE_BYTES, stream.ptr)
+
+    def product(algo):
+        lt.matmul(handle, plan.desc, alpha.ctypes.data, cuda.address(a), layout_a, cuda.address(b), layout_b,
+                  beta.ctypes.data, cuda.address(d if c is None else c), layout_c, cuda.address(d), layout_d,
+                  algo.ctypes.data,                # the struct starts with its cublasLtMatmulAlgo_t
+                  cuda.address(workspace), WORKSPACE_BYTES, stream.ptr)
+
+    if plan.timings_ms is None and len(plan.candidates) > 1:
+        if stream.is_capturing():
+            plan.timings_ms = []                   # recorded, not run: nothing to time; keep the first
+        else:
+            _autotune(plan, product, d, d_read=accumulate or (c is not None and cuda.address(c) == cuda.address(d)))
+    product(plan.heuristic)
 
 
 # ----------------------------------------------------------------------------
 # the linear layer (llmc.matmul.matmul_forward / matmul_backward, fused)
 
-def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=False, residual=None):
+def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=False, residual=None,
+                      autotune=HEURISTIC_ALGORITHMS):
     """out (B,T,OC) = inp (B,T,C) @ weight^T + bias; weight (OC,C) (nn.Linear layout), bias (OC,)
     or None. With pre_gelu (B,T,OC) given: pre_gelu = inp @ weight^T + bias and out = gelu(pre_gelu),
     in the same call (the MLP's fc layer). With residual (B,T,OC) given instead: out = inp @ weight^T
@@ -361,7 +446,7 @@ def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=F
     (C,OC) matrix weight^T, so op(A) = T; inp's memory is already inp^T, op(B) = N. The bias has one
     value per row of out^T (per output channel), broadcast over its N columns (the tokens), which is
     exactly the epilogue's broadcast; the aux (pre_gelu) and the residual are (OC,N) with ld OC, like
-    out^T. tf32: fp32 inputs rounded to TF32."""
+    out^T. tf32: fp32 inputs rounded to TF32; autotune as in matmul_cublaslt."""
     N = B * T
     floatX = [("out", out, N * OC), ("inp", inp, N * C), ("weight", weight, OC * C)]
     floatX += [("bias", bias, OC)] if bias is not None else []
@@ -371,10 +456,11 @@ def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=F
     require(pre_gelu is None or residual is None, "matmul_forward_lt: GELU and a residual in one product: no layer has it")
     epilogue = epilogue_for(bias is not None, pre_gelu is not None, backward=False)
     matmul_cublaslt(out, weight, inp, OC, N, C, CUBLAS_OP_T, CUBLAS_OP_N, epilogue, bias=bias, aux=pre_gelu, tf32=tf32,
-                    c=residual)
+                    c=residual, autotune=autotune)
 
 
-def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None, tf32=False):
+def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None, tf32=False,
+                       autotune=HEURISTIC_ALGORITHMS):
     """Backward of out = inp @ weight^T + bias (shapes as matmul_forward_lt). Writes dinp (B,T,C);
     accumulates dweight (OC,C); accumulates dbias (OC,) when it can (see the return value).
     With pre_gelu (B,T,C) given, inp was gelu(pre_gelu) (the fcproj layer) and dinp is the gradient
@@ -384,8 +470,8 @@ def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre
         dbias   += sum over rows of dout: BGRADB on the dweight product sums op(B) = dout (N,OC) over
                    k = N, one value per column of dweight^T (per output channel)
     Returns True when dbias was accumulated here, False when the caller must do it (dbias is None,
-    or cuBLASLt has no BGRADB algorithm for this shape; dweight is then still accumulated). tf32 as in
-    matmul_forward_lt."""
+    or cuBLASLt has no BGRADB algorithm for this shape; dweight is then still accumulated). tf32 and
+    autotune as in matmul_forward_lt."""
     N = B * T
     floatX = [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC), ("inp", inp, N * C),
               ("weight", weight, OC * C)]
@@ -393,19 +479,21 @@ def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre
     floatX += [("pre_gelu", pre_gelu, N * C)] if pre_gelu is not None else []
     precision = check_launch("matmul_backward_lt", floatX, aligned=True)
     epilogue = epilogue_for(False, pre_gelu is not None, backward=True)
-    matmul_cublaslt(dinp, weight, dout, C, N, OC, CUBLAS_OP_N, CUBLAS_OP_N, epilogue, aux=pre_gelu, tf32=tf32)
+    matmul_cublaslt(dinp, weight, dout, C, N, OC, CUBLAS_OP_N, CUBLAS_OP_N, epilogue, aux=pre_gelu, tf32=tf32,
+                    autotune=autotune)
     if dbias is not None:
         bgrad = _bgrad_scratch(precision, OC)
         try:
             matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T,
                             epilogue_for(False, False, backward=True, bgrad=True), bias=bgrad, accumulate=True,
-                            tf32=tf32)
+                            tf32=tf32, autotune=autotune)
         except CublasLtUnsupported:
             pass                           # the plain product below; the caller sums dbias
         else:
             _accumulate(dbias, bgrad, OC, precision)
             return True
-    matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T, accumulate=True, tf32=tf32)
+    matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T, accumulate=True, tf32=tf32,
+                    autotune=autotune)
     return False
 
 

@@ -17,7 +17,9 @@ from llmc.utils import InputError
 BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores (and TF32)
 
 GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
-GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--classifier-chunk")   # llama3_cuda.py lacks these
+GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--cublaslt-autotune", "-ge",
+                   "--classifier-chunk")                                       # llama3_cuda.py lacks these
+MAX_AUTOTUNE = 16                      # llmc/cublaslt.py's MAX_AUTOTUNE (that module loads nvmath lazily)
 
 
 def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, description=None, model_help=None):
@@ -53,6 +55,13 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
           help="1: with cuBLASLt, the attention and MLP output projections add the residual stream in the GEMM "
                "(cuBLASLt's C input, beta = 1) and the LayerNorm after each only normalizes; 0: a fused residual + "
                "LayerNorm kernel adds it")
+        a("--cublaslt-autotune", type=int, default=1, choices=range(1, MAX_AUTOTUNE + 1), metavar="N",
+          help=f"with cuBLASLt: N > 1 times the heuristic's N best algorithms at each product's first call and keeps "
+               f"the fastest (a tuned run may differ from an untuned one in the last bits); 1: the heuristic's "
+               f"first, as llm.c (1 to {MAX_AUTOTUNE})")
+        a("-ge", "--gelu-fusion", type=int, default=2, choices=(0, 1, 2),
+          help="with cuBLASLt (llm.c's -ge): 2 the GELU in the fc GEMM's epilogue and its derivative in the fcproj "
+               "input gradient's; 1 the forward only; 0 neither (our GELU kernels)")
         a("--classifier-chunk", type=int, default=0, metavar="SEQUENCES",
           help="the classifier (logits, softmax + cross-entropy + dlogits, their two GEMMs) on this many sequences "
                "of a micro-batch at a time, so only (SEQUENCES,T,Vp) logits exist instead of (B,T,Vp); 0: all B")
@@ -159,7 +168,17 @@ def device_line(device, device_name, compute_capability, model, cuda_graph):
             f"{' + fp32 master weights' if model.master is not None else ''}"
             f"{' | TF32 matmuls' if model.precision == 'fp32' and model.matmul.tf32 else ''}"
             f" | recompute {model.recompute} | {model.attention.name} attention | {model.matmul.name} matmuls"
-            f"{' | CUDA graph' if cuda_graph else ''}")
+            f"{matmul_options(model.matmul)}{' | CUDA graph' if cuda_graph else ''}")
+
+
+def matmul_options(matmul):
+    """The banner's words for the cuBLASLt options that differ from their defaults (empty for cuBLAS)."""
+    words = []
+    if getattr(matmul, "autotune", 1) > 1:
+        words.append(f"autotune {matmul.autotune}")
+    if getattr(matmul, "gelu_fusion", 2) != 2:
+        words.append(f"GELU fusion {matmul.gelu_fusion}")
+    return "".join(f" ({w})" for w in words)
 
 
 def gpu_status_line(device):

@@ -130,9 +130,13 @@ class Cublas:
             gelu_backward_inplace(dinp, pre_gelu, B * T * C)
 
 
-def matmul_backend(requested, tf32=False, residual_epilogue=False):
-    """The linear layers' backend for --cublaslt `requested` (0, 1 or "auto"), TF32 `tf32` and
-    --residual-epilogue `residual_epilogue` (cuBLASLt only: cuBLAS ignores it): (backend, None), or
+GELU_FUSION_CHOICES = (0, 1, 2)        # llm.c's -ge: 0 none, 1 the forward, 2 the forward and the backward
+
+
+def matmul_backend(requested, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2):
+    """The linear layers' backend for --cublaslt `requested` (0, 1 or "auto"), TF32 `tf32`,
+    --residual-epilogue `residual_epilogue`, --cublaslt-autotune `autotune` and --gelu-fusion
+    `gelu_fusion` (the last three cuBLASLt's: cuBLAS ignores them): (backend, None), or
     (Cublas, one line saying why) where cuBLASLt was asked for and cannot load here. auto is
     cuBLASLt on a GPU (with the bias, GELU and bias gradient fused it was the faster backend on an
     H100, 2026-11-26: dev/results/) and cuBLAS on the emulated device (our own bias and GELU
@@ -145,7 +149,7 @@ def matmul_backend(requested, tf32=False, residual_epilogue=False):
     reason = cublaslt.unavailable_reason()
     if reason:
         return Cublas(tf32), f"cuBLASLt unavailable ({reason}): using cuBLAS"
-    return CublasLt(tf32, residual_epilogue), None
+    return CublasLt(tf32, residual_epilogue, autotune, gelu_fusion), None
 
 
 class CublasLt(Cublas):
@@ -153,21 +157,38 @@ class CublasLt(Cublas):
     storing pre_gelu), its derivative (DGELU) and the bias gradient (BGRADB) fused into the GEMMs.
     Where cuBLASLt has no BGRADB algorithm for a shape, bias_backward sums dbias instead.
     residual_epilogue: the attention and MLP output projections add the residual stream in the
-    product too (cuBLASLt's C input, beta = 1), and the model's LayerNorm after them only normalizes."""
+    product too (cuBLASLt's C input, beta = 1), and the model's LayerNorm after them only normalizes.
+    autotune: how many of cuBLASLt's heuristic algorithms each product times at its first call,
+    keeping the fastest (1: the heuristic's first, as llm.c; llmc/cublaslt.py). gelu_fusion, llm.c's
+    -ge: 2 fuses the GELU into the fc GEMM (GELU_AUX_BIAS) and its derivative into the fcproj
+    input-gradient GEMM (DGELU); 1 the forward only (the backward: a plain GEMM, then
+    gelu_backward_inplace); 0 neither (the forward: a BIAS GEMM into pre_gelu, then gelu_forward).
+    A fused epilogue saves a pass over the (B,T,4C) activation but may run a slower GEMM algorithm
+    than the plain product: which wins is measured (dev/bench.py --gelu-fusion)."""
     name = "cuBLASLt"
 
-    def __init__(self, tf32=False, residual_epilogue=False):
+    def __init__(self, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2):
         super().__init__(tf32)
+        require(gelu_fusion in GELU_FUSION_CHOICES, f"gelu_fusion={gelu_fusion}: one of {GELU_FUSION_CHOICES}")
         self.residual_epilogue = bool(residual_epilogue)
+        self.autotune, self.gelu_fusion = int(autotune), int(gelu_fusion)
 
     def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None, residual=None):
         """Cublas.forward, and with residual (B,T,OC): out = inp @ weight^T + bias + residual."""
         from llmc import cublaslt
+        if pre_gelu is not None and self.gelu_fusion < 1:          # pre_gelu = inp @ weight^T + bias, then GELU
+            cublaslt.matmul_forward_lt(pre_gelu, inp, weight, bias, B, T, C, OC, tf32=self.tf32,
+                                       autotune=self.autotune)
+            gelu_forward(out, pre_gelu, B * T * OC)
+            return
         cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu, tf32=self.tf32,
-                                   residual=residual)
+                                   residual=residual, autotune=self.autotune)
 
     def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
         from llmc import cublaslt
-        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=pre_gelu,
-                                           tf32=self.tf32) and dbias is not None:
+        fused_gelu = pre_gelu if self.gelu_fusion >= 2 else None
+        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=fused_gelu,
+                                           tf32=self.tf32, autotune=self.autotune) and dbias is not None:
             bias_backward(dbias, dout, partial, B * T, OC)
+        if pre_gelu is not None and fused_gelu is None:           # dinp = (dout @ weight) * gelu'(pre_gelu)
+            gelu_backward_inplace(dinp, pre_gelu, B * T * C)

@@ -289,7 +289,8 @@ class Recorder:
                 bias=attr(8, np.int64), aux=attr(11, np.int64), aux_ld=attr(12, np.int64),
                 a=self._layout(adesc), b=self._layout(bdesc), c=self._layout(cdesc), d=self._layout(ddesc),
                 alpha=_host_read(alpha, 4, np.float32), beta=_host_read(beta, 4, np.float32),
-                stream=stream, workspace=workspace, workspace_size=workspace_size, pointers=(a, b, c, d)))
+                stream=stream, workspace=workspace, workspace_size=workspace_size, pointers=(a, b, c, d),
+                algo=_host_read(algo, 8, np.uint64).item()))
             assert self.calls[-1]["c"] == self.calls[-1]["d"], "C has D's layout (C is D, or a residual of its shape)"
             return real(handle, desc, alpha, a, adesc, b, bdesc, beta, c, cdesc, d, ddesc, algo, workspace,
                         workspace_size, stream)
@@ -541,7 +542,110 @@ def test_bgrad_scratch_is_allocated_once_per_size(fake):
 
 
 # ----------------------------------------------------------------------------
-# part 1f: argument checks (before any library call)
+# part 1f: autotuning (--cublaslt-autotune): the heuristic's best few algorithms timed, the fastest kept
+
+def _algo_id(algo):
+    """The emulated algorithm id at the start of a cublasLtMatmulHeuristicResult_t's address."""
+    return int(np.frombuffer(ctypes.string_at(algo, 8), np.uint64)[0])
+
+
+def test_autotune_times_each_candidate_and_keeps_the_fastest(fake, monkeypatch):
+    """Three candidates made to take 6, 0 and 3 ms a call: each is called once untimed, then
+    AUTOTUNE_REPEATS times timed, and the second is kept, for this call and the next; the result is
+    the product's."""
+    delays = {}                                            # algorithm id -> seconds per call
+    matmul = fake.lt.matmul
+
+    def slow_matmul(*args):
+        import time
+        time.sleep(delays.get(_algo_id(args[12]), 0.0))
+        return matmul(*args)
+    monkeypatch.setattr(fake.lt, "matmul", slow_matmul)
+    heuristic = fake.lt.matmul_algo_get_heuristic
+
+    def delaying_heuristic(handle, desc, adesc, bdesc, cdesc, ddesc, pref, requested, results, count):
+        heuristic(handle, desc, adesc, bdesc, cdesc, ddesc, pref, requested, results, count)
+        answered = np.frombuffer(ctypes.string_at(results, requested * 96), np.uint64).reshape(requested, 12)
+        assert requested == 3 and int(np.frombuffer(ctypes.string_at(count, 4), np.int32)[0]) == 3
+        delays.update({int(answered[i, 0]): d for i, d in enumerate((0.006, 0.0, 0.003))})
+    monkeypatch.setattr(fake.lt, "matmul_algo_get_heuristic", delaying_heuristic)
+    B, T, C, OC = 2, 3, 16, 24
+    rng = np.random.default_rng(8)
+    inp, w, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / 4, rng.standard_normal(OC)
+    for call in range(2):
+        out = poisoned(fake, (B, T, OC), "fp32")
+        matmul_forward_lt(out, dev(fake, inp, "fp32"), dev(fake, w, "fp32"), dev(fake, bias, "fp32"), B, T, C, OC,
+                          autotune=3)
+        assert_close(out, gpt2_cpu.matmul_forward(inp, w, bias), "fp32", "the product, through the kept algorithm")
+    (plan,) = cublaslt._PLANS.values()
+    ids = [int(i) for i in plan.candidates["algo"][:, 0]]
+    used = [call["algo"] for call in fake.calls]
+    repeats = 1 + cublaslt.AUTOTUNE_REPEATS
+    assert used == [ids[0]] * repeats + [ids[1]] * repeats + [ids[2]] * repeats + [ids[1], ids[1]]
+    assert plan.chosen == 1 and plan.timings_ms[1] < plan.timings_ms[2] < plan.timings_ms[0]
+    assert plan.timings_ms[0] >= 5.0 and len(fake.heuristic_calls) == 1
+    (line,) = cublaslt.tuning_report()
+    assert line.startswith(f"{OC}x{B * T}x{C} TN BIAS fp32: heuristic's first ") and "kept #2 of 3" in line
+
+
+@PRECISIONS
+@pytest.mark.parametrize("with_dbias", [True, False])
+def test_autotune_restores_what_the_product_reads(fake, precision, with_dbias):
+    """The trials write D: where the product reads it (dweight accumulated, the residual added in
+    place) it is restored, so a tuned call leaves exactly what an untuned one does (the emulated
+    algorithms compute alike); without the restore dweight would hold 1 + 3 x 6 accumulations."""
+    B, T, C, OC = 2, 3, 16, 24
+    rng = np.random.default_rng(9)
+    inp, w, dout = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / 4, rng.standard_normal((B, T, OC))
+    dw0, db0, res, bias = (rng.standard_normal(s) for s in ((OC, C), (OC,), (B, T, OC), (OC,)))
+    results = {}
+    for autotune in (1, 3):
+        dinp, dw = poisoned(fake, (B, T, C), precision), dev(fake, dw0, precision)
+        db = dev(fake, db0, precision) if with_dbias else None
+        matmul_backward_lt(dinp, dw, db, dev(fake, dout, precision), dev(fake, inp, precision), dev(fake, w, precision),
+                           B, T, C, OC, autotune=autotune)
+        residual = dev(fake, res, precision)
+        matmul_forward_lt(residual, dev(fake, inp, precision), dev(fake, w, precision), dev(fake, bias, precision),
+                          B, T, C, OC, residual=residual, autotune=autotune)            # in place
+        results[autotune] = [x.get() for x in (dinp, dw, residual) + ((db,) if with_dbias else ())]
+    for untuned, tuned in zip(results[1], results[3]):
+        np.testing.assert_array_equal(tuned, untuned)
+    assert all(len(plan.timings_ms) == 3 for key, plan in cublaslt._PLANS.items() if key[-1] == 3)
+
+
+def test_a_product_first_met_in_a_capture_keeps_the_heuristics_first(fake):
+    """While the stream captures, a product runs nothing to time: its plan keeps the heuristic's
+    first algorithm and is never tuned afterwards (a graph may hold it); the graph computes the
+    product."""
+    B, T, C, OC = 1, 4, 8, 16
+    rng = np.random.default_rng(10)
+    inp, w = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C))
+    out = poisoned(fake, (B, T, OC), "fp32")
+    args = (out, dev(fake, inp, "fp32"), dev(fake, w, "fp32"), None, B, T, C, OC)
+    stream = fake.cupy.cuda.Stream()
+    with stream:
+        stream.begin_capture()
+        matmul_forward_lt(*args, autotune=3)
+        graph = stream.end_capture()
+        (plan,) = cublaslt._PLANS.values()
+        assert plan.timings_ms == [] and plan.chosen == 0 and len(plan.candidates) == 3
+        assert [call["algo"] for call in fake.calls] == [int(plan.candidates["algo"][0, 0])]
+        graph.launch()
+        matmul_forward_lt(*args, autotune=3)               # eager now: still not tuned
+    assert len(fake.calls) == 2 and plan.timings_ms == [] and cublaslt.tuning_report() == []
+    assert_close(out, inp @ w.T, "fp32", "the product, from the graph")
+
+
+def test_autotune_count_is_checked(fake):
+    z = lambda *s: fake.cupy.zeros(s, np.float32)                                  # noqa: E731
+    for count in (0, cublaslt.MAX_AUTOTUNE + 1):
+        with pytest.raises(ValueError, match="autotune"):
+            matmul_forward_lt(z(1, 2, 8), z(1, 2, 8), z(8, 8), None, 1, 2, 8, 8, autotune=count)
+    assert not fake.calls
+
+
+# ----------------------------------------------------------------------------
+# part 1g: argument checks (before any library call)
 
 def test_argument_checks(fake):
     B, T, C, OC = 1, 2, 8, 12

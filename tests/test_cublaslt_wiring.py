@@ -22,6 +22,7 @@ import pytest
 import gpt2_cuda
 import llmc.matmul
 import llmc
+import llmc.gpu_cli
 import llmc.cuda
 from llmc import cuda_check
 from emulated_gpu import TINY, emulated_gpu, record_launches, tiny_model_parameters  # noqa: F401  (a fixture)
@@ -94,6 +95,36 @@ def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch
     cublaslt.clear_cache()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("gelu_fusion", [0, 1])
+def test_gelu_fusion_levels_match_gpt2_cpu(emulated_gpu, monkeypatch, precision, gelu_fusion):
+    """-ge 1: the GELU in the fc GEMM's epilogue, its derivative in gelu_backward_inplace after a
+    plain fcproj input gradient; -ge 0: also the forward's GELU in gelu_forward after a BIAS GEMM
+    into the pre-activation (llm.c's gelu_fusion levels). Each matches gpt2_cpu.py, with the GELU
+    work where the level puts it (recompute=False: no other gelu_forward runs)."""
+    calls = []
+    cublaslt = _emulated_cublaslt(monkeypatch, calls, bgrad=True)
+    launches = record_launches(monkeypatch)
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False,
+                           matmul=llmc.matmul.CublasLt(gelu_fusion=gelu_fusion))
+    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
+    y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
+    C, L = TINY.channels, TINY.num_layers
+    forward = [c for c in calls if c[0] == "forward"]
+    forward_fc = [forward[4 * l + 2] for l in range(L)]              # per layer: qkv, attproj, fc, fcproj
+    backward_fcproj = [c for c in calls if c[0] == "backward" and c[1] == C and c[2]]
+    assert forward_fc == [("forward", 4 * C, gelu_fusion >= 1, False)] * L
+    assert backward_fcproj == []                                      # DGELU only at -ge 2
+    names = [launch.name for launch in launches]
+    fc_forwards = len(forward) // (4 * L + 1) * L                     # --check may run the forward more than once
+    assert names.count("gelu_forward") == (0 if gelu_fusion >= 1 else fc_forwards)
+    assert names.count("gelu_backward_inplace") == L
+    cublaslt.clear_cache()
+
+
 def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     fake = types.SimpleNamespace(unavailable_reason=lambda: "nvmath-python is not installed")
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
@@ -122,6 +153,28 @@ def test_cublaslt_flag_auto_0_1(monkeypatch, device, flag, available, expected, 
     matmul, said = llmc.matmul.matmul_backend(args.cublaslt, tf32=False)
     assert type(matmul).__name__ == expected and said == line
     assert gpt2_cuda.parse_args([]).cublaslt == "auto"
+
+
+def test_cublaslt_options_reach_the_backend_and_the_banner(monkeypatch):
+    fake = types.SimpleNamespace(unavailable_reason=lambda: None)
+    monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
+    args = gpt2_cuda.parse_args(["--device", "cpu", "--cublaslt", "1", "--cublaslt-autotune", "4", "-ge", "1"])
+    matmul, said = llmc.matmul.matmul_backend(args.cublaslt, False, args.residual_epilogue, args.cublaslt_autotune,
+                                              args.gelu_fusion)
+    assert said is None and (matmul.autotune, matmul.gelu_fusion) == (4, 1)
+    assert llmc.gpu_cli.matmul_options(matmul) == " (autotune 4) (GELU fusion 1)"
+    defaults = gpt2_cuda.parse_args([])
+    assert (defaults.cublaslt_autotune, defaults.gelu_fusion) == (1, 2)
+    assert llmc.gpu_cli.matmul_options(llmc.matmul.CublasLt()) == llmc.gpu_cli.matmul_options(llmc.matmul.Cublas()) == ""
+
+
+@pytest.mark.parametrize("flags", [["--cublaslt-autotune", "0"], ["--cublaslt-autotune", "17"], ["-ge", "3"]])
+def test_cublaslt_options_refuse_other_values_in_one_line(flags, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpt2_cuda.parse_args(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code != 0 and flags[0] in err[-1] and "invalid choice" in err[-1]
 
 
 def test_cublaslt_flag_refuses_other_values_in_one_line():

@@ -262,6 +262,26 @@ def test_whole_step_graph_equals_eager_bitwise(capture, precision, micro_batches
     assert norm > UPDATE.grad_clip and factor == np.float32(np.float32(UPDATE.grad_clip) / norm)
 
 
+def test_autotuned_graph_steps_equal_untuned_eager_steps_bitwise(capture):
+    """--cublaslt-autotune 3 with the whole step as one graph: each product's trials run in the
+    eager warm-up step (its first call), which must leave no trace (the emulated algorithms compute
+    alike, so any difference is a trial's write left behind: an accumulation counted again, a
+    residual added twice), and the capture after it records the kept algorithm, never a trial."""
+    batches = _batches(2, 16, 3, seed=11)
+    cublaslt.clear_cache()
+    untuned = _model("bf16", llmc.matmul.CublasLt(residual_epilogue=True))
+    tuned = _model("bf16", llmc.matmul.CublasLt(residual_epilogue=True, autotune=3))
+    untuned_out = _train_on_device(untuned, batches, cuda_graph=False, steps=2, micro_batches=1)
+    tuned_out = _train_on_device(tuned, batches, cuda_graph=True, steps=2, micro_batches=1)
+    assert capture.captures == 1 and capture.replays == 1
+    assert tuned_out == untuned_out
+    for name in ("params", "m", "v", "grads", "master", "norm"):
+        np.testing.assert_array_equal(getattr(tuned, name).get(), getattr(untuned, name).get(), err_msg=name)
+    tuned_plans = [plan for key, plan in cublaslt._PLANS.items() if key[-1] == 3]
+    assert tuned_plans and all(len(plan.timings_ms) == 3 for plan in tuned_plans)   # every product timed, eagerly
+    cublaslt.clear_cache()
+
+
 def test_step_on_the_device_matches_the_host_step(capture):
     # the same steps with the norm read by the host, its clipping factor computed there and passed
     # to gpt2_update (the path of -sl / -sg): the same losses and norms, the parameters to fp32's

@@ -34,8 +34,9 @@ Streams: matmul is issued on the stream it is given (llmc/emulator/device.py enq
 once, or recorded while that stream captures, with the descriptor's attributes, the layouts and
 alpha, beta as they were at the call (a graph keeps the bias and aux pointers it captured).
 
-What it deliberately is not: cuBLASLt's algorithms, tiling or summation order (one "algorithm",
-no workspace), batched or row-major layouts, FP8, or another epilogue (the heuristic answers
+What it deliberately is not: cuBLASLt's algorithms, tiling or summation order (the heuristic
+answers up to ALGORITHMS "algorithms", which all compute the same way, with no workspace: enough
+for llmc/cublaslt.py's autotuning to time each and keep one), batched or row-major layouts, FP8, or another epilogue (the heuristic answers
 NOT_SUPPORTED). Pointers are not checked against allocations: a pointer must lie in host memory
 that holds its whole matrix, as a device pointer must on a GPU.
 
@@ -163,6 +164,7 @@ def _require(condition, why, status=Status.INVALID_VALUE):
 _OBJECTS = {}                            # id -> {"kind": ..., fields}
 _IDS = itertools.count(0x1000)
 _ALGORITHMS = {}                         # algorithm id -> what the heuristic answered it for
+ALGORITHMS = 3                          # the most algorithms one heuristic call answers
 
 
 def _host(ptr, nbytes):
@@ -347,23 +349,26 @@ def _check_problem(attrs, layouts, in_place=False):
 
 def matmul_algo_get_heuristic(light_handle, operation_desc, adesc, bdesc, cdesc, ddesc, preference,
                               requested_algo_count, heuristic_results_array, return_algo_count):
-    """Writes one cublasLtMatmulHeuristicResult_t (the emulation's single algorithm, no
-    workspace) and count 1; raises cuBLASLtError where cuBLASLt has no algorithm (NOT_SUPPORTED)
-    or the problem is invalid."""
+    """Writes min(requested_algo_count, ALGORITHMS) cublasLtMatmulHeuristicResult_t, each with
+    an algorithm id of its own (they compute alike, no workspace), and that count, as cuBLASLt
+    writes its best algorithms first and their count; raises cuBLASLtError where cuBLASLt has no
+    algorithm (NOT_SUPPORTED) or the problem is invalid."""
     _get(light_handle, "handle")
     attrs = _get(operation_desc, "desc")["attrs"]
     layouts = [_get(x, "layout") for x in (adesc, bdesc, cdesc, ddesc)]
     prefs = dict(_get(preference, "pref")["attrs"])
     _require(requested_algo_count >= 1, "requested_algo_count < 1")
     _check_problem(attrs, layouts)
-    algo_id = next(_IDS)
-    _ALGORITHMS[algo_id] = dict(desc=operation_desc, layouts=(adesc, bdesc, cdesc, ddesc), prefs=prefs)
-    result = np.zeros(1, matmul_heuristic_result_dtype)
-    result["algo"][0, 0] = algo_id
+    count = min(requested_algo_count, ALGORITHMS)
+    result = np.zeros(count, matmul_heuristic_result_dtype)
+    for i in range(count):
+        algo_id = next(_IDS)
+        _ALGORITHMS[algo_id] = dict(desc=operation_desc, layouts=(adesc, bdesc, cdesc, ddesc), prefs=prefs)
+        result["algo"][i, 0] = algo_id
     result["state"] = Status.SUCCESS
     result["waves_count"] = 1.0
     _host(heuristic_results_array, result.nbytes)[...] = result.view(np.uint8)
-    _host(return_algo_count, 4)[...] = np.array([1], np.int32).view(np.uint8)
+    _host(return_algo_count, 4)[...] = np.array([count], np.int32).view(np.uint8)
 
 
 def matmul(light_handle, compute_desc, alpha, a, adesc, b, bdesc, beta, c, cdesc, d, ddesc, algo, workspace,
