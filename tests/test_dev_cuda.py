@@ -352,6 +352,18 @@ def test_progression_validates(monkeypatch, name, precision, device):
     assert common.validate(progression, precision, progression.test_sizes)
 
 
+def test_classifier_candidate_keeps_gpt2s_whole_row_in_shared_memory(emulated):
+    """fused_classifier_v4 at GPT-2's vocabulary (Vp = 50304, 100.6 KB of bf16 per row: over the
+    48 KiB a launch gets without the opt-in) on three rows, against gpt2_cpu.py; the emulated
+    device fills shared memory with NaN before each block, so a group read back before it was
+    written would fail the check."""
+    classifier = SCRIPTS["classifier"].PROGRESSIONS[0]
+    progression = _only(classifier, next(v for v in classifier.versions if v.number == 4))
+    assert common.validate(progression, "bf16", dict(B=1, T=3, V=50257, Vp=50304))
+    function = common.load_function(SCRIPTS["classifier"].FUSED_CLASSIFIER_V4, "bf16")
+    assert function.max_dynamic_shared_size_bytes == 50304 * 2
+
+
 # ----------------------------------------------------------------------------
 # on a GPU: a full run of one script
 

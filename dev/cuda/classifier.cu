@@ -16,6 +16,9 @@ and, when write_dlogits, the logits are overwritten in place by
   max and the sum of exp are each a warpReduce (5 shuffles). Still three passes over the row,
   scalar loads, and 32 lanes for 50304 columns.
 
+- fused_classifier_v4 (candidate, after the production version 3): version 3 with the row kept
+  in shared memory between its two passes, so that it is read from global memory once.
+
 Warp kernels need blockDim.x a multiple of 32. Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/classifier.cu
 */
@@ -75,6 +78,56 @@ extern "C" __global__ void fused_classifier_v2(floatX* logits, float* losses, co
         for (int i = lane; i < Vp; i += WARP_SIZE) {
             const float p = (i < V) ? expf((float)z[i] - max_z) / sum : 0.0f;
             z[i] = (floatX)((p - (i == target ? 1.0f : 0.0f)) * dloss);
+        }
+    }
+}
+
+// Version 4 (candidate): version 3 (kernels/classifier.cu), one block per row, with the row kept in
+// shared memory between the two passes. Pass 1 streams the row in (__ldcs: DRAM read once, not kept
+// in L2), stores each 16-byte group into dynamic shared memory and runs the online softmax; after
+// the block reduction, pass 2 reads each thread's own groups back from shared memory and streams
+// the gradient out (__stcs). A thread reads back only the groups it wrote itself, so no barrier is
+// needed between its store and its load: the block reduction's barriers separate one row's pass 2
+// from the next row's pass 1 for the arrays they share, and the cached groups belong to one thread.
+// Why it could be faster: version 3 reads the row from global memory twice and relies on L2 for the
+// second read (264 rows of 100 KB in flight on an H100 fill 26 of its 50 MB); this one moves the
+// minimum, N*Vp floatX in and out. The cost: Vp * sizeof(floatX) bytes of dynamic shared memory
+// per block (100.6 KB for Vp = 50304 in bf16: two blocks of 1024 threads per H100 SM, as version
+// 3's thread count allows anyway); Vp a multiple of x128::size (the launcher checks).
+extern "C" __global__ void fused_classifier_v4(floatX* logits, float* losses, const int* targets, float dloss,
+                                               int N, int V, int Vp, int write_dlogits) {
+    extern __shared__ __align__(16) x128 row_groups[];     // (Vp / x128::size) groups of this block's row
+    const int groups = Vp / x128::size;
+    for (int row = blockIdx.x; row < N; row += gridDim.x) {
+        floatX* row_logits = logits + (size_t)row * Vp;
+        const int target = targets[row];
+        const float target_logit = (float)row_logits[target];   // before any thread overwrites it
+        SoftmaxState state = softmax_state_empty();
+        for (int g = threadIdx.x; g < groups; g += blockDim.x) {      // pass 1: global -> shared, online softmax
+            const x128 group = load128cs(row_logits + g * x128::size);
+            row_groups[g] = group;
+            for (int k = 0; k < x128::size; k++) {
+                if (g * x128::size + k < V) {
+                    state = softmax_state_add(state, (float)group[k]);
+                }
+            }
+        }
+        state = blockReduceSoftmax(state);
+        if (threadIdx.x == 0) {
+            losses[row] = state.max + logf(state.sum) - target_logit;
+        }
+        if (write_dlogits) {                                            // pass 2: shared -> dlogits
+            const float inv_sum = 1.0f / state.sum;
+            for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+                const x128 group = row_groups[g];
+                x128 out;
+                for (int k = 0; k < x128::size; k++) {
+                    const int i = g * x128::size + k;
+                    const float prob = (i < V) ? expf((float)group[k] - state.max) * inv_sum : 0.0f;
+                    out[k] = (floatX)((prob - (i == target ? 1.0f : 0.0f)) * dloss);
+                }
+                store128cs(row_logits + g * x128::size, out);
+            }
         }
     }
 }
