@@ -63,22 +63,30 @@ def _emulated_cublaslt(monkeypatch, calls, bgrad):
     return cublaslt
 
 
+def _checked_against_gpt2_cpu(monkeypatch, precision, matmul, bgrad, seed):
+    """The TINY model with `matmul` (recompute off) on the emulated device, llmc/cublaslt.py on its
+    cuBLASLt (_emulated_cublaslt), one batch checked tensor by tensor against gpt2_cpu.py. Returns
+    (the recorded linear-layer calls, the recorded kernel launches, llmc.cublaslt)."""
+    calls = []
+    cublaslt = _emulated_cublaslt(monkeypatch, calls, bgrad)
+    launches = record_launches(monkeypatch)
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=matmul)
+    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
+    y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
+    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
+    return calls, launches, cublaslt
+
+
 @pytest.mark.parametrize("precision,bgrad,residual_epilogue", [
     ("fp32", True, False), ("fp32", False, False), ("bf16", True, False), ("fp32", True, True), ("bf16", True, True)])
 def test_emulated_model_with_cublaslt_matches_gpt2_cpu(emulated_gpu, monkeypatch, precision, bgrad,
                                                        residual_epilogue):
-    calls = []
-    cublaslt = _emulated_cublaslt(monkeypatch, calls, bgrad)
     # the separate GELU kernels must not run: their work is in the epilogues
     monkeypatch.setattr(llmc.matmul, "gelu_backward_inplace", lambda *a: pytest.fail("gelu_backward_inplace ran"))
-    launches = record_launches(monkeypatch)
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False,
-                           matmul=llmc.matmul.CublasLt(residual_epilogue=residual_epilogue))
-    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
-    rng = np.random.default_rng(2)
-    x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
-    y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
-    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
+    calls, launches, cublaslt = _checked_against_gpt2_cpu(
+        monkeypatch, precision, llmc.matmul.CublasLt(residual_epilogue=residual_epilogue), bgrad, seed=2)
     C, L = TINY.channels, TINY.num_layers
     # per layer: qkv, attproj, fc (with GELU), fcproj; then the classifier (no bias). With the residual in
     # the epilogue, the two output projections add it, and no fused residual kernel runs: LayerNorms only
@@ -102,16 +110,8 @@ def test_gelu_fusion_levels_match_gpt2_cpu(emulated_gpu, monkeypatch, precision,
     plain fcproj input gradient; -ge 0: also the forward's GELU in gelu_forward after a BIAS GEMM
     into the pre-activation (llm.c's gelu_fusion levels). Each matches gpt2_cpu.py, with the GELU
     work where the level puts it (recompute=False: no other gelu_forward runs)."""
-    calls = []
-    cublaslt = _emulated_cublaslt(monkeypatch, calls, bgrad=True)
-    launches = record_launches(monkeypatch)
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False,
-                           matmul=llmc.matmul.CublasLt(gelu_fusion=gelu_fusion))
-    gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
-    rng = np.random.default_rng(3)
-    x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
-    y = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
-    assert cuda_check.check_against_cpu(gpt2_cuda, model, x, y, np.float64)
+    calls, launches, cublaslt = _checked_against_gpt2_cpu(
+        monkeypatch, precision, llmc.matmul.CublasLt(gelu_fusion=gelu_fusion), bgrad=True, seed=3)
     C, L = TINY.channels, TINY.num_layers
     forward = [c for c in calls if c[0] == "forward"]
     forward_fc = [forward[4 * l + 2] for l in range(L)]              # per layer: qkv, attproj, fc, fcproj
