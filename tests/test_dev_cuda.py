@@ -362,6 +362,8 @@ def test_classifier_candidate_keeps_gpt2s_whole_row_in_shared_memory(emulated):
     assert common.validate(progression, "bf16", dict(B=1, T=3, V=50257, Vp=50304))
     function = common.load_function(SCRIPTS["classifier"].FUSED_CLASSIFIER_V4, "bf16")
     assert function.max_dynamic_shared_size_bytes == 50304 * 2
+    with pytest.raises(ValueError, match="201216 bytes of shared memory, over the 158712"):   # fp32: 8.0's 163 KiB
+        common.validate(progression, "fp32", dict(B=1, T=1, V=50257, Vp=50304))
 
 
 # ----------------------------------------------------------------------------

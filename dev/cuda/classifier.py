@@ -102,6 +102,10 @@ def v4(d, block_size):
     vector = llmc.cuda.vector_size(d.precision)
     llmc.cuda.require(d.Vp % vector == 0, f"fused_classifier_v4: Vp={d.Vp} must be a multiple of {vector}")
     shared = d.Vp * common.itemsize("X", d.precision)
+    cp = llmc.cuda.cupy()
+    limit = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerBlockOptin"] - STATIC_SHARED_BYTES
+    llmc.cuda.require(shared <= limit, f"fused_classifier_v4: a row of Vp={d.Vp} {d.precision} values is {shared} bytes "
+                                       f"of shared memory, over the {limit} a block of this device may have")
     if shared > DEFAULT_DYNAMIC_SHARED_BYTES:
         function = common.load_function(FUSED_CLASSIFIER_V4, d.precision)
         if function.max_dynamic_shared_size_bytes < shared:
@@ -110,6 +114,7 @@ def v4(d, block_size):
 
 
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024          # a launch's dynamic shared memory without the opt-in
+STATIC_SHARED_BYTES = 2 * 1024 * 4 + 8            # blockReduceSoftmax's arrays (kernels/common.cuh), beside the row
 SIZES = dict(B=4, T=256, V=50257, Vp=50304)      # GPT-2's vocabulary, 1024 rows
 TEST_SIZES = dict(B=2, T=19, V=1000, Vp=1024)
 PROGRESSIONS = [
