@@ -15,7 +15,7 @@ included, with no device-to-host synchronization inside it; its loss and norm ar
 its end and logged a step late, while the next step runs (with -sl / -sg, or ZeRO-1 over several
 ranks, the host reads them before the update instead). The attention path (--attention naive |
 flash | cudnn) and the matmul backend (cuBLAS, or --cublaslt 1; -f 1: TF32; --residual-epilogue,
---cublaslt-autotune, -ge)
+--autotune, -ge)
 are objects chosen once by setup_model and kept on the model; --cuda-graph 1 (the default on a
 GPU) replays the whole step as one CUDA graph (one per micro-batch with -d > B*T); --lora-rank R fine-tunes LoRA adapters on the frozen
 model (llmc/lora_device.py, doc/lora.md). Precision: bf16 (the default from
@@ -397,14 +397,15 @@ class GPT2:
     fp32 AdamW moments m, v, optional fp32 master weights, and the activation buffers (allocated
     by gpt2_allocate, once). precision is "bf16" or "fp32"; recompute is llm.c's -r level, 0, 1
     or 2 (recomputed_activations; True and False are 1 and 0); classifier_chunk: the sequences of a
-    micro-batch the classifier takes at a time (classifier_chunks; 0: all at once). Raises
-    InputError for others. trainable=False: LoRA's frozen base (gpt2_cpu.freeze): no gradients,
+    micro-batch the classifier takes at a time (classifier_chunks; 0: all at once); autotune: how
+    many of cuDNN's plans each attention graph times at its first run (--autotune; the matmul
+    backend holds its own count for cuBLASLt). Raises InputError for others. trainable=False: LoRA's frozen base (gpt2_cpu.freeze): no gradients,
     moments or master weights (G's views None); its adapters (lora, llmc/lora_device.py) are
     trained instead."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
                  zero_stage=0, process_rank=0, num_processes=1, matmul=None, classifier_chunk=0,
-                 trainable=True):
+                 trainable=True, autotune=1):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
@@ -420,6 +421,7 @@ class GPT2:
         self.precision = precision
         self.recompute = int(recompute)
         self.attention = attention_path(attention)   # the attention layer's path (NaiveAttention ...)
+        self.attention.autotune = int(autotune)      # cuDNN's plans timed at a graph's first run (--autotune)
         self.matmul = matmul or Cublas()             # the linear layers' backend (Cublas, CublasLt)
         self.classifier_chunk = int(classifier_chunk)   # sequences the classifier takes at a time (0: all)
         self.floatX = FLOATX_DTYPES[precision]
@@ -1297,7 +1299,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     optimizer shard of this rank of comm (default: one process), its matmul backend from -f and
     --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
-    matmul, fallback = matmul_backend(args.cublaslt, tf32, args.residual_epilogue, args.cublaslt_autotune,
+    matmul, fallback = matmul_backend(args.cublaslt, tf32, args.residual_epilogue, args.autotune,
                                       args.gelu_fusion)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
@@ -1309,7 +1311,8 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
         say(f"gpt2_cuda.py: {fallback}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
-                 matmul=matmul, classifier_chunk=args.classifier_chunk, trainable=host.lora is None)
+                 matmul=matmul, classifier_chunk=args.classifier_chunk, trainable=host.lora is None,
+                 autotune=args.autotune)
     upload_parameters(model, host.params)
     if host.lora is not None:
         attach_lora(model, host.lora, rank, size)
@@ -1324,6 +1327,20 @@ def attach_lora(model, host_lora, rank=0, size=1):
     model.lora.update = UpdateBuffers(model.lora.param_shapes)
     upload_parameters(model.lora, host_lora.params)
     model.matmul = LoraMatmul(model.matmul, model.lora, model.P)
+
+
+def tuning_report(model):
+    """What --autotune found: one line per cuBLASLt product (llmc/cublaslt.py) and per cuDNN
+    attention graph (llmc/cudnn_attention.py) it timed, the library's first choice against the
+    one kept."""
+    lines = []
+    if model.matmul.name.startswith("cuBLASLt"):
+        from llmc import cublaslt
+        lines += cublaslt.tuning_report()
+    if model.attention.name == "cudnn":
+        from llmc import cudnn_attention
+        lines += cudnn_attention.tuning_report()
+    return lines
 
 
 def kernel_files(model):
@@ -1455,10 +1472,9 @@ def train(args):
             lines.line(step, lr, *host_step(model, run, args, comm, step, lr, cuda_graph, nccl),
                        time.perf_counter() - t0)
     lines.flush()
-    if getattr(model.matmul, "autotune", 1) > 1:
-        from llmc import cublaslt
-        for line in cublaslt.tuning_report():       # what --cublaslt-autotune found, product by product
-            run.say(f"cuBLASLt autotune: {line}")
+    if args.autotune > 1:                          # what --autotune found, product by product, graph by graph
+        for line in tuning_report(model):
+            run.say(f"autotune: {line}")
     if args.lora_save and comm.rank == 0:
         save_lora(args.lora_save, model, LORA_FAMILY, args.model)
         run.say(f"LoRA adapters written to {args.lora_save}")

@@ -15,7 +15,7 @@ and llama3_cuda.py's steps are timed from their start to the read of their loss.
 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), the device memory in use at the end
 (total - free: the CUDA context, the allocator's pool, library workspaces), and the ratio of the
 two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph, --cublaslt,
---residual-epilogue, --cublaslt-autotune, --gelu-fusion, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
+--residual-epilogue, --autotune, --gelu-fusion, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
 Every B of ours is timed before the twin's, and each (trainer, B) prints its line as soon as it is
 done: a worker that fails (a traceback, an error) is one line saying so, and the rest still run, so
 a bench that is cut short or fails at its end keeps the numbers it has (exit status 1 if any failed).
@@ -54,7 +54,7 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py --only cupy -b 16          # one trainer, one B
     python dev/bench.py --attention flash --cuda-graph 0
     python dev/bench.py -b 64 --residual-epilogue 1 --classifier-chunk 4
-    python dev/bench.py --only cupy -b 16 --cublaslt-autotune 8   # and what each GEMM's tuning found
+    python dev/bench.py --only cupy -b 16 --autotune 8   # and what each GEMM's and attention graph's tuning found
     python dev/bench.py --only cupy -b 16 --gelu-fusion 0          # the GELU in our kernels, not the GEMMs'
     python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
@@ -148,7 +148,7 @@ def device_memory_and_name(trainer):
 
 def cupy_matmul(use_cublaslt, residual_epilogue=0, autotune=1, gelu_fusion=2):
     """The linear layers' backend of the bench's model for --cublaslt 0, 1 or auto (and
-    --residual-epilogue, --cublaslt-autotune, --gelu-fusion), as the trainer chooses it
+    --residual-epilogue, --autotune, --gelu-fusion), as the trainer chooses it
     (llmc.matmul.matmul_backend), except that 1
     raises RuntimeError where cuBLASLt is unavailable, so that the bench never times cuBLAS under
     cuBLASLt's name."""
@@ -173,7 +173,7 @@ def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilog
         print(f"dev/bench.py: {fallback}", file=sys.stderr)
     model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=True, attention=path,
                            matmul=cupy_matmul(use_cublaslt, residual_epilogue, autotune, gelu_fusion),
-                           classifier_chunk=classifier_chunk)
+                           classifier_chunk=classifier_chunk, autotune=autotune)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
     llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), model.precision)
     gpt2_cuda.gpt2_allocate(model, (B, T))
@@ -408,7 +408,7 @@ def worker(args):
             times, losses, cfg, model, (x, y) = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps,
                                                            args.attention, cuda_graph_of(args), args.cublaslt,
                                                            args.residual_epilogue, args.classifier_chunk,
-                                                           bool(args.pad_vocab), args.cublaslt_autotune,
+                                                           bool(args.pad_vocab), args.autotune,
                                                            args.gelu_fusion)
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1)
@@ -434,9 +434,8 @@ def worker(args):
               "device": device, "losses": losses, "breakdown": breakdown}
     if args.worker == "cupy":                               # what auto chose, for the breakdown's heading
         result.update(attention=model.attention.name, matmul=model.matmul.name, cuda_graph=cuda_graph_of(args))
-        if args.cublaslt_autotune > 1:                      # what the autotuning found, product by product
-            from llmc import cublaslt
-            result["autotune"] = cublaslt.tuning_report()
+        if args.autotune > 1:                      # what the autotuning found, product by product
+            result["autotune"] = gpt2_cuda.tuning_report(model)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -454,7 +453,7 @@ def worker_command(trainer, B, args, probe):
             "-e", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--attention", args.attention, "--cuda-graph", str(args.cuda_graph), "--cublaslt", str(args.cublaslt),
             "--residual-epilogue", str(args.residual_epilogue), "--classifier-chunk", str(args.classifier_chunk),
-            "--cublaslt-autotune", str(args.cublaslt_autotune), "--gelu-fusion", str(args.gelu_fusion),
+            "--autotune", str(args.autotune), "--gelu-fusion", str(args.gelu_fusion),
             "--compile", str(args.compile), "--pad-vocab", str(args.pad_vocab)] + (["--probe"] if probe else [])
 
 
@@ -517,7 +516,7 @@ def options_line(args):
     return (f"GPT-2 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
             f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
             f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}, residual epilogue "
-            f"{args.residual_epilogue}, cuBLASLt autotune {args.cublaslt_autotune}, GELU fusion {args.gelu_fusion}, "
+            f"{args.residual_epilogue}, autotune {args.autotune}, GELU fusion {args.gelu_fusion}, "
             f"classifier chunk {args.classifier_chunk}; twin: torch.compile {args.compile}")
 
 
@@ -563,9 +562,10 @@ def parse_args(argv=None):
                    help="gpt2_cuda.py with cuBLASLt: 1 adds the residual in the output projections' GEMMs")
     p.add_argument("--classifier-chunk", type=int, default=0,
                    help="gpt2_cuda.py: the classifier on this many sequences at a time (0: all B)")
-    p.add_argument("--cublaslt-autotune", type=int, default=1, choices=range(1, llmc.gpu_cli.MAX_AUTOTUNE + 1),
-                   metavar="N", help="gpt2_cuda.py with cuBLASLt: time the heuristic's N best algorithms per product "
-                                     "and keep the fastest (1: its first); the tuning is in the warm-up steps")
+    p.add_argument("--autotune", type=int, default=1, choices=range(1, llmc.gpu_cli.MAX_AUTOTUNE + 1),
+                   metavar="N", help="gpt2_cuda.py: time cuBLASLt's N best algorithms per product and cuDNN's N best "
+                                     "plans per attention graph, keeping the fastest (1: the libraries' first); the "
+                                     "tuning is in the warm-up steps")
     p.add_argument("--gelu-fusion", type=int, default=2, choices=(0, 1, 2),
                    help="gpt2_cuda.py with cuBLASLt (its -ge): 2 GELU and its derivative in the GEMM epilogues, "
                         "1 the forward only, 0 neither")
@@ -585,9 +585,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.pad_vocab and not is_llama3(args.model):
         p.error(f"--pad-vocab 1 is llama3_cuda.py's (gpt2_cuda.py always pads its vocabulary): drop it for -e {args.model}")
-    if is_llama3(args.model) and (args.cublaslt_autotune != 1 or args.gelu_fusion != 2):
-        p.error(f"--cublaslt-autotune and --gelu-fusion are gpt2_cuda.py's cuBLASLt options (llama3_cuda.py's matmuls "
-                f"are cuBLAS): drop them for -e {args.model}")
+    if is_llama3(args.model) and (args.autotune != 1 or args.gelu_fusion != 2):
+        p.error(f"--autotune and --gelu-fusion are gpt2_cuda.py's options (llama3_cuda.py has no cuBLASLt backend "
+                f"and no autotuning): drop them for -e {args.model}")
     if is_llama3(args.model) and args.cublaslt == 1:
         p.error(f"--cublaslt 1: llama3_cuda.py has no cuBLASLt backend (cuBLAS is its only one); drop --cublaslt "
                 f"for -e {args.model}")
@@ -646,7 +646,7 @@ def main(argv=None):
             print("\n".join(format_breakdown([tuple(r) for r in ours["breakdown"]], ours["ms_median"],
                                              args.breakdown_top)))
         if isinstance(ours, dict) and ours.get("autotune"):
-            print(f"\ncuBLASLt autotune at B={B} (time per call, each product's first call):")
+            print(f"\nautotune at B={B} (time per call at each product's and attention graph's first call):")
             print("\n".join(ours["autotune"]))
     print()
     for B, rs in runs:
@@ -657,7 +657,7 @@ def main(argv=None):
             json.dump({"model": args.model, "T": args.seq_len, "attention": args.attention,
                        "cuda_graph": args.cuda_graph, "cublaslt": args.cublaslt, "compile": args.compile,
                        "residual_epilogue": args.residual_epilogue, "classifier_chunk": args.classifier_chunk,
-                       "cublaslt_autotune": args.cublaslt_autotune, "gelu_fusion": args.gelu_fusion,
+                       "autotune": args.autotune, "gelu_fusion": args.gelu_fusion,
                        "pad_vocab": args.pad_vocab,
                        "runs": runs_json}, f, indent=1)
     if failed:

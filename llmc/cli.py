@@ -136,7 +136,7 @@ RESULT_FLAGS = (("-b", "batch_size"), ("-t", "seq_len"), ("-k", "lr_schedule"), 
 # resumes a CUDA run's checkpoint and the other way round); -z is the state file's own check
 DEVICE_RESULT_FLAGS = (("--precision", "precision"), ("-w", "master_weights"), ("-f", "tf32"),
                        ("--attention", "attention"), ("--cublaslt", "cublaslt"),
-                       ("--residual-epilogue", "residual_epilogue"), ("--cublaslt-autotune", "cublaslt_autotune"),
+                       ("--residual-epilogue", "residual_epilogue"), ("--autotune", "autotune"),
                        ("-ge", "gelu_fusion"), ("--classifier-chunk", "classifier_chunk"),
                        ("--pad-vocab", "pad_vocab"))
 INT32_MAX = 2**31 - 1                  # llm.c counts tokens in int

@@ -15,7 +15,7 @@ plain cuBLAS path of gpt2_cuda.py does in two or three launches:
 
 Which algorithm: cuBLASLt's heuristic ranks its algorithms for a product (a kernel, a tile, a
 split of k, ...) from the shapes alone; by default each product takes the first, as llm.c does.
-With autotune = N > 1 (gpt2_cuda.py --cublaslt-autotune N) the first call of each product asks for
+With autotune = N > 1 (gpt2_cuda.py --autotune N) the first call of each product asks for
 the heuristic's N best instead, times each on the real operands (CUDA events, AUTOTUNE_REPEATS
 calls after one untimed) and keeps the fastest for the rest of the run, as PyTorch's
 TunableOp does for its GEMMs. The trial calls write D (restored where the product reads it:

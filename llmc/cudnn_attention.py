@@ -24,6 +24,16 @@ under a CUDA graph that captured its address. A graph built later that needs mor
 workspace, and the old one is kept (never freed: a captured graph may still point at it). Our bf16 tensors are CuPy uint16 arrays holding bf16 bits
 (llmc/cuda.py), so the graph declares their type and the variant pack passes raw device pointers.
 
+Which plan: cuDNN's heuristics rank the execution plans (engines and their knobs) for a graph, and
+by default the first that builds runs. With autotune = N > 1 (gpt2_cuda.py --autotune N) a graph's
+first execution outside a CUDA graph capture builds and times up to N of the ranked plans on the
+real operands (one untimed run, then AUTOTUNE_REPEATS between CUDA events, through the frontend's
+build_plan_at_index / execute_plan_at_index) and selects the fastest for the rest of the run. The
+trials only write what the call writes anyway (o and stats, or dq, dk, dv), so nothing is restored.
+A graph first executed inside a capture keeps the first plan. A plan that needs more workspace
+gets a larger one, the old one kept (a captured graph may hold it). tuning_report() lists each
+tuned graph's timings; a tuned run may differ from an untuned one in the last bits.
+
 What it deliberately is not: a ctypes binding of cuDNN (the frontend package is the binding), an
 fp32 path (cuDNN's fused attention needs bf16/fp16; unavailable_reason says so and the trainer
 falls back to its own kernels), or a general SDPA wrapper (no dropout, bias, padding or GQA).
@@ -82,13 +92,21 @@ _RESOURCES = {}    # "handle": the cuDNN handle, "workspace": a CuPy uint8 array
 _LIBRARY = {}      # "cudnn": the line load_cudnn_library said, once per process
 
 
+AUTOTUNE_REPEATS = 5               # autotune: timed runs per plan (after one untimed run)
+
+
 @dataclass
 class AttentionGraph:
     """One built cuDNN graph: the graph, its tensors by name (the variant pack's keys) and the
-    workspace bytes its execution plan needs."""
+    workspace bytes its execution plan needs; once autotuned, each timed plan's name and time per
+    run (inf where it did not build or run; [] where the graph first ran inside a capture) and the
+    index of the plan kept."""
     graph: object
     tensors: dict
     workspace_bytes: int
+    plan_names: list = None
+    timings_ms: list = None
+    chosen: int = 0
 
 
 def cudnn_module():
@@ -329,13 +347,20 @@ def attention_graph(direction, B, T, NH, HS, training=True):
     return GRAPHS[key]
 
 
-def _execute(entry, pointers, label):
+def _execute(entry, pointers, label, autotune=1):
     """Run a built graph on the current CuPy stream: the variant pack maps each of its tensors to
-    a device address (an int). Raises RuntimeError (one line, `label` names the call and shape)."""
+    a device address (an int). autotune > 1: the graph's first run outside a capture times its
+    plans first (_autotune). Raises RuntimeError (one line, `label` names the call and shape)."""
     cudnn = cudnn_module()
     handle = _handle()
-    cudnn.set_stream(handle, cuda.cupy().cuda.get_current_stream().ptr)
+    stream = cuda.cupy().cuda.get_current_stream()
+    cudnn.set_stream(handle, stream.ptr)
     variant_pack = {entry.tensors[name]: int(ptr) for name, ptr in pointers.items()}
+    if autotune > 1 and entry.timings_ms is None:
+        if stream.is_capturing():
+            entry.timings_ms = []          # recorded, not run: nothing to time; keep the first plan
+        else:
+            _autotune(entry, variant_pack, handle, autotune)
     workspace = _workspace(entry.workspace_bytes)
     try:
         entry.graph.execute(variant_pack, cuda.address(workspace), handle=handle)
@@ -343,15 +368,65 @@ def _execute(entry, pointers, label):
         raise RuntimeError(f"cuDNN attention: {label} failed: {_first_line(e)}") from e
 
 
+def _autotune(entry, variant_pack, handle, count):
+    """Time up to `count` of the graph's ranked plans on the variant pack's operands and select the
+    fastest (build_plan_at_index selects the plan that execute() runs). A plan that does not build
+    or run is skipped (inf); the first plan stays selected if none is faster."""
+    cp = cuda.cupy()
+    graph = entry.graph
+    timings, names = [], []
+    for index in range(min(count, graph.get_execution_plan_count())):
+        names.append(_plan_name(graph, index))
+        try:
+            graph.build_plan_at_index(index)
+            workspace = cuda.address(_workspace(int(graph.get_workspace_size_plan_at_index(index))))
+            graph.execute_plan_at_index(variant_pack, workspace, index, handle)     # untimed: first-run costs
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(AUTOTUNE_REPEATS):
+                graph.execute_plan_at_index(variant_pack, workspace, index, handle)
+            end.record()
+            end.synchronize()
+            timings.append(cp.cuda.get_elapsed_time(start, end) / AUTOTUNE_REPEATS)
+        except Exception:                  # noqa: BLE001 (a plan cuDNN declines: cudnnGraphNotSupportedError, ...)
+            timings.append(float("inf"))
+    entry.chosen = int(np.argmin(timings)) if timings and min(timings) < float("inf") else 0
+    graph.build_plan_at_index(entry.chosen)
+    entry.workspace_bytes = int(graph.get_workspace_size())
+    entry.plan_names, entry.timings_ms = names, timings
+
+
+def _plan_name(graph, index):
+    """The frontend's name of ranked plan `index` (its engine and knobs), or "plan <index>"."""
+    try:
+        return str(graph.get_plan_name_at_index(index))
+    except Exception:                      # noqa: BLE001 (a name is only for the report)
+        return f"plan {index}"
+
+
+def tuning_report():
+    """One line per autotuned graph: its direction and shape, the time per run of the first plan
+    and of the one kept (with its name), and all the timings in the ranked order."""
+    lines = []
+    for (direction, B, T, NH, HS, training), entry in GRAPHS.items():
+        if entry.timings_ms:
+            first, best = entry.timings_ms[0], entry.timings_ms[entry.chosen]
+            lines.append(f"cuDNN attention {direction} B={B} T={T} NH={NH} HS={HS}: first plan {first:.4f} ms, kept "
+                         f"#{entry.chosen + 1} of {len(entry.timings_ms)} ({entry.plan_names[entry.chosen]}) "
+                         f"{best:.4f} ms ({first / best:.3f}x); all: " + " ".join(f"{t:.4f}" for t in entry.timings_ms))
+    return lines
+
+
 # ----------------------------------------------------------------------------
 # the launchers gpt2_cuda.py calls
 
-def attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training=True):
+def attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training=True, autotune=1):
     """Library call: causal self-attention of qkv (B,T,3C) into out (B,T,C), both bf16 bits
     (uint16), and, when training, the softmax statistics stats (B,NH,T) float32 (natural-log
     max + log sum exp per query row) that attention_backward_cudnn needs; stats may be None
-    otherwise. Same math as gpt2_cpu.attention_forward with att never stored. Raises TypeError /
-    ValueError for bad arguments, InputError when cuDNN cannot build the graph."""
+    otherwise. Same math as gpt2_cpu.attention_forward with att never stored. autotune: how many of
+    cuDNN's plans the graph's first run times (the module docstring; 1: the first plan). Raises
+    TypeError / ValueError for bad arguments, InputError when cuDNN cannot build the graph."""
     C = NH * HS
     bf16 = cuda.FLOATX_DTYPES[PRECISION]
     cuda.check_array(qkv, bf16, B * T * 3 * C, "attention_forward_cudnn: qkv")
@@ -362,14 +437,14 @@ def attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training=True):
         cuda.check_array(stats, np.float32, B * NH * T, "attention_forward_cudnn: stats", aligned=False)
         pointers["Stats"] = cuda.address(stats)
     entry = attention_graph("forward", B, T, NH, HS, training)
-    _execute(entry, pointers, f"forward B={B}, T={T}, NH={NH}, HS={HS}")
+    _execute(entry, pointers, f"forward B={B}, T={T}, NH={NH}, HS={HS}", autotune)
 
 
-def attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS):
+def attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS, autotune=1):
     """Library call, the backward of attention_forward_cudnn: writes (=) dqkv (B,T,3C), the
     gradient of the qkv projection laid out like qkv, from dout (B,T,C) and the forward's qkv,
     out and stats. bf16 bits except stats (float32). Same math as gpt2_cpu.attention_backward,
-    the attention tiles recomputed from stats. Raises as attention_forward_cudnn."""
+    the attention tiles recomputed from stats. autotune and raises as attention_forward_cudnn."""
     C = NH * HS
     bf16 = cuda.FLOATX_DTYPES[PRECISION]
     for name, arr, size in (("dqkv", dqkv, 3 * C), ("dout", dout, C), ("qkv", qkv, 3 * C), ("out", out, C)):
@@ -380,4 +455,4 @@ def attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS):
     dq, dk, dv = qkv_pointers(dqkv, C)
     pointers = {"Q": q, "K": k, "V": v, "O": cuda.address(out), "dO": cuda.address(dout),
                 "Stats": cuda.address(stats), "dQ": dq, "dK": dk, "dV": dv}
-    _execute(entry, pointers, f"backward B={B}, T={T}, NH={NH}, HS={HS}")
+    _execute(entry, pointers, f"backward B={B}, T={T}, NH={NH}, HS={HS}", autotune)

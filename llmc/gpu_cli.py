@@ -17,7 +17,7 @@ from llmc.utils import InputError
 BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores (and TF32)
 
 GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
-GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--cublaslt-autotune", "-ge",
+GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--autotune", "-ge",
                    "--classifier-chunk")                                       # llama3_cuda.py lacks these
 MAX_AUTOTUNE = 16                      # llmc/cublaslt.py's MAX_AUTOTUNE (that module loads nvmath lazily)
 
@@ -55,10 +55,10 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
           help="1: with cuBLASLt, the attention and MLP output projections add the residual stream in the GEMM "
                "(cuBLASLt's C input, beta = 1) and the LayerNorm after each only normalizes; 0: a fused residual + "
                "LayerNorm kernel adds it")
-        a("--cublaslt-autotune", type=int, default=1, choices=range(1, MAX_AUTOTUNE + 1), metavar="N",
-          help=f"with cuBLASLt: N > 1 times the heuristic's N best algorithms at each product's first call and keeps "
-               f"the fastest (a tuned run may differ from an untuned one in the last bits); 1: the heuristic's "
-               f"first, as llm.c (1 to {MAX_AUTOTUNE})")
+        a("--autotune", type=int, default=1, choices=range(1, MAX_AUTOTUNE + 1), metavar="N",
+          help=f"N > 1: each cuBLASLt product and each cuDNN attention graph times its library's N best candidates "
+               f"(algorithms, plans) at its first call and keeps the fastest (a tuned run may differ from an untuned "
+               f"one in the last bits); 1: the libraries' first choice, as llm.c (1 to {MAX_AUTOTUNE})")
         a("-ge", "--gelu-fusion", type=int, default=2, choices=(0, 1, 2),
           help="with cuBLASLt (llm.c's -ge): 2 the GELU in the fc GEMM's epilogue and its derivative in the fcproj "
                "input gradient's; 1 the forward only; 0 neither (our GELU kernels)")
@@ -168,16 +168,19 @@ def device_line(device, device_name, compute_capability, model, cuda_graph):
             f"{' + fp32 master weights' if model.master is not None else ''}"
             f"{' | TF32 matmuls' if model.precision == 'fp32' and model.matmul.tf32 else ''}"
             f" | recompute {model.recompute} | {model.attention.name} attention | {model.matmul.name} matmuls"
-            f"{matmul_options(model.matmul)}{' | CUDA graph' if cuda_graph else ''}")
+            f"{library_options(model)}{' | CUDA graph' if cuda_graph else ''}")
 
 
-def matmul_options(matmul):
-    """The banner's words for the cuBLASLt options that differ from their defaults (empty for cuBLAS)."""
+def library_options(model):
+    """The banner's words for --autotune and --gelu-fusion where they differ from their defaults
+    and reach a library here (cuBLASLt's products, cuDNN's attention graphs); empty otherwise."""
     words = []
-    if getattr(matmul, "autotune", 1) > 1:
-        words.append(f"autotune {matmul.autotune}")
-    if getattr(matmul, "gelu_fusion", 2) != 2:
-        words.append(f"GELU fusion {matmul.gelu_fusion}")
+    autotune = max(getattr(model.matmul, "autotune", 1), getattr(model.attention, "autotune", 1)
+                   if model.attention.name == "cudnn" else 1)
+    if autotune > 1:
+        words.append(f"autotune {autotune}")
+    if getattr(model.matmul, "gelu_fusion", 2) != 2:
+        words.append(f"GELU fusion {model.matmul.gelu_fusion}")
     return "".join(f" ({w})" for w in words)
 
 

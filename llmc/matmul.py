@@ -135,7 +135,7 @@ GELU_FUSION_CHOICES = (0, 1, 2)        # llm.c's -ge: 0 none, 1 the forward, 2 t
 
 def matmul_backend(requested, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2):
     """The linear layers' backend for --cublaslt `requested` (0, 1 or "auto"), TF32 `tf32`,
-    --residual-epilogue `residual_epilogue`, --cublaslt-autotune `autotune` and --gelu-fusion
+    --residual-epilogue `residual_epilogue`, --autotune `autotune` and --gelu-fusion
     `gelu_fusion` (the last three cuBLASLt's: cuBLAS ignores them): (backend, None), or
     (Cublas, one line saying why) where cuBLASLt was asked for and cannot load here. auto is
     cuBLASLt on a GPU (with the bias, GELU and bias gradient fused it was the faster backend on an

@@ -542,7 +542,7 @@ def test_bgrad_scratch_is_allocated_once_per_size(fake):
 
 
 # ----------------------------------------------------------------------------
-# part 1f: autotuning (--cublaslt-autotune): the heuristic's best few algorithms timed, the fastest kept
+# part 1f: autotuning (--autotune): the heuristic's best few algorithms timed, the fastest kept
 
 def _algo_id(algo):
     """The emulated algorithm id at the start of a cublasLtMatmulHeuristicResult_t's address."""

@@ -22,6 +22,7 @@ import pytest
 import gpt2_cuda
 import llmc.matmul
 import llmc
+import llmc.attention
 import llmc.gpu_cli
 import llmc.cuda
 from llmc import cuda_check
@@ -155,21 +156,31 @@ def test_cublaslt_flag_auto_0_1(monkeypatch, device, flag, available, expected, 
     assert gpt2_cuda.parse_args([]).cublaslt == "auto"
 
 
-def test_cublaslt_options_reach_the_backend_and_the_banner(monkeypatch):
+def test_autotune_and_gelu_fusion_reach_the_backend_the_attention_and_the_banner(monkeypatch):
     fake = types.SimpleNamespace(unavailable_reason=lambda: None)
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
     monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
-    args = gpt2_cuda.parse_args(["--device", "cpu", "--cublaslt", "1", "--cublaslt-autotune", "4", "-ge", "1"])
-    matmul, said = llmc.matmul.matmul_backend(args.cublaslt, False, args.residual_epilogue, args.cublaslt_autotune,
-                                              args.gelu_fusion)
-    assert said is None and (matmul.autotune, matmul.gelu_fusion) == (4, 1)
-    assert llmc.gpu_cli.matmul_options(matmul) == " (autotune 4) (GELU fusion 1)"
+    built = {}
+    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: built.update(k) or types.SimpleNamespace(matmul=k["matmul"]))
+    monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
+    args = gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2", "--cublaslt", "1", "--autotune", "4", "-ge", "1",
+                                 "--attention", "naive"])
+    gpt2_cuda.setup_model(args, 80, say=pytest.fail)
+    matmul = built["matmul"]
+    assert (matmul.autotune, matmul.gelu_fusion, built["autotune"]) == (4, 1, 4)
+    banner = llmc.gpu_cli.library_options
+    assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("naive"))) == \
+        " (autotune 4) (GELU fusion 1)"
+    cudnn = llmc.attention.attention_path("cudnn")
+    cudnn.autotune = 3                                                   # cuDNN's plans tuned, cuBLAS matmuls
+    assert banner(types.SimpleNamespace(matmul=llmc.matmul.Cublas(), attention=cudnn)) == " (autotune 3)"
     defaults = gpt2_cuda.parse_args([])
-    assert (defaults.cublaslt_autotune, defaults.gelu_fusion) == (1, 2)
-    assert llmc.gpu_cli.matmul_options(llmc.matmul.CublasLt()) == llmc.gpu_cli.matmul_options(llmc.matmul.Cublas()) == ""
+    assert (defaults.autotune, defaults.gelu_fusion) == (1, 2)
+    for matmul in (llmc.matmul.CublasLt(), llmc.matmul.Cublas()):
+        assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("cudnn"))) == ""
 
 
-@pytest.mark.parametrize("flags", [["--cublaslt-autotune", "0"], ["--cublaslt-autotune", "17"], ["-ge", "3"]])
+@pytest.mark.parametrize("flags", [["--autotune", "0"], ["--autotune", "17"], ["-ge", "3"]])
 def test_cublaslt_options_refuse_other_values_in_one_line(flags, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpt2_cuda.parse_args(flags)

@@ -262,15 +262,23 @@ def test_whole_step_graph_equals_eager_bitwise(capture, precision, micro_batches
     assert norm > UPDATE.grad_clip and factor == np.float32(np.float32(UPDATE.grad_clip) / norm)
 
 
-def test_autotuned_graph_steps_equal_untuned_eager_steps_bitwise(capture):
-    """--cublaslt-autotune 3 with the whole step as one graph: each product's trials run in the
-    eager warm-up step (its first call), which must leave no trace (the emulated algorithms compute
-    alike, so any difference is a trial's write left behind: an accumulation counted again, a
-    residual added twice), and the capture after it records the kept algorithm, never a trial."""
+@pytest.mark.parametrize("attention", ["naive", "cudnn"])
+def test_autotuned_graph_steps_equal_untuned_eager_steps_bitwise(capture, attention):
+    """--autotune 3 with the whole step as one graph: each cuBLASLt product's trials (and, with
+    cuDNN attention, each attention graph's) run in the eager warm-up step (the first call), which
+    must leave no trace (the emulated algorithms and plans compute alike, so any difference is a
+    trial's write left behind: an accumulation counted again, a residual added twice), and the
+    capture after it records the kept choice, never a trial."""
     batches = _batches(2, 16, 3, seed=11)
     cublaslt.clear_cache()
-    untuned = _model("bf16", llmc.matmul.CublasLt(residual_epilogue=True))
-    tuned = _model("bf16", llmc.matmul.CublasLt(residual_epilogue=True, autotune=3))
+    cudnn_attention.GRAPHS.clear()
+
+    def model(autotune):
+        m = gpt2_cuda.GPT2(TINY, "bf16", master_weights=True, recompute=True, attention=attention,
+                           matmul=llmc.matmul.CublasLt(residual_epilogue=True, autotune=autotune), autotune=autotune)
+        gpt2_cuda.upload_parameters(m, gpt2_cpu.gpt2_init(TINY, 42).params)
+        return m
+    untuned, tuned = model(1), model(3)
     untuned_out = _train_on_device(untuned, batches, cuda_graph=False, steps=2, micro_batches=1)
     tuned_out = _train_on_device(tuned, batches, cuda_graph=True, steps=2, micro_batches=1)
     assert capture.captures == 1 and capture.replays == 1
@@ -279,7 +287,12 @@ def test_autotuned_graph_steps_equal_untuned_eager_steps_bitwise(capture):
         np.testing.assert_array_equal(getattr(tuned, name).get(), getattr(untuned, name).get(), err_msg=name)
     tuned_plans = [plan for key, plan in cublaslt._PLANS.items() if key[-1] == 3]
     assert tuned_plans and all(len(plan.timings_ms) == 3 for plan in tuned_plans)   # every product timed, eagerly
+    report = gpt2_cuda.tuning_report(tuned)
+    assert len(report) == len(tuned_plans) + (2 if attention == "cudnn" else 0)     # + the forward and backward graph
+    if attention == "cudnn":
+        assert all(len(entry.timings_ms) == 2 for entry in cudnn_attention.GRAPHS.values())  # the emulation's 2 plans
     cublaslt.clear_cache()
+    cudnn_attention.GRAPHS.clear()
 
 
 def test_step_on_the_device_matches_the_host_step(capture):

@@ -418,6 +418,74 @@ def test_a_grown_workspace_keeps_the_old_one_alive(fake_cudnn):
     assert ca._RESOURCES["workspace"].nbytes == 9000 and ca._RESOURCES["retired"] == [first]
 
 
+def _delayed_plans(monkeypatch, delays):
+    """The emulated graph's ranked plans made to take delays[i] seconds a run, executions recorded
+    by plan index (the emulation's own Counter)."""
+    run = RecordedGraph._run
+
+    def slow_run(self, variant_pack, index, handle):
+        import time
+        time.sleep(delays[index])
+        return run(self, variant_pack, index, handle)
+    monkeypatch.setattr(emulated, "PLANS", len(delays))
+    monkeypatch.setattr(RecordedGraph, "_run", slow_run)
+
+
+def test_autotune_times_each_plan_and_selects_the_fastest(fake_cudnn, monkeypatch):
+    """Three plans taking 5, 0 and 2 ms a run: each is built and run once untimed and
+    AUTOTUNE_REPEATS times timed; the second is selected, execute() runs it from then on, and the
+    outputs are the untuned call's."""
+    _delayed_plans(monkeypatch, [0.005, 0.0, 0.002])
+    B, T, NH, HS = 1, 16, 2, 16
+    rng = np.random.default_rng(4)
+    qkv = on_device(bf16_normal(rng, (B, T, 3 * NH * HS))[0])
+    outs = []
+    for autotune in (1, 3, 3):
+        out, stats = device_full((B, T, NH * HS), 0x7FC0, np.uint16), device_full((B, NH, T), np.nan, np.float32)
+        ca.attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, autotune=autotune)
+        outs.append((out.get(), stats.get()))
+    graph = fake_cudnn.graphs[0]
+    repeats = 1 + ca.AUTOTUNE_REPEATS
+    assert graph.executed == {0: 1 + repeats, 1: repeats + 2, 2: repeats}   # untuned, the trials, two runs of #2
+    entry = ca.GRAPHS[("forward", B, T, NH, HS, True)]
+    assert entry.chosen == 1 and graph.selected == 1 and entry.timings_ms[1] < entry.timings_ms[2] < entry.timings_ms[0]
+    assert entry.plan_names == ["emulated_sdpa_plan_0", "emulated_sdpa_plan_1", "emulated_sdpa_plan_2"]
+    for tuned in outs[1:]:
+        np.testing.assert_array_equal(tuned[0], outs[0][0])
+        np.testing.assert_array_equal(tuned[1], outs[0][1])
+    (line,) = ca.tuning_report()
+    assert line.startswith(f"cuDNN attention forward B={B} T={T} NH={NH} HS={HS}: first plan ")
+    assert "kept #2 of 3 (emulated_sdpa_plan_1)" in line
+
+
+def test_autotune_skips_a_plan_that_fails_and_keeps_the_first_inside_a_capture(fake_cudnn, monkeypatch):
+    _delayed_plans(monkeypatch, [0.002, 0.0])
+    build = RecordedGraph.build_plan_at_index
+
+    def declining(self, index):
+        if index == 1:
+            raise emulated.cudnnGraphNotSupportedError("this engine declines the graph")
+        return build(self, index)
+    monkeypatch.setattr(RecordedGraph, "build_plan_at_index", declining)
+    B, T, NH, HS = 1, 16, 2, 16
+    rng = np.random.default_rng(5)
+    qkv = on_device(bf16_normal(rng, (B, T, 3 * NH * HS))[0])
+    out, stats = device_full((B, T, NH * HS), 0, np.uint16), device_full((B, NH, T), 0, np.float32)
+    ca.attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, autotune=2)
+    entry = ca.GRAPHS[("forward", B, T, NH, HS, True)]
+    assert entry.timings_ms[1] == float("inf") and entry.chosen == 0 and fake_cudnn.graphs[0].selected == 0
+    # another shape, first run inside a capture: recorded, never timed, the first plan kept
+    arrays = (device_full((2, T, NH * HS), 0, np.uint16), device_full((2, NH, T), 0, np.float32),
+              on_device(bf16_normal(rng, (2, T, 3 * NH * HS))[0]))
+    stream = fake_cudnn.stream
+    stream.begin_capture()
+    ca.attention_forward_cudnn(*arrays, 2, T, NH, HS, autotune=2)
+    stream.end_capture()
+    captured = ca.GRAPHS[("forward", 2, T, NH, HS, True)]
+    assert captured.timings_ms == [] and fake_cudnn.graphs[1].executed == {0: 1}   # issued once (recorded): no trials
+    assert len(ca.tuning_report()) == 1
+
+
 @pytest.mark.parametrize("step", ["validate", "check_support", "build_plans"])
 def test_build_failure_is_one_input_error_line(fake_cudnn, step):
     fake_cudnn.fail_at = step

@@ -4,8 +4,8 @@
 # before DEADLINE seconds (a step with under 20 s left is NOT RUN). Run from the repository root with
 # data/ and .whl/ carried: bash dev/results/next_gpu_session8.sh
 #   1. issue 40, the 124M step at B=16, ours, in this one call: the defaults, then
-#      --cublaslt-autotune 8 (each GEMM's heuristic's 8 best algorithms timed, the fastest kept; the
-#      bench prints what each found), --gelu-fusion 1 and --gelu-fusion 0 (the fc GEMM with GELU_AUX_BIAS
+#      --autotune 8 (each cuBLASLt GEMM's heuristic's 8 best algorithms and each cuDNN attention graph's
+#      first 8 plans timed, the fastest kept; the bench prints what each found), --gelu-fusion 1 and --gelu-fusion 0 (the fc GEMM with GELU_AUX_BIAS
 #      ran at 333-462 TFLOP/s where the plain GEMMs of its size ran at 713)
 #   2. issue 40: dev/cuda's classifier (version 3 against the candidate version 4, the row kept in
 #      shared memory), global-norm, layernorm and AdamW tables (the block reductions of global_norm
@@ -34,7 +34,7 @@ step() {  # step LIMIT_S COMMAND...
 BENCH16="python3 dev/bench.py --only cupy -b 16 --steps 10 --warmup 3 --breakdown-top 12"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } 2>&1 | tee -a $LOG
 step 70 $BENCH16 --json $OUT/bench_b16_default.json
-step 45 $BENCH16 --cublaslt-autotune 8 --json $OUT/bench_b16_autotune8.json
+step 45 $BENCH16 --autotune 8 --json $OUT/bench_b16_autotune8.json
 step 35 $BENCH16 --gelu-fusion 1 --json $OUT/bench_b16_gelu1.json
 step 35 $BENCH16 --gelu-fusion 0 --json $OUT/bench_b16_gelu0.json
 step 90 python3 dev/cuda/run_all.py classifier global_norm layernorm adamw -r 20 -o $OUT

@@ -22,7 +22,9 @@ gpt2_cpu's attention scales by 1/sqrt(HS); another attn_scale is passed to it by
 Each output is rounded once from float64 to its declared type (bf16: nearest even).
 
 What it deliberately is not: cuDNN's tiling, engines, or summation order (no heuristics: every
-supported graph has one "plan"; no workspace), and only the graphs llmc/cudnn_attention.py
+supported graph has PLANS ranked "plans", which all compute the same way with no workspace, enough
+for llmc/cudnn_attention.py's autotuning to time each through the frontend's at-index calls and
+select one), and only the graphs llmc/cudnn_attention.py
 builds: one sdpa or sdpa_backward node, causal mask (top-left diagonal, right bound 0), T_q =
 T_kv, fp16/bf16 q, k, v, o, no dropout, bias, padding, paged caches or GQA; anything else
 raises cudnnGraphNotSupportedError from validate(), as cuDNN does for what it does not support.
@@ -31,6 +33,7 @@ Run its tests: python -m pytest -q tests/test_vendor_emulation.py -k cudnn
 Legend: B batch, T time, NH heads, HS head size, C = NH * HS.
 """
 
+import collections
 import ctypes
 import enum
 import itertools
@@ -66,6 +69,7 @@ class diagonal_alignment(enum.Enum):     # noqa: N801
 
 STORAGE = {data_type.FLOAT: np.dtype(np.float32), data_type.HALF: np.dtype(np.float16),
            data_type.BFLOAT16: np.dtype(np.uint16)}                       # bf16 as its bit patterns
+PLANS = 2                                # the ranked plans every supported graph has (they compute alike)
 BUILD_STEPS = ("validate", "build_operation_graph", "create_execution_plans", "check_support", "build_plans")
 
 
@@ -187,6 +191,9 @@ class pygraph:                           # noqa: N801 (the frontend's name)
         self.types = (io_data_type, intermediate_data_type, compute_data_type)
         self.handle, self.name = handle, name
         self.op, self.params, self.inputs, self.outputs, self.steps = None, {}, {}, {}, []
+        self.selected = 0                # the plan execute() runs: the first that builds, or build_plan_at_index's
+        self.built = set()               # the plan indices built
+        self.executed = collections.Counter()   # plan index -> how many times it ran
 
     def tensor(self, name, dim, stride, data_type=None):
         return tensor(name, dim, stride, data_type if data_type is not None else self.types[0])
@@ -276,11 +283,45 @@ class pygraph:                           # noqa: N801 (the frontend's name)
         self._step("check_support")
 
     def build_plans(self, *policy):
+        """Build the first plan of the ranked list and select it (the frontend's default policy)."""
         self._step("build_plans")
+        self.built.add(0)
+        self.selected = 0
 
     def get_workspace_size(self):
         """Bytes of workspace the plan needs: none, the emulation keeps no scratch on the device."""
         return 0
+
+    # the ranked plans by index (the frontend's autotuning calls)
+
+    def _plan_index(self, index):
+        if "create_execution_plans" not in self.steps:
+            raise RuntimeError("cuDNN: no plans before create_execution_plans")
+        if not 0 <= index < PLANS:
+            raise IndexError(f"plan index {index} out of range for {PLANS} plan(s)")
+        return index
+
+    def get_execution_plan_count(self):
+        return PLANS if "create_execution_plans" in self.steps else 0
+
+    def get_plan_name_at_index(self, index):
+        return f"emulated_sdpa_plan_{self._plan_index(index)}"
+
+    def build_plan_at_index(self, index):
+        """Build the plan at `index` and select it: execute() runs it from now on."""
+        self.built.add(self._plan_index(index))
+        self.selected = index
+        return self
+
+    def get_workspace_size_plan_at_index(self, index, handle=None, *overrides):
+        self._plan_index(index)
+        return 0
+
+    def execute_plan_at_index(self, variant_pack, workspace=None, index=0, handle=None):
+        """Run the plan at `index` (built first), leaving the selection as it is."""
+        if self._plan_index(index) not in self.built:
+            raise RuntimeError(f"cuDNN: plan {index} executed before it was built")
+        self._run(variant_pack, index, handle)
 
     # execution
 
@@ -293,6 +334,11 @@ class pygraph:                           # noqa: N801 (the frontend's name)
         pointer; CUDARuntimeError for a stream that is not live."""
         if self.steps != list(BUILD_STEPS):
             raise RuntimeError(f"cuDNN: execute before the plans are built (steps run: {self.steps})")
+        self._run(variant_pack, self.selected, handle)
+
+    def _run(self, variant_pack, index, handle):
+        """Issue plan `index` (they all compute alike) with the variant pack's pointers."""
+        self.executed[index] += 1
         tensors = self.tensors()
         missing = [key for key, t in tensors.items() if t not in variant_pack]
         if missing:
