@@ -761,3 +761,33 @@ def test_gpu_matmul_backward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, 
     else:                                                # documented fallback: dbias is the caller's
         np.testing.assert_array_equal(db.get(), to_device(db0, precision).get())
         pytest.xfail("this cuBLASLt has no BGRADB algorithm for the shape: dbias left to the caller")
+
+
+@pytest.mark.gpu
+def test_gpu_autotuned_products_match_gpt2_cpu(gpu_lt):
+    """--autotune 8 on a GPU at GPT-2 124M's fc shape (bf16): the forward with GELU_AUX_BIAS and
+    the backward (dinp, and dweight accumulated with BGRADB) each time the heuristic's algorithms,
+    keep one, and give gpt2_cpu's results; dweight accumulated once shows the trials were undone."""
+    B, T, C, OC, precision, group = 4, 1024, 768, 3072, "bf16", "kernel_bf16"
+    rng = np.random.default_rng(21)
+    inp, w, bias = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), rng.standard_normal(OC)
+    dout, dw0, db0 = rng.standard_normal((B, T, OC)), rng.standard_normal((OC, C)), rng.standard_normal(OC)
+    x, wx, bx = as_input(inp, precision), as_input(w, precision), as_input(bias, precision)
+    out, pre = gpu_poisoned((B, T, OC), precision), gpu_poisoned((B, T, OC), precision)
+    matmul_forward_lt(out, to_device(inp, precision), to_device(w, precision), to_device(bias, precision), B, T, C, OC,
+                      pre_gelu=pre, autotune=8)
+    ref_pre = gpt2_cpu.matmul_forward(x, wx, bx)
+    gpu_check(pre, ref_pre, group, "matmul", "pre_gelu (autotuned GELU_AUX_BIAS)")
+    gpu_check(out, gpt2_cpu.gelu_forward(ref_pre), group, "matmul", "gelu(out) (autotuned GELU_AUX_BIAS)")
+    dinp, dw, db = gpu_poisoned((B, T, C), precision), to_device(dw0, precision), to_device(db0, precision)
+    handled = matmul_backward_lt(dinp, dw, db, to_device(dout, precision), to_device(inp, precision),
+                                 to_device(w, precision), B, T, C, OC, autotune=8)
+    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
+    ref_dinp = gpt2_cpu.matmul_backward(ref_dw, ref_db, as_input(dout, precision), x, wx)
+    gpu_check(dinp, ref_dinp, group, "matmul", "dinp (autotuned)")
+    gpu_check(dw, ref_dw, group, "matmul", "dweight accumulated once (autotuned)")
+    if handled:                                             # BGRADB found an algorithm (else the caller sums dbias)
+        gpu_check(db, ref_db, group, "matmul", "dbias accumulated once (autotuned BGRADB)")
+    report = cublaslt.tuning_report()
+    assert report and all(np.isfinite(min(p.timings_ms)) for p in cublaslt._PLANS.values() if p.timings_ms), report
+    print("\n".join(report))

@@ -610,3 +610,37 @@ def test_gpu_matches_gpt2_cpu(B, T, NH, HS):
     assert check_against(bfloat16_bits_to_float32(dqkv), ref_dqkv, f"dqkv T={T}", "cuda_bf16", "grad")
     np.testing.assert_array_equal(dqkv2, dqkv)                              # the deterministic backward
     assert ("forward", B, T, NH, HS, True) in ca.GRAPHS and ("backward", B, T, NH, HS, True) in ca.GRAPHS
+
+
+@pytest.mark.gpu
+def test_gpu_autotuned_plans_match_gpt2_cpu():
+    """--autotune on a GPU: the forward's and backward's ranked plans (up to 8) each built, timed
+    and one selected through the real frontend's at-index calls; the selected plans' outputs
+    against gpt2_cpu, and one report line per graph."""
+    reason = _cudnn_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import cupy as cp
+    B, T, NH, HS = 2, 256, 4, 64
+    C = NH * HS
+    ca.GRAPHS.clear()
+    rng = np.random.default_rng(7)
+    qkv, qkv_f = bf16_normal(rng, (B, T, 3 * C))
+    dout, dout_f = bf16_normal(rng, (B, T, C))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        d_qkv, d_dout = cp.asarray(qkv), cp.asarray(dout)
+        d_out, d_stats = cp.full((B, T, C), 0x7FC0, cp.uint16), cp.full((B, NH, T), np.nan, cp.float32)
+        d_dqkv = cp.full((B, T, 3 * C), 0x7FC0, cp.uint16)
+        ca.attention_forward_cudnn(d_out, d_stats, d_qkv, B, T, NH, HS, autotune=8)
+        ca.attention_backward_cudnn(d_dqkv, d_dout, d_qkv, d_out, d_stats, B, T, NH, HS, autotune=8)
+        out, dqkv = d_out.get(stream=stream), d_dqkv.get(stream=stream)
+    stream.synchronize()
+    ref_out, att = gpt2_cpu.attention_forward(qkv_f.astype(np.float64), NH)
+    ref_dqkv = gpt2_cpu.attention_backward(dout_f.astype(np.float64), qkv_f.astype(np.float64), att, NH)
+    assert check_against(bfloat16_bits_to_float32(out), ref_out, "out (autotuned)", "cuda_bf16", "activation")
+    assert check_against(bfloat16_bits_to_float32(dqkv), ref_dqkv, "dqkv (autotuned)", "cuda_bf16", "grad")
+    report = ca.tuning_report()
+    assert len(report) == 2 and all(np.isfinite(min(e.timings_ms)) for e in ca.GRAPHS.values()), report
+    print("\n".join(report))
+    ca.GRAPHS.clear()

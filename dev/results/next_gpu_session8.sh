@@ -3,6 +3,7 @@
 # GPU session"), the open issues' first; each step under the smaller of its limit and the time left
 # before DEADLINE seconds (a step with under 20 s left is NOT RUN). Run from the repository root with
 # data/ and .whl/ carried: bash dev/results/next_gpu_session8.sh
+#   0. the autotuning's GPU tests (cuDNN's plans and cuBLASLt's algorithms through the real libraries)
 #   1. issue 40, the 124M step at B=16, ours, in this one call: the defaults, then
 #      --autotune 8 (each cuBLASLt GEMM's heuristic's 8 best algorithms and each cuDNN attention graph's
 #      first 8 plans timed, the fastest kept; the bench prints what each found), --gelu-fusion 1 and --gelu-fusion 0 (the fc GEMM with GELU_AUX_BIAS
@@ -33,6 +34,7 @@ step() {  # step LIMIT_S COMMAND...
 }
 BENCH16="python3 dev/bench.py --only cupy -b 16 --steps 10 --warmup 3 --breakdown-top 12"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } 2>&1 | tee -a $LOG
+step 45 python3 -m pytest -m gpu -q -rs -s tests/test_cudnn_attention.py tests/test_cublaslt.py -k autotuned
 step 70 $BENCH16 --json $OUT/bench_b16_default.json
 step 45 $BENCH16 --autotune 8 --json $OUT/bench_b16_autotune8.json
 step 35 $BENCH16 --gelu-fusion 1 --json $OUT/bench_b16_gelu1.json
