@@ -18,11 +18,14 @@ and, when write_dlogits, the logits are overwritten in place by
 
 - fused_classifier_v4 (candidate, after the production version 3): version 3 with the row kept
   in shared memory between its two passes, so that it is read from global memory once.
+- fused_classifier_v5 (candidate): version 4 with the row copied into shared memory by cp.async
+  (kernels/tensor_core.cuh), every group of a thread in flight at once, before any arithmetic.
 
 Warp kernels need blockDim.x a multiple of 32. Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/classifier.cu
 */
 #include "common.cuh"
+#include "tensor_core.cuh"                           // cp.async (version 5)
 
 // thread i handles row i
 extern "C" __global__ void fused_classifier_v1(floatX* logits, float* losses, const int* targets, float dloss,
@@ -120,6 +123,58 @@ extern "C" __global__ void fused_classifier_v4(floatX* logits, float* losses, co
             const float inv_sum = 1.0f / state.sum;
             for (int g = threadIdx.x; g < groups; g += blockDim.x) {
                 const x128 group = row_groups[g];
+                x128 out;
+                for (int k = 0; k < x128::size; k++) {
+                    const int i = g * x128::size + k;
+                    const float prob = (i < V) ? expf((float)group[k] - state.max) * inv_sum : 0.0f;
+                    out[k] = (floatX)((prob - (i == target ? 1.0f : 0.0f)) * dloss);
+                }
+                store128cs(row_logits + g * x128::size, out);
+            }
+        }
+    }
+}
+
+// Version 5 (candidate): version 4 with the copy into shared memory made asynchronous. Each thread
+// first issues cp.async.cg for all of its 16-byte groups (sm_80's global -> shared copy that does
+// not pass through registers; PTX ISA, "Data Movement and Conversion Instructions: cp.async"),
+// commits them as one group and waits for it (cp.async.wait_all: the thread's own copies have
+// landed and are visible to it). Why it could be faster than version 4: there, each group's load
+// feeds the online softmax of the same iteration, so how many loads a thread keeps in flight is up
+// to the compiler's unrolling; here all of a thread's groups (7 for GPT-2's Vp at 1024 threads: the
+// whole 100.6 KB row of a block, about 200 KB per SM with two blocks) are requested before the first
+// is used, and the arithmetic then reads shared memory only. As in version 4, a thread reads back
+// only the groups it copied, so its wait is all the ordering needed.
+extern "C" __global__ void fused_classifier_v5(floatX* logits, float* losses, const int* targets, float dloss,
+                                               int N, int V, int Vp, int write_dlogits) {
+    extern __shared__ __align__(16) x128 row_copy[];        // (Vp / x128::size) groups of this block's row
+    const int groups = Vp / x128::size;
+    for (int row = blockIdx.x; row < N; row += gridDim.x) {
+        floatX* row_logits = logits + (size_t)row * Vp;
+        const int target = targets[row];
+        const float target_logit = (float)row_logits[target];   // before any thread overwrites it
+        for (int g = threadIdx.x; g < groups; g += blockDim.x) {      // every copy of this thread in flight
+            cp_async_cg(&row_copy[g], row_logits + g * x128::size);
+        }
+        cp_async_commit_group();
+        cp_async_wait_all();
+        SoftmaxState state = softmax_state_empty();
+        for (int g = threadIdx.x; g < groups; g += blockDim.x) {      // pass 1 from shared memory
+            const x128 group = row_copy[g];
+            for (int k = 0; k < x128::size; k++) {
+                if (g * x128::size + k < V) {
+                    state = softmax_state_add(state, (float)group[k]);
+                }
+            }
+        }
+        state = blockReduceSoftmax(state);
+        if (threadIdx.x == 0) {
+            losses[row] = state.max + logf(state.sum) - target_logit;
+        }
+        if (write_dlogits) {                                            // pass 2: shared -> dlogits
+            const float inv_sum = 1.0f / state.sum;
+            for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+                const x128 group = row_copy[g];
                 x128 out;
                 for (int k = 0; k < x128::size; k++) {
                     const int i = g * x128::size + k;

@@ -22,6 +22,10 @@ then the logits are overwritten by dlogits = (softmax - onehot(target)) * dloss:
             GPT-2's Vp in bf16), so the row comes from DRAM once, with streaming loads and
             stores, where version 3 reads it twice and counts on L2 for the second read. It
             replaces version 3 in kernels/ only if a GPU measures it faster at the trainer's shape.
+  version 5 (candidate: fused_classifier_v5) is version 4 with the row copied into shared memory
+            by cp.async: each thread requests all of its 16-byte groups before any arithmetic,
+            instead of leaving to the compiler how many loads of version 4's load-and-reduce
+            loop are in flight; the arithmetic then reads shared memory only.
 
 Napkin math (minimum traffic): read N*Vp logits once, write N*Vp dlogits, plus N targets and
 N losses. Memory-bound: ~3 flops (an exp) per 4-8 bytes.
@@ -53,6 +57,7 @@ FUSED_CLASSIFIER_V1 = dev_kernel(OP, "fused_classifier_v1")
 FUSED_CLASSIFIER_V2 = dev_kernel(OP, "fused_classifier_v2")
 FUSED_CLASSIFIER = production_kernel("classifier", "fused_classifier")
 FUSED_CLASSIFIER_V4 = dev_kernel(OP, "fused_classifier_v4")
+FUSED_CLASSIFIER_V5 = dev_kernel(OP, "fused_classifier_v5")
 LOGIT_SCALE = 3.0                # logits ~ N(0, 9): a peaked softmax, as a trained model's
 
 
@@ -96,21 +101,30 @@ def v3(d, block_size):
     FUSED_CLASSIFIER.launch(d.precision, max(1, d.N), block_size, args(d))     # gpt2_cuda.fused_classifier
 
 
-def v4(d, block_size):
-    """Version 4's launch: one block per row, as version 3, with the row's Vp floatX as dynamic
-    shared memory (opted in above CUDA's default 48 KiB, as dev/cuda/matmul.py's launch_tiled)."""
+def launch_with_the_row_in_shared_memory(kernel, d, block_size):
+    """Versions 4 and 5: one block per row, as version 3, with the row's Vp floatX as dynamic
+    shared memory (opted in above CUDA's default 48 KiB, as dev/cuda/matmul.py's launch_tiled).
+    Raises ValueError (one line) where the row does not fit in a block's shared memory."""
     vector = llmc.cuda.vector_size(d.precision)
-    llmc.cuda.require(d.Vp % vector == 0, f"fused_classifier_v4: Vp={d.Vp} must be a multiple of {vector}")
+    llmc.cuda.require(d.Vp % vector == 0, f"{kernel.name}: Vp={d.Vp} must be a multiple of {vector}")
     shared = d.Vp * common.itemsize("X", d.precision)
     cp = llmc.cuda.cupy()
     limit = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerBlockOptin"] - STATIC_SHARED_BYTES
-    llmc.cuda.require(shared <= limit, f"fused_classifier_v4: a row of Vp={d.Vp} {d.precision} values is {shared} bytes "
+    llmc.cuda.require(shared <= limit, f"{kernel.name}: a row of Vp={d.Vp} {d.precision} values is {shared} bytes "
                                        f"of shared memory, over the {limit} a block of this device may have")
     if shared > DEFAULT_DYNAMIC_SHARED_BYTES:
-        function = common.load_function(FUSED_CLASSIFIER_V4, d.precision)
+        function = common.load_function(kernel, d.precision)
         if function.max_dynamic_shared_size_bytes < shared:
             function.max_dynamic_shared_size_bytes = shared
-    FUSED_CLASSIFIER_V4.launch(d.precision, max(1, d.N), block_size, args(d), shared_mem=shared)
+    kernel.launch(d.precision, max(1, d.N), block_size, args(d), shared_mem=shared)
+
+
+def v4(d, block_size):
+    launch_with_the_row_in_shared_memory(FUSED_CLASSIFIER_V4, d, block_size)
+
+
+def v5(d, block_size):
+    launch_with_the_row_in_shared_memory(FUSED_CLASSIFIER_V5, d, block_size)
 
 
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024          # a launch's dynamic shared memory without the opt-in
@@ -124,6 +138,8 @@ PROGRESSIONS = [
         Version(3, "production: one block per row, online softmax, x128", (FUSED_CLASSIFIER,), v3),
         Version(4, "candidate: version 3 with the row kept in shared memory, read from DRAM once",
                 (FUSED_CLASSIFIER_V4,), v4, block_sizes=(256, 512, 1024)),
+        Version(5, "candidate: version 4 with the row copied into shared memory by cp.async, all in flight at once",
+                (FUSED_CLASSIFIER_V5,), v5, block_sizes=(256, 512, 1024)),
     ], SIZES, TEST_SIZES),
 ]
 

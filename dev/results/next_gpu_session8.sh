@@ -8,8 +8,8 @@
 #      --autotune 8 (each cuBLASLt GEMM's heuristic's 8 best algorithms and each cuDNN attention graph's
 #      first 8 plans timed, the fastest kept; the bench prints what each found), --gelu-fusion 1 and --gelu-fusion 0 (the fc GEMM with GELU_AUX_BIAS
 #      ran at 333-462 TFLOP/s where the plain GEMMs of its size ran at 713)
-#   2. issue 40: dev/cuda's classifier (version 3 against the candidate version 4, the row kept in
-#      shared memory), global-norm, layernorm and AdamW tables (the block reductions of global_norm
+#   2. issue 40: dev/cuda's classifier (version 3 against the candidates 4, the row kept in shared
+#      memory, and 5, the row copied in by cp.async), global-norm, layernorm and AdamW tables (the block reductions of global_norm
 #      and fused_classifier, and layernorm_backward's two row sums in one shuffle, changed on
 #      2026-11-27: the earlier tables under dev/results/ are the baseline)
 #   3. issue 41: the Llama 3 padded-vocabulary bench at llama3:d4 and llama3:d6, ours and the twin
