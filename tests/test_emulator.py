@@ -745,3 +745,28 @@ def test_kernels_run_where_the_compiler_fortifies_string_functions(tmp_path):
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "after cp.async.wait_all     : group 0: 32  group 1: 32  group 2: 32" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["tsan", "asan"])
+def test_a_kernels_shared_memory_beside_a_helpers_builds_in_os_thread_mode(tmp_path, mode):
+    """OS-thread mode (the sanitizers') keeps __shared__ variables in one named section, where g++
+    refused a kernel's own __shared__ array beside an inline helper's (blockReduceSoftmax's) with
+    "section type conflict", though CUDA allows it (dev/cuda/classifier.cu's versions 4 and 5)."""
+    source = tmp_path / "both.cu"
+    source.write_text('#include "common.cuh"\n'
+                      'extern "C" __global__ void both(const floatX* inp, float* out) {\n'
+                      '    extern __shared__ __align__(16) x128 groups[];\n'
+                      '    __shared__ float own[32];\n'
+                      '    groups[threadIdx.x] = load128(inp + threadIdx.x * x128::size);\n'
+                      '    own[threadIdx.x % 32] = (float)groups[threadIdx.x][0];\n'
+                      '    SoftmaxState state = softmax_state_add(softmax_state_empty(), own[threadIdx.x % 32]);\n'
+                      '    state = blockReduceSoftmax(state);\n'
+                      '    out[threadIdx.x] = state.max + state.sum;\n'
+                      '}\n')
+    from llmc.emulator.device import static_dynamic_shared
+    unit = tmp_path / "unit.cpp"
+    unit.write_text(build.unit_source(build.source_file(static_dynamic_shared(source.read_text())), ["both"]))
+    flags = build.compiler_flags(["-DENABLE_BF16"], [build.KERNELS_DIR], mode)
+    result = subprocess.run([build.CXX, *flags, "-c", str(unit), "-o", str(tmp_path / "unit.o")], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -44,7 +44,16 @@ fp32 sums rounded once (a GPU's may differ in the last bits: tensor_cores.h).
 // ----------------------------------------------------------------------------
 // qualifiers
 
+// OS-thread mode keeps __shared__ variables in one named section (below), and g++ refuses to mix,
+// in one section, the statics of an inline function (a helper's __shared__, in a COMDAT group)
+// with those of an ordinary function (a kernel's own __shared__): "section type conflict". A
+// kernel made inline there puts its statics in COMDAT groups too (the launcher's unit uses it, so
+// it is still emitted); CUDA allows both in one kernel, as in dev/cuda/classifier.cu's versions 4, 5
+#ifdef LLMC_EMU_OS_THREADS
+#define __global__ inline
+#else
 #define __global__
+#endif
 #define __device__
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
