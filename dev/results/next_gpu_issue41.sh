@@ -3,7 +3,8 @@
 # the classifier's three GEMMs and the fused classifier over Vp = 50304 instead of V = 50257) make
 # llama3:d4 faster? dev/bench.py -e llama3:d4 -b 16 without padding, ours and the PyTorch twin (the
 # baseline, as the 2026-11-26 run: 842K tok/s = 0.930x the twin), then with padding, ours only (the
-# twin has no such option); then the same at llama3:d6, the largest descriptor (the issue's goal:
+# twin has no such option), and with padding and each micro-batch as one CUDA graph (d4's step is
+# short enough for launch costs to matter); then the same at llama3:d6, the largest descriptor (the issue's goal:
 # 1.1x the twin at d4 and at a larger one); all in this one call, on one GPU. Then, time left, the
 # padded and the LoRA --check on the GPU (bf16). Logs and the JSON files to $OUT. Run from the
 # repository root with data/ and .whl/ carried, as the earlier calls (dev/results/README.md).
@@ -22,6 +23,7 @@ step() {  # step LIMIT_S COMMAND...: run it under timeout if it fits before the 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a $LOG
 step 100 python3 dev/bench.py -e llama3:d4 -b 16 --steps 10 --warmup 3 --pad-vocab 0 --json $OUT/bench_llama3_d4_pad0.json
 step 40 python3 dev/bench.py -e llama3:d4 -b 16 --steps 10 --warmup 3 --pad-vocab 1 --only cupy --json $OUT/bench_llama3_d4_pad1.json
+step 30 python3 dev/bench.py -e llama3:d4 -b 16 --steps 10 --warmup 3 --pad-vocab 1 --cuda-graph 1 --only cupy --json $OUT/bench_llama3_d4_pad1_graph.json
 step 80 python3 dev/bench.py -e llama3:d6 -b 16 --steps 10 --warmup 3 --pad-vocab 0 --json $OUT/bench_llama3_d6_pad0.json
 step 30 python3 dev/bench.py -e llama3:d6 -b 16 --steps 10 --warmup 3 --pad-vocab 1 --only cupy --json $OUT/bench_llama3_d6_pad1.json
 step 25 python3 llama3_cuda.py --check -e llama3:d2 -b 2 -t 64 --precision bf16 --pad-vocab 1
