@@ -399,9 +399,9 @@ class GPT2:
     or 2 (recomputed_activations; True and False are 1 and 0); classifier_chunk: the sequences of a
     micro-batch the classifier takes at a time (classifier_chunks; 0: all at once); autotune: how
     many of cuDNN's plans each attention graph times at its first run (--autotune; the matmul
-    backend holds its own count for cuBLASLt). Raises InputError for others. trainable=False: LoRA's frozen base (gpt2_cpu.freeze): no gradients,
-    moments or master weights (G's views None); its adapters (lora, llmc/lora_device.py) are
-    trained instead."""
+    backend holds its own count for cuBLASLt). Raises InputError for others. trainable=False: LoRA's
+    frozen base (gpt2_cpu.freeze): no gradients, moments or master weights (G's views None); its
+    adapters (lora, llmc/lora_device.py) are trained instead."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
                  zero_stage=0, process_rank=0, num_processes=1, matmul=None, classifier_chunk=0,

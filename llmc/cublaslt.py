@@ -348,15 +348,16 @@ def _autotune(plan, product, d, d_read):
 
 
 def tuning_report():
-    """One line per autotuned product (every cached plan that timed more than one algorithm):
-    its shape m x n x k, op(A) and op(B) (N or T), epilogue, the time per call of the heuristic's first and of the one kept, and all
-    the timings in the heuristic's order."""
+    """One line per autotuned product (every cached plan that timed more than one algorithm): its
+    shape m x n x k, op(A) and op(B) (N or T), epilogue, the time per call of the heuristic's first
+    and of the one kept, and all the timings in the heuristic's order."""
     lines = []
     for (precision, _, m, n, k, transa, transb, code, _), plan in _PLANS.items():
         if plan.timings_ms:
             first, best = plan.timings_ms[0], plan.timings_ms[plan.chosen]
             ops = "".join("T" if op == CUBLAS_OP_T else "N" for op in (transa, transb))
-            lines.append(f"{m}x{n}x{k} {ops} {EPILOGUE_NAMES.get(code, code)} {precision}: heuristic's first {first:.4f} ms, "
+            lines.append(f"{m}x{n}x{k} {ops} {EPILOGUE_NAMES.get(code, code)} {precision}: "
+                         f"heuristic's first {first:.4f} ms, "
                          f"kept #{plan.chosen + 1} of {len(plan.timings_ms)} {best:.4f} ms "
                          f"({first / best:.3f}x); all: " + " ".join(f"{t:.4f}" for t in plan.timings_ms))
     return lines

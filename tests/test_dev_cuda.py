@@ -354,10 +354,10 @@ def test_progression_validates(monkeypatch, name, precision, device):
 
 @pytest.mark.parametrize("version", [4, 5])
 def test_classifier_candidate_keeps_gpt2s_whole_row_in_shared_memory(emulated, version):
-    """fused_classifier_v4 and v5 (the row copied by cp.async) at GPT-2's vocabulary (Vp = 50304, 100.6 KB of bf16 per row: over the
-    48 KiB a launch gets without the opt-in) on three rows, against gpt2_cpu.py; the emulated
-    device fills shared memory with NaN before each block, so a group read back before it was
-    written would fail the check."""
+    """fused_classifier_v4 and v5 (the row copied by cp.async) at GPT-2's vocabulary (Vp = 50304, 100.6 KB of
+    bf16 per row: over the 48 KiB a launch gets without the opt-in) on three rows, against gpt2_cpu.py; the
+    emulated device fills shared memory with NaN before each block, so a group read back before it was written
+    would fail the check."""
     classifier = SCRIPTS["classifier"].PROGRESSIONS[0]
     progression = _only(classifier, next(v for v in classifier.versions if v.number == version))
     assert common.validate(progression, "bf16", dict(B=1, T=3, V=50257, Vp=50304))

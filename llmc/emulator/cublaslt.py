@@ -36,9 +36,10 @@ alpha, beta as they were at the call (a graph keeps the bias and aux pointers it
 
 What it deliberately is not: cuBLASLt's algorithms, tiling or summation order (the heuristic
 answers up to ALGORITHMS "algorithms", which all compute the same way, with no workspace: enough
-for llmc/cublaslt.py's autotuning to time each and keep one), batched or row-major layouts, FP8, or another epilogue (the heuristic answers
-NOT_SUPPORTED). Pointers are not checked against allocations: a pointer must lie in host memory
-that holds its whole matrix, as a device pointer must on a GPU.
+for llmc/cublaslt.py's autotuning to time each and keep one), batched or row-major layouts, FP8,
+or another epilogue (the heuristic answers NOT_SUPPORTED). Pointers are not checked against
+allocations: a pointer must lie in host memory that holds its whole matrix, as a device pointer
+must on a GPU.
 
 Run its tests: python -m pytest -q tests/test_vendor_emulation.py -k cublaslt
 Legend: m, n, k the product's dimensions; ld a leading dimension, in elements.
