@@ -399,13 +399,14 @@ class GPT2:
     or 2 (recomputed_activations; True and False are 1 and 0); classifier_chunk: the sequences of a
     micro-batch the classifier takes at a time (classifier_chunks; 0: all at once); autotune: how
     many of cuDNN's plans each attention graph times at its first run (--autotune; the matmul
-    backend holds its own count for cuBLASLt). Raises InputError for others. trainable=False: LoRA's
+    backend holds its own count for cuBLASLt); cudnn_deterministic: cuDNN attention's deterministic
+    backward (--cudnn-deterministic). Raises InputError for others. trainable=False: LoRA's
     frozen base (gpt2_cpu.freeze): no gradients, moments or master weights (G's views None); its
     adapters (lora, llmc/lora_device.py) are trained instead."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
                  zero_stage=0, process_rank=0, num_processes=1, matmul=None, classifier_chunk=0,
-                 trainable=True, autotune=1):
+                 trainable=True, autotune=1, cudnn_deterministic=True):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
@@ -422,6 +423,7 @@ class GPT2:
         self.recompute = int(recompute)
         self.attention = attention_path(attention)   # the attention layer's path (NaiveAttention ...)
         self.attention.autotune = int(autotune)      # cuDNN's plans timed at a graph's first run (--autotune)
+        self.attention.deterministic = bool(cudnn_deterministic)   # cuDNN's backward (--cudnn-deterministic)
         self.matmul = matmul or Cublas()             # the linear layers' backend (Cublas, CublasLt)
         self.classifier_chunk = int(classifier_chunk)   # sequences the classifier takes at a time (0: all)
         self.floatX = FLOATX_DTYPES[precision]
@@ -1312,7 +1314,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
                  matmul=matmul, classifier_chunk=args.classifier_chunk, trainable=host.lora is None,
-                 autotune=args.autotune)
+                 autotune=args.autotune, cudnn_deterministic=bool(args.cudnn_deterministic))
     upload_parameters(model, host.params)
     if host.lora is not None:
         attach_lora(model, host.lora, rank, size)

@@ -15,7 +15,7 @@ and llama3_cuda.py's steps are timed from their start to the read of their loss.
 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), the device memory in use at the end
 (total - free: the CUDA context, the allocator's pool, library workspaces), and the ratio of the
 two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph, --cublaslt,
---residual-epilogue, --autotune, --gelu-fusion, -r, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
+--residual-epilogue, --autotune, --gelu-fusion, -r, --cudnn-deterministic, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
 Every B of ours is timed before the twin's, and each (trainer, B) prints its line as soon as it is
 done: a worker that fails (a traceback, an error) is one line saying so, and the rest still run, so
 a bench that is cut short or fails at its end keeps the numbers it has (exit status 1 if any failed).
@@ -161,7 +161,7 @@ def cupy_matmul(use_cublaslt, residual_epilogue=0, autotune=1, gelu_fusion=2):
 
 
 def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilogue=0, classifier_chunk=0,
-               autotune=1, gelu_fusion=2, recompute=1):
+               autotune=1, gelu_fusion=2, recompute=1, cudnn_deterministic=True):
     """gpt2_cuda.py's model in bf16 with its buffers for (B,T), on a created stream (a CUDA graph
     cannot be captured on the legacy default stream), and the fixed batch."""
     cupy = llmc.cuda.cupy()
@@ -174,7 +174,7 @@ def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilog
         print(f"dev/bench.py: {fallback}", file=sys.stderr)
     model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=recompute, attention=path,
                            matmul=cupy_matmul(use_cublaslt, residual_epilogue, autotune, gelu_fusion),
-                           classifier_chunk=classifier_chunk, autotune=autotune)
+                           classifier_chunk=classifier_chunk, autotune=autotune, cudnn_deterministic=cudnn_deterministic)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
     llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), model.precision)
     gpt2_cuda.gpt2_allocate(model, (B, T))
@@ -233,7 +233,8 @@ def cupy_step(model, x, y, step, cuda_graph, readback):
 
 
 def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto",
-               residual_epilogue=0, classifier_chunk=0, pad_vocab=False, autotune=1, gelu_fusion=2, recompute=1):
+               residual_epilogue=0, classifier_chunk=0, pad_vocab=False, autotune=1, gelu_fusion=2, recompute=1,
+               cudnn_deterministic=True):
     """Train gpt2_cuda.py's model (llama3_cuda.py's for -e llama3:dX, pad_vocab its --pad-vocab)
     num_steps steps on one fixed batch; return (seconds per step, losses, config, the model, the batch). gpt2_cuda.py's steps
     are read a step late, as its train() logs them: step s is queued before step s-1's loss is
@@ -253,7 +254,7 @@ def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, 
         llmc.cuda.cupy().cuda.get_current_stream().synchronize()
         return times, losses, cfg, model, (x, y)
     model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt, residual_epilogue, classifier_chunk,
-                                    autotune, gelu_fusion, recompute)
+                                    autotune, gelu_fusion, recompute, cudnn_deterministic)
     readback = gpt2_cuda.StepReadback(B * T)
     times, losses, pending = [], [], None
     last_read = time.perf_counter()
@@ -410,7 +411,8 @@ def worker(args):
                                                            args.attention, cuda_graph_of(args), args.cublaslt,
                                                            args.residual_epilogue, args.classifier_chunk,
                                                            bool(args.pad_vocab), args.autotune,
-                                                           args.gelu_fusion, args.recompute)
+                                                           args.gelu_fusion, args.recompute,
+                                                           bool(args.cudnn_deterministic))
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1)
         else:
@@ -455,6 +457,7 @@ def worker_command(trainer, B, args, probe):
             "--attention", args.attention, "--cuda-graph", str(args.cuda_graph), "--cublaslt", str(args.cublaslt),
             "--residual-epilogue", str(args.residual_epilogue), "--classifier-chunk", str(args.classifier_chunk),
             "--autotune", str(args.autotune), "--gelu-fusion", str(args.gelu_fusion), "-r", str(args.recompute),
+            "--cudnn-deterministic", str(args.cudnn_deterministic),
             "--compile", str(args.compile), "--pad-vocab", str(args.pad_vocab)] + (["--probe"] if probe else [])
 
 
@@ -518,7 +521,7 @@ def options_line(args):
             f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
             f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}, residual epilogue "
             f"{args.residual_epilogue}, autotune {args.autotune}, GELU fusion {args.gelu_fusion}, recompute "
-            f"{args.recompute}, "
+            f"{args.recompute}, cuDNN deterministic {args.cudnn_deterministic}, "
             f"classifier chunk {args.classifier_chunk}; twin: torch.compile {args.compile}")
 
 
@@ -571,6 +574,9 @@ def parse_args(argv=None):
     p.add_argument("-r", "--recompute", type=int, default=1, choices=(0, 1, 2),
                    help="gpt2_cuda.py's -r: the activations its backward computes again (1: GELU's output, the "
                         "trainer's default; 0: none, L-1 (B,T,4C) buffers more memory)")
+    p.add_argument("--cudnn-deterministic", type=int, default=1, choices=(0, 1),
+                   help="gpt2_cuda.py with cuDNN attention: 0 its backward that may sum dq in any order (as the "
+                        "twin's SDPA), 1 the deterministic one (the trainer's default)")
     p.add_argument("--gelu-fusion", type=int, default=2, choices=(0, 1, 2),
                    help="gpt2_cuda.py with cuBLASLt (its -ge): 2 GELU and its derivative in the GEMM epilogues, "
                         "1 the forward only, 0 neither")
@@ -590,9 +596,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.pad_vocab and not is_llama3(args.model):
         p.error(f"--pad-vocab 1 is llama3_cuda.py's (gpt2_cuda.py always pads its vocabulary): drop it for -e {args.model}")
-    if is_llama3(args.model) and (args.autotune != 1 or args.gelu_fusion != 2 or args.recompute != 1):
-        p.error(f"--autotune, --gelu-fusion and -r are gpt2_cuda.py's options (llama3_cuda.py has no cuBLASLt "
-                f"backend, no autotuning and no recomputation): drop them for -e {args.model}")
+    if is_llama3(args.model) and (args.autotune != 1 or args.gelu_fusion != 2 or args.recompute != 1
+                                  or args.cudnn_deterministic != 1):
+        p.error(f"--autotune, --gelu-fusion, -r and --cudnn-deterministic are gpt2_cuda.py's options: drop them for "
+                f"-e {args.model}")
     if is_llama3(args.model) and args.cublaslt == 1:
         p.error(f"--cublaslt 1: llama3_cuda.py has no cuBLASLt backend (cuBLAS is its only one); drop --cublaslt "
                 f"for -e {args.model}")
@@ -663,6 +670,7 @@ def main(argv=None):
                        "cuda_graph": args.cuda_graph, "cublaslt": args.cublaslt, "compile": args.compile,
                        "residual_epilogue": args.residual_epilogue, "classifier_chunk": args.classifier_chunk,
                        "autotune": args.autotune, "gelu_fusion": args.gelu_fusion, "recompute": args.recompute,
+                       "cudnn_deterministic": args.cudnn_deterministic,
                        "pad_vocab": args.pad_vocab,
                        "runs": runs_json}, f, indent=1)
     if failed:

@@ -323,6 +323,7 @@ class NaiveAttention:
     check_names = ("qkvr", "att")
     grouped_kv = False          # takes GPT-2's (B,T,3C): Llama 3 repeats its NKV key/value heads first
     autotune = 1                # library candidates timed at a first call (cuDNN's plans: CudnnAttention only)
+    deterministic = True        # a backward that sums in a fixed order (cuDNN's choice: CudnnAttention only)
 
     def buffers(self, B, T, C, L, NH, logits_floats, qkv_channels=None):
         """(kept per layer, floats of `logits`, the backward's own buffers) for activation_shapes;
@@ -395,24 +396,25 @@ class FlashAttention(NaiveAttention):
 class CudnnAttention(FlashAttention):
     """cuDNN's fused attention (llmc/cudnn_attention.py): flash's buffers and lse (cuDNN's softmax
     "stats"); its graphs and workspace are built before the first step (prepare). autotune: how many
-    of cuDNN's plans each graph times at its first run (gpt2_cuda.py's --autotune; 1: the first)."""
+    of cuDNN's plans each graph times at its first run (gpt2_cuda.py's --autotune; 1: the first);
+    deterministic: cuDNN's deterministic backward (--cudnn-deterministic; False: dq summed in any order)."""
     name = "cudnn"
     kernel_files = ()
     grouped_kv = False          # its graphs are built for GPT-2's (B,T,3C)
 
     def prepare(self, sizes, NH, HS):
         from llmc import cudnn_attention
-        cudnn_attention.prepare(sizes, NH, HS)
+        cudnn_attention.prepare(sizes, NH, HS, self.deterministic)
 
     def forward(self, A, l, B, T, C, NH, tf32, NKV=None):
         from llmc import cudnn_attention
         cudnn_attention.attention_forward_cudnn(A["atty"][l], A["lse"][l], A["qkv"][l], B, T, NH, C // NH,
-                                                autotune=self.autotune)
+                                                autotune=self.autotune, deterministic=self.deterministic)
 
     def backward(self, dqkv, datty, A, l, B, T, C, NH, tf32, NKV=None):
         from llmc import cudnn_attention
         cudnn_attention.attention_backward_cudnn(dqkv, datty, A["qkv"][l], A["atty"][l], A["lse"][l], B, T, NH, C // NH,
-                                                 autotune=self.autotune)
+                                                 autotune=self.autotune, deterministic=self.deterministic)
 
 
 def attention_path(name):

@@ -76,7 +76,8 @@ MIN_CUDNN_VERSION = (9, 0, 0)
 BROKEN_CUDNN_VERSIONS = ((9, 10, 0), (9, 10, 1))
 HEAD_SIZE_MULTIPLE = 8                   # 16-byte rows of bf16
 MAX_HEAD_SIZE = 128                      # the SDPA backward's limit on Ampere (Hopper: 256)
-# llm.c: the deterministic backward, so that two runs give the same gradients bit for bit
+# llm.c: the deterministic backward, so that two runs give the same gradients bit for bit (the
+# default; gpt2_cuda.py --cudnn-deterministic 0 lets cuDNN sum dq in any order, as PyTorch's SDPA does)
 DETERMINISTIC_BACKWARD = True
 # Where libcudnn is looked for (the frontend's cudnn/__init__.py, _dlopen_cudnn, 1.32): these names
 # in each LD_LIBRARY_PATH folder, then nvidia/<folder>/lib/<glob> of the interpreter's purelib only;
@@ -87,7 +88,7 @@ CUDNN_LIBRARY_GLOB = "libcudnn.so.*[0-9]"
 FOUND_BY_FRONTEND = "the frontend loads it itself"
 FOUND_ON_SYS_PATH = "on sys.path, as torch finds it; loaded here for the frontend"
 
-GRAPHS = {}        # (direction, B, T, NH, HS, training) -> AttentionGraph, built once
+GRAPHS = {}        # (direction, B, T, NH, HS, training, deterministic) -> AttentionGraph, built once
 _RESOURCES = {}    # "handle": the cuDNN handle, "workspace": a CuPy uint8 array, "retired": the replaced ones
 _LIBRARY = {}      # "cudnn": the line load_cudnn_library said, once per process
 
@@ -263,11 +264,13 @@ def _workspace(nbytes):
     return _RESOURCES["workspace"]
 
 
-def prepare(sizes, NH, HS):
+def prepare(sizes, NH, HS, deterministic=DETERMINISTIC_BACKWARD):
     """Build every graph a run needs, the forward and backward for each (B,T) in `sizes` (the
-    training, evaluation and sampling batches), then allocate the workspace once at the largest
-    of their sizes: called before any CUDA graph capture. Raises InputError as attention_graph."""
-    entries = [attention_graph(direction, B, T, NH, HS) for B, T in sizes for direction in DESCRIBE]
+    training, evaluation and sampling batches; deterministic: the backward's), then allocate the
+    workspace once at the largest of their sizes: called before any CUDA graph capture. Raises
+    InputError as attention_graph."""
+    entries = [attention_graph(direction, B, T, NH, HS, deterministic=deterministic)
+               for B, T in sizes for direction in DESCRIBE]
     return _workspace(max(entry.workspace_bytes for entry in entries))
 
 
@@ -299,8 +302,9 @@ def _describe_forward(cudnn, graph, B, T, NH, HS, training):
     return t
 
 
-def _describe_backward(cudnn, graph, B, T, NH, HS, training):
-    """Declare q, k, v, o, dO, stats -> sdpa_backward -> dq, dk, dv on `graph`; returns the tensors."""
+def _describe_backward(cudnn, graph, B, T, NH, HS, training, deterministic=DETERMINISTIC_BACKWARD):
+    """Declare q, k, v, o, dO, stats -> sdpa_backward -> dq, dk, dv on `graph` (deterministic: cuDNN's
+    deterministic algorithm, dq summed in a fixed order); returns the tensors."""
     bf16, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
     qkv_dim, qkv_stride = qkv_layout(B, T, NH, HS)
     out_dim, out_stride = out_layout(B, T, NH, HS)
@@ -312,7 +316,7 @@ def _describe_backward(cudnn, graph, B, T, NH, HS, training):
     t["Stats"] = graph.tensor(name="Stats", dim=stats_dim, stride=stats_stride, data_type=f32)
     grads = graph.sdpa_backward(name="flash_attention_backward", q=t["Q"], k=t["K"], v=t["V"], o=t["O"],
                                 dO=t["dO"], stats=t["Stats"], attn_scale=1.0 / math.sqrt(HS),
-                                use_deterministic_algorithm=DETERMINISTIC_BACKWARD, **_causal(cudnn))
+                                use_deterministic_algorithm=bool(deterministic), **_causal(cudnn))
     for name, grad in zip(("dQ", "dK", "dV"), grads):   # written into dqkv, laid out like qkv
         t[name] = grad.set_output(True).set_dim(qkv_dim).set_stride(qkv_stride).set_data_type(bf16)
     return t
@@ -321,18 +325,20 @@ def _describe_backward(cudnn, graph, B, T, NH, HS, training):
 DESCRIBE = {"forward": _describe_forward, "backward": _describe_backward}
 
 
-def attention_graph(direction, B, T, NH, HS, training=True):
+def attention_graph(direction, B, T, NH, HS, training=True, deterministic=DETERMINISTIC_BACKWARD):
     """The cached AttentionGraph for `direction` ("forward" or "backward") at this shape, built
     on first use: validate, build the operation graph, heuristics (mode A, then the fallback
-    list), support check, plans (the workspace is allocated by prepare, or at execution). Raises InputError
+    list), support check, plans (the workspace is allocated by prepare, or at execution).
+    deterministic: the backward's algorithm (the forward's key keeps it, unused). Raises InputError
     (one line naming the shape and cuDNN's reason) if cuDNN cannot build it."""
-    key = (direction, B, T, NH, HS, bool(training))
+    key = (direction, B, T, NH, HS, bool(training), bool(deterministic))
     if key in GRAPHS:
         return GRAPHS[key]
     cudnn = cudnn_module()
     try:
         graph = _new_graph(cudnn)
-        tensors = DESCRIBE[direction](cudnn, graph, B, T, NH, HS, training)
+        extra = dict(deterministic=deterministic) if direction == "backward" else {}
+        tensors = DESCRIBE[direction](cudnn, graph, B, T, NH, HS, training, **extra)
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -408,10 +414,11 @@ def tuning_report():
     """One line per autotuned graph: its direction and shape, the time per run of the first plan
     and of the one kept (with its name), and all the timings in the ranked order."""
     lines = []
-    for (direction, B, T, NH, HS, training), entry in GRAPHS.items():
+    for (direction, B, T, NH, HS, training, deterministic), entry in GRAPHS.items():
         if entry.timings_ms:
             first, best = entry.timings_ms[0], entry.timings_ms[entry.chosen]
-            lines.append(f"cuDNN attention {direction} B={B} T={T} NH={NH} HS={HS}: first plan {first:.4f} ms, kept "
+            kind = f"{direction}{'' if deterministic or direction != 'backward' else ' (non-deterministic)'}"
+            lines.append(f"cuDNN attention {kind} B={B} T={T} NH={NH} HS={HS}: first plan {first:.4f} ms, kept "
                          f"#{entry.chosen + 1} of {len(entry.timings_ms)} ({entry.plan_names[entry.chosen]}) "
                          f"{best:.4f} ms ({first / best:.3f}x); all: " + " ".join(f"{t:.4f}" for t in entry.timings_ms))
     return lines
@@ -420,13 +427,16 @@ def tuning_report():
 # ----------------------------------------------------------------------------
 # the launchers gpt2_cuda.py calls
 
-def attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training=True, autotune=1):
+def attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training=True, autotune=1,
+                            deterministic=DETERMINISTIC_BACKWARD):
     """Library call: causal self-attention of qkv (B,T,3C) into out (B,T,C), both bf16 bits
     (uint16), and, when training, the softmax statistics stats (B,NH,T) float32 (natural-log
     max + log sum exp per query row) that attention_backward_cudnn needs; stats may be None
     otherwise. Same math as gpt2_cpu.attention_forward with att never stored. autotune: how many of
-    cuDNN's plans the graph's first run times (the module docstring; 1: the first plan). Raises
-    TypeError / ValueError for bad arguments, InputError when cuDNN cannot build the graph."""
+    cuDNN's plans the graph's first run times (the module docstring; 1: the first plan);
+    deterministic: which backward the run uses (the forward's graph is keyed by it too, so that
+    prepare's graphs are the ones found). Raises TypeError / ValueError for bad arguments,
+    InputError when cuDNN cannot build the graph."""
     C = NH * HS
     bf16 = cuda.FLOATX_DTYPES[PRECISION]
     cuda.check_array(qkv, bf16, B * T * 3 * C, "attention_forward_cudnn: qkv")
@@ -436,21 +446,24 @@ def attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training=True, autotu
     if training:
         cuda.check_array(stats, np.float32, B * NH * T, "attention_forward_cudnn: stats", aligned=False)
         pointers["Stats"] = cuda.address(stats)
-    entry = attention_graph("forward", B, T, NH, HS, training)
+    entry = attention_graph("forward", B, T, NH, HS, training, deterministic)
     _execute(entry, pointers, f"forward B={B}, T={T}, NH={NH}, HS={HS}", autotune)
 
 
-def attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS, autotune=1):
+def attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS, autotune=1,
+                             deterministic=DETERMINISTIC_BACKWARD):
     """Library call, the backward of attention_forward_cudnn: writes (=) dqkv (B,T,3C), the
     gradient of the qkv projection laid out like qkv, from dout (B,T,C) and the forward's qkv,
     out and stats. bf16 bits except stats (float32). Same math as gpt2_cpu.attention_backward,
-    the attention tiles recomputed from stats. autotune and raises as attention_forward_cudnn."""
+    the attention tiles recomputed from stats; deterministic: cuDNN's deterministic algorithm (dq
+    summed in a fixed order; False lets it sum in any order, faster where atomics help). autotune
+    and raises as attention_forward_cudnn."""
     C = NH * HS
     bf16 = cuda.FLOATX_DTYPES[PRECISION]
     for name, arr, size in (("dqkv", dqkv, 3 * C), ("dout", dout, C), ("qkv", qkv, 3 * C), ("out", out, C)):
         cuda.check_array(arr, bf16, B * T * size, f"attention_backward_cudnn: {name}")
     cuda.check_array(stats, np.float32, B * NH * T, "attention_backward_cudnn: stats", aligned=False)
-    entry = attention_graph("backward", B, T, NH, HS, training=True)
+    entry = attention_graph("backward", B, T, NH, HS, training=True, deterministic=deterministic)
     q, k, v = qkv_pointers(qkv, C)
     dq, dk, dv = qkv_pointers(dqkv, C)
     pointers = {"Q": q, "K": k, "V": v, "O": cuda.address(out), "dO": cuda.address(dout),

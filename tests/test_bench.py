@@ -255,20 +255,21 @@ def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
     fake = workers()
     assert bench.main(["-b", "16", "--cublaslt", "1", "--compile", "0", "--residual-epilogue", "1",
                        "--classifier-chunk", "4", "--cuda-graph", "0", "--autotune", "8",
-                       "--gelu-fusion", "1", "-r", "0"]) == 0
+                       "--gelu-fusion", "1", "-r", "0", "--cudnn-deterministic", "0"]) == 0
     for (trainer, B), cmd in fake.calls:
         args = bench.parse_args(cmd[2:])
         assert (args.cublaslt, args.compile, args.worker, args.batch_size) == (1, 0, trainer, 16)
         assert (args.residual_epilogue, args.classifier_chunk, args.cuda_graph) == (1, 4, 0)
-        assert (args.autotune, args.gelu_fusion, args.recompute) == (8, 1, 0)
-    assert ("CUDA graph 0, cuBLASLt, residual epilogue 1, autotune 8, GELU fusion 1, recompute 0, classifier chunk 4; "
+        assert (args.autotune, args.gelu_fusion, args.recompute, args.cudnn_deterministic) == (8, 1, 0, 0)
+    assert ("CUDA graph 0, cuBLASLt, residual epilogue 1, autotune 8, GELU fusion 1, recompute 0, cuDNN deterministic 0, "
+            "classifier chunk 4; "
             "twin: torch.compile 0") in capsys.readouterr().out
     defaults = bench.parse_args([])
     assert (defaults.compile, defaults.cublaslt, defaults.attention) == (1, "auto", "auto")   # the trainer's defaults
     assert (defaults.cuda_graph, defaults.residual_epilogue, defaults.classifier_chunk) == ("auto", 0, 0)
     trainer = bench.gpt2_cuda.parse_args([])
-    assert (defaults.autotune, defaults.gelu_fusion, defaults.recompute) == (trainer.autotune, trainer.gelu_fusion,
-                                                                             trainer.recompute)
+    assert (defaults.autotune, defaults.gelu_fusion, defaults.recompute, defaults.cudnn_deterministic) == \
+        (trainer.autotune, trainer.gelu_fusion, trainer.recompute, trainer.cudnn_deterministic)
 
 
 def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypatch):

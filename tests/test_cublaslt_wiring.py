@@ -156,7 +156,7 @@ def test_cublaslt_flag_auto_0_1(monkeypatch, device, flag, available, expected, 
     assert gpt2_cuda.parse_args([]).cublaslt == "auto"
 
 
-def test_autotune_and_gelu_fusion_reach_the_backend_the_attention_and_the_banner(monkeypatch):
+def test_library_options_reach_the_backend_the_attention_and_the_banner(monkeypatch):
     fake = types.SimpleNamespace(unavailable_reason=lambda: None)
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
     monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
@@ -164,16 +164,19 @@ def test_autotune_and_gelu_fusion_reach_the_backend_the_attention_and_the_banner
     monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: built.update(k) or types.SimpleNamespace(matmul=k["matmul"]))
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     args = gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2", "--cublaslt", "1", "--autotune", "4", "-ge", "1",
-                                 "--attention", "naive"])
+                                 "--attention", "naive", "--cudnn-deterministic", "0"])
     gpt2_cuda.setup_model(args, 80, say=pytest.fail)
     matmul = built["matmul"]
-    assert (matmul.autotune, matmul.gelu_fusion, built["autotune"]) == (4, 1, 4)
+    assert (matmul.autotune, matmul.gelu_fusion, built["autotune"], built["cudnn_deterministic"]) == (4, 1, 4, False)
     banner = llmc.gpu_cli.library_options
     assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("naive"))) == \
         " (autotune 4) (GELU fusion 1)"
     cudnn = llmc.attention.attention_path("cudnn")
     cudnn.autotune = 3                                                   # cuDNN's plans tuned, cuBLAS matmuls
     assert banner(types.SimpleNamespace(matmul=llmc.matmul.Cublas(), attention=cudnn)) == " (autotune 3)"
+    cudnn.deterministic = False
+    assert banner(types.SimpleNamespace(matmul=llmc.matmul.Cublas(), attention=cudnn)) == \
+        " (autotune 3) (non-deterministic cuDNN backward)"
     defaults = gpt2_cuda.parse_args([])
     assert (defaults.autotune, defaults.gelu_fusion) == (1, 2)
     for matmul in (llmc.matmul.CublasLt(), llmc.matmul.Cublas()):

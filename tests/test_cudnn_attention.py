@@ -295,7 +295,7 @@ def _forward(B, T, NH, HS, training=True, rng=None):
 def test_graph_built_once_per_shape_and_reused(fake_cudnn):
     _forward(2, 64, 4, 64)
     _forward(2, 64, 4, 64)
-    assert list(ca.GRAPHS) == [("forward", 2, 64, 4, 64, True)] and len(fake_cudnn.graphs) == 1
+    assert list(ca.GRAPHS) == [("forward", 2, 64, 4, 64, True, True)] and len(fake_cudnn.graphs) == 1
     graph = fake_cudnn.graphs[0]
     assert graph.steps == ["validate", "build_operation_graph", "create_execution_plans", "check_support", "build_plans"]
     assert graph.modes == [emulated.heur_mode.A, emulated.heur_mode.FALLBACK]
@@ -304,8 +304,8 @@ def test_graph_built_once_per_shape_and_reused(fake_cudnn):
     _forward(2, 64, 4, 64, training=False)                                  # inference: another graph
     _forward(1, 64, 4, 64)
     _forward(2, 64, 4, 64)                                                  # the first one again
-    assert sorted(ca.GRAPHS) == sorted([("forward", 2, 64, 4, 64, True), ("forward", 2, 70, 4, 64, True),
-                                        ("forward", 2, 64, 4, 64, False), ("forward", 1, 64, 4, 64, True)])
+    assert sorted(ca.GRAPHS) == sorted([("forward", 2, 64, 4, 64, True, True), ("forward", 2, 70, 4, 64, True, True),
+                                        ("forward", 2, 64, 4, 64, False, True), ("forward", 1, 64, 4, 64, True, True)])
     assert len(fake_cudnn.graphs) == 4 and len(graph.executions) == 3
     assert all(len(g.steps) == 5 for g in fake_cudnn.graphs)
     assert len(fake_cudnn.handles) == 1                                     # one handle for every graph
@@ -328,7 +328,7 @@ def test_graph_attributes(fake_cudnn):
     assert set(inference.executions[0][0]) == {inference.inputs[n] for n in "QKV"} | {inference.outputs["O"]}
     assert backward.op == "sdpa_backward" and backward.params["use_deterministic_algorithm"] is True
     assert all(t.output for t in backward.outputs.values())
-    assert sorted(ca.GRAPHS[("backward", B, T, NH, HS, True)].tensors) == sorted(
+    assert sorted(ca.GRAPHS[("backward", B, T, NH, HS, True, True)].tensors) == sorted(
         ["Q", "K", "V", "O", "dO", "Stats", "dQ", "dK", "dV"])
 
 
@@ -418,6 +418,22 @@ def test_a_grown_workspace_keeps_the_old_one_alive(fake_cudnn):
     assert ca._RESOURCES["workspace"].nbytes == 9000 and ca._RESOURCES["retired"] == [first]
 
 
+def test_the_backward_is_deterministic_unless_asked_otherwise(fake_cudnn):
+    """--cudnn-deterministic: the backward graph takes cuDNN's deterministic algorithm by default
+    (llm.c's choice) and the other when asked; each is its own cached graph, and prepare builds the
+    ones asked for."""
+    B, T, NH, HS = 1, 16, 2, 16
+    rng = np.random.default_rng(6)
+    qkv, out, stats = _forward(B, T, NH, HS, rng=rng)
+    for deterministic in (True, False):
+        ca.attention_backward_cudnn(np.zeros_like(qkv), np.zeros_like(out), qkv, out, stats, B, T, NH, HS,
+                                    deterministic=deterministic)
+        entry = ca.GRAPHS[("backward", B, T, NH, HS, True, deterministic)]
+        assert entry.graph.params["use_deterministic_algorithm"] is deterministic
+    ca.prepare([(2, T)], NH, HS, deterministic=False)
+    assert ("backward", 2, T, NH, HS, True, False) in ca.GRAPHS and ("backward", 2, T, NH, HS, True, True) not in ca.GRAPHS
+
+
 def _delayed_plans(monkeypatch, delays):
     """The emulated graph's ranked plans made to take delays[i] seconds a run, executions recorded
     by plan index (the emulation's own Counter)."""
@@ -447,7 +463,7 @@ def test_autotune_times_each_plan_and_selects_the_fastest(fake_cudnn, monkeypatc
     graph = fake_cudnn.graphs[0]
     repeats = 1 + ca.AUTOTUNE_REPEATS
     assert graph.executed == {0: 1 + repeats, 1: repeats + 2, 2: repeats}   # untuned, the trials, two runs of #2
-    entry = ca.GRAPHS[("forward", B, T, NH, HS, True)]
+    entry = ca.GRAPHS[("forward", B, T, NH, HS, True, True)]
     assert entry.chosen == 1 and graph.selected == 1 and entry.timings_ms[1] < entry.timings_ms[2] < entry.timings_ms[0]
     assert entry.plan_names == ["emulated_sdpa_plan_0", "emulated_sdpa_plan_1", "emulated_sdpa_plan_2"]
     for tuned in outs[1:]:
@@ -472,7 +488,7 @@ def test_autotune_skips_a_plan_that_fails_and_keeps_the_first_inside_a_capture(f
     qkv = on_device(bf16_normal(rng, (B, T, 3 * NH * HS))[0])
     out, stats = device_full((B, T, NH * HS), 0, np.uint16), device_full((B, NH, T), 0, np.float32)
     ca.attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, autotune=2)
-    entry = ca.GRAPHS[("forward", B, T, NH, HS, True)]
+    entry = ca.GRAPHS[("forward", B, T, NH, HS, True, True)]
     assert entry.timings_ms[1] == float("inf") and entry.chosen == 0 and fake_cudnn.graphs[0].selected == 0
     # another shape, first run inside a capture: recorded, never timed, the first plan kept
     arrays = (device_full((2, T, NH * HS), 0, np.uint16), device_full((2, NH, T), 0, np.float32),
@@ -481,7 +497,7 @@ def test_autotune_skips_a_plan_that_fails_and_keeps_the_first_inside_a_capture(f
     stream.begin_capture()
     ca.attention_forward_cudnn(*arrays, 2, T, NH, HS, autotune=2)
     stream.end_capture()
-    captured = ca.GRAPHS[("forward", 2, T, NH, HS, True)]
+    captured = ca.GRAPHS[("forward", 2, T, NH, HS, True, True)]
     assert captured.timings_ms == [] and fake_cudnn.graphs[1].executed == {0: 1}   # issued once (recorded): no trials
     assert len(ca.tuning_report()) == 1
 
@@ -609,14 +625,15 @@ def test_gpu_matches_gpt2_cpu(B, T, NH, HS):
     assert check_against(stats, reference_stats(qkv_f, NH), f"stats T={T}", "cuda_bf16", "statistic")
     assert check_against(bfloat16_bits_to_float32(dqkv), ref_dqkv, f"dqkv T={T}", "cuda_bf16", "grad")
     np.testing.assert_array_equal(dqkv2, dqkv)                              # the deterministic backward
-    assert ("forward", B, T, NH, HS, True) in ca.GRAPHS and ("backward", B, T, NH, HS, True) in ca.GRAPHS
+    assert ("forward", B, T, NH, HS, True, True) in ca.GRAPHS and ("backward", B, T, NH, HS, True, True) in ca.GRAPHS
 
 
 @pytest.mark.gpu
 def test_gpu_autotuned_plans_match_gpt2_cpu():
     """--autotune on a GPU: the forward's and backward's ranked plans (up to 8) each built, timed
     and one selected through the real frontend's at-index calls; the selected plans' outputs
-    against gpt2_cpu, and one report line per graph."""
+    against gpt2_cpu, and one report line per graph; and the non-deterministic backward
+    (--cudnn-deterministic 0) against gpt2_cpu too."""
     reason = _cudnn_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -634,12 +651,15 @@ def test_gpu_autotuned_plans_match_gpt2_cpu():
         d_dqkv = cp.full((B, T, 3 * C), 0x7FC0, cp.uint16)
         ca.attention_forward_cudnn(d_out, d_stats, d_qkv, B, T, NH, HS, autotune=8)
         ca.attention_backward_cudnn(d_dqkv, d_dout, d_qkv, d_out, d_stats, B, T, NH, HS, autotune=8)
-        out, dqkv = d_out.get(stream=stream), d_dqkv.get(stream=stream)
+        d_fast = cp.full((B, T, 3 * C), 0x7FC0, cp.uint16)
+        ca.attention_backward_cudnn(d_fast, d_dout, d_qkv, d_out, d_stats, B, T, NH, HS, deterministic=False)
+        out, dqkv, fast = d_out.get(stream=stream), d_dqkv.get(stream=stream), d_fast.get(stream=stream)
     stream.synchronize()
     ref_out, att = gpt2_cpu.attention_forward(qkv_f.astype(np.float64), NH)
     ref_dqkv = gpt2_cpu.attention_backward(dout_f.astype(np.float64), qkv_f.astype(np.float64), att, NH)
     assert check_against(bfloat16_bits_to_float32(out), ref_out, "out (autotuned)", "cuda_bf16", "activation")
     assert check_against(bfloat16_bits_to_float32(dqkv), ref_dqkv, "dqkv (autotuned)", "cuda_bf16", "grad")
+    assert check_against(bfloat16_bits_to_float32(fast), ref_dqkv, "dqkv (non-deterministic)", "cuda_bf16", "grad")
     report = ca.tuning_report()
     assert len(report) == 2 and all(np.isfinite(min(e.timings_ms)) for e in ca.GRAPHS.values()), report
     print("\n".join(report))

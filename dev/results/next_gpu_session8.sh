@@ -9,7 +9,8 @@
 #      first 8 plans timed, the fastest kept; the bench prints what each found), --gelu-fusion 1 and --gelu-fusion 0 (the fc GEMM with GELU_AUX_BIAS
 #      ran at 333-462 TFLOP/s where the plain GEMMs of its size ran at 713), -r 0 (GELU's output kept:
 #      its recomputation, gelu_forward, took 0.88 ms of the 32.5 ms step; 1.0 GiB more, 8 GiB
-#      against the twin's 13), and -r 0 with --autotune 8
+#      against the twin's 13), --cudnn-deterministic 0 (cuDNN's backward, 4.27 ms of the step, free to
+#      sum dq in any order, as the twin's SDPA), and -r 0 with --autotune 8
 #   2. issue 40: dev/cuda's classifier (version 3 against the candidates 4, the row kept in shared
 #      memory, and 5, the row copied in by cp.async), global-norm, layernorm and AdamW tables (the block reductions of global_norm
 #      and fused_classifier, and layernorm_backward's two row sums in one shuffle, changed on
@@ -42,6 +43,7 @@ step 45 $BENCH16 --autotune 8 --json $OUT/bench_b16_autotune8.json
 step 35 $BENCH16 --gelu-fusion 1 --json $OUT/bench_b16_gelu1.json
 step 35 $BENCH16 --gelu-fusion 0 --json $OUT/bench_b16_gelu0.json
 step 35 $BENCH16 -r 0 --json $OUT/bench_b16_r0.json
+step 35 $BENCH16 --cudnn-deterministic 0 --json $OUT/bench_b16_nondeterministic.json
 step 35 $BENCH16 -r 0 --autotune 8 --json $OUT/bench_b16_r0_autotune8.json
 step 90 python3 dev/cuda/run_all.py classifier global_norm layernorm adamw -r 20 -o $OUT
 step 200 env DEADLINE=$(( $(left) < 200 ? $(left) : 200 )) bash dev/results/next_gpu_issue41.sh
