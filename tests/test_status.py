@@ -23,7 +23,8 @@ RESULTS = os.path.join(ROOT, "dev", "results")
 SESSION5 = os.path.join(RESULTS, "2026-11-26_nvidia-h100-80gb-hbm3_session5_")
 DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "doc", "*.md")))
 STALE_PHRASES = ("not yet run", "not yet measured", "not yet timed", "still to run", "not timed", "never ran",
-                 "have not been timed", "has not been timed", "so far run", "no timings exist", "waits for the next GPU")
+                 "have not been timed", "has not been timed", "so far run", "no timings exist", "waits for the next GPU",
+                 "not measured yet", "not timed yet")
 # Llama 3's progressions timed in the fifth session: (the record, the op); swiglu's table was cut
 # from its .md and survives in the call's log
 LLAMA3_TIMINGS = (("rmsnorm.md", "rmsnorm_forward"), ("rmsnorm.md", "rmsnorm_backward"), ("rope.md", "rope_forward"),
