@@ -85,6 +85,42 @@ extern "C" __global__ void fused_classifier_v2(floatX* logits, float* losses, co
     }
 }
 
+// What versions 4 and 5 share. The online softmax of one 16-byte group whose first element is
+// column `first` (only the real columns, < V, count):
+__device__ inline SoftmaxState softmax_state_add_group(SoftmaxState state, const x128& group, int first, int V) {
+    for (int k = 0; k < x128::size; k++) {
+        if (first + k < V) {
+            state = softmax_state_add(state, (float)group[k]);
+        }
+    }
+    return state;
+}
+
+// After the block reduction (`state` is the row's): thread 0 writes the loss; with write_dlogits
+// each thread writes the gradient of the groups it holds in shared memory, streamed out (__stcs):
+// (softmax - onehot) * dloss, 0 for the padded columns.
+__device__ inline void loss_and_dlogits_from_shared(const x128* row_groups, floatX* row_logits, float* loss,
+                                                    SoftmaxState state, float target_logit, int target, float dloss,
+                                                    int V, int groups, int write_dlogits) {
+    if (threadIdx.x == 0) {
+        *loss = state.max + logf(state.sum) - target_logit;
+    }
+    if (!write_dlogits) {
+        return;
+    }
+    const float inv_sum = 1.0f / state.sum;
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+        const x128 group = row_groups[g];
+        x128 out;
+        for (int k = 0; k < x128::size; k++) {
+            const int i = g * x128::size + k;
+            const float prob = (i < V) ? expf((float)group[k] - state.max) * inv_sum : 0.0f;
+            out[k] = (floatX)((prob - (i == target ? 1.0f : 0.0f)) * dloss);
+        }
+        store128cs(row_logits + g * x128::size, out);
+    }
+}
+
 // Version 4 (candidate): version 3 (kernels/classifier.cu), one block per row, with the row kept in
 // shared memory between the two passes. Pass 1 streams the row in (__ldcs: DRAM read once, not kept
 // in L2), stores each 16-byte group into dynamic shared memory and runs the online softmax; after
@@ -109,29 +145,11 @@ extern "C" __global__ void fused_classifier_v4(floatX* logits, float* losses, co
         for (int g = threadIdx.x; g < groups; g += blockDim.x) {      // pass 1: global -> shared, online softmax
             const x128 group = load128cs(row_logits + g * x128::size);
             row_groups[g] = group;
-            for (int k = 0; k < x128::size; k++) {
-                if (g * x128::size + k < V) {
-                    state = softmax_state_add(state, (float)group[k]);
-                }
-            }
+            state = softmax_state_add_group(state, group, g * x128::size, V);
         }
         state = blockReduceSoftmax(state);
-        if (threadIdx.x == 0) {
-            losses[row] = state.max + logf(state.sum) - target_logit;
-        }
-        if (write_dlogits) {                                            // pass 2: shared -> dlogits
-            const float inv_sum = 1.0f / state.sum;
-            for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-                const x128 group = row_groups[g];
-                x128 out;
-                for (int k = 0; k < x128::size; k++) {
-                    const int i = g * x128::size + k;
-                    const float prob = (i < V) ? expf((float)group[k] - state.max) * inv_sum : 0.0f;
-                    out[k] = (floatX)((prob - (i == target ? 1.0f : 0.0f)) * dloss);
-                }
-                store128cs(row_logits + g * x128::size, out);
-            }
-        }
+        loss_and_dlogits_from_shared(row_groups, row_logits, &losses[row], state, target_logit, target, dloss, V,
+                                     groups, write_dlogits);                                 // pass 2
     }
 }
 
@@ -160,29 +178,10 @@ extern "C" __global__ void fused_classifier_v5(floatX* logits, float* losses, co
         cp_async_wait_all();
         SoftmaxState state = softmax_state_empty();
         for (int g = threadIdx.x; g < groups; g += blockDim.x) {      // pass 1 from shared memory
-            const x128 group = row_copy[g];
-            for (int k = 0; k < x128::size; k++) {
-                if (g * x128::size + k < V) {
-                    state = softmax_state_add(state, (float)group[k]);
-                }
-            }
+            state = softmax_state_add_group(state, row_copy[g], g * x128::size, V);
         }
         state = blockReduceSoftmax(state);
-        if (threadIdx.x == 0) {
-            losses[row] = state.max + logf(state.sum) - target_logit;
-        }
-        if (write_dlogits) {                                            // pass 2: shared -> dlogits
-            const float inv_sum = 1.0f / state.sum;
-            for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-                const x128 group = row_copy[g];
-                x128 out;
-                for (int k = 0; k < x128::size; k++) {
-                    const int i = g * x128::size + k;
-                    const float prob = (i < V) ? expf((float)group[k] - state.max) * inv_sum : 0.0f;
-                    out[k] = (floatX)((prob - (i == target ? 1.0f : 0.0f)) * dloss);
-                }
-                store128cs(row_logits + g * x128::size, out);
-            }
-        }
+        loss_and_dlogits_from_shared(row_copy, row_logits, &losses[row], state, target_logit, target, dloss, V, groups,
+                                     write_dlogits);                                          // pass 2
     }
 }
