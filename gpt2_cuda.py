@@ -1311,6 +1311,8 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     attention, fallback = resolve_attention(args.attention, precision, cfg.channels // cfg.num_heads)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
+    for line in unused_library_options(args, matmul, attention):
+        say(f"gpt2_cuda.py: {line}")
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
                  matmul=matmul, classifier_chunk=args.classifier_chunk, trainable=host.lora is None,
@@ -1319,6 +1321,22 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     if host.lora is not None:
         attach_lora(model, host.lora, rank, size)
     return model
+
+
+def unused_library_options(args, matmul, attention):
+    """One line for each of --autotune, -ge and --cudnn-deterministic given a value other than its
+    default that no library of this run reads (they act on cuBLASLt's products and cuDNN's
+    attention graphs only), so that a flag doing nothing says so."""
+    lt, cudnn = matmul.name == "cuBLASLt", attention == "cudnn"
+    lines = []
+    if args.autotune > 1 and not (lt or cudnn):
+        lines.append(f"--autotune {args.autotune} has nothing to tune here (it times cuBLASLt's algorithms and cuDNN "
+                     f"attention's plans: this run has {matmul.name} matmuls and {attention} attention)")
+    if args.gelu_fusion != 2 and not lt:
+        lines.append(f"-ge {args.gelu_fusion} applies to cuBLASLt's epilogues; with {matmul.name} the GELU is our kernel's")
+    if not args.cudnn_deterministic and not cudnn:
+        lines.append(f"--cudnn-deterministic 0 applies to cuDNN attention; this run has {attention} attention")
+    return lines
 
 
 def attach_lora(model, host_lora, rank=0, size=1):

@@ -165,7 +165,9 @@ def test_library_options_reach_the_backend_the_attention_and_the_banner(monkeypa
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     args = gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2", "--cublaslt", "1", "--autotune", "4", "-ge", "1",
                                  "--attention", "naive", "--cudnn-deterministic", "0"])
-    gpt2_cuda.setup_model(args, 80, say=pytest.fail)
+    said = []
+    gpt2_cuda.setup_model(args, 80, say=said.append)
+    assert said == ["gpt2_cuda.py: --cudnn-deterministic 0 applies to cuDNN attention; this run has naive attention"]
     matmul = built["matmul"]
     assert (matmul.autotune, matmul.gelu_fusion, built["autotune"], built["cudnn_deterministic"]) == (4, 1, 4, False)
     banner = llmc.gpu_cli.library_options
@@ -196,3 +198,20 @@ def test_cublaslt_flag_refuses_other_values_in_one_line():
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--cublaslt" in r.stderr and "choose from auto, 0, 1" in r.stderr
+
+
+def test_library_options_that_reach_no_library_say_so(monkeypatch):
+    monkeypatch.setattr(llmc.cuda, "_device", "cpu")                         # auto: cuBLAS and naive attention
+    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=k["matmul"]))
+    monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
+    lines = []
+    args = gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2", "--autotune", "4", "-ge", "0", "--cudnn-deterministic",
+                                 "0"])                                       # the emulated device: cuBLAS, naive
+    gpt2_cuda.setup_model(args, 80, say=lines.append)
+    assert lines == ["gpt2_cuda.py: --autotune 4 has nothing to tune here (it times cuBLASLt's algorithms and cuDNN "
+                     "attention's plans: this run has cuBLAS matmuls and naive attention)",
+                     "gpt2_cuda.py: -ge 0 applies to cuBLASLt's epilogues; with cuBLAS the GELU is our kernel's",
+                     "gpt2_cuda.py: --cudnn-deterministic 0 applies to cuDNN attention; this run has naive attention"]
+    lines.clear()
+    gpt2_cuda.setup_model(gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2"]), 80, say=lines.append)
+    assert lines == []                                                        # the defaults say nothing
