@@ -377,7 +377,8 @@ def _execute(entry, pointers, label, autotune=1):
 def _autotune(entry, variant_pack, handle, count):
     """Time up to `count` of the graph's ranked plans on the variant pack's operands and select the
     fastest (build_plan_at_index selects the plan that execute() runs). A plan that does not build
-    or run is skipped (inf); the first plan stays selected if none is faster."""
+    or run is skipped (inf); where none ran, nothing is selected again (a plan that declines to
+    build leaves the selection as it was), and the run's execute says what failed."""
     cp = cuda.cupy()
     graph = entry.graph
     timings, names = [], []
@@ -396,9 +397,10 @@ def _autotune(entry, variant_pack, handle, count):
             timings.append(cp.cuda.get_elapsed_time(start, end) / AUTOTUNE_REPEATS)
         except Exception:                  # noqa: BLE001 (a plan cuDNN declines: cudnnGraphNotSupportedError, ...)
             timings.append(float("inf"))
-    entry.chosen = int(np.argmin(timings)) if timings and min(timings) < float("inf") else 0
-    graph.build_plan_at_index(entry.chosen)
-    entry.workspace_bytes = int(graph.get_workspace_size())
+    if timings and min(timings) < float("inf"):
+        entry.chosen = int(np.argmin(timings))
+        graph.build_plan_at_index(entry.chosen)
+        entry.workspace_bytes = int(graph.get_workspace_size())
     entry.plan_names, entry.timings_ms = names, timings
 
 
@@ -418,6 +420,10 @@ def tuning_report():
         if entry.timings_ms:
             first, best = entry.timings_ms[0], entry.timings_ms[entry.chosen]
             kind = f"{direction}{'' if deterministic or direction != 'backward' else ' (non-deterministic)'}"
+            if min(entry.timings_ms) == float("inf"):
+                lines.append(f"cuDNN attention {kind} B={B} T={T} NH={NH} HS={HS}: none of the "
+                             f"{len(entry.timings_ms)} plans tried ran; the one build_plans chose is kept")
+                continue
             lines.append(f"cuDNN attention {kind} B={B} T={T} NH={NH} HS={HS}: first plan {first:.4f} ms, kept "
                          f"#{entry.chosen + 1} of {len(entry.timings_ms)} ({entry.plan_names[entry.chosen]}) "
                          f"{best:.4f} ms ({first / best:.3f}x); all: " + " ".join(f"{t:.4f}" for t in entry.timings_ms))

@@ -664,3 +664,20 @@ def test_gpu_autotuned_plans_match_gpt2_cpu():
     assert len(report) == 2 and all(np.isfinite(min(e.timings_ms)) for e in ca.GRAPHS.values()), report
     print("\n".join(report))
     ca.GRAPHS.clear()
+
+
+def test_autotune_where_every_plan_declines_keeps_the_built_one(fake_cudnn, monkeypatch):
+    """Every ranked plan declining at build_plan_at_index (the trials) leaves the plan that
+    build_plans selected: the call runs it, nothing is raised by the tuning."""
+    monkeypatch.setattr(emulated, "PLANS", 2)
+    monkeypatch.setattr(RecordedGraph, "build_plan_at_index",
+                        lambda self, index: (_ for _ in ()).throw(emulated.cudnnGraphNotSupportedError("declined")))
+    B, T, NH, HS = 1, 16, 2, 16
+    qkv = on_device(bf16_normal(np.random.default_rng(8), (B, T, 3 * NH * HS))[0])
+    out, stats = device_full((B, T, NH * HS), 0x7FC0, np.uint16), device_full((B, NH, T), np.nan, np.float32)
+    ca.attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, autotune=2)
+    entry = ca.GRAPHS[("forward", B, T, NH, HS, True, True)]
+    assert entry.timings_ms == [float("inf")] * 2 and fake_cudnn.graphs[0].executed == {0: 1}
+    assert np.isfinite(stats.get()).all()
+    assert ca.tuning_report() == [f"cuDNN attention forward B={B} T={T} NH={NH} HS={HS}: none of the 2 plans tried "
+                                  f"ran; the one build_plans chose is kept"]
