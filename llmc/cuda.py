@@ -372,15 +372,16 @@ class BuildProgress:
             self.bar.close()
 
 
-def launch(file, precision, name, grid, block, args):
+def launch(file, precision, name, grid, block, args, shared_mem=0):
     """Launch kernel `name` of kernels/<file>.cu. grid: int or (x, y); block: threads; args: CuPy
     arrays and NumPy scalars typed exactly as the C signature (np.int32, np.float32, np.uint64,
-    ...), since CuPy does not check them against it."""
+    ...), since CuPy does not check them against it; shared_mem: bytes of dynamic shared memory
+    (the kernel's `extern __shared__` array; at most 48 KiB without an opt-in)."""
     key = (_device, file, precision, build_variant(), name)
     if key not in _FUNCTIONS:
         _FUNCTIONS[key] = load_module(file, precision).get_function(name)
     grid = grid if isinstance(grid, tuple) else (grid,)
-    _FUNCTIONS[key](grid, (block,), args)
+    _FUNCTIONS[key](grid, (block,), args, shared_mem=shared_mem)
 
 
 # ----------------------------------------------------------------------------

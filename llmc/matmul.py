@@ -11,8 +11,8 @@ outputs first.
 import numpy as np
 
 from llmc import cuda
-from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, ceil_div, check_launch, elementwise_grid, require,
-                       vector_size)
+from llmc.cuda import (BLOCK_SIZE, CUBLAS_OP_N, CUBLAS_OP_T, WARP_SIZE, ceil_div, check_launch, elementwise_grid,
+                       require, vector_size)
 
 BIAS_BACKWARD_CHUNKS = 256             # row chunks (partial-sum slots) of bias_backward: fixed, so results reproduce
 
@@ -59,14 +59,18 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, O
 
 def bias_backward(dbias, dout, partial, N, OC):
     """dbias (OC,) += column sums of dout (N,OC): kernels/bias.cu, per-chunk partial sums into
-    partial (chunks, OC) fp32, then a second kernel adds the chunks in order (deterministic)."""
+    partial (chunks, OC) fp32, then a second kernel adds the chunks in order (deterministic).
+    bias_backward's block covers 32 groups of `width` columns (16-byte loads where OC allows them)
+    and keeps each warp's sums in width floats per thread of shared memory."""
     chunks = bias_backward_chunks(N)
-    precision = check_launch("bias_backward", [("dbias", dbias, OC), ("dout", dout, N * OC)])
+    vec = vector_size(cuda.precision_of(dout))
+    width = vec if OC % vec == 0 else 1
+    precision = check_launch("bias_backward", [("dbias", dbias, OC), ("dout", dout, N * OC)], aligned=width > 1,
+                             unaligned=("dbias",))
     require(partial.dtype == np.float32 and partial.size >= chunks * OC, f"bias partial sums need {chunks * OC} floats")
-    columns = ceil_div(OC, BLOCK_SIZE)
-    cuda.launch("bias", precision, "bias_backward", (columns, chunks), BLOCK_SIZE,
-                (partial, dout, np.int32(N), np.int32(OC)))
-    cuda.launch("bias", precision, "bias_reduce", columns, BLOCK_SIZE,
+    cuda.launch("bias", precision, "bias_backward", (ceil_div(OC, WARP_SIZE * width), chunks), BLOCK_SIZE,
+                (partial, dout, np.int32(N), np.int32(OC)), shared_mem=BLOCK_SIZE * width * 4)
+    cuda.launch("bias", precision, "bias_reduce", ceil_div(OC, BLOCK_SIZE), BLOCK_SIZE,
                 (dbias, partial, np.int32(chunks), np.int32(OC)))
 
 

@@ -91,12 +91,12 @@ def few_blocks(monkeypatch, blocks):
     launched = []
     launch = llmc.cuda.launch
 
-    def capped(file, precision, name, grid, block, args):
+    def capped(file, precision, name, grid, block, args, shared_mem=0):
         asked = grid = grid if isinstance(grid, tuple) else (grid,)     # a launcher may pass an int
         if name in GRID_STRIDE_KERNELS:
             grid = (min(asked[0], blocks),) + asked[1:]
         launched.append((name, grid, asked))
-        launch(file, precision, name, grid, block, args)
+        launch(file, precision, name, grid, block, args, shared_mem=shared_mem)
     monkeypatch.setattr(llmc.cuda, "launch", capped)
     return launched
 

@@ -59,6 +59,7 @@ SCRIPTS = {op: _load(op) for op in OPS}
 REFERENCES = {
     "encoder": ("encoder_forward", "encoder_backward"),
     "gelu": ("gelu_forward", "gelu_backward"),
+    "bias": ("matmul_backward",),
     "layernorm": ("layernorm_forward", "layernorm_backward", "residual_forward"),
     "classifier": ("softmax_forward", "crossentropy_forward", "crossentropy_softmax_backward"),
     "adamw": ("adamw_update",),

@@ -28,7 +28,7 @@ from llmc.cli import ArgumentParser  # noqa: E402
 
 # the progressions, in the order a forward + backward pass meets them (a new dev/cuda/<op>.py is
 # added here; tests/test_dev_cuda.py checks that each listed op has its script and .cu file)
-OPS = ("encoder", "layernorm", "gelu", "classifier", "global_norm", "adamw", "matmul", "attention",
+OPS = ("encoder", "layernorm", "gelu", "bias", "classifier", "global_norm", "adamw", "matmul", "attention",
        "rmsnorm", "rope", "repeat_kv", "swiglu")     # then Llama 3's (llama3_cuda.py)
 NO_GPU_EXIT = 2
 

@@ -1,0 +1,45 @@
+/*
+dev/cuda/bias.cu: the intermediate bias-gradient kernels of dev/cuda/bias.py (the last version is
+kernels/bias.cu's bias_backward + bias_reduce, launched from there by their real names).
+
+    dbias[oc] += sum over the N rows of dout[row, oc]     (dout (N,OC), N = B*T)
+
+- bias_backward_v1: the naive port of gpt2_cpu.matmul_backward's `dbias += dout2.sum(axis=0)`:
+  thread oc sums column oc over all N rows and accumulates it into dbias. A warp reads 32
+  adjacent elements of a row (coalesced), but there are only OC threads: 3,072 for the MLP's
+  widest bias, a dozen blocks on a GPU with 132 multiprocessors, each thread walking N rows.
+- bias_backward_v2: the production kernel until 2026-11-27 (llm.c's "partials, then a second
+  kernel" plan): grid (X, num_chunks), block row y sums its chunk of rows, one column per thread
+  (grid-stride over columns), into scratch[y*OC + oc]; kernels/bias.cu's bias_reduce then adds the
+  chunks in order. num_chunks times more threads than version 1, but each load is still 2 bytes.
+
+Compile check:
+    python dev/cuda/nvrtc_compile.py dev/cuda/bias.cu
+*/
+#include "common.cuh"
+
+// dbias (OC,) += column sums of dout (N,OC): thread oc sums column oc, rows in order
+extern "C" __global__ void bias_backward_v1(floatX* dbias, const floatX* dout, int N, int OC) {
+    const int oc = blockIdx.x * blockDim.x + threadIdx.x;
+    if (oc < OC) {
+        float sum = 0.0f;
+        for (int row = 0; row < N; row++) {
+            sum += (float)dout[(size_t)row * OC + oc];
+        }
+        dbias[oc] = (floatX)((float)dbias[oc] + sum);
+    }
+}
+
+// scratch (num_chunks, OC) float = per-chunk column sums of dout (N,OC), one column per thread
+extern "C" __global__ void bias_backward_v2(float* scratch, const floatX* dout, int N, int OC) {
+    const int rows_per_chunk = (N + gridDim.y - 1) / gridDim.y;
+    const int row_begin = min(N, (int)blockIdx.y * rows_per_chunk);
+    const int row_end = min(N, row_begin + rows_per_chunk);
+    for (int oc = blockIdx.x * blockDim.x + threadIdx.x; oc < OC; oc += gridDim.x * blockDim.x) {
+        float sum = 0.0f;
+        for (int row = row_begin; row < row_end; row++) {
+            sum += (float)dout[(size_t)row * OC + oc];
+        }
+        scratch[(size_t)blockIdx.y * OC + oc] = sum;
+    }
+}
