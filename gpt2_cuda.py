@@ -1302,7 +1302,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
     matmul, fallback = matmul_backend(args.cublaslt, tf32, args.residual_epilogue, args.autotune,
-                                      args.gelu_fusion)
+                                      args.gelu_fusion, bool(args.bias_grad_epilogue))
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
@@ -1324,9 +1324,9 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
 
 
 def unused_library_options(args, matmul, attention):
-    """One line for each of --autotune, -ge and --cudnn-deterministic given a value other than its
-    default that no library of this run reads (they act on cuBLASLt's products and cuDNN's
-    attention graphs only), so that a flag doing nothing says so."""
+    """One line for each of --autotune, -ge, --bias-grad-epilogue and --cudnn-deterministic given a
+    value other than its default that no library of this run reads (they act on cuBLASLt's products
+    and cuDNN's attention graphs only), so that a flag doing nothing says so."""
     lt, cudnn = matmul.name == "cuBLASLt", attention == "cudnn"
     lines = []
     if args.autotune > 1 and not (lt or cudnn):
@@ -1334,6 +1334,9 @@ def unused_library_options(args, matmul, attention):
                      f"attention's plans: this run has {matmul.name} matmuls and {attention} attention)")
     if args.gelu_fusion != 2 and not lt:
         lines.append(f"-ge {args.gelu_fusion} applies to cuBLASLt's epilogues; with {matmul.name} the GELU is our kernel's")
+    if not args.bias_grad_epilogue and not lt:
+        lines.append(f"--bias-grad-epilogue 0 applies to cuBLASLt's epilogues; with {matmul.name} the bias gradients "
+                     f"are bias_backward's already")
     if not args.cudnn_deterministic and not cudnn:
         lines.append(f"--cudnn-deterministic 0 applies to cuDNN attention; this run has {attention} attention")
     return lines

@@ -137,7 +137,8 @@ RESULT_FLAGS = (("-b", "batch_size"), ("-t", "seq_len"), ("-k", "lr_schedule"), 
 DEVICE_RESULT_FLAGS = (("--precision", "precision"), ("-w", "master_weights"), ("-f", "tf32"),
                        ("--attention", "attention"), ("--cublaslt", "cublaslt"),
                        ("--residual-epilogue", "residual_epilogue"), ("--autotune", "autotune"),
-                       ("-ge", "gelu_fusion"), ("--cudnn-deterministic", "cudnn_deterministic"),
+                       ("-ge", "gelu_fusion"), ("--bias-grad-epilogue", "bias_grad_epilogue"),
+                       ("--cudnn-deterministic", "cudnn_deterministic"),
                        ("--classifier-chunk", "classifier_chunk"),
                        ("--pad-vocab", "pad_vocab"))
 INT32_MAX = 2**31 - 1                  # llm.c counts tokens in int

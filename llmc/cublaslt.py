@@ -461,7 +461,7 @@ def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=F
 
 
 def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None, tf32=False,
-                       autotune=HEURISTIC_ALGORITHMS):
+                       autotune=HEURISTIC_ALGORITHMS, bias_grad_epilogue=True):
     """Backward of out = inp @ weight^T + bias (shapes as matmul_forward_lt). Writes dinp (B,T,C);
     accumulates dweight (OC,C); accumulates dbias (OC,) when it can (see the return value).
     With pre_gelu (B,T,C) given, inp was gelu(pre_gelu) (the fcproj layer) and dinp is the gradient
@@ -471,8 +471,8 @@ def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre
         dbias   += sum over rows of dout: BGRADB on the dweight product sums op(B) = dout (N,OC) over
                    k = N, one value per column of dweight^T (per output channel)
     Returns True when dbias was accumulated here, False when the caller must do it (dbias is None,
-    or cuBLASLt has no BGRADB algorithm for this shape; dweight is then still accumulated). tf32 and
-    autotune as in matmul_forward_lt."""
+    bias_grad_epilogue is False, or cuBLASLt has no BGRADB algorithm for this shape; dweight is then
+    still accumulated, by a plain product). tf32 and autotune as in matmul_forward_lt."""
     N = B * T
     floatX = [("dinp", dinp, N * C), ("dweight", dweight, OC * C), ("dout", dout, N * OC), ("inp", inp, N * C),
               ("weight", weight, OC * C)]
@@ -482,7 +482,7 @@ def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre
     epilogue = epilogue_for(False, pre_gelu is not None, backward=True)
     matmul_cublaslt(dinp, weight, dout, C, N, OC, CUBLAS_OP_N, CUBLAS_OP_N, epilogue, aux=pre_gelu, tf32=tf32,
                     autotune=autotune)
-    if dbias is not None:
+    if dbias is not None and bias_grad_epilogue:
         bgrad = _bgrad_scratch(precision, OC)
         try:
             matmul_cublaslt(dweight, inp, dout, C, OC, N, CUBLAS_OP_N, CUBLAS_OP_T,

@@ -17,7 +17,7 @@ from llmc.utils import InputError
 BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores (and TF32)
 
 GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
-GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--autotune", "-ge",
+GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--autotune", "-ge", "--bias-grad-epilogue",
                    "--cudnn-deterministic", "--classifier-chunk")                                       # llama3_cuda.py lacks these
 MAX_AUTOTUNE = 16                      # llmc/cublaslt.py's MAX_AUTOTUNE (that module loads nvmath lazily)
 
@@ -62,6 +62,9 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
         a("-ge", "--gelu-fusion", type=int, default=2, choices=(0, 1, 2),
           help="with cuBLASLt (llm.c's -ge): 2 the GELU in the fc GEMM's epilogue and its derivative in the fcproj "
                "input gradient's; 1 the forward only; 0 neither (our GELU kernels)")
+        a("--bias-grad-epilogue", type=int, default=1, choices=(0, 1),
+          help="with cuBLASLt: 1 each bias gradient summed in its dweight GEMM's epilogue (BGRADB); 0 a plain dweight "
+               "GEMM and our bias_backward kernel (kernels/bias.cu)")
         a("--cudnn-deterministic", type=int, default=1, choices=(0, 1),
           help="with cuDNN attention: 1 its deterministic backward (the same gradients bit for bit every run, as "
                "llm.c); 0 the backward that may sum dq in any order (as PyTorch's SDPA; runs then differ in the last "
@@ -176,9 +179,9 @@ def device_line(device, device_name, compute_capability, model, cuda_graph):
 
 
 def library_options(model):
-    """The banner's words for --autotune, --gelu-fusion and --cudnn-deterministic where they differ
-    from their defaults and reach a library here (cuBLASLt's products, cuDNN's attention graphs);
-    empty otherwise."""
+    """The banner's words for --autotune, --gelu-fusion, --bias-grad-epilogue and
+    --cudnn-deterministic where they differ from their defaults and reach a library here
+    (cuBLASLt's products, cuDNN's attention graphs); empty otherwise."""
     words = []
     autotune = max(getattr(model.matmul, "autotune", 1), getattr(model.attention, "autotune", 1)
                    if model.attention.name == "cudnn" else 1)
@@ -186,6 +189,8 @@ def library_options(model):
         words.append(f"autotune {autotune}")
     if getattr(model.matmul, "gelu_fusion", 2) != 2:
         words.append(f"GELU fusion {model.matmul.gelu_fusion}")
+    if not getattr(model.matmul, "bias_grad_epilogue", True):
+        words.append("bias gradients by bias_backward")
     if model.attention.name == "cudnn" and not getattr(model.attention, "deterministic", True):
         words.append("non-deterministic cuDNN backward")
     return "".join(f" ({w})" for w in words)

@@ -137,10 +137,11 @@ class Cublas:
 GELU_FUSION_CHOICES = (0, 1, 2)        # llm.c's -ge: 0 none, 1 the forward, 2 the forward and the backward
 
 
-def matmul_backend(requested, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2):
+def matmul_backend(requested, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2, bias_grad_epilogue=True):
     """The linear layers' backend for --cublaslt `requested` (0, 1 or "auto"), TF32 `tf32`,
-    --residual-epilogue `residual_epilogue`, --autotune `autotune` and --gelu-fusion
-    `gelu_fusion` (the last three cuBLASLt's: cuBLAS ignores them): (backend, None), or
+    --residual-epilogue `residual_epilogue`, --autotune `autotune`, --gelu-fusion `gelu_fusion`
+    and --bias-grad-epilogue `bias_grad_epilogue` (the last four cuBLASLt's: cuBLAS ignores
+    them): (backend, None), or
     (Cublas, one line saying why) where cuBLASLt was asked for and cannot load here. auto is
     cuBLASLt on a GPU (with the bias, GELU and bias gradient fused it was the faster backend on an
     H100, 2026-11-26: dev/results/) and cuBLAS on the emulated device (our own bias and GELU
@@ -153,13 +154,16 @@ def matmul_backend(requested, tf32=False, residual_epilogue=False, autotune=1, g
     reason = cublaslt.unavailable_reason()
     if reason:
         return Cublas(tf32), f"cuBLASLt unavailable ({reason}): using cuBLAS"
-    return CublasLt(tf32, residual_epilogue, autotune, gelu_fusion), None
+    return CublasLt(tf32, residual_epilogue, autotune, gelu_fusion, bias_grad_epilogue), None
 
 
 class CublasLt(Cublas):
     """The linear layers through cuBLASLt (llmc/cublaslt.py): the bias, the GELU (GELU_AUX_BIAS,
     storing pre_gelu), its derivative (DGELU) and the bias gradient (BGRADB) fused into the GEMMs.
-    Where cuBLASLt has no BGRADB algorithm for a shape, bias_backward sums dbias instead.
+    Where cuBLASLt has no BGRADB algorithm for a shape, or with bias_grad_epilogue False, the
+    dweight GEMM is a plain one and bias_backward sums dbias (on an H100 the BGRADB products were
+    slower than the plain ones by about what bias_backward took: which pair wins is measured,
+    dev/bench.py --bias-grad-epilogue).
     residual_epilogue: the attention and MLP output projections add the residual stream in the
     product too (cuBLASLt's C input, beta = 1), and the model's LayerNorm after them only normalizes.
     autotune: how many of cuBLASLt's heuristic algorithms each product times at its first call,
@@ -171,11 +175,12 @@ class CublasLt(Cublas):
     than the plain product: which wins is measured (dev/bench.py --gelu-fusion)."""
     name = "cuBLASLt"
 
-    def __init__(self, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2):
+    def __init__(self, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2, bias_grad_epilogue=True):
         super().__init__(tf32)
         require(gelu_fusion in GELU_FUSION_CHOICES, f"gelu_fusion={gelu_fusion}: one of {GELU_FUSION_CHOICES}")
         self.residual_epilogue = bool(residual_epilogue)
         self.autotune, self.gelu_fusion = int(autotune), int(gelu_fusion)
+        self.bias_grad_epilogue = bool(bias_grad_epilogue)
 
     def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None, residual=None):
         """Cublas.forward, and with residual (B,T,OC): out = inp @ weight^T + bias + residual."""
@@ -192,7 +197,8 @@ class CublasLt(Cublas):
         from llmc import cublaslt
         fused_gelu = pre_gelu if self.gelu_fusion >= 2 else None
         if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=fused_gelu,
-                                           tf32=self.tf32, autotune=self.autotune) and dbias is not None:
+                                           tf32=self.tf32, autotune=self.autotune,
+                                           bias_grad_epilogue=self.bias_grad_epilogue) and dbias is not None:
             bias_backward(dbias, dout, partial, B * T, OC)
         if pre_gelu is not None and fused_gelu is None:           # dinp = (dout @ weight) * gelu'(pre_gelu)
             gelu_backward_inplace(dinp, pre_gelu, B * T * C)

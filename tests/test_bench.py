@@ -255,13 +255,15 @@ def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
     fake = workers()
     assert bench.main(["-b", "16", "--cublaslt", "1", "--compile", "0", "--residual-epilogue", "1",
                        "--classifier-chunk", "4", "--cuda-graph", "0", "--autotune", "8",
-                       "--gelu-fusion", "1", "-r", "0", "--cudnn-deterministic", "0"]) == 0
+                       "--gelu-fusion", "1", "-r", "0", "--cudnn-deterministic", "0", "--bias-grad-epilogue", "0"]) == 0
     for (trainer, B), cmd in fake.calls:
         args = bench.parse_args(cmd[2:])
         assert (args.cublaslt, args.compile, args.worker, args.batch_size) == (1, 0, trainer, 16)
         assert (args.residual_epilogue, args.classifier_chunk, args.cuda_graph) == (1, 4, 0)
         assert (args.autotune, args.gelu_fusion, args.recompute, args.cudnn_deterministic) == (8, 1, 0, 0)
-    assert ("CUDA graph 0, cuBLASLt, residual epilogue 1, autotune 8, GELU fusion 1, recompute 0, cuDNN deterministic 0, "
+        assert args.bias_grad_epilogue == 0
+    assert ("CUDA graph 0, cuBLASLt, residual epilogue 1, autotune 8, GELU fusion 1, bias gradient epilogue 0, "
+            "recompute 0, cuDNN deterministic 0, "
             "classifier chunk 4; "
             "twin: torch.compile 0") in capsys.readouterr().out
     defaults = bench.parse_args([])
@@ -270,6 +272,7 @@ def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
     trainer = bench.gpt2_cuda.parse_args([])
     assert (defaults.autotune, defaults.gelu_fusion, defaults.recompute, defaults.cudnn_deterministic) == \
         (trainer.autotune, trainer.gelu_fusion, trainer.recompute, trainer.cudnn_deterministic)
+    assert defaults.bias_grad_epilogue == trainer.bias_grad_epilogue == 1
 
 
 def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypatch):
@@ -316,6 +319,17 @@ def test_llama3_refuses_cublaslt_in_one_line(capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 1 and err.count("\n") == 1, err
     assert err.startswith("error: --cublaslt 1: llama3_cuda.py has no cuBLASLt backend"), err
+
+
+@pytest.mark.parametrize("flags", [["--autotune", "4"], ["--gelu-fusion", "0"], ["--bias-grad-epilogue", "0"], ["-r", "0"],
+                                   ["--cudnn-deterministic", "0"]])
+def test_llama3_refuses_gpt2_cuda_options_in_one_line(capsys, flags):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["-e", "llama3:d4"] + flags)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith("error: --autotune, --gelu-fusion, --bias-grad-epilogue, -r and --cudnn-deterministic are "
+                          "gpt2_cuda.py's options: drop them for -e llama3:d4"), err
 
 
 def test_llama3_passes_cuda_graph_to_the_workers(workers, capsys):

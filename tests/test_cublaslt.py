@@ -490,6 +490,22 @@ def test_bgradb_without_algorithm_leaves_dbias_to_the_caller(fake, refuse_by):
     assert [c["epilogue"] for c in fake.calls] == [EPILOGUE_DEFAULT] * 4 and not fake.launches
 
 
+def test_bias_grad_epilogue_off_leaves_dbias_to_the_caller(fake):
+    """bias_grad_epilogue=False (gpt2_cuda.py --bias-grad-epilogue 0): no BGRADB is asked for or
+    run, dweight is accumulated by a plain product, dbias is untouched and the call says so."""
+    B, T, C, OC = 2, 3, 16, 24
+    rng = np.random.default_rng(6)
+    inp, w, dout = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)), rng.standard_normal((B, T, OC))
+    dw0, db0 = rng.standard_normal((OC, C)), rng.standard_normal(OC)
+    dinp, dw, db = poisoned(fake, (B, T, C), "fp32"), dev(fake, dw0, "fp32"), dev(fake, db0, "fp32")
+    assert matmul_backward_lt(dinp, dw, db, dev(fake, dout, "fp32"), dev(fake, inp, "fp32"), dev(fake, w, "fp32"),
+                              B, T, C, OC, bias_grad_epilogue=False) is False
+    np.testing.assert_array_equal(db.get(), db0.astype(np.float32))
+    np.testing.assert_allclose(dw.get(), dw0 + dout.reshape(-1, OC).T @ inp.reshape(-1, C), rtol=1e-5, atol=1e-5)
+    assert EPILOGUE_BGRADB not in [e for _, e in fake.heuristic_calls]
+    assert [c["epilogue"] for c in fake.calls] == [EPILOGUE_DEFAULT] * 2 and not fake.launches
+
+
 def test_no_algorithm_for_a_forward_raises(fake):
     fake.refuse = {EPILOGUE_BIAS}
     out, inp, w, b = (fake.cupy.zeros(s, np.float32) for s in ((1, 2, 8), (1, 2, 8), (8, 8), (8,)))
@@ -761,6 +777,33 @@ def test_gpu_matmul_backward_lt(gpu_lt, monkeypatch, precision, tf32, group, B, 
     else:                                                # documented fallback: dbias is the caller's
         np.testing.assert_array_equal(db.get(), to_device(db0, precision).get())
         pytest.xfail("this cuBLASLt has no BGRADB algorithm for the shape: dbias left to the caller")
+
+
+@pytest.mark.gpu
+@GPU_PRECISIONS
+@pytest.mark.parametrize("C,OC", [(768, 2304), (768, 3072), (3072, 768)])     # GPT-2 124M's qkv, fc, fcproj
+def test_gpu_bias_grad_outside_the_epilogue_matches_gpt2_cpu(gpu_lt, precision, tf32, group, C, OC):
+    """gpt2_cuda.py --bias-grad-epilogue 0 on a GPU (B=4, T=1024): the linear layer's backward
+    through CublasLt with plain dweight products and kernels/bias.cu's bias_backward for dbias."""
+    import llmc.matmul
+    from gpt2_cuda import partial_floats
+    from gpt2_cpu import GPT2Config
+    B, T = 4, 1024
+    rng = np.random.default_rng(OC + 7)
+    inp, w, dout = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), \
+        rng.standard_normal((B, T, OC))
+    dw0, db0 = rng.standard_normal((OC, C)), rng.standard_normal(OC)
+    dinp, dw, db = gpu_poisoned((B, T, C), precision), to_device(dw0, precision), to_device(db0, precision)
+    partial = llmc.cuda.cupy().zeros(partial_floats(GPT2Config(channels=max(C, OC))), np.float32)
+    llmc.matmul.CublasLt(tf32, bias_grad_epilogue=False).backward(
+        dinp, dw, db, to_device(dout, precision), to_device(inp, precision), to_device(w, precision), partial,
+        B, T, C, OC)
+    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
+    ref_dinp = gpt2_cpu.matmul_backward(ref_dw, ref_db, as_input(dout, precision), as_input(inp, precision),
+                                        as_input(w, precision))
+    gpu_check(dinp, ref_dinp, group, "matmul", "dinp")
+    gpu_check(dw, ref_dw, group, "matmul", "dweight (accumulated, plain product)")
+    gpu_check(db, ref_db, group, "matmul", "dbias (accumulated, bias_backward)")
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ cuBLASLt itself: a GPU checks the library (tests/test_cublaslt.py part 2).
 Run: pytest tests/test_cublaslt_wiring.py   (a few seconds once the emulated kernels are built)
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -126,6 +127,33 @@ def test_gelu_fusion_levels_match_gpt2_cpu(emulated_gpu, monkeypatch, precision,
     cublaslt.clear_cache()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bias_gradients_outside_the_epilogue_match_gpt2_cpu(emulated_gpu, monkeypatch, precision):
+    """--bias-grad-epilogue 0: every dweight product is a plain one (no BGRADB, though the emulated
+    cuBLASLt has it) and bias_backward sums each of the 4 biases of a layer; the model still matches
+    gpt2_cpu.py. With the default, bias_backward never runs: BGRADB sums them."""
+    from llmc import cublaslt
+    epilogues = []
+    product = cublaslt.matmul_cublaslt
+
+    def recorded(*args, **kwargs):
+        epilogues.append(inspect.signature(product).bind(*args, **kwargs).arguments.get(
+            "epilogue", cublaslt.NO_EPILOGUE).name)
+        return product(*args, **kwargs)
+    monkeypatch.setattr(cublaslt, "matmul_cublaslt", recorded)
+    L = TINY.num_layers
+    for bias_grad_epilogue in (False, True):
+        epilogues.clear()
+        calls, launches, _ = _checked_against_gpt2_cpu(
+            monkeypatch, precision, llmc.matmul.CublasLt(bias_grad_epilogue=bias_grad_epilogue), bgrad=True, seed=4)
+        backwards = sum(1 for c in calls if c[0] == "backward") // (4 * L + 1)    # the backward passes --check ran
+        assert backwards >= 1
+        bias_backward = [launch.name for launch in launches].count("bias_backward")
+        assert (bias_backward, epilogues.count("BGRADB")) == ((4 * L * backwards, 0) if not bias_grad_epilogue else
+                                                              (0, 4 * L * backwards))
+    cublaslt.clear_cache()
+
+
 def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     fake = types.SimpleNamespace(unavailable_reason=lambda: "nvmath-python is not installed")
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
@@ -164,15 +192,16 @@ def test_library_options_reach_the_backend_the_attention_and_the_banner(monkeypa
     monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: built.update(k) or types.SimpleNamespace(matmul=k["matmul"]))
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     args = gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2", "--cublaslt", "1", "--autotune", "4", "-ge", "1",
-                                 "--attention", "naive", "--cudnn-deterministic", "0"])
+                                 "--attention", "naive", "--cudnn-deterministic", "0", "--bias-grad-epilogue", "0"])
     said = []
     gpt2_cuda.setup_model(args, 80, say=said.append)
     assert said == ["gpt2_cuda.py: --cudnn-deterministic 0 applies to cuDNN attention; this run has naive attention"]
     matmul = built["matmul"]
     assert (matmul.autotune, matmul.gelu_fusion, built["autotune"], built["cudnn_deterministic"]) == (4, 1, 4, False)
+    assert matmul.bias_grad_epilogue is False
     banner = llmc.gpu_cli.library_options
     assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("naive"))) == \
-        " (autotune 4) (GELU fusion 1)"
+        " (autotune 4) (GELU fusion 1) (bias gradients by bias_backward)"
     cudnn = llmc.attention.attention_path("cudnn")
     cudnn.autotune = 3                                                   # cuDNN's plans tuned, cuBLAS matmuls
     assert banner(types.SimpleNamespace(matmul=llmc.matmul.Cublas(), attention=cudnn)) == " (autotune 3)"
@@ -180,12 +209,12 @@ def test_library_options_reach_the_backend_the_attention_and_the_banner(monkeypa
     assert banner(types.SimpleNamespace(matmul=llmc.matmul.Cublas(), attention=cudnn)) == \
         " (autotune 3) (non-deterministic cuDNN backward)"
     defaults = gpt2_cuda.parse_args([])
-    assert (defaults.autotune, defaults.gelu_fusion) == (1, 2)
+    assert (defaults.autotune, defaults.gelu_fusion, defaults.bias_grad_epilogue) == (1, 2, 1)
     for matmul in (llmc.matmul.CublasLt(), llmc.matmul.Cublas()):
         assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("cudnn"))) == ""
 
 
-@pytest.mark.parametrize("flags", [["--autotune", "0"], ["--autotune", "17"], ["-ge", "3"]])
+@pytest.mark.parametrize("flags", [["--autotune", "0"], ["--autotune", "17"], ["-ge", "3"], ["--bias-grad-epilogue", "2"]])
 def test_cublaslt_options_refuse_other_values_in_one_line(flags, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpt2_cuda.parse_args(flags)
@@ -206,11 +235,13 @@ def test_library_options_that_reach_no_library_say_so(monkeypatch):
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     lines = []
     args = gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2", "--autotune", "4", "-ge", "0", "--cudnn-deterministic",
-                                 "0"])                                       # the emulated device: cuBLAS, naive
+                                 "0", "--bias-grad-epilogue", "0"])          # the emulated device: cuBLAS, naive
     gpt2_cuda.setup_model(args, 80, say=lines.append)
     assert lines == ["gpt2_cuda.py: --autotune 4 has nothing to tune here (it times cuBLASLt's algorithms and cuDNN "
                      "attention's plans: this run has cuBLAS matmuls and naive attention)",
                      "gpt2_cuda.py: -ge 0 applies to cuBLASLt's epilogues; with cuBLAS the GELU is our kernel's",
+                     "gpt2_cuda.py: --bias-grad-epilogue 0 applies to cuBLASLt's epilogues; with cuBLAS the bias "
+                     "gradients are bias_backward's already",
                      "gpt2_cuda.py: --cudnn-deterministic 0 applies to cuDNN attention; this run has naive attention"]
     lines.clear()
     gpt2_cuda.setup_model(gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2"]), 80, say=lines.append)
