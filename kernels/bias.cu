@@ -13,14 +13,15 @@ The products are cuBLAS matmuls on the Python side; only the bias is hand-writte
 The backward: deterministic in two steps (llm.c dev/cuda/matmul_backward_bias.cu version 9,
 "write per-block partials to an auxiliary buffer, sum them in a second kernel", instead of the
 atomics of versions 5-8):
-- bias_backward: grid (X, num_chunks), X = ceil(OC / (32 * WIDTH)) (a smaller X loops). Block row blockIdx.y owns the
-  contiguous row chunk [y*R, min(N,(y+1)*R)), R = ceil(N / num_chunks); block column blockIdx.x
-  owns 32 * WIDTH columns, one group of WIDTH columns per lane (WIDTH = x128::size when OC is a
-  multiple of it, else 1). Warp w of the block sums rows w, w + warps, w + 2 warps, ... of the chunk:
-  each row read is one 16-byte load per lane, 512 contiguous bytes per warp (version 3 of
-  dev/cuda/bias.py; version 2, one column per thread and 2-byte loads, took 1.38 ms for the 48
-  calls of GPT-2 124M's step at B=16 on an H100: 2.7 GB, 65% of the copy bandwidth). The warps' sums then meet in shared memory (warps x 32 * WIDTH floats,
-  the launcher's dynamic shared memory) and are added warp 0 first, so the order is fixed, into
+- bias_backward: grid (X, num_chunks), X = ceil(OC / (32 * WIDTH)) (a smaller X loops). Block
+  row blockIdx.y owns the contiguous row chunk [y*R, min(N,(y+1)*R)), R = ceil(N / num_chunks);
+  block column blockIdx.x owns 32 * WIDTH columns, one group of WIDTH columns per lane (WIDTH =
+  x128::size when OC is a multiple of it, else 1). Warp w of the block sums rows w, w + warps,
+  w + 2 warps, ... of the chunk: each row read is one 16-byte load per lane, 512 contiguous bytes
+  per warp (version 3 of dev/cuda/bias.py; version 2, one column per thread and 2-byte loads,
+  took 1.38 ms for the 48 calls of GPT-2 124M's step at B=16 on an H100: 2.7 GB, 65% of the copy
+  bandwidth). The warps' sums then meet in shared memory (warps x 32 * WIDTH floats, the
+  launcher's dynamic shared memory) and are added warp 0 first, so the order is fixed, into
   scratch[blockIdx.y*OC + column] (written, not accumulated).
 - bias_reduce: one thread per column, dbias[oc] += sum over chunks 0..num_chunks-1 in order.
 
