@@ -32,14 +32,20 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/llmc-site .whl/*.whl \
     && export PYTHONPATH=/tmp/llmc-site || echo "wheel install failed" | tee -a $LOG
 left() { echo $((DEADLINE - (SECONDS - START))); }
+# A second call picks up where the first stopped: FROM=K skips steps 1 to K-1 (each step's log line
+# begins with its number, "[K]"; the NOT RUN lines name the first step left), e.g.
+#   FROM=13 DEADLINE=300 bash dev/results/next_gpu_session9.sh
+FROM=${FROM:-1}; NUMBER=0
 step() {  # step LIMIT_S COMMAND...
     local limit=$1; shift
+    NUMBER=$((NUMBER + 1))
+    if (( NUMBER < FROM )); then return; fi
     local rest=$(left)
     (( rest < limit )) && limit=$rest
-    if (( limit < 20 )); then echo "NOT RUN (deadline): $*" | tee -a $LOG; return; fi
-    echo -e "\n\$ $*   [limit ${limit} s]" | tee -a $LOG; local t0=$SECONDS
+    if (( limit < 20 )); then echo "[$NUMBER] NOT RUN (deadline): $*" | tee -a $LOG; return; fi
+    echo -e "\n[$NUMBER] \$ $*   [limit ${limit} s]" | tee -a $LOG; local t0=$SECONDS
     timeout -k 5 $limit "$@" 2>&1 | tee -a $LOG; local rc=${PIPESTATUS[0]}
-    echo "### rc=$rc in $((SECONDS - t0)) s: $*" | tee -a $LOG
+    echo "[$NUMBER] ### rc=$rc in $((SECONDS - t0)) s: $*" | tee -a $LOG
 }
 BENCH16="python3 dev/bench.py --only cupy -b 16 --steps 10 --warmup 3 --breakdown-top 12"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } 2>&1 | tee -a $LOG
