@@ -808,11 +808,15 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
         # dresidual flows on unchanged into residual2, where LayerNorm 2 adds its part. (With the
         # residual in the projection's epilogue, D = A.B + bias + C, dC = dD the same way: the
         # residual's gradient is accumulated only where it is produced, by layernorm_backward)
+        # (--bias-grad-epilogue 2: the fc's bias gradient, the column sums of dfch, is summed by the
+        # fcproj's input-gradient product itself, cuBLASLt's DGELU_BGRAD, and the fc's backward skips it)
         dfch = A["dfch"]
+        fc_dbias_by_fcproj = mm.pre_gelu_bias_grad and g["fcb"] is not None
         mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
-                    pre_gelu=A["fch"][l])                                           # dfch, through gelu
+                    pre_gelu=A["fch"][l], **({"pre_gelu_dbias": g["fcb"]} if fc_dbias_by_fcproj else {}))  # dfch
         dln2 = A["dln2"]
-        mm.backward(dln2, g["fcw"], g["fcb"], dfch, ln2, p["fcw"], partial, B, T, C, 4 * C)
+        mm.backward(dln2, g["fcw"], None if fc_dbias_by_fcproj else g["fcb"], dfch, ln2, p["fcw"], partial, B, T, C,
+                    4 * C)
         layernorm_backward(dresidual, g["ln2w"], g["ln2b"], partial, dln2, A["residual2"][l], p["ln2w"],
                            A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
@@ -1302,7 +1306,7 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     --cublaslt (TF32 from compute capability 8.0; cuBLAS where cuBLASLt is missing, saying so)."""
     precision, tf32 = choose_precision(args.precision, args.tf32, compute_capability)
     matmul, fallback = matmul_backend(args.cublaslt, tf32, args.residual_epilogue, args.autotune,
-                                      args.gelu_fusion, bool(args.bias_grad_epilogue))
+                                      args.gelu_fusion, args.bias_grad_epilogue)
     if fallback:
         say(f"gpt2_cuda.py: {fallback}")
     host = build_model(spec or args.model, args.seed)                           # fp32 on the host
@@ -1334,9 +1338,12 @@ def unused_library_options(args, matmul, attention):
                      f"attention's plans: this run has {matmul.name} matmuls and {attention} attention)")
     if args.gelu_fusion != 2 and not lt:
         lines.append(f"-ge {args.gelu_fusion} applies to cuBLASLt's epilogues; with {matmul.name} the GELU is our kernel's")
-    if not args.bias_grad_epilogue and not lt:
-        lines.append(f"--bias-grad-epilogue 0 applies to cuBLASLt's epilogues; with {matmul.name} the bias gradients "
-                     f"are bias_backward's already")
+    if args.bias_grad_epilogue != 1 and not lt:
+        lines.append(f"--bias-grad-epilogue {args.bias_grad_epilogue} applies to cuBLASLt's epilogues; with "
+                     f"{matmul.name} the bias gradients are bias_backward's already")
+    elif args.bias_grad_epilogue == 2 and args.gelu_fusion != 2:
+        lines.append(f"--bias-grad-epilogue 2 sums the fc's bias gradient in the DGELU epilogue, which -ge "
+                     f"{args.gelu_fusion} leaves out: bias_backward sums it, as with 0")
     if not args.cudnn_deterministic and not cudnn:
         lines.append(f"--cudnn-deterministic 0 applies to cuDNN attention; this run has {attention} attention")
     return lines

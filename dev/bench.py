@@ -58,6 +58,7 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py --only cupy -b 16 --gelu-fusion 0          # the GELU in our kernels, not the GEMMs'
     python dev/bench.py --only cupy -b 16 -r 0                     # keep GELU's output instead of recomputing it
     python dev/bench.py --only cupy -b 16 --bias-grad-epilogue 0   # plain dweight GEMMs, the bias gradients ours
+    python dev/bench.py --only cupy -b 16 --bias-grad-epilogue 2   # ... but the fc's in the DGELU epilogue
     python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
     python dev/bench.py -e llama3:d4                # llama3_cuda.py against dev/torch_reference_llama3.py
@@ -155,7 +156,7 @@ def cupy_matmul(use_cublaslt, residual_epilogue=0, autotune=1, gelu_fusion=2, bi
     raises RuntimeError where cuBLASLt is unavailable, so that the bench never times cuBLAS under
     cuBLASLt's name."""
     matmul, fallback = llmc.matmul.matmul_backend(use_cublaslt, residual_epilogue=residual_epilogue, autotune=autotune,
-                                                  gelu_fusion=gelu_fusion, bias_grad_epilogue=bool(bias_grad_epilogue))
+                                                  gelu_fusion=gelu_fusion, bias_grad_epilogue=bias_grad_epilogue)
     if fallback and use_cublaslt == 1:
         raise RuntimeError(fallback)
     return matmul
@@ -583,9 +584,10 @@ def parse_args(argv=None):
     p.add_argument("--gelu-fusion", type=int, default=2, choices=(0, 1, 2),
                    help="gpt2_cuda.py with cuBLASLt (its -ge): 2 GELU and its derivative in the GEMM epilogues, "
                         "1 the forward only, 0 neither")
-    p.add_argument("--bias-grad-epilogue", type=int, default=1, choices=(0, 1),
+    p.add_argument("--bias-grad-epilogue", type=int, default=1, choices=(0, 1, 2),
                    help="gpt2_cuda.py with cuBLASLt: 1 the bias gradients in the dweight GEMMs' BGRADB epilogue, 0 "
-                        "plain dweight GEMMs and our bias_backward kernel")
+                        "plain dweight GEMMs and our bias_backward kernel, 2 as 0 with the fc's bias gradient in the "
+                        "fcproj input gradient's DGELU_BGRAD epilogue")
     p.add_argument("--cublaslt", type=llmc.gpu_cli.auto_or_bit, default="auto", metavar="{auto,0,1}",
                    help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable), "
                         "0 through cuBLAS, auto as the trainer chooses (cuBLASLt where it loads)")

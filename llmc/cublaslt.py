@@ -12,6 +12,9 @@ plain cuBLAS path of gpt2_cuda.py does in two or three launches:
     backward  dinp = (dout @ weight) * gelu'(pre_gelu) EPILOGUE_DGELU (reads pre_gelu as aux)
     backward  dweight += dout^T @ inp                  EPILOGUE_BGRADB: the same pass over dout
               dbias = column sums of dout              also sums its columns
+    backward  dinp as DGELU, and the bias gradient     EPILOGUE_DGELU_BGRAD (the fcproj layer's input
+              of the layer before the GELU             gradient is the fc layer's pre-activation
+              = column sums of dinp                    gradient: its sums are the fc's dbias)
 
 Which algorithm: cuBLASLt's heuristic ranks its algorithms for a product (a kernel, a tile, a
 split of k, ...) from the shapes alone; by default each product takes the first, as llm.c does.
@@ -100,9 +103,11 @@ EPILOGUE_BIAS = 4                      # ... + bias, bias (rows of D,) broadcast
 EPILOGUE_GELU_AUX = 160                # aux = the result, D = gelu(aux)
 EPILOGUE_GELU_AUX_BIAS = 164           # aux = the result + bias, D = gelu(aux)
 EPILOGUE_DGELU = 192                   # D = the result * gelu'(aux), aux read
+EPILOGUE_DGELU_BGRAD = 208             # D as DGELU; bias (rows of D,) = each row of D summed, written
 EPILOGUE_BGRADB = 512                  # D = the result; bias (cols of D,) = sums of op(B) over k, written
 EPILOGUE_NAMES = {EPILOGUE_DEFAULT: "DEFAULT", EPILOGUE_BIAS: "BIAS", EPILOGUE_GELU_AUX: "GELU_AUX",
-                  EPILOGUE_GELU_AUX_BIAS: "GELU_AUX_BIAS", EPILOGUE_DGELU: "DGELU", EPILOGUE_BGRADB: "BGRADB"}
+                  EPILOGUE_GELU_AUX_BIAS: "GELU_AUX_BIAS", EPILOGUE_DGELU: "DGELU",
+                  EPILOGUE_DGELU_BGRAD: "DGELU_BGRAD", EPILOGUE_BGRADB: "BGRADB"}
 
 # cublasLtMatmulDescAttributes_t, and the C type of each value we set
 DESC_TRANSA = 3
@@ -181,18 +186,20 @@ def unavailable_reason():
 Epilogue = namedtuple("Epilogue", "code name bias aux")
 Epilogue.__doc__ = """A cuBLASLt epilogue and the extra arguments it takes.
 code: cublasLtEpilogue_t value. bias: None, "add" (BIAS_POINTER is read: one value per row of D)
-or "grad" (BIAS_POINTER is written: the sums of op(B) over k, one per column of D). aux: None,
+or "grad" (BIAS_POINTER is written: BGRADB's sums of op(B) over k, one per column of D, or
+DGELU_BGRAD's sums of each row of D). aux: None,
 "write" (the GELU input is stored at EPILOGUE_AUX_POINTER) or "read" (it is read there for gelu')."""
 
 
 def epilogue_for(has_bias, gelu, backward, bgrad=False):
     """The epilogue a linear layer's product needs:
         forward (backward=False): has_bias adds the bias, gelu applies GELU and stores its input
-        backward, dinp product:   gelu multiplies by gelu'(the stored input) (DGELU)
+        backward, dinp product:   gelu multiplies by gelu'(the stored input) (DGELU); with bgrad
+                                  also sums each row of D, dinp^T, into a bias gradient
+                                  (DGELU_BGRAD: the fc layer's, whose output the GELU took)
         backward, dweight product: bgrad also sums op(B) = dout over rows into the bias gradient
-    Raises ValueError for what no layer here needs: a bias added in a backward product, a bias
-    gradient in a forward one, or DGELU together with BGRADB (DGELU_BGRAD would sum D's rows,
-    which is another layer's bias gradient)."""
+    Raises ValueError for what no layer here needs: a bias added in a backward product, or a bias
+    gradient in a forward one."""
     if not backward:
         require(not bgrad, "a bias gradient (BGRAD) belongs to a backward product")
         if gelu:
@@ -201,9 +208,9 @@ def epilogue_for(has_bias, gelu, backward, bgrad=False):
         code = EPILOGUE_BIAS if has_bias else EPILOGUE_DEFAULT
         return Epilogue(code, EPILOGUE_NAMES[code], "add" if has_bias else None, None)
     require(not has_bias, "a backward product adds no bias (pass bgrad=True for the bias gradient)")
-    require(not (gelu and bgrad), "DGELU with a bias gradient (DGELU_BGRAD) is not used by any layer here")
     if gelu:
-        return Epilogue(EPILOGUE_DGELU, "DGELU", None, "read")
+        return Epilogue(EPILOGUE_DGELU_BGRAD, "DGELU_BGRAD", "grad", "read") if bgrad else \
+            Epilogue(EPILOGUE_DGELU, "DGELU", None, "read")
     if bgrad:
         return Epilogue(EPILOGUE_BGRADB, "BGRADB", "grad", None)
     return Epilogue(EPILOGUE_DEFAULT, "DEFAULT", None, None)
@@ -461,7 +468,7 @@ def matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=None, tf32=F
 
 
 def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=None, tf32=False,
-                       autotune=HEURISTIC_ALGORITHMS, bias_grad_epilogue=True):
+                       autotune=HEURISTIC_ALGORITHMS, bias_grad_epilogue=True, pre_gelu_dbias=None):
     """Backward of out = inp @ weight^T + bias (shapes as matmul_forward_lt). Writes dinp (B,T,C);
     accumulates dweight (OC,C); accumulates dbias (OC,) when it can (see the return value).
     With pre_gelu (B,T,C) given, inp was gelu(pre_gelu) (the fcproj layer) and dinp is the gradient
@@ -470,6 +477,10 @@ def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre
         dweight += dout^T @ inp     column-major: dweight^T (C,OC) = inp^T (C,N) @ dout (N,OC), op(B) = T
         dbias   += sum over rows of dout: BGRADB on the dweight product sums op(B) = dout (N,OC) over
                    k = N, one value per column of dweight^T (per output channel)
+    With pre_gelu_dbias (C,) given too (the fc layer's bias gradient), the dinp product also sums
+    its rows into it: pre_gelu_dbias += column sums of dinp (DGELU_BGRAD: dinp^T's rows), the
+    gradient of the bias that pre_gelu = inp_fc @ w_fc^T + b_fc included. Raises CublasLtUnsupported,
+    before anything is written, where cuBLASLt has no DGELU_BGRAD algorithm for the shape.
     Returns True when dbias was accumulated here, False when the caller must do it (dbias is None,
     bias_grad_epilogue is False, or cuBLASLt has no BGRADB algorithm for this shape; dweight is then
     still accumulated, by a plain product). tf32 and autotune as in matmul_forward_lt."""
@@ -478,10 +489,15 @@ def matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre
               ("weight", weight, OC * C)]
     floatX += [("dbias", dbias, OC)] if dbias is not None else []
     floatX += [("pre_gelu", pre_gelu, N * C)] if pre_gelu is not None else []
+    floatX += [("pre_gelu_dbias", pre_gelu_dbias, C)] if pre_gelu_dbias is not None else []
     precision = check_launch("matmul_backward_lt", floatX, aligned=True)
-    epilogue = epilogue_for(False, pre_gelu is not None, backward=True)
-    matmul_cublaslt(dinp, weight, dout, C, N, OC, CUBLAS_OP_N, CUBLAS_OP_N, epilogue, aux=pre_gelu, tf32=tf32,
-                    autotune=autotune)
+    require(pre_gelu_dbias is None or pre_gelu is not None, "matmul_backward_lt: pre_gelu_dbias without pre_gelu")
+    epilogue = epilogue_for(False, pre_gelu is not None, backward=True, bgrad=pre_gelu_dbias is not None)
+    pre_bgrad = _bgrad_scratch(precision, C) if pre_gelu_dbias is not None else None
+    matmul_cublaslt(dinp, weight, dout, C, N, OC, CUBLAS_OP_N, CUBLAS_OP_N, epilogue, bias=pre_bgrad, aux=pre_gelu,
+                    tf32=tf32, autotune=autotune)
+    if pre_gelu_dbias is not None:
+        _accumulate(pre_gelu_dbias, pre_bgrad, C, precision)
     if dbias is not None and bias_grad_epilogue:
         bgrad = _bgrad_scratch(precision, OC)
         try:

@@ -62,9 +62,10 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
         a("-ge", "--gelu-fusion", type=int, default=2, choices=(0, 1, 2),
           help="with cuBLASLt (llm.c's -ge): 2 the GELU in the fc GEMM's epilogue and its derivative in the fcproj "
                "input gradient's; 1 the forward only; 0 neither (our GELU kernels)")
-        a("--bias-grad-epilogue", type=int, default=1, choices=(0, 1),
-          help="with cuBLASLt: 1 each bias gradient summed in its dweight GEMM's epilogue (BGRADB); 0 a plain dweight "
-               "GEMM and our bias_backward kernel (kernels/bias.cu)")
+        a("--bias-grad-epilogue", type=int, default=1, choices=(0, 1, 2),
+          help="with cuBLASLt: 1 each bias gradient summed in its dweight GEMM's epilogue (BGRADB); 0 plain dweight "
+               "GEMMs and our bias_backward kernel (kernels/bias.cu); 2 as 0, but the fc's bias gradient summed in "
+               "the fcproj input gradient's epilogue (DGELU_BGRAD, with -ge 2)")
         a("--cudnn-deterministic", type=int, default=1, choices=(0, 1),
           help="with cuDNN attention: 1 its deterministic backward (the same gradients bit for bit every run, as "
                "llm.c); 0 the backward that may sum dq in any order (as PyTorch's SDPA; runs then differ in the last "
@@ -189,8 +190,10 @@ def library_options(model):
         words.append(f"autotune {autotune}")
     if getattr(model.matmul, "gelu_fusion", 2) != 2:
         words.append(f"GELU fusion {model.matmul.gelu_fusion}")
-    if not getattr(model.matmul, "bias_grad_epilogue", True):
-        words.append("bias gradients by bias_backward")
+    bias_grad_epilogue = getattr(model.matmul, "bias_grad_epilogue", 1)
+    if bias_grad_epilogue != 1:
+        words.append("bias gradients by bias_backward" + (", the fc's in DGELU_BGRAD" if
+                                                          getattr(model.matmul, "pre_gelu_bias_grad", False) else ""))
     if model.attention.name == "cudnn" and not getattr(model.attention, "deterministic", True):
         words.append("non-deterministic cuDNN backward")
     return "".join(f" ({w})" for w in words)

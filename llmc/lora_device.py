@@ -143,6 +143,7 @@ class LoraMatmul:
         # the residual is added by the model's fused residual + LayerNorm kernel, after the adapters
         # (a residual in the base GEMM's epilogue, --residual-epilogue, is cuBLASLt's without LoRA)
         self.residual_epilogue = False
+        self.pre_gelu_bias_grad = False                    # the fc's bias is frozen: no gradient to sum
         self.adapted = {}                                  # device address of a weight -> its adapters
         for l, adapters in enumerate(lora.layers):
             for name, on_weight in adapters.items():

@@ -107,9 +107,12 @@ class Cublas:
     """The linear layers as cuBLAS GEMMs (matmul_forward, matmul_backward) with the bias and the
     GELU in our kernels. tf32: fp32 inputs rounded to TF32 (-f 1; bf16 ignores it).
     residual_epilogue: whether forward adds a residual inside the product (residual=); here never:
-    the model adds it in its fused residual + LayerNorm kernel."""
+    the model adds it in its fused residual + LayerNorm kernel. pre_gelu_bias_grad: whether the
+    fcproj layer's backward also sums the fc layer's bias gradient (CublasLt's DGELU_BGRAD); here
+    never: the fc layer's own backward does."""
     name = "cuBLAS"
     residual_epilogue = False
+    pre_gelu_bias_grad = False
 
     def __init__(self, tf32=False):
         self.tf32 = bool(tf32)
@@ -135,9 +138,10 @@ class Cublas:
 
 
 GELU_FUSION_CHOICES = (0, 1, 2)        # llm.c's -ge: 0 none, 1 the forward, 2 the forward and the backward
+BIAS_GRAD_EPILOGUE_CHOICES = (0, 1, 2)  # 0 bias_backward; 1 BGRADB; 2 the fc's in DGELU_BGRAD, the rest bias_backward
 
 
-def matmul_backend(requested, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2, bias_grad_epilogue=True):
+def matmul_backend(requested, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2, bias_grad_epilogue=1):
     """The linear layers' backend for --cublaslt `requested` (0, 1 or "auto"), TF32 `tf32`,
     --residual-epilogue `residual_epilogue`, --autotune `autotune`, --gelu-fusion `gelu_fusion`
     and --bias-grad-epilogue `bias_grad_epilogue` (the last four cuBLASLt's: cuBLAS ignores
@@ -160,10 +164,12 @@ def matmul_backend(requested, tf32=False, residual_epilogue=False, autotune=1, g
 class CublasLt(Cublas):
     """The linear layers through cuBLASLt (llmc/cublaslt.py): the bias, the GELU (GELU_AUX_BIAS,
     storing pre_gelu), its derivative (DGELU) and the bias gradient (BGRADB) fused into the GEMMs.
-    Where cuBLASLt has no BGRADB algorithm for a shape, or with bias_grad_epilogue False, the
-    dweight GEMM is a plain one and bias_backward sums dbias (on an H100 the BGRADB products were
-    slower than the plain ones by about what bias_backward took: which pair wins is measured,
-    dev/bench.py --bias-grad-epilogue).
+    bias_grad_epilogue: 1, each bias gradient in its dweight GEMM's BGRADB epilogue; 0, plain
+    dweight GEMMs and bias_backward for every bias (also where cuBLASLt has no BGRADB algorithm for
+    a shape); 2, as 0, but the fc layer's bias gradient summed in the fcproj input gradient's
+    DGELU_BGRAD epilogue (with gelu_fusion 2: pre_gelu_bias_grad; the model passes it there). On an
+    H100 the BGRADB products were slower than the plain ones by about what bias_backward took:
+    which wins is measured (dev/bench.py --bias-grad-epilogue).
     residual_epilogue: the attention and MLP output projections add the residual stream in the
     product too (cuBLASLt's C input, beta = 1), and the model's LayerNorm after them only normalizes.
     autotune: how many of cuBLASLt's heuristic algorithms each product times at its first call,
@@ -175,12 +181,16 @@ class CublasLt(Cublas):
     than the plain product: which wins is measured (dev/bench.py --gelu-fusion)."""
     name = "cuBLASLt"
 
-    def __init__(self, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2, bias_grad_epilogue=True):
+    def __init__(self, tf32=False, residual_epilogue=False, autotune=1, gelu_fusion=2, bias_grad_epilogue=1):
         super().__init__(tf32)
         require(gelu_fusion in GELU_FUSION_CHOICES, f"gelu_fusion={gelu_fusion}: one of {GELU_FUSION_CHOICES}")
+        require(bias_grad_epilogue in BIAS_GRAD_EPILOGUE_CHOICES,
+                f"bias_grad_epilogue={bias_grad_epilogue}: one of {BIAS_GRAD_EPILOGUE_CHOICES}")
         self.residual_epilogue = bool(residual_epilogue)
         self.autotune, self.gelu_fusion = int(autotune), int(gelu_fusion)
-        self.bias_grad_epilogue = bool(bias_grad_epilogue)
+        self.bias_grad_epilogue = int(bias_grad_epilogue)
+        # backward(..., pre_gelu_dbias=) sums the fc's bias gradient from the fcproj input gradient
+        self.pre_gelu_bias_grad = self.bias_grad_epilogue == 2 and self.gelu_fusion >= 2
 
     def forward(self, out, inp, weight, bias, B, T, C, OC, pre_gelu=None, residual=None):
         """Cublas.forward, and with residual (B,T,OC): out = inp @ weight^T + bias + residual."""
@@ -193,12 +203,28 @@ class CublasLt(Cublas):
         cublaslt.matmul_forward_lt(out, inp, weight, bias, B, T, C, OC, pre_gelu=pre_gelu, tf32=self.tf32,
                                    residual=residual, autotune=self.autotune)
 
-    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None,
+                 pre_gelu_dbias=None):
+        """Cublas.backward; with pre_gelu_dbias (C,) too (the fc layer's bias gradient, where
+        pre_gelu_bias_grad), pre_gelu_dbias += the column sums of dinp, the pre-activation's
+        gradient: in the DGELU_BGRAD epilogue, or by bias_backward where cuBLASLt has no algorithm
+        for it or the GELU's derivative is not in the epilogue."""
         from llmc import cublaslt
         fused_gelu = pre_gelu if self.gelu_fusion >= 2 else None
-        if not cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC, pre_gelu=fused_gelu,
-                                           tf32=self.tf32, autotune=self.autotune,
-                                           bias_grad_epilogue=self.bias_grad_epilogue) and dbias is not None:
+        fused_dbias = pre_gelu_dbias if fused_gelu is not None else None
+        kwargs = dict(tf32=self.tf32, autotune=self.autotune, bias_grad_epilogue=self.bias_grad_epilogue == 1)
+        try:
+            done = cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC,
+                                               pre_gelu=fused_gelu, pre_gelu_dbias=fused_dbias, **kwargs)
+        except cublaslt.CublasLtUnsupported:
+            if fused_dbias is None:
+                raise
+            fused_dbias = None                                    # no DGELU_BGRAD here: DGELU, then our kernel
+            done = cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC,
+                                               pre_gelu=fused_gelu, **kwargs)
+        if not done and dbias is not None:
             bias_backward(dbias, dout, partial, B * T, OC)
         if pre_gelu is not None and fused_gelu is None:           # dinp = (dout @ weight) * gelu'(pre_gelu)
             gelu_backward_inplace(dinp, pre_gelu, B * T * C)
+        if pre_gelu_dbias is not None and fused_dbias is None:
+            bias_backward(pre_gelu_dbias, dinp, partial, B * T, C)

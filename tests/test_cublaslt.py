@@ -37,8 +37,8 @@ import llmc.cuda
 from emulated_gpu import record_launches
 from llmc import cublaslt
 from llmc.check import TOLERANCES, check_tensor
-from llmc.cublaslt import (EPILOGUE_BGRADB, EPILOGUE_BIAS, EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX,
-                           EPILOGUE_GELU_AUX_BIAS, matmul_backward_lt, matmul_forward_lt)
+from llmc.cublaslt import (EPILOGUE_BGRADB, EPILOGUE_BIAS, EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_DGELU_BGRAD,
+                           EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, matmul_backward_lt, matmul_forward_lt)
 from llmc.cuda import CUBLAS_OP_N, CUBLAS_OP_T
 from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
@@ -54,6 +54,7 @@ from llmc.formats import bfloat16_bits_to_float32, float32_to_bfloat16_bits
     (False, False, True, False, (EPILOGUE_DEFAULT, None, None)),            # dinp, or dweight without dbias
     (False, True, True, False, (EPILOGUE_DGELU, None, "read")),             # fcproj's dinp through gelu
     (False, False, True, True, (EPILOGUE_BGRADB, "grad", None)),            # dweight and dbias
+    (False, True, True, True, (EPILOGUE_DGELU_BGRAD, "grad", "read")),      # fcproj's dinp and the fc's dbias
 ])
 def test_epilogue_for_table(has_bias, gelu, backward, bgrad, expected):
     e = cublaslt.epilogue_for(has_bias, gelu, backward, bgrad)
@@ -63,7 +64,6 @@ def test_epilogue_for_table(has_bias, gelu, backward, bgrad, expected):
 
 @pytest.mark.parametrize("has_bias,gelu,backward,bgrad", [
     (True, False, True, False),          # a backward product adds no bias
-    (False, True, True, True),           # DGELU_BGRAD: would sum another layer's bias gradient
     (False, False, False, True),         # a bias gradient in a forward product
 ])
 def test_epilogue_for_refuses(has_bias, gelu, backward, bgrad):
@@ -87,8 +87,8 @@ def test_constants_match_nvmath_enums():
     from nvmath.bindings import cublas
     E = lt.Epilogue
     assert (cublaslt.EPILOGUE_DEFAULT, cublaslt.EPILOGUE_BIAS, cublaslt.EPILOGUE_GELU_AUX, cublaslt.EPILOGUE_GELU_AUX_BIAS,
-            cublaslt.EPILOGUE_DGELU, cublaslt.EPILOGUE_BGRADB) == (E.DEFAULT, E.BIAS, E.GELU_AUX, E.GELU_AUX_BIAS,
-                                                                   E.DGELU, E.BGRADB)
+            cublaslt.EPILOGUE_DGELU, cublaslt.EPILOGUE_DGELU_BGRAD, cublaslt.EPILOGUE_BGRADB) == \
+        (E.DEFAULT, E.BIAS, E.GELU_AUX, E.GELU_AUX_BIAS, E.DGELU, E.DGELU_BGRAD, E.BGRADB)
     D = lt.MatmulDescAttribute
     ours = {cublaslt.DESC_TRANSA: D.TRANSA, cublaslt.DESC_TRANSB: D.TRANSB, cublaslt.DESC_EPILOGUE: D.EPILOGUE,
             cublaslt.DESC_BIAS_POINTER: D.BIAS_POINTER, cublaslt.DESC_EPILOGUE_AUX_POINTER: D.EPILOGUE_AUX_POINTER,
@@ -506,6 +506,33 @@ def test_bias_grad_epilogue_off_leaves_dbias_to_the_caller(fake):
     assert [c["epilogue"] for c in fake.calls] == [EPILOGUE_DEFAULT] * 2 and not fake.launches
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dgelu_bgrad_sums_the_fc_bias_gradient_through_fake(fake, precision):
+    """pre_gelu_dbias (the fcproj layer's backward, --bias-grad-epilogue 2): the dinp product is
+    DGELU_BGRAD, dinp = (dout @ weight) * gelu'(pre_gelu), and pre_gelu_dbias += its column sums
+    (the fc layer's bias gradient), through the scratch and one accumulate launch."""
+    B, T, C, OC = 2, 4, 24, 16                            # C: the fc's 4C, a multiple of 8 (the aux's ld)
+    rng = np.random.default_rng(8)
+    pre, w, dout = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), \
+        rng.standard_normal((B, T, OC))
+    inp = gelu_tanh(pre)
+    dw0, dfcb0 = rng.standard_normal((OC, C)), rng.standard_normal(C)
+    dinp, dw, dfcb = poisoned(fake, (B, T, C), precision), dev(fake, dw0, precision), dev(fake, dfcb0, precision)
+    assert matmul_backward_lt(dinp, dw, None, dev(fake, dout, precision), dev(fake, inp, precision),
+                              dev(fake, w, precision), B, T, C, OC, pre_gelu=dev(fake, pre, precision),
+                              pre_gelu_dbias=dfcb) is False               # no dbias of its own asked for
+    ref_dinp = gpt2_cpu.gelu_backward(gpt2_cpu.matmul_backward(None, None, as_input(dout, precision),
+                                                               as_input(inp, precision), as_input(w, precision)),
+                                      as_input(pre, precision))
+    assert_close(dinp, ref_dinp, precision, "dinp (DGELU_BGRAD)")
+    assert_close(dfcb, as_input(dfcb0, precision) + ref_dinp.sum(axis=(0, 1)), precision, "the fc's dbias (accumulated)")
+    assert [c["epilogue"] for c in fake.calls] == [EPILOGUE_DGELU_BGRAD, EPILOGUE_DEFAULT]
+    assert len(fake.launches) == 1                                        # the accumulate into dfcb
+    with pytest.raises(ValueError, match="pre_gelu_dbias without pre_gelu"):
+        matmul_backward_lt(dinp, dw, None, dev(fake, dout, precision), dev(fake, inp, precision),
+                           dev(fake, w, precision), B, T, C, OC, pre_gelu_dbias=dfcb)
+
+
 def test_no_algorithm_for_a_forward_raises(fake):
     fake.refuse = {EPILOGUE_BIAS}
     out, inp, w, b = (fake.cupy.zeros(s, np.float32) for s in ((1, 2, 8), (1, 2, 8), (8, 8), (8,)))
@@ -804,6 +831,41 @@ def test_gpu_bias_grad_outside_the_epilogue_matches_gpt2_cpu(gpu_lt, precision, 
     gpu_check(dinp, ref_dinp, group, "matmul", "dinp")
     gpu_check(dw, ref_dw, group, "matmul", "dweight (accumulated, plain product)")
     gpu_check(db, ref_db, group, "matmul", "dbias (accumulated, bias_backward)")
+
+
+@pytest.mark.gpu
+@GPU_PRECISIONS
+def test_gpu_bias_grad_dgelu_bgrad_matches_gpt2_cpu(gpu_lt, precision, tf32, group):
+    """gpt2_cuda.py --bias-grad-epilogue 2 on a GPU at GPT-2 124M's fcproj (B=4, T=1024, C=3072,
+    OC=768): dinp through DGELU_BGRAD, whose row sums accumulate into the fc's bias gradient
+    (bias_backward where this cuBLASLt has no algorithm for it: the test says which ran)."""
+    import llmc.matmul
+    from gpt2_cuda import partial_floats
+    from gpt2_cpu import GPT2Config
+    B, T, C, OC = 4, 1024, 3072, 768
+    rng = np.random.default_rng(9)
+    pre, w, dout = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), \
+        rng.standard_normal((B, T, OC))
+    inp = gelu_tanh(pre)
+    dw0, db0, dfcb0 = rng.standard_normal((OC, C)), rng.standard_normal(OC), rng.standard_normal(C)
+    dinp, dw = gpu_poisoned((B, T, C), precision), to_device(dw0, precision)
+    db, dfcb = to_device(db0, precision), to_device(dfcb0, precision)
+    partial = llmc.cuda.cupy().zeros(partial_floats(GPT2Config(channels=C)), np.float32)
+    matmul = llmc.matmul.CublasLt(tf32, bias_grad_epilogue=2)
+    assert matmul.pre_gelu_bias_grad
+    matmul.backward(dinp, dw, db, to_device(dout, precision), to_device(inp, precision), to_device(w, precision),
+                    partial, B, T, C, OC, pre_gelu=to_device(pre, precision), pre_gelu_dbias=dfcb)
+    ref_dw, ref_db = as_input(dw0, precision), as_input(db0, precision)
+    ref_dinp = gpt2_cpu.gelu_backward(gpt2_cpu.matmul_backward(ref_dw, ref_db, as_input(dout, precision),
+                                                               as_input(inp, precision), as_input(w, precision)),
+                                      as_input(pre, precision))
+    gpu_check(dinp, ref_dinp, group, "matmul", "dinp (DGELU)")
+    gpu_check(dw, ref_dw, group, "matmul", "dweight (accumulated, plain product)")
+    gpu_check(db, ref_db, group, "matmul", "dbias (accumulated, bias_backward)")
+    gpu_check(dfcb, as_input(dfcb0, precision) + ref_dinp.sum(axis=(0, 1)), group, "matmul",
+              "the fc's dbias (accumulated from dinp's column sums)")
+    print("DGELU_BGRAD plans:", [p.heuristic is not None for key, p in cublaslt._PLANS.items()
+                                 if key[7] == cublaslt.EPILOGUE_DGELU_BGRAD])
 
 
 @pytest.mark.gpu

@@ -127,11 +127,8 @@ def test_gelu_fusion_levels_match_gpt2_cpu(emulated_gpu, monkeypatch, precision,
     cublaslt.clear_cache()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bias_gradients_outside_the_epilogue_match_gpt2_cpu(emulated_gpu, monkeypatch, precision):
-    """--bias-grad-epilogue 0: every dweight product is a plain one (no BGRADB, though the emulated
-    cuBLASLt has it) and bias_backward sums each of the 4 biases of a layer; the model still matches
-    gpt2_cpu.py. With the default, bias_backward never runs: BGRADB sums them."""
+def _recorded_epilogues(monkeypatch):
+    """The name of the epilogue of every llmc.cublaslt.matmul_cublaslt call from now on."""
     from llmc import cublaslt
     epilogues = []
     product = cublaslt.matmul_cublaslt
@@ -141,16 +138,47 @@ def test_bias_gradients_outside_the_epilogue_match_gpt2_cpu(emulated_gpu, monkey
             "epilogue", cublaslt.NO_EPILOGUE).name)
         return product(*args, **kwargs)
     monkeypatch.setattr(cublaslt, "matmul_cublaslt", recorded)
+    return epilogues
+
+
+def _refuse_dgelu_bgrad(monkeypatch):
+    """The emulated cuBLASLt's heuristic answers NOT_SUPPORTED for DGELU_BGRAD, as a cuBLASLt
+    build without an algorithm for it would."""
+    lt = llmc.cuda.library("cublaslt")
+    heuristic = lt.matmul_algo_get_heuristic
+
+    def no_dgelu_bgrad(handle, desc, *rest):
+        epilogue, written = np.zeros(1, np.uint32), np.zeros(1, np.uint64)
+        lt.matmul_desc_get_attribute(desc, lt.MatmulDescAttribute.EPILOGUE, epilogue.ctypes.data, 4, written.ctypes.data)
+        if epilogue[0] == lt.Epilogue.DGELU_BGRAD:
+            raise lt.cuBLASLtError(lt.Status.NOT_SUPPORTED)
+        return heuristic(handle, desc, *rest)
+    monkeypatch.setattr(lt, "matmul_algo_get_heuristic", no_dgelu_bgrad)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("level,refused", [(1, False), (0, False), (2, False), (2, True)])
+def test_bias_gradient_levels_match_gpt2_cpu(emulated_gpu, monkeypatch, precision, level, refused):
+    """--bias-grad-epilogue: 1 (default) every bias gradient in its dweight product's BGRADB, no
+    bias_backward; 0 plain dweight products (no BGRADB, though the emulated cuBLASLt has it) and
+    bias_backward for each of a layer's 4 biases; 2 as 0, but the fc's bias gradient summed by the
+    fcproj input gradient's DGELU_BGRAD (3 bias_backward a layer), or, where cuBLASLt refuses
+    DGELU_BGRAD, its DGELU and bias_backward on dfch (4 again). Each matches gpt2_cpu.py."""
+    from llmc import cublaslt
+    epilogues = _recorded_epilogues(monkeypatch)
+    if refused:
+        _refuse_dgelu_bgrad(monkeypatch)
+    calls, launches, _ = _checked_against_gpt2_cpu(
+        monkeypatch, precision, llmc.matmul.CublasLt(bias_grad_epilogue=level), bgrad=True, seed=4)
     L = TINY.num_layers
-    for bias_grad_epilogue in (False, True):
-        epilogues.clear()
-        calls, launches, _ = _checked_against_gpt2_cpu(
-            monkeypatch, precision, llmc.matmul.CublasLt(bias_grad_epilogue=bias_grad_epilogue), bgrad=True, seed=4)
-        backwards = sum(1 for c in calls if c[0] == "backward") // (4 * L + 1)    # the backward passes --check ran
-        assert backwards >= 1
-        bias_backward = [launch.name for launch in launches].count("bias_backward")
-        assert (bias_backward, epilogues.count("BGRADB")) == ((4 * L * backwards, 0) if not bias_grad_epilogue else
-                                                              (0, 4 * L * backwards))
+    backwards = sum(1 for c in calls if c[0] == "backward") // (4 * L + 1)         # the backward passes --check ran
+    assert backwards >= 1
+    bias_backward = [launch.name for launch in launches].count("bias_backward")
+    # per layer: bias_backward launches, BGRADB, DGELU_BGRAD and DGELU products (a refused DGELU_BGRAD is
+    # asked for, raises before anything runs, and the DGELU product follows)
+    per_layer = {1: (0, 4, 0, 1), 0: (4, 0, 0, 1), 2: (4, 0, 1, 1) if refused else (3, 0, 1, 0)}[level]
+    assert (bias_backward, epilogues.count("BGRADB"), epilogues.count("DGELU_BGRAD"),
+            epilogues.count("DGELU")) == tuple(n * L * backwards for n in per_layer)
     cublaslt.clear_cache()
 
 
@@ -198,7 +226,7 @@ def test_library_options_reach_the_backend_the_attention_and_the_banner(monkeypa
     assert said == ["gpt2_cuda.py: --cudnn-deterministic 0 applies to cuDNN attention; this run has naive attention"]
     matmul = built["matmul"]
     assert (matmul.autotune, matmul.gelu_fusion, built["autotune"], built["cudnn_deterministic"]) == (4, 1, 4, False)
-    assert matmul.bias_grad_epilogue is False
+    assert matmul.bias_grad_epilogue == 0
     banner = llmc.gpu_cli.library_options
     assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("naive"))) == \
         " (autotune 4) (GELU fusion 1) (bias gradients by bias_backward)"
@@ -214,7 +242,7 @@ def test_library_options_reach_the_backend_the_attention_and_the_banner(monkeypa
         assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("cudnn"))) == ""
 
 
-@pytest.mark.parametrize("flags", [["--autotune", "0"], ["--autotune", "17"], ["-ge", "3"], ["--bias-grad-epilogue", "2"]])
+@pytest.mark.parametrize("flags", [["--autotune", "0"], ["--autotune", "17"], ["-ge", "3"], ["--bias-grad-epilogue", "3"]])
 def test_cublaslt_options_refuse_other_values_in_one_line(flags, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpt2_cuda.parse_args(flags)
@@ -227,6 +255,30 @@ def test_cublaslt_flag_refuses_other_values_in_one_line():
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--cublaslt" in r.stderr and "choose from auto, 0, 1" in r.stderr
+
+
+def test_bias_grad_epilogue_2_needs_the_dgelu_epilogue_and_says_so(monkeypatch):
+    """--bias-grad-epilogue 2 rides in the DGELU epilogue: with -ge 2 the backend sums the fc's
+    bias gradient there (pre_gelu_bias_grad) and the banner says so; with -ge 1 one line says
+    that bias_backward sums it, as with 0."""
+    fake = types.SimpleNamespace(unavailable_reason=lambda: None)
+    monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "llmc.cublaslt", fake)
+    monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: types.SimpleNamespace(matmul=k["matmul"]))
+    monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
+    banner = llmc.gpu_cli.library_options
+    naive = llmc.attention.attention_path("naive")
+    for ge, fused, said in (("2", True, []), ("1", False, [
+            "gpt2_cuda.py: --bias-grad-epilogue 2 sums the fc's bias gradient in the DGELU epilogue, which -ge 1 "
+            "leaves out: bias_backward sums it, as with 0"])):
+        lines = []
+        args = gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2", "--cublaslt", "1", "--attention", "naive",
+                                     "--bias-grad-epilogue", "2", "-ge", ge])
+        model = gpt2_cuda.setup_model(args, 80, say=lines.append)
+        assert (model.matmul.pre_gelu_bias_grad, lines) == (fused, said)
+        assert banner(types.SimpleNamespace(matmul=model.matmul, attention=naive)).endswith(
+            " (bias gradients by bias_backward, the fc's in DGELU_BGRAD)" if fused else " (bias gradients by bias_backward)")
+    assert not llmc.matmul.Cublas.pre_gelu_bias_grad and not llmc.matmul.CublasLt().pre_gelu_bias_grad
 
 
 def test_library_options_that_reach_no_library_say_so(monkeypatch):

@@ -5,7 +5,7 @@ or epilogue gives a result the check rejects (or an error), so that the emulatio
 bugs they stand in for.
 - cuBLASLt: D = alpha op(A) op(B) + beta C with padded leading dimensions, every transpose, fp32
   and bf16, separate C and D; the epilogues BIAS, GELU_AUX_BIAS (aux with its own ld), DGELU,
-  BGRADB; TF32 rounding on a hand-computed case; what it refuses; its constants against
+  DGELU_BGRAD, BGRADB; TF32 rounding on a hand-computed case; what it refuses; its constants against
   llmc/cublaslt.py's (and nvmath-python's where installed).
 - cuDNN: SDPA forward (out, stats) and backward through strided tensors in two layouts (the
   fused (B,T,3C) qkv and separate (B,NH,T,HS) arrays), bf16 and fp16, against gpt2_cpu and a
@@ -195,6 +195,14 @@ def test_cublaslt_epilogues(precision):
     lt_matmul(precision, m, n, k, a, la, b, lb, c, lc, d, lt.OP_N, lt.OP_T, epilogue=lt.Epilogue.DGELU,
               aux=aux, aux_ld=aux_ld - 8)
     assert not close(d_values(d, m), ref_dgelu, precision, "DGELU with the aux ld off by 8")
+    # DGELU_BGRAD: D as DGELU, bias (m,) = each row of D summed over its n columns, written
+    dgelu_bgrad = stored(np.full(m + 1, 7.0), precision)                    # a spare element: left as it is
+    lt_matmul(precision, m, n, k, a, la, b, lb, c, lc, d, lt.OP_N, lt.OP_T, epilogue=lt.Epilogue.DGELU_BGRAD,
+              bias=dgelu_bgrad, aux=aux, aux_ld=aux_ld)
+    assert close(d_values(d, m), ref_dgelu, precision, "DGELU_BGRAD D")
+    assert close(dgelu_bgrad[:m], ref_dgelu.sum(axis=1), precision, "DGELU_BGRAD bias gradient")
+    assert not close(dgelu_bgrad[:m], ref_dgelu.sum(axis=0)[:m], precision, "columns summed instead of rows")
+    assert to_f64(dgelu_bgrad[m:])[0] == 7.0
     # BIAS with beta C out of place (the residual stream): D = product + C + bias, C only read
     c_before = c.copy()
     lt_matmul(precision, m, n, k, a, la, b, lb, c, lc, d, lt.OP_N, lt.OP_T, beta=1.0, epilogue=lt.Epilogue.BIAS,
@@ -230,6 +238,9 @@ def test_cublaslt_refuses_what_cublaslt_refuses():
         lt_matmul("fp32", 8, 4, 4, a, la, b, lb, c, lc, d, epilogue=lt.Epilogue.GELU_AUX, aux=aux, aux_ld=12)
     with pytest.raises(lt.cuBLASLtError, match="BIAS_POINTER"):
         lt_matmul("fp32", 8, 4, 4, a, la, b, lb, c, lc, d, epilogue=lt.Epilogue.BIAS)
+    with pytest.raises(lt.cuBLASLtError, match="DGELU_BGRAD without BIAS_POINTER"):  # where its sums go
+        lt_matmul("fp32", 8, 4, 4, a, la, b, lb, c, lc, d, epilogue=lt.Epilogue.DGELU_BGRAD, aux=np.zeros((4, 8),
+                  np.float32), aux_ld=8)
     with pytest.raises(lt.cuBLASLtError, match="aligned"):               # 4 bytes in: the heuristic was told 16
         lt_matmul("fp32", 8, 4, 4, a.reshape(-1)[1:], la, b, lb, c, lc, d)
     with pytest.raises(lt.cuBLASLtError, match="in place"):                 # C == D needs Cdesc == Ddesc
@@ -242,9 +253,9 @@ def test_cublaslt_constants_match_llmc_and_nvmath():
     from llmc import cublaslt as ours
     from llmc import cuda
     assert (ours.EPILOGUE_DEFAULT, ours.EPILOGUE_BIAS, ours.EPILOGUE_GELU_AUX, ours.EPILOGUE_GELU_AUX_BIAS,
-            ours.EPILOGUE_DGELU, ours.EPILOGUE_BGRADB) == (lt.Epilogue.DEFAULT, lt.Epilogue.BIAS, lt.Epilogue.GELU_AUX,
-                                                           lt.Epilogue.GELU_AUX_BIAS, lt.Epilogue.DGELU,
-                                                           lt.Epilogue.BGRADB)
+            ours.EPILOGUE_DGELU, ours.EPILOGUE_DGELU_BGRAD, ours.EPILOGUE_BGRADB) == \
+        (lt.Epilogue.DEFAULT, lt.Epilogue.BIAS, lt.Epilogue.GELU_AUX, lt.Epilogue.GELU_AUX_BIAS, lt.Epilogue.DGELU,
+         lt.Epilogue.DGELU_BGRAD, lt.Epilogue.BGRADB)
     for attr, dtype in ours.DESC_ATTRIBUTE_DTYPES.items():
         assert lt.get_matmul_desc_attribute_dtype(attr) == np.dtype(dtype), attr
     for attr, dtype in ours.PREF_ATTRIBUTE_DTYPES.items():

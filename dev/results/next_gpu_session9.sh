@@ -6,7 +6,8 @@
 # (written in the eighth session, 2026-11-27; the ninth added --bias-grad-epilogue 0 and dev/cuda/bias.py
 # and put issue 41's record after issue 40's B=64, issue 41 being resolved without a GPU)
 #   0. the autotuning's and the bias gradient's GPU tests (cuDNN's plans and cuBLASLt's algorithms through
-#      the real libraries; plain dweight GEMMs with kernels/bias.cu's bias_backward, against gpt2_cpu)
+#      the real libraries; plain dweight GEMMs with kernels/bias.cu's bias_backward, and DGELU_BGRAD, against
+#      gpt2_cpu)
 #   1. issue 40, the 124M step at B=16, ours, in this one call: the defaults, then
 #      --autotune 8 (each cuBLASLt GEMM's heuristic's 8 best algorithms and each cuDNN attention graph's
 #      first 8 plans timed, the fastest kept; the bench prints what each found), --gelu-fusion 1 and --gelu-fusion 0 (the fc GEMM with GELU_AUX_BIAS
@@ -15,7 +16,8 @@
 #      against the twin's 13), --cudnn-deterministic 0 (cuDNN's backward, 4.27 ms of the step, free to
 #      sum dq in any order, as the twin's SDPA), -r 0 with --autotune 8, and --bias-grad-epilogue 0 (plain
 #      dweight GEMMs and our bias_backward, now with 16-byte loads, instead of the BGRADB epilogue: the three
-#      large BGRADB products took 1.2-1.3 ms more than plain ones, the old bias_backward 1.38 ms)
+#      large BGRADB products took 1.2-1.3 ms more than plain ones, the old bias_backward 1.38 ms) and
+#      --bias-grad-epilogue 2 (the same, the fc's bias gradient in the fcproj input gradient's DGELU_BGRAD)
 #   2. issue 40: dev/cuda's bias table (bias_backward's version 3, production since 2026-11-27, against
 #      version 2, the previous one), then the classifier (version 3 against the candidates 4, the row kept in shared
 #      memory, and 5, the row copied in by cp.async), global-norm, layernorm and AdamW tables (the block reductions of global_norm
@@ -58,6 +60,7 @@ step 35 $BENCH16 -r 0 --json $OUT/bench_b16_r0.json
 step 35 $BENCH16 --cudnn-deterministic 0 --json $OUT/bench_b16_nondeterministic.json
 step 35 $BENCH16 -r 0 --autotune 8 --json $OUT/bench_b16_r0_autotune8.json
 step 35 $BENCH16 --bias-grad-epilogue 0 --json $OUT/bench_b16_bias_grad0.json
+step 35 $BENCH16 --bias-grad-epilogue 2 --json $OUT/bench_b16_bias_grad2.json
 step 100 python3 dev/cuda/run_all.py bias classifier global_norm layernorm adamw -r 20 -o $OUT
 step 120 python3 dev/bench.py -b 64 --steps 10 --warmup 3 --json $OUT/bench_b64.json
 step 40 python3 dev/bench.py --only cupy -b 64 --classifier-chunk 4 --steps 10 --warmup 3 --json $OUT/bench_b64_chunk4.json

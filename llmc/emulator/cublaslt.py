@@ -18,6 +18,8 @@ The epilogues:
     GELU             D = gelu(result)                (GELU_BIAS: gelu(result + bias))
     GELU_AUX         aux = result, D = gelu(aux)     (GELU_AUX_BIAS: aux = result + bias)
     DGELU            D = result * gelu'(aux)         aux read
+    DGELU_BGRAD      D = result * gelu'(aux), bias (m,) = sums of each row of D over its n
+                     columns (before D is rounded to its type), written: "each row summed"
     BGRADB           D = result, bias (n,) = sums of op(B) over k, one per column of D, written
 the bias and the aux at BIAS_POINTER / EPILOGUE_AUX_POINTER, the aux (m,n) with leading dimension
 EPILOGUE_AUX_LD (a multiple of 8, >= m), both in D's type. GELU is the tanh form, computed by
@@ -75,6 +77,7 @@ class Epilogue(enum.IntEnum):
     GELU_AUX = 160
     GELU_AUX_BIAS = 164
     DGELU = 192
+    DGELU_BGRAD = 208
     BGRADB = 512
 
 
@@ -315,6 +318,8 @@ def matmul_preference_destroy(pref):
 
 BIAS_READ = (Epilogue.BIAS, Epilogue.GELU_BIAS, Epilogue.GELU_AUX_BIAS)
 AUX_WRITTEN = (Epilogue.GELU_AUX, Epilogue.GELU_AUX_BIAS)
+AUX_READ = (Epilogue.DGELU, Epilogue.DGELU_BGRAD)
+BIAS_WRITTEN = (Epilogue.BGRADB, Epilogue.DGELU_BGRAD)
 GELU_APPLIED = (Epilogue.GELU, Epilogue.GELU_BIAS, Epilogue.GELU_AUX, Epilogue.GELU_AUX_BIAS)
 
 
@@ -338,10 +343,10 @@ def _check_problem(attrs, layouts, in_place=False):
     except ValueError:
         raise cuBLASLtError(Status.NOT_SUPPORTED, f"epilogue {attrs[MatmulDescAttribute.EPILOGUE]}") from None
     bias_type = attrs[MatmulDescAttribute.BIAS_DATA_TYPE]
-    if epilogue in BIAS_READ or epilogue == Epilogue.BGRADB:
+    if epilogue in BIAS_READ or epilogue in BIAS_WRITTEN:
         _require(attrs[MatmulDescAttribute.BIAS_POINTER], f"{epilogue.name} without BIAS_POINTER")
         _require(bias_type in (BIAS_TYPE_OF_D, ld_["type"]), f"bias type {bias_type}", Status.NOT_SUPPORTED)
-    if epilogue in AUX_WRITTEN or epilogue == Epilogue.DGELU:
+    if epilogue in AUX_WRITTEN or epilogue in AUX_READ:
         aux_ld = attrs[MatmulDescAttribute.EPILOGUE_AUX_LD]
         _require(attrs[MatmulDescAttribute.EPILOGUE_AUX_POINTER], f"{epilogue.name} without EPILOGUE_AUX_POINTER")
         _require(aux_ld >= m and aux_ld % AUX_LD_MULTIPLE == 0, f"aux leading dimension {aux_ld} (m = {m})")
@@ -415,7 +420,7 @@ def _matmul_on_host(attrs, layouts, epilogue, alpha_value, a, b, beta_value, c, 
     if epilogue in BIAS_READ:
         bias = _host(attrs[MatmulDescAttribute.BIAS_POINTER], m * storage.itemsize).view(storage)
         result = (result + _load(bias)[:, None]).astype(np.float32).astype(np.float64)   # per row, over columns
-    if epilogue in AUX_WRITTEN or epilogue == Epilogue.DGELU:
+    if epilogue in AUX_WRITTEN or epilogue in AUX_READ:
         aux = _matrix(attrs[MatmulDescAttribute.EPILOGUE_AUX_POINTER],
                       dict(ld_, ld=attrs[MatmulDescAttribute.EPILOGUE_AUX_LD]))
     import gpt2_cpu                                                    # the one GELU (tanh form) of the project
@@ -423,8 +428,11 @@ def _matmul_on_host(attrs, layouts, epilogue, alpha_value, a, b, beta_value, c, 
         _store(aux, result)                                            # the GELU input, in D's type
     if epilogue in GELU_APPLIED:
         result = gpt2_cpu.gelu_forward(result)
-    elif epilogue == Epilogue.DGELU:
+    elif epilogue in AUX_READ:
         result = gpt2_cpu.gelu_backward(result, _load(aux))            # result * gelu'(aux)
+        if epilogue == Epilogue.DGELU_BGRAD:                           # each row of D summed, written (=)
+            bgrad = _host(attrs[MatmulDescAttribute.BIAS_POINTER], m * storage.itemsize).view(storage)
+            _store(bgrad, result.astype(np.float32).astype(np.float64).sum(axis=1))
     elif epilogue == Epilogue.BGRADB:                                  # sums of op(B) over k, written (=)
         bgrad = _host(attrs[MatmulDescAttribute.BIAS_POINTER], n * storage.itemsize).view(storage)
         _store(bgrad, op_b.sum(axis=0))
