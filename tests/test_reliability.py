@@ -884,6 +884,29 @@ def test_resume_refuses_another_cuda_precision(data, small_model, tmp_path):
         run.prepare(SMALL)
 
 
+def test_resume_refuses_another_bias_gradient_level_and_the_doc_lists_every_such_flag(data, small_model, tmp_path):
+    """--bias-grad-epilogue changes the summation order of the bias gradients, so a CUDA run
+    resumed with another level is refused like --precision above; doc/running.md's "Resume is
+    exact or refused" names every flag of gpt2_cuda.py that a resume compares."""
+    gpt2_cuda = pytest.importorskip("gpt2_cuda")
+    from llmc.cli import DEVICE_RESULT_FLAGS, TrainingRun
+    from llmc.comm import Comm
+    assert g.main(common(small_model, data, **{"-x": "1", "-n": "1", "-o": str(tmp_path)})) == 0
+    saved = checkpoint.read_run_config(checkpoint.config_path(str(tmp_path), 1))
+    saved["--bias-grad-epilogue"] = 1                               # as a CUDA run with the default wrote it
+    checkpoint.write_run_config(checkpoint.config_path(str(tmp_path), 1), saved)
+    args = gpt2_cuda.parse_args(common(small_model, data, **{"-x": "2", "-o": str(tmp_path), "-y": "1",
+                                                             "--bias-grad-epilogue": "2"}))
+    with pytest.raises(g.InputError, match="--bias-grad-epilogue 1.*--bias-grad-epilogue 2"):
+        TrainingRun(args, Comm()).prepare(SMALL)
+    text = open(os.path.join(ROOT, "doc", "running.md"), encoding="utf-8").read()
+    paragraph = re.split(r"\n- |\n\n", text[text.index("**Resume is exact or refused.**"):])[0]
+    options = gpt2_cuda.build_parser()._option_string_actions
+    for flag, _ in DEVICE_RESULT_FLAGS:
+        if flag in options:                                         # (--pad-vocab is llama3_cuda.py's)
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", paragraph), flag
+
+
 def test_resume_after_a_run_that_ended_off_the_sample_grid(data, small_model, tmp_path, capsys):
     """The first run ends at step 5 with -s 3: its last sample (off the grid) must not advance the
     sampler's state in the step-5 checkpoint, so the resumed run samples at 6 as the straight one."""
