@@ -33,7 +33,7 @@ TOOLS = ["gpt2_cpu.py", "gpt2_cuda.py", "tests/check_gpt2.py", "dev/data/tinysha
          "dev/setup_env.py", "dev/cuda/nvrtc_compile.py", "dev/cuda/run_all.py", "dev/cuda/layernorm.py",
          "-m llmc.multinode", "llama3_cpu.py", "llama3_cuda.py", "dev/torch_reference_llama3.py",
          "dev/eval/import_hf_llama3.py", "dev/eval/export_hf_llama3.py", "dev/sanitize_kernels.py",
-         "doc/llama3.py", "doc/attention.py", "-m llmc.debugger", "dev/bench_debugger.py"]
+         "doc/llama3.py", "doc/attention.py", "-m llmc.debugger", "dev/bench_debugger.py", "dev/bench_compare.py"]
 
 
 def run(argv, timeout=120, env=None):

@@ -18,6 +18,8 @@
 #      dweight GEMMs and our bias_backward, now with 16-byte loads, instead of the BGRADB epilogue: the three
 #      large BGRADB products took 1.2-1.3 ms more than plain ones, the old bias_backward 1.38 ms) and
 #      --bias-grad-epilogue 2 (the same, the fc's bias gradient in the fcproj input gradient's DGELU_BGRAD)
+#      dev/bench_compare.py then prints each of these runs against the defaults' (ratios, memory, the
+#      device calls that moved most), from their JSON files, on the host
 #   2. issue 40: dev/cuda's bias table (bias_backward's version 3, production since 2026-11-27, against
 #      version 2, the previous one), then the classifier (version 3 against the candidates 4, the row kept in shared
 #      memory, and 5, the row copied in by cp.async), global-norm, layernorm and AdamW tables (the block reductions of global_norm
@@ -36,7 +38,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 left() { echo $((DEADLINE - (SECONDS - START))); }
 # A second call picks up where the first stopped: FROM=K skips steps 1 to K-1 (each step's log line
 # begins with its number, "[K]"; the NOT RUN lines name the first step left), e.g.
-#   FROM=13 DEADLINE=300 bash dev/results/next_gpu_session9.sh
+#   FROM=13 DEADLINE=300 bash dev/results/next_gpu_session9.sh      (13: B=64, ours and the twin)
 FROM=${FROM:-1}; NUMBER=0
 step() {  # step LIMIT_S COMMAND...
     local limit=$1; shift
@@ -61,6 +63,7 @@ step 35 $BENCH16 --cudnn-deterministic 0 --json $OUT/bench_b16_nondeterministic.
 step 35 $BENCH16 -r 0 --autotune 8 --json $OUT/bench_b16_r0_autotune8.json
 step 35 $BENCH16 --bias-grad-epilogue 0 --json $OUT/bench_b16_bias_grad0.json
 step 35 $BENCH16 --bias-grad-epilogue 2 --json $OUT/bench_b16_bias_grad2.json
+step 20 python3 dev/bench_compare.py $OUT/bench_b16_default.json $OUT/bench_b16_*.json --top 6
 step 100 python3 dev/cuda/run_all.py bias classifier global_norm layernorm adamw -r 20 -o $OUT
 step 120 python3 dev/bench.py -b 64 --steps 10 --warmup 3 --json $OUT/bench_b64.json
 step 40 python3 dev/bench.py --only cupy -b 64 --classifier-chunk 4 --steps 10 --warmup 3 --json $OUT/bench_b64_chunk4.json
