@@ -19,9 +19,9 @@ two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph, --cubl
 Every B of ours is timed before the twin's, and each (trainer, B) prints its line as soon as it is
 done: a worker that fails (a traceback, an error) is one line saying so, and the rest still run, so
 a bench that is cut short or fails at its end keeps the numbers it has (exit status 1 if any failed).
-Then, for gpt2_cuda.py, a breakdown of one step by kernel (one step launched kernel by kernel, CUDA
-events around every launch, cuBLAS, cuBLASLt and cuDNN call; the events themselves cost a
-little), largest first. It ends with
+Then, for gpt2_cuda.py, a breakdown of one step by kernel (BREAKDOWN_STEPS more steps launched
+kernel by kernel, CUDA events around every launch, cuBLAS, cuBLASLt and cuDNN call, each call's
+median over those steps; the events themselves cost a little), largest first. It ends with
 one line per configuration, in a fixed form that later runs can be compared with:
     bench: model=d12 T=1024 B=16 precision=bf16 ours=<tok/s> torch=<tok/s> ratio=<ours/torch> mfu=<%> mem_ours_gib=<x> mem_torch_gib=<y>
 (`n/a` where a trainer did not run or B did not fit). `--search` also probes for the largest
@@ -98,6 +98,7 @@ LLAMA3_PREFIX = "llama3:"         # -e llama3:dX (a llama3_cpu.py descriptor) be
 OOM_EXIT = 3                      # a worker's exit status when its B does not fit
 FIRST_PROBE_BATCH = 8
 PROBE_STEPS = 2                   # steps a probe runs: the first allocates everything, the second reuses it
+BREAKDOWN_STEPS = 3               # eager steps the per-call breakdown takes the median of
 RESULT_PREFIX = "BENCH_RESULT "   # a worker's one line of JSON on stdout
 LEARNING_RATE = 3e-4
 GRAD_CLIP = 1.0                   # both trainers' default: the step scales the gradient by 1/norm above it
@@ -299,10 +300,12 @@ def format_breakdown(rows, step_ms, top=20):
     return lines
 
 
-def kernel_breakdown(model, x, y, step):
-    """Run one step kernel by kernel (no graph) with a pair of CUDA events around each kernel launch (llmc.cuda.launch),
-    cuBLAS call (llmc.cuda.gemm), cuBLASLt call (llmc.cublaslt.matmul_cublaslt, named with its
-    epilogue) and cuDNN call; return summarize_breakdown of their times."""
+def kernel_breakdown(model, x, y, step, repeats=1):
+    """Run `repeats` steps (from `step` on) kernel by kernel (no graph) with a pair of CUDA events
+    around each kernel launch (llmc.cuda.launch), cuBLAS call (llmc.cuda.gemm), cuBLASLt call
+    (llmc.cublaslt.matmul_cublaslt, named with its epilogue) and cuDNN call; return
+    summarize_breakdown of one step's times, each call's total the median over the steps
+    (median_breakdown)."""
     cupy = llmc.cuda.cupy()
     events = []
 
@@ -335,16 +338,36 @@ def kernel_breakdown(model, x, y, step):
             fn = getattr(cudnn_attention, fn_name)
             originals.append((cudnn_attention, fn_name, fn))
             setattr(cudnn_attention, fn_name, timed(lambda *args, n=fn_name: f"cuDNN {n}", fn))
+    per_step = []
     try:
-        if isinstance(model, llama3_cuda.Llama3):
-            float(llama3_cupy_step(model, x, y, step, cuda_graph=False))
-        else:
-            readback = gpt2_cuda.StepReadback(x.size)
-            readback.read(*cupy_step(model, x, y, step, False, readback), x.size)
+        for s in range(step, step + repeats):
+            events.clear()
+            if isinstance(model, llama3_cuda.Llama3):
+                float(llama3_cupy_step(model, x, y, s, cuda_graph=False))
+            else:
+                readback = gpt2_cuda.StepReadback(x.size)
+                readback.read(*cupy_step(model, x, y, s, False, readback), x.size)
+            per_step.append(summarize_breakdown([(name, cupy.cuda.get_elapsed_time(start, end))
+                                                 for name, start, end in events]))
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)
-    return summarize_breakdown([(name, cupy.cuda.get_elapsed_time(start, end)) for name, start, end in events])
+    return median_breakdown(per_step)
+
+
+def median_breakdown(per_step):
+    """summarize_breakdown's rows of several steps -> one step's rows [(name, calls, total ms)], each
+    call's total the median of its per-step totals (a call missing from a step counts 0 ms there),
+    its calls the first step's; largest first (ties by name). One eager step's breakdown moved by
+    up to 20% per GEMM between runs of the same H100 call (dev/results/, dev/bench_compare.py); the
+    median of a few steps is steadier."""
+    calls = {}
+    for rows in per_step:
+        for name, n, _ in rows:
+            calls.setdefault(name, n)
+    totals = {name: statistics.median([next((t for n_, _, t in rows if n_ == name), 0.0) for rows in per_step])
+              for name in calls}
+    return sorted(((name, calls[name], totals[name]) for name in calls), key=lambda r: (-r[2], r[0]))
 
 
 def torch_steps(model_name, B, T, num_steps, compile_model, device="cuda"):
@@ -416,7 +439,7 @@ def worker(args):
                                                            args.gelu_fusion, args.recompute,
                                                            bool(args.cudnn_deterministic), args.bias_grad_epilogue)
             if not args.probe:
-                breakdown = kernel_breakdown(model, x, y, num_steps + 1)
+                breakdown = kernel_breakdown(model, x, y, num_steps + 1, BREAKDOWN_STEPS)
         else:
             steps = torch_llama3_steps if is_llama3(args.model) else torch_steps
             times, losses, cfg = steps(args.model, args.batch_size, args.seq_len, num_steps,
@@ -660,7 +683,8 @@ def main(argv=None):
     for B, rs in runs:
         ours = rs.get("cupy")
         if isinstance(ours, dict) and ours.get("breakdown"):
-            print(f"\n{trainer_names(args.model)['cupy'].split()[0]} at B={B}: one step by kernel (CUDA events; "
+            print(f"\n{trainer_names(args.model)['cupy'].split()[0]} at B={B}: one step by kernel (CUDA events, the "
+                  f"median of {BREAKDOWN_STEPS} steps; "
                   f"kernel by kernel, {ours.get('attention', args.attention)} attention, {ours.get('matmul', '')} "
                   f"matmuls)")
             print("\n".join(format_breakdown([tuple(r) for r in ours["breakdown"]], ours["ms_median"],

@@ -56,6 +56,12 @@ def test_breakdown_aggregates_and_sorts():
     assert lines[4].split()[-3:] == ["4.250", "100.0", "85.0"]
 
 
+def test_breakdown_takes_each_calls_median_over_the_steps():
+    steps = [[("a", 1, 1.0), ("b", 2, 3.0)], [("a", 1, 2.0), ("b", 2, 1.0)], [("a", 1, 4.0)]]   # b absent: 0 ms
+    assert bench.median_breakdown(steps) == [("a", 1, 2.0), ("b", 2, 1.0)]
+    assert bench.median_breakdown(steps[:1]) == [("b", 2, 3.0), ("a", 1, 1.0)]
+
+
 def test_breakdown_times_every_gemm_with_cublaslt_too(monkeypatch):
     """The per-kernel breakdown of one step on the emulated device (d2, B=1, T=32): with --cublaslt 1
     every linear layer's GEMM is listed as a cuBLASLt call with its epilogue, and the step makes as
@@ -66,7 +72,7 @@ def test_breakdown_times_every_gemm_with_cublaslt_too(monkeypatch):
     gemms = {}
     for use_cublaslt in (False, True):
         model, cfg, (x, y) = bench.cupy_model("d2", 1, 32, "naive", use_cublaslt)
-        rows = bench.kernel_breakdown(model, x, y, 1)
+        rows = bench.kernel_breakdown(model, x, y, 1, repeats=2)       # one step's calls, medians of two
         gemms[use_cublaslt] = {name: calls for name, calls, _ in rows if " gemm " in name}
     L = cfg.num_layers
     attention_gemms = 6 * L                  # QK^T and att @ V forward; their four backward products
