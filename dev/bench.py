@@ -358,9 +358,11 @@ def kernel_breakdown(model, x, y, step, repeats=1):
 def median_breakdown(per_step):
     """summarize_breakdown's rows of several steps -> one step's rows [(name, calls, total ms)], each
     call's total the median of its per-step totals (a call missing from a step counts 0 ms there),
-    its calls the first step's; largest first (ties by name). One eager step's breakdown moved by
-    up to 20% per GEMM between runs of the same H100 call (dev/results/, dev/bench_compare.py); the
-    median of a few steps is steadier."""
+    its calls the first step's; largest first (ties by name). One step is one sample per call; the
+    median of a few is steadier against a stray slow call. (In the fifth H100 session the three runs
+    with the default options agreed within 2% per large GEMM, while the flash and epilogue runs of
+    the same call timed the same fc GEMM up to 24% faster: what runs around a GEMM matters, and the
+    median does not remove that; dev/bench_compare.py shows such moves.)"""
     calls = {}
     for rows in per_step:
         for name, n, _ in rows:
