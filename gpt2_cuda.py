@@ -813,7 +813,7 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
         dfch = A["dfch"]
         fc_dbias_by_fcproj = mm.pre_gelu_bias_grad and g["fcb"] is not None
         mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
-                    pre_gelu=A["fch"][l], **({"pre_gelu_dbias": g["fcb"]} if fc_dbias_by_fcproj else {}))  # dfch
+                    pre_gelu=A["fch"][l], pre_gelu_dbias=g["fcb"] if fc_dbias_by_fcproj else None)   # dfch
         dln2 = A["dln2"]
         mm.backward(dln2, g["fcw"], None if fc_dbias_by_fcproj else g["fcb"], dfch, ln2, p["fcw"], partial, B, T, C,
                     4 * C)

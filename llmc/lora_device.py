@@ -171,10 +171,12 @@ class LoraMatmul:
         if pre_gelu is not None:
             gelu_forward(out, pre_gelu, N * OC, bias, OC)            # + the bias, then GELU
 
-    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None,
+                 pre_gelu_dbias=None):
         """dinp (B,T,C) = dout @ weight + the adapters' part (through gelu' with pre_gelu); the
-        frozen weight's and bias's gradients (dweight, dbias: None) are not computed."""
-        assert dweight is None and dbias is None, "LoRA's base model is frozen: it has no gradient buffers"
+        frozen weights' and biases' gradients (dweight, dbias, pre_gelu_dbias: None) are not computed."""
+        assert dweight is None and dbias is None and pre_gelu_dbias is None, \
+            "LoRA's base model is frozen: it has no gradient buffers"
         matmul_backward(dinp, None, None, dout, inp, weight, partial, B, T, C, OC, self.tf32)
         N = B * T
         for ad in self.adapters(weight):

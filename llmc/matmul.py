@@ -128,13 +128,19 @@ class Cublas:
         matmul_forward(pre_gelu, inp, weight, None, B, T, C, OC, self.tf32)
         gelu_forward(out, pre_gelu, B * T * OC, bias, OC)
 
-    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None):
+    def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None,
+                 pre_gelu_dbias=None):
         """Backward of forward: writes dinp (B,T,C), accumulates dweight (OC,C) and dbias (OC,) (or
         None); partial fp32 for bias_backward's partial sums. With pre_gelu (B,T,C), inp was gelu(pre_gelu) and dinp
-        is the gradient of pre_gelu: (dout @ weight) * gelu'(pre_gelu)."""
+        is the gradient of pre_gelu: (dout @ weight) * gelu'(pre_gelu); with pre_gelu_dbias (C,) too
+        (the bias gradient of the layer that computed pre_gelu), pre_gelu_dbias += the column sums
+        of that dinp (the model passes it where pre_gelu_bias_grad says the backend sums it best)."""
         matmul_backward(dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, self.tf32)
         if pre_gelu is not None:
             gelu_backward_inplace(dinp, pre_gelu, B * T * C)
+        if pre_gelu_dbias is not None:
+            require(pre_gelu is not None, "backward: pre_gelu_dbias without pre_gelu")
+            bias_backward(pre_gelu_dbias, dinp, partial, B * T, C)
 
 
 GELU_FUSION_CHOICES = (0, 1, 2)        # llm.c's -ge: 0 none, 1 the forward, 2 the forward and the backward
@@ -210,6 +216,7 @@ class CublasLt(Cublas):
         gradient: in the DGELU_BGRAD epilogue, or by bias_backward where cuBLASLt has no algorithm
         for it or the GELU's derivative is not in the epilogue."""
         from llmc import cublaslt
+        require(pre_gelu_dbias is None or pre_gelu is not None, "backward: pre_gelu_dbias without pre_gelu")
         fused_gelu = pre_gelu if self.gelu_fusion >= 2 else None
         fused_dbias = pre_gelu_dbias if fused_gelu is not None else None
         kwargs = dict(tf32=self.tf32, autotune=self.autotune, bias_grad_epilogue=self.bias_grad_epilogue == 1)

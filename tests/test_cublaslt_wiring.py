@@ -182,6 +182,32 @@ def test_bias_gradient_levels_match_gpt2_cpu(emulated_gpu, monkeypatch, precisio
     cublaslt.clear_cache()
 
 
+@pytest.mark.parametrize("backend", ["Cublas", "CublasLt"])
+def test_a_backward_through_gelu_also_sums_the_pre_gelu_bias_gradient(emulated_gpu, backend):
+    """backward(..., pre_gelu=, pre_gelu_dbias=): dinp is the gradient of pre_gelu, and
+    pre_gelu_dbias (the fc layer's bias gradient) accumulates its column sums, on either backend
+    (CublasLt with level 2: DGELU_BGRAD; Cublas: bias_backward), against NumPy in fp32."""
+    import gpt2_cpu
+    cp, rng = emulated_gpu, np.random.default_rng(10)
+    B, T, C, OC = 2, 5, 24, 16
+    pre, w, dout = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)), rng.standard_normal((B, T, OC))
+    dfcb0 = rng.standard_normal(C)
+    f32 = lambda a: cp.asarray(np.ascontiguousarray(a, dtype=np.float32))             # noqa: E731
+    dinp, dfcb = cp.zeros((B, T, C), np.float32), f32(dfcb0)
+    partial = cp.zeros(gpt2_cuda.partial_floats(gpt2_cpu.GPT2Config(channels=C)), np.float32)
+    matmul = llmc.matmul.Cublas() if backend == "Cublas" else llmc.matmul.CublasLt(bias_grad_epilogue=2)
+    dw = cp.zeros((OC, C), np.float32)
+    matmul.backward(dinp, dw, None, f32(dout), f32(gpt2_cpu.gelu_forward(pre)), f32(w), partial, B, T, C, OC,
+                    pre_gelu=f32(pre), pre_gelu_dbias=dfcb)
+    ref_dinp = gpt2_cpu.gelu_backward(dout @ w, pre)
+    np.testing.assert_allclose(cp.asnumpy(dinp), ref_dinp, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(dfcb), dfcb0 + ref_dinp.sum(axis=(0, 1)), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="pre_gelu_dbias without pre_gelu"):
+        matmul.backward(dinp, dw, None, f32(dout), f32(pre), f32(w), partial, B, T, C, OC, pre_gelu_dbias=dfcb)
+    from llmc import cublaslt
+    cublaslt.clear_cache()
+
+
 def test_cublaslt_flag_falls_back_with_one_line(monkeypatch, capsys):
     fake = types.SimpleNamespace(unavailable_reason=lambda: "nvmath-python is not installed")
     monkeypatch.setattr(llmc, "cublaslt", fake, raising=False)
