@@ -164,7 +164,7 @@ def cupy_matmul(use_cublaslt, residual_epilogue=0, autotune=1, gelu_fusion=2, bi
 
 
 def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilogue=0, classifier_chunk=0,
-               autotune=1, gelu_fusion=2, recompute=1, cudnn_deterministic=True, bias_grad_epilogue=1):
+               autotune=1, gelu_fusion=2, recompute=0, cudnn_deterministic=True, bias_grad_epilogue=1):
     """gpt2_cuda.py's model in bf16 with its buffers for (B,T), on a created stream (a CUDA graph
     cannot be captured on the legacy default stream), and the fixed batch."""
     cupy = llmc.cuda.cupy()
@@ -236,7 +236,7 @@ def cupy_step(model, x, y, step, cuda_graph, readback):
 
 
 def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto",
-               residual_epilogue=0, classifier_chunk=0, pad_vocab=False, autotune=1, gelu_fusion=2, recompute=1,
+               residual_epilogue=0, classifier_chunk=0, pad_vocab=False, autotune=1, gelu_fusion=2, recompute=0,
                cudnn_deterministic=True, bias_grad_epilogue=1):
     """Train gpt2_cuda.py's model (llama3_cuda.py's for -e llama3:dX, pad_vocab its --pad-vocab)
     num_steps steps on one fixed batch; return (seconds per step, losses, config, the model, the batch). gpt2_cuda.py's steps
@@ -600,9 +600,9 @@ def parse_args(argv=None):
                    metavar="N", help="gpt2_cuda.py: time cuBLASLt's N best algorithms per product and cuDNN's N best "
                                      "plans per attention graph, keeping the fastest (1: the libraries' first); the "
                                      "tuning is in the warm-up steps")
-    p.add_argument("-r", "--recompute", type=int, default=1, choices=(0, 1, 2),
-                   help="gpt2_cuda.py's -r: the activations its backward computes again (1: GELU's output, the "
-                        "trainer's default; 0: none, L-1 (B,T,4C) buffers more memory)")
+    p.add_argument("-r", "--recompute", type=int, default=0, choices=(0, 1, 2),
+                   help="gpt2_cuda.py's -r: the activations its backward computes again (0: none, the trainer's "
+                        "default; 1: GELU's output, L-1 (B,T,4C) buffers less memory)")
     p.add_argument("--cudnn-deterministic", type=int, default=1, choices=(0, 1),
                    help="gpt2_cuda.py with cuDNN attention: 0 its backward that may sum dq in any order (as the "
                         "twin's SDPA), 1 the deterministic one (the trainer's default)")
@@ -629,7 +629,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.pad_vocab and not is_llama3(args.model):
         p.error(f"--pad-vocab 1 is llama3_cuda.py's (gpt2_cuda.py always pads its vocabulary): drop it for -e {args.model}")
-    if is_llama3(args.model) and (args.autotune != 1 or args.gelu_fusion != 2 or args.recompute != 1
+    if is_llama3(args.model) and (args.autotune != 1 or args.gelu_fusion != 2 or args.recompute != 0
                                   or args.cudnn_deterministic != 1 or args.bias_grad_epilogue != 1):
         p.error(f"--autotune, --gelu-fusion, --bias-grad-epilogue, -r and --cudnn-deterministic are gpt2_cuda.py's "
                 f"options: drop them for -e {args.model}")

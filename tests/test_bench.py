@@ -327,7 +327,7 @@ def test_llama3_refuses_cublaslt_in_one_line(capsys):
     assert err.startswith("error: --cublaslt 1: llama3_cuda.py has no cuBLASLt backend"), err
 
 
-@pytest.mark.parametrize("flags", [["--autotune", "4"], ["--gelu-fusion", "0"], ["--bias-grad-epilogue", "0"], ["-r", "0"],
+@pytest.mark.parametrize("flags", [["--autotune", "4"], ["--gelu-fusion", "0"], ["--bias-grad-epilogue", "0"], ["-r", "1"],
                                    ["--cudnn-deterministic", "0"]])
 def test_llama3_refuses_gpt2_cuda_options_in_one_line(capsys, flags):
     with pytest.raises(SystemExit) as exit_:

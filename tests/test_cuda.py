@@ -164,15 +164,15 @@ def test_grids():
 
 
 def test_parse_args_has_cpu_and_gpu_flags():
-    args = gpt2_cuda.parse_args(["-e", "d12", "-r", "0", "-b", "4", "--precision", "fp32", "-f", "0",
+    args = gpt2_cuda.parse_args(["-e", "d12", "-r", "1", "-b", "4", "--precision", "fp32", "-f", "0",
                                  "-x", "-1", "-w", "0", "-l", "1e-3", "--check"])
     assert (args.model, args.batch_size, args.max_steps, args.learning_rate) == ("d12", 4, -1, 1e-3)
-    assert (args.recompute, args.precision, args.tf32, args.master_weights, args.check) == (0, "fp32", 0, 0, True)
+    assert (args.recompute, args.precision, args.tf32, args.master_weights, args.check) == (1, "fp32", 0, 0, True)
     defaults = gpt2_cuda.parse_args([])
     cpu_defaults = gpt2_cpu.parse_args([])
     for key, value in vars(cpu_defaults).items():                       # same defaults as gpt2_cpu
         assert getattr(defaults, key) == value, key
-    assert (defaults.precision, defaults.tf32, defaults.master_weights, defaults.recompute) == ("auto", 1, 1, 1)
+    assert (defaults.precision, defaults.tf32, defaults.master_weights, defaults.recompute) == ("auto", 1, 1, 0)
     # gpt2_cpu's newer flags arrive unchanged (-h is HellaSwag, as in llm.c)
     args = gpt2_cuda.parse_args(["-h", "1", "--eval-only", "--generate", "7", "--prompt", "Hi", "--top-k", "5",
                                  "--temperature", "0.5", "--sample-seed", "9", "--precision", "bf16"])

@@ -661,7 +661,11 @@ def test_gpu_autotuned_plans_match_gpt2_cpu():
     assert check_against(bfloat16_bits_to_float32(dqkv), ref_dqkv, "dqkv (autotuned)", "cuda_bf16", "grad")
     assert check_against(bfloat16_bits_to_float32(fast), ref_dqkv, "dqkv (non-deterministic)", "cuda_bf16", "grad")
     report = ca.tuning_report()
-    assert len(report) == 2 and all(np.isfinite(min(e.timings_ms)) for e in ca.GRAPHS.values()), report
+    # the two autotuned graphs were timed; the non-deterministic backward ran with autotune 1, untimed
+    # (its timings_ms stays None: the first H200 run of this test failed on taking min() of that None)
+    tuned = [e for e in ca.GRAPHS.values() if e.timings_ms is not None]
+    assert len(ca.GRAPHS) == 3 and len(tuned) == 2 and len(report) == 2, report
+    assert all(np.isfinite(min(e.timings_ms)) for e in tuned), report
     print("\n".join(report))
     ca.GRAPHS.clear()
 
