@@ -4,7 +4,7 @@ the first (the baseline): which options differ, ms/step, tokens/s, MFU, memory, 
 tokens/s to the baseline's at the same B and trainer, and, for gpt2_cuda.py's runs, the device
 calls whose time changed most between the two one-step breakdowns.
 
-What it is for: a GPU call times the step once per option (dev/results/next_gpu_session9.sh runs
+What it is for: a GPU call times the step once per option (dev/results/next_gpu.sh runs
 dev/bench.py with --autotune 8, --gelu-fusion 0, --bias-grad-epilogue 2, ... one JSON file each);
 an option becomes the default only if it measures faster, so what the call left must be read as
 ratios against the defaults' run of the same call. Times from different calls or machines are not
