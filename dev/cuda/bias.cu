@@ -12,6 +12,10 @@ kernels/bias.cu's bias_backward + bias_reduce, launched from there by their real
   kernel" plan): grid (X, num_chunks), block row y sums its chunk of rows, one column per thread
   (grid-stride over columns), into scratch[y*OC + oc]; kernels/bias.cu's bias_reduce then adds the
   chunks in order. num_chunks times more threads than version 1, but each load is still 2 bytes.
+- bias_reduce_v2: the second kernel of versions 2 and 3, production until 2026-11-27: thread oc
+  adds the num_chunks partials of its column into one running sum, in order, so each add waits
+  for the previous load's round trip to L2 (10.6 us a call on an H200, OC threads, a few blocks).
+  Version 4 is version 3 with kernels/bias.cu's bias_reduce, 16 running sums per thread.
 
 Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/bias.cu
@@ -41,5 +45,16 @@ extern "C" __global__ void bias_backward_v2(float* scratch, const floatX* dout, 
             sum += (float)dout[(size_t)row * OC + oc];
         }
         scratch[(size_t)blockIdx.y * OC + oc] = sum;
+    }
+}
+
+// dbias (OC,) += sum over chunks in order of scratch (num_chunks, OC): one running sum per column
+extern "C" __global__ void bias_reduce_v2(floatX* dbias, const float* scratch, int num_chunks, int OC) {
+    for (int oc = blockIdx.x * blockDim.x + threadIdx.x; oc < OC; oc += gridDim.x * blockDim.x) {
+        float sum = 0.0f;
+        for (int chunk = 0; chunk < num_chunks; chunk++) {
+            sum += scratch[(size_t)chunk * OC + oc];
+        }
+        dbias[oc] = (floatX)((float)dbias[oc] + sum);
     }
 }
