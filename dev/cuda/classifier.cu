@@ -18,16 +18,16 @@ and, when write_dlogits, the logits are overwritten in place by
 
 - fused_classifier_v4 (candidate, after the production version 3): version 3 with the row kept
   in shared memory between its two passes, so that it is read from global memory once. On an H200
-  (2026-11-27) it and version 5 took 12x version 3's time (1.35 and 1.33 ms against 0.107 ms at
-  B=4, T=256): a measured dead end, kept to show it.
-- fused_classifier_v5 (candidate): version 4 with the row copied into shared memory by cp.async
-  (kernels/tensor_core.cuh), every group of a thread in flight at once, before any arithmetic.
+  (2026-11-27) it took 12x version 3's time (1.35 ms against 0.107 ms at B=4, T=256), as did the
+  version 5 of that day, which copied the row in by cp.async (1.33 ms; removed, its table is in
+  dev/results/): a measured dead end, kept to show it.
+- fused_classifier_v5 (candidate): version 3 with CLASSIFIER_UNROLL = 4 of a thread's groups
+  loaded into registers before any of them is used, in both passes.
 
 Warp kernels need blockDim.x a multiple of 32. Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/classifier.cu
 */
 #include "common.cuh"
-#include "tensor_core.cuh"                           // cp.async (version 5)
 
 // thread i handles row i
 extern "C" __global__ void fused_classifier_v1(floatX* logits, float* losses, const int* targets, float dloss,
@@ -155,35 +155,67 @@ extern "C" __global__ void fused_classifier_v4(floatX* logits, float* losses, co
     }
 }
 
-// Version 5 (candidate): version 4 with the copy into shared memory made asynchronous. Each thread
-// first issues cp.async.cg for all of its 16-byte groups (sm_80's global -> shared copy that does
-// not pass through registers; PTX ISA, "Data Movement and Conversion Instructions: cp.async"),
-// commits them as one group and waits for it (cp.async.wait_all: the thread's own copies have
-// landed and are visible to it). Why it could be faster than version 4: there, each group's load
-// feeds the online softmax of the same iteration, so how many loads a thread keeps in flight is up
-// to the compiler's unrolling; here all of a thread's groups (7 for GPT-2's Vp at 1024 threads: the
-// whole 100.6 KB row of a block, about 200 KB per SM with two blocks) are requested before the first
-// is used, and the arithmetic then reads shared memory only. As in version 4, a thread reads back
-// only the groups it copied, so its wait is all the ordering needed.
+// Version 5 (candidate): version 3, each thread loading CLASSIFIER_UNROLL of its groups into
+// registers before it uses any of them, in both passes. Why it could be faster: version 3's loop
+// loads one group and feeds it to the online softmax in the same iteration, so a thread has about
+// one 16-byte load in flight. With its 31 registers an SM holds 2048 of its threads: 32 KB in
+// flight per SM, 4.2 MB on the H200's 132, which at the 1.93 TB/s it measured (45% of the copy
+// bandwidth) means each load waited about 2.2 us (Little's law: bytes in flight = bandwidth x
+// latency), a loaded DRAM's latency: the kernel waits on its loads. Here a thread keeps 4 in flight;
+// at its 63 registers (nvrtc_compile.py -r) an SM holds 1024 threads, so 64 KB per SM, twice
+// version 3's, at the price of half the threads (a 1024-thread block alone on its SM during the
+// block reduction; 512-thread blocks overlap two rows). Which wins only a GPU can say. The
+// arithmetic, the block reduction and the results are version 3's (the same state updates in the
+// same order per thread: bit for bit). x128 groups only: the launcher checks that Vp is a multiple
+// of x128::size.
+#define CLASSIFIER_UNROLL 4
 extern "C" __global__ void fused_classifier_v5(floatX* logits, float* losses, const int* targets, float dloss,
                                                int N, int V, int Vp, int write_dlogits) {
-    extern __shared__ __align__(16) x128 row_copy[];        // (Vp / x128::size) groups of this block's row
-    const int groups = Vp / x128::size;
+    const int stride = blockDim.x * x128::size;            // columns from one of a thread's groups to its next
     for (int row = blockIdx.x; row < N; row += gridDim.x) {
         floatX* row_logits = logits + (size_t)row * Vp;
         const int target = targets[row];
         const float target_logit = (float)row_logits[target];   // before any thread overwrites it
-        for (int g = threadIdx.x; g < groups; g += blockDim.x) {      // every copy of this thread in flight
-            cp_async_cg(&row_copy[g], row_logits + g * x128::size);
-        }
-        cp_async_commit_group();
-        cp_async_wait_all();
         SoftmaxState state = softmax_state_empty();
-        for (int g = threadIdx.x; g < groups; g += blockDim.x) {      // pass 1 from shared memory
-            state = softmax_state_add_group(state, row_copy[g], g * x128::size, V);
+        for (int first = threadIdx.x * x128::size; first < V; first += CLASSIFIER_UNROLL * stride) {
+            x128 groups[CLASSIFIER_UNROLL];                       // pass 1: the loads first
+            #pragma unroll
+            for (int u = 0; u < CLASSIFIER_UNROLL; u++) {
+                const int c = first + u * stride;
+                groups[u] = c < V ? load128(row_logits + c) : x128::zeros();
+            }
+            #pragma unroll
+            for (int u = 0; u < CLASSIFIER_UNROLL; u++) {         // then the online softmax
+                state = softmax_state_add_group(state, groups[u], first + u * stride, V);
+            }
         }
         state = blockReduceSoftmax(state);
-        loss_and_dlogits_from_shared(row_copy, row_logits, &losses[row], state, target_logit, target, dloss, V, groups,
-                                     write_dlogits);                                          // pass 2
+        if (threadIdx.x == 0) {
+            losses[row] = state.max + logf(state.sum) - target_logit;
+        }
+        if (write_dlogits) {
+            const float inv_sum = 1.0f / state.sum;
+            for (int first = threadIdx.x * x128::size; first < Vp; first += CLASSIFIER_UNROLL * stride) {
+                x128 groups[CLASSIFIER_UNROLL];                   // pass 2: the loads first
+                #pragma unroll
+                for (int u = 0; u < CLASSIFIER_UNROLL; u++) {
+                    const int c = first + u * stride;
+                    groups[u] = c < Vp ? load128(row_logits + c) : x128::zeros();
+                }
+                #pragma unroll
+                for (int u = 0; u < CLASSIFIER_UNROLL; u++) {     // then (softmax - onehot) * dloss
+                    const int c = first + u * stride;
+                    if (c < Vp) {
+                        x128 out;
+                        for (int k = 0; k < x128::size; k++) {
+                            const int i = c + k;
+                            const float prob = (i < V) ? expf((float)groups[u][k] - state.max) * inv_sum : 0.0f;
+                            out[k] = (floatX)((prob - (i == target ? 1.0f : 0.0f)) * dloss);
+                        }
+                        store128(row_logits + c, out);
+                    }
+                }
+            }
+        }
     }
 }

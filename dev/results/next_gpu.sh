@@ -20,8 +20,9 @@
 #      bias_reduce 1.54 ms, of which the reduce 0.51 ms; the reduce now keeps 16 sums in flight: does level 0
 #      now win?); then dev/bench_compare.py on them
 #   4. dev/cuda's bias table (version 4, bias_reduce with 16 running sums, production since the tenth session
-#      without a GPU, against version 3 with the one-sum reduce: version 3's reduce goes back if faster), and the
-#      global-norm and AdamW tables (not reached in the tenth session)
+#      without a GPU, against version 3 with the one-sum reduce: version 3's reduce goes back if faster), the
+#      classifier's (its new candidate 5, version 3 with 4 loads in flight per thread, against version 3's 0.107 ms:
+#      if faster, it goes into kernels/ and the step is timed again), and the global-norm and AdamW tables
 #   5. B=64, ours and the twin (the best B: 546K tok/s, 44.4% MFU on the H200 with -r 1)
 #   6. left by issue 41 (resolved): the Llama 3 padded-vocabulary bench (dev/results/next_gpu_issue41.sh)
 START=$SECONDS; DEADLINE=${DEADLINE:-480}; FINAL=$OUT; OUT=$OUT/r; LOG=$FINAL/next_gpu.log
@@ -58,7 +59,7 @@ step 45 $BENCH16 --autotune 8 --json $OUT/bench_b16_autotune8.json
 step 35 $BENCH16 --cudnn-deterministic 0 --json $OUT/bench_b16_nondeterministic.json
 step 35 $BENCH16 --bias-grad-epilogue 0 --json $OUT/bench_b16_bias_grad0.json
 step 20 python3 dev/bench_compare.py $OUT/bench_b16_default.json $OUT/bench_b16_r1.json $OUT/bench_b16_autotune8.json $OUT/bench_b16_nondeterministic.json $OUT/bench_b16_bias_grad0.json --top 6
-step 75 python3 dev/cuda/run_all.py bias global_norm adamw -r 20 -o $OUT
+step 90 python3 dev/cuda/run_all.py bias classifier global_norm adamw -r 20 -o $OUT
 step 120 python3 dev/bench.py -b 64 --steps 10 --warmup 3 --json $OUT/bench_b64.json
 step 200 env DEADLINE=$(( $(left) < 200 ? $(left) : 200 )) bash dev/results/next_gpu_issue41.sh
 echo "next_gpu: $((SECONDS - START)) s" | tee -a $LOG
