@@ -26,6 +26,10 @@ one line per configuration, in a fixed form that later runs can be compared with
     bench: model=d12 T=1024 B=16 precision=bf16 ours=<tok/s> torch=<tok/s> ratio=<ours/torch> mfu=<%> mem_ours_gib=<x> mem_torch_gib=<y>
 (`n/a` where a trainer did not run or B did not fit). `--search` also probes for the largest
 power-of-two B that fits each trainer (B = 8, 16, 32, ...), as the first version of this script did.
+`--candidate OP:VERSION` (e.g. classifier:5) times our step with a dev/cuda candidate kernel in
+place of the production one it would replace (llmc.cuda.replace_kernel): only a candidate marked
+drop_in (dev/cuda/common.Version), whose one kernel takes the production kernel's arguments, grid,
+block and shared memory as they are; what it would gain in the step, measured before it is adopted.
 
 Llama 3 (`-e llama3:d4`, any llama3_cpu.py descriptor llama3:dX): llama3_cuda.py's training step as
 its train() runs it (bf16 with fp32 master weights; zero_grad, forward + backward
@@ -56,9 +60,10 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py -b 64 --residual-epilogue 1 --classifier-chunk 4
     python dev/bench.py --only cupy -b 16 --autotune 8   # and what each GEMM's and attention graph's tuning found
     python dev/bench.py --only cupy -b 16 --gelu-fusion 0          # the GELU in our kernels, not the GEMMs'
-    python dev/bench.py --only cupy -b 16 -r 0                     # keep GELU's output instead of recomputing it
+    python dev/bench.py --only cupy -b 16 -r 1                     # recompute GELU's output (llm.c's default)
     python dev/bench.py --only cupy -b 16 --bias-grad-epilogue 0   # plain dweight GEMMs, the bias gradients ours
     python dev/bench.py --only cupy -b 16 --bias-grad-epilogue 2   # ... but the fc's in the DGELU epilogue
+    python dev/bench.py --only cupy -b 16 --candidate classifier:5  # dev/cuda's classifier candidate 5 in the step
     python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
     python dev/bench.py -e llama3:d4                # llama3_cuda.py against dev/torch_reference_llama3.py
@@ -66,6 +71,7 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -161,6 +167,62 @@ def cupy_matmul(use_cublaslt, residual_epilogue=0, autotune=1, gelu_fusion=2, bi
     if fallback and use_cublaslt == 1:
         raise RuntimeError(fallback)
     return matmul
+
+
+DEV_CUDA = os.path.join(REPO_ROOT, "dev", "cuda")
+
+
+def load_by_path(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dev_cuda_common():
+    """dev/cuda/common.py, the progressions' harness, as the module `common` their `import common` finds
+    (loaded by path: dev/data/ has a common.py too, which a process may have imported under that name)."""
+    common = sys.modules.get("common")
+    if common is None or os.path.dirname(os.path.abspath(getattr(common, "__file__", None) or "")) != DEV_CUDA:
+        sys.modules["common"] = common = load_by_path("common", os.path.join(DEV_CUDA, "common.py"))
+    return common
+
+
+def dev_cuda_script(op):
+    """dev/cuda/<op>.py loaded as a module (its PROGRESSIONS), with dev/cuda/common.py as its `common`."""
+    dev_cuda_common()
+    return load_by_path(f"dev_cuda_{op}", os.path.join(DEV_CUDA, f"{op}.py"))
+
+
+def candidate_kernel(spec):
+    """--candidate OP:N -> (file, name, kernel): version N of dev/cuda/OP.py, a candidate marked drop_in
+    (one kernel launched exactly as the production version's one kernel), which replaces `name` of
+    kernels/<file>.cu in the trainer. Raises ValueError (one line) for anything else."""
+    op, colon, number = spec.partition(":")
+    if not colon or not number.isdigit() or not op.isidentifier() or not os.path.isfile(os.path.join(DEV_CUDA, f"{op}.py")) \
+            or op in ("common", "run_all", "nvrtc_compile"):
+        raise ValueError(f"--candidate {spec}: OP:VERSION of a dev/cuda progression, e.g. classifier:5")
+    script = dev_cuda_script(op)
+    versions = [(progression, version) for progression in getattr(script, "PROGRESSIONS", ())
+                for version in progression.versions if version.number == int(number)]
+    if not versions:
+        raise ValueError(f"--candidate {spec}: dev/cuda/{op}.py has no version {number}")
+    common = dev_cuda_common()
+    drop_ins = [(p, v) for p, v in versions if common.is_candidate(v) and v.drop_in]
+    if len(drop_ins) != 1:
+        raise ValueError(f"--candidate {spec}: version {number} of dev/cuda/{op}.py is not a drop-in candidate (a "
+                         f"candidate marked drop_in: launched exactly as the production kernel)")
+    progression, version = drop_ins[0]
+    (production,), (kernel,) = common.production_version(progression).kernels, version.kernels
+    return os.path.basename(production.path)[:-len(".cu")], production.name, kernel
+
+
+def install_candidates(specs):
+    """Each --candidate's kernel launched in place of the production one it would replace (llmc.cuda.replace_kernel)."""
+    for spec in specs:
+        file, name, kernel = candidate_kernel(spec)
+        common = dev_cuda_common()
+        llmc.cuda.replace_kernel(file, name, lambda precision, kernel=kernel: common.load_function(kernel, precision))
 
 
 def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilogue=0, classifier_chunk=0,
@@ -434,6 +496,7 @@ def worker(args):
     breakdown = None
     try:
         if args.worker == "cupy":
+            install_candidates(args.candidate)
             times, losses, cfg, model, (x, y) = cupy_steps(args.model, args.batch_size, args.seq_len, num_steps,
                                                            args.attention, cuda_graph_of(args), args.cublaslt,
                                                            args.residual_epilogue, args.classifier_chunk,
@@ -486,7 +549,8 @@ def worker_command(trainer, B, args, probe):
             "--autotune", str(args.autotune), "--gelu-fusion", str(args.gelu_fusion), "-r", str(args.recompute),
             "--bias-grad-epilogue", str(args.bias_grad_epilogue),
             "--cudnn-deterministic", str(args.cudnn_deterministic),
-            "--compile", str(args.compile), "--pad-vocab", str(args.pad_vocab)] + (["--probe"] if probe else [])
+            "--compile", str(args.compile), "--pad-vocab", str(args.pad_vocab)] + (["--probe"] if probe else []) + \
+        [flag for spec in args.candidate for flag in ("--candidate", spec)]
 
 
 def run_worker(trainer, B, args, probe):
@@ -544,14 +608,23 @@ def options_line(args):
                 f"classifier over {'Vp (--pad-vocab 1)' if args.pad_vocab else 'V'}; "
                 f"twin (dev/torch_reference_llama3.py): "
                 f"bf16 parameters and AdamW state (it has no autocast), unfused AdamW, SDPA flash attention, "
-                f"torch.compile {args.compile}")
+                f"torch.compile {args.compile}{candidates_words(args)}")
     return (f"GPT-2 ({args.model}), T={args.seq_len}, bf16, median of {args.steps} steps after {args.warmup} "
             f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
             f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}, residual epilogue "
             f"{args.residual_epilogue}, autotune {args.autotune}, GELU fusion {args.gelu_fusion}, bias gradient "
             f"epilogue {args.bias_grad_epilogue}, recompute "
             f"{args.recompute}, cuDNN deterministic {args.cudnn_deterministic}, "
-            f"classifier chunk {args.classifier_chunk}; twin: torch.compile {args.compile}")
+            f"classifier chunk {args.classifier_chunk}; twin: torch.compile {args.compile}{candidates_words(args)}")
+
+
+def candidates_words(args):
+    """The banner's words for --candidate: which dev/cuda kernels run in place of ours."""
+    words = ""
+    for spec in args.candidate:
+        _, name, kernel = candidate_kernel(spec)
+        words += f"; candidate {spec}: {kernel.path}'s {kernel.name} in place of {name}"
+    return words
 
 
 def print_table(runs, args):
@@ -618,6 +691,10 @@ def parse_args(argv=None):
                         "0 through cuBLAS, auto as the trainer chooses (cuBLASLt where it loads)")
     p.add_argument("--pad-vocab", type=int, default=0, choices=(0, 1),
                    help="llama3_cuda.py: 1 runs its classifier over the padded vocabulary Vp (its --pad-vocab)")
+    p.add_argument("--candidate", action="append", default=[], metavar="OP:VERSION",
+                   help="ours with a dev/cuda candidate kernel in place of the production one it would replace, "
+                        "e.g. classifier:5 (only candidates marked drop_in: launched exactly as the production "
+                        "kernel); repeatable")
     p.add_argument("--compile", type=int, default=1, choices=(0, 1),
                    help="the PyTorch twin: 1 torch.compile (needs a C compiler), 0 eager")
     p.add_argument("--breakdown-top", type=int, default=20, help="rows of the per-kernel breakdown")
@@ -633,6 +710,11 @@ def parse_args(argv=None):
                                   or args.cudnn_deterministic != 1 or args.bias_grad_epilogue != 1):
         p.error(f"--autotune, --gelu-fusion, --bias-grad-epilogue, -r and --cudnn-deterministic are gpt2_cuda.py's "
                 f"options: drop them for -e {args.model}")
+    for spec in args.candidate:
+        try:
+            candidate_kernel(spec)
+        except ValueError as e:
+            p.error(str(e))
     if is_llama3(args.model) and args.cublaslt == 1:
         p.error(f"--cublaslt 1: llama3_cuda.py has no cuBLASLt backend (cuBLAS is its only one); drop --cublaslt "
                 f"for -e {args.model}")
@@ -706,6 +788,7 @@ def main(argv=None):
                        "autotune": args.autotune, "gelu_fusion": args.gelu_fusion, "recompute": args.recompute,
                        "cudnn_deterministic": args.cudnn_deterministic,
                        "bias_grad_epilogue": args.bias_grad_epilogue, "pad_vocab": args.pad_vocab,
+                       **({"candidate": args.candidate} if args.candidate else {}),
                        "runs": runs_json}, f, indent=1)
     if failed:
         print(f"dev/bench.py: {failed} worker(s) failed", file=sys.stderr)

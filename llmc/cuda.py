@@ -203,6 +203,7 @@ def select_device(comm):
 
 _MODULES = {}      # (device, file, precision, build_variant()) -> cupy.RawModule, compiled
 _FUNCTIONS = {}    # (device, file, precision, build_variant(), kernel name) -> cupy.RawKernel
+_REPLACED = {}     # (file, kernel name) -> load(precision): a kernel launched in its place (replace_kernel)
 
 
 def cuda_include_dirs():
@@ -379,9 +380,23 @@ def launch(file, precision, name, grid, block, args, shared_mem=0):
     (the kernel's `extern __shared__` array; at most 48 KiB without an opt-in)."""
     key = (_device, file, precision, build_variant(), name)
     if key not in _FUNCTIONS:
-        _FUNCTIONS[key] = load_module(file, precision).get_function(name)
+        load = _REPLACED.get((file, name))
+        _FUNCTIONS[key] = load(precision) if load else load_module(file, precision).get_function(name)
     grid = grid if isinstance(grid, tuple) else (grid,)
     _FUNCTIONS[key](grid, (block,), args, shared_mem=shared_mem)
+
+
+def replace_kernel(file, name, load):
+    """From now on launch(file, ..., name, ...) runs load(precision), a compiled kernel with the same C
+    signature, instead of `name` of kernels/<file>.cu, with the launcher's grid, block, arguments and
+    shared memory (dev/bench.py --candidate: a dev/cuda candidate timed in the whole training step
+    before it is adopted). load None: ours again."""
+    if load is None:
+        _REPLACED.pop((file, name), None)
+    else:
+        _REPLACED[(file, name)] = load
+    for key in [key for key in _FUNCTIONS if key[1] == file and key[4] == name]:
+        del _FUNCTIONS[key]                # loaded again, replaced or not, at the next launch
 
 
 # ----------------------------------------------------------------------------

@@ -281,6 +281,59 @@ def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
     assert defaults.bias_grad_epilogue == trainer.bias_grad_epilogue == 1
 
 
+def test_a_candidate_reaches_the_workers_the_banner_and_the_json(workers, capsys, tmp_path):
+    fake = workers()
+    assert bench.main(["-b", "16", "--only", "cupy", "--candidate", "classifier:5", "--json", str(tmp_path / "b.json")]) == 0
+    (_, cmd), = fake.calls
+    assert bench.parse_args(cmd[2:]).candidate == ["classifier:5"]
+    assert ("; candidate classifier:5: dev/cuda/classifier.cu's fused_classifier_v5 in place of fused_classifier"
+            in capsys.readouterr().out)
+    assert json.loads((tmp_path / "b.json").read_text())["candidate"] == ["classifier:5"]
+    assert bench.parse_args([]).candidate == [] and "--candidate" not in bench.worker_command("cupy", 16,
+                                                                                              bench.parse_args([]), False)
+
+
+@pytest.mark.parametrize("spec,words", [("classifier:3", "version 3 of dev/cuda/classifier.py is not a drop-in"),
+                                        ("classifier:4", "version 4 of dev/cuda/classifier.py is not a drop-in"),
+                                        ("classifier:9", "dev/cuda/classifier.py has no version 9"),
+                                        ("classifier", "OP:VERSION"), ("nosuch:1", "OP:VERSION"),
+                                        ("common:1", "OP:VERSION"), ("../bench:1", "OP:VERSION")])
+def test_a_candidate_that_cannot_replace_ours_is_one_line(capsys, spec, words):
+    """The production version (3), a candidate launched otherwise (4: the row in dynamic shared memory, which
+    the production launch does not give), a missing version or op, and a path are refused before any run."""
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--candidate", spec])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.count("\n") == 1 and f"--candidate {spec}: {words}" in err, err
+
+
+def test_a_candidate_runs_in_the_emulated_step_in_place_of_ours(monkeypatch):
+    """--candidate classifier:5 on the emulated device: the trainer's fused_classifier launches run
+    dev/cuda/classifier.cu's fused_classifier_v5, which gives version 3's results bit for bit, so the
+    bench's losses are the production kernel's exactly; replace_kernel(..., None) gives ours back."""
+    from llmc import cuda
+    from llmc.emulator import device
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    monkeypatch.setattr(device.cuda.Stream, "_current", device.cuda.Stream._current)    # cupy_model sets it
+
+    def loaded():
+        return {key[2]: f for key, f in cuda._FUNCTIONS.items() if key[1:2] == ("classifier",) and key[4] == "fused_classifier"}
+    ours = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
+    production = loaded()["bf16"]
+    try:
+        bench.install_candidates(["classifier:5"])
+        assert "bf16" not in loaded()                                   # dropped: loaded again at the next launch
+        theirs = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
+        common = bench.dev_cuda_common()
+        kernel = bench.candidate_kernel("classifier:5")[2]
+        assert loaded()["bf16"] is common.load_function(kernel, "bf16") is not production
+    finally:
+        cuda.replace_kernel("classifier", "fused_classifier", None)
+    assert theirs == ours and len(ours) == 2
+    bench.cupy_steps("d2", 1, 16, 1, "naive", cuda_graph=False, use_cublaslt=False)
+    assert loaded()["bf16"] is not common.load_function(kernel, "bf16")       # ours again
+
+
 def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypatch):
     from llmc import cublaslt
     monkeypatch.setattr(cublaslt, "unavailable_reason", lambda: "nvmath-python is not installed")

@@ -149,7 +149,7 @@ PROGRESSIONS = [
         Version(4, "candidate: version 3 with the row kept in shared memory, read from DRAM once",
                 (FUSED_CLASSIFIER_V4,), v4, block_sizes=(256, 512, 1024)),
         Version(5, "candidate: version 3 with 4 of a thread's groups loaded before any is used",
-                (FUSED_CLASSIFIER_V5,), v5),
+                (FUSED_CLASSIFIER_V5,), v5, drop_in=True),
     ], SIZES, TEST_SIZES),
 ]
 

@@ -18,7 +18,8 @@
 #      --cudnn-deterministic 0 (1.0% faster with -r 1, but not bitwise repeatable); --bias-grad-epilogue 0
 #      (the same speed with -r 1: plain dweight GEMMs 1.36 ms faster than BGRADB, bias_backward and its
 #      bias_reduce 1.54 ms, of which the reduce 0.51 ms; the reduce now keeps 16 sums in flight: does level 0
-#      now win?); then dev/bench_compare.py on them
+#      now win?), and --candidate classifier:5 (dev/cuda's classifier candidate 5 launched in place of ours: the
+#      step with it); then dev/bench_compare.py on them
 #   4. dev/cuda's bias table (version 4, bias_reduce with 16 running sums, production since the tenth session
 #      without a GPU, against version 3 with the one-sum reduce: version 3's reduce goes back if faster), the
 #      classifier's (its new candidate 5, version 3 with 4 loads in flight per thread, against version 3's 0.107 ms:
@@ -35,7 +36,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 left() { echo $((DEADLINE - (SECONDS - START))); }
 # A second call picks up where the first stopped: FROM=K skips steps 1 to K-1 (each step's log line
 # begins with its number, "[K]"; the NOT RUN lines name the first step left), e.g.
-#   FROM=11 DEADLINE=300 bash dev/results/next_gpu.sh      (11: B=64, ours and the twin)
+#   FROM=12 DEADLINE=300 bash dev/results/next_gpu.sh      (12: B=64, ours and the twin)
 FROM=${FROM:-1}; NUMBER=0
 step() {  # step LIMIT_S COMMAND...
     local limit=$1; shift
@@ -58,7 +59,8 @@ step 35 $BENCH16 -r 1 --json $OUT/bench_b16_r1.json
 step 45 $BENCH16 --autotune 8 --json $OUT/bench_b16_autotune8.json
 step 35 $BENCH16 --cudnn-deterministic 0 --json $OUT/bench_b16_nondeterministic.json
 step 35 $BENCH16 --bias-grad-epilogue 0 --json $OUT/bench_b16_bias_grad0.json
-step 20 python3 dev/bench_compare.py $OUT/bench_b16_default.json $OUT/bench_b16_r1.json $OUT/bench_b16_autotune8.json $OUT/bench_b16_nondeterministic.json $OUT/bench_b16_bias_grad0.json --top 6
+step 35 $BENCH16 --candidate classifier:5 --json $OUT/bench_b16_classifier5.json
+step 20 python3 dev/bench_compare.py $OUT/bench_b16_default.json $OUT/bench_b16_r1.json $OUT/bench_b16_autotune8.json $OUT/bench_b16_nondeterministic.json $OUT/bench_b16_bias_grad0.json $OUT/bench_b16_classifier5.json --top 6
 step 90 python3 dev/cuda/run_all.py bias classifier global_norm adamw -r 20 -o $OUT
 step 120 python3 dev/bench.py -b 64 --steps 10 --warmup 3 --json $OUT/bench_b64.json
 step 200 env DEADLINE=$(( $(left) < 200 ? $(left) : 200 )) bash dev/results/next_gpu_issue41.sh
