@@ -169,6 +169,18 @@ extern "C" __global__ void fused_classifier_v4(floatX* logits, float* losses, co
 // same order per thread: bit for bit). x128 groups only: the launcher checks that Vp is a multiple
 // of x128::size.
 #define CLASSIFIER_UNROLL 4
+
+// groups[u] = the x128 group at column first + u * stride of the row, u < CLASSIFIER_UNROLL, zeros from
+// column `end` on: every load issued before any is used
+__device__ inline void load_groups(x128 (&groups)[CLASSIFIER_UNROLL], const floatX* row, int first, int stride,
+                                   int end) {
+    #pragma unroll
+    for (int u = 0; u < CLASSIFIER_UNROLL; u++) {
+        const int c = first + u * stride;
+        groups[u] = c < end ? load128(row + c) : x128::zeros();
+    }
+}
+
 extern "C" __global__ void fused_classifier_v5(floatX* logits, float* losses, const int* targets, float dloss,
                                                int N, int V, int Vp, int write_dlogits) {
     const int stride = blockDim.x * x128::size;            // columns from one of a thread's groups to its next
@@ -178,12 +190,8 @@ extern "C" __global__ void fused_classifier_v5(floatX* logits, float* losses, co
         const float target_logit = (float)row_logits[target];   // before any thread overwrites it
         SoftmaxState state = softmax_state_empty();
         for (int first = threadIdx.x * x128::size; first < V; first += CLASSIFIER_UNROLL * stride) {
-            x128 groups[CLASSIFIER_UNROLL];                       // pass 1: the loads first
-            #pragma unroll
-            for (int u = 0; u < CLASSIFIER_UNROLL; u++) {
-                const int c = first + u * stride;
-                groups[u] = c < V ? load128(row_logits + c) : x128::zeros();
-            }
+            x128 groups[CLASSIFIER_UNROLL];
+            load_groups(groups, row_logits, first, stride, V);    // pass 1: the loads first
             #pragma unroll
             for (int u = 0; u < CLASSIFIER_UNROLL; u++) {         // then the online softmax
                 state = softmax_state_add_group(state, groups[u], first + u * stride, V);
@@ -196,12 +204,8 @@ extern "C" __global__ void fused_classifier_v5(floatX* logits, float* losses, co
         if (write_dlogits) {
             const float inv_sum = 1.0f / state.sum;
             for (int first = threadIdx.x * x128::size; first < Vp; first += CLASSIFIER_UNROLL * stride) {
-                x128 groups[CLASSIFIER_UNROLL];                   // pass 2: the loads first
-                #pragma unroll
-                for (int u = 0; u < CLASSIFIER_UNROLL; u++) {
-                    const int c = first + u * stride;
-                    groups[u] = c < Vp ? load128(row_logits + c) : x128::zeros();
-                }
+                x128 groups[CLASSIFIER_UNROLL];
+                load_groups(groups, row_logits, first, stride, Vp);   // pass 2: the loads first
                 #pragma unroll
                 for (int u = 0; u < CLASSIFIER_UNROLL; u++) {     // then (softmax - onehot) * dloss
                     const int c = first + u * stride;
