@@ -85,8 +85,8 @@ def _capturing():
     return device.cuda.get_current_stream().is_capturing()
 
 
-def _model(precision, matmul=None, attention="naive", classifier_chunk=0):
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=True, matmul=matmul, attention=attention,
+def _model(precision, matmul=None, attention="naive", classifier_chunk=0, recompute=True):
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=recompute, matmul=matmul, attention=attention,
                            classifier_chunk=classifier_chunk)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     return model
@@ -233,16 +233,16 @@ def _train_on_device(model, batches, cuda_graph, steps, micro_batches):
 # the whole step as one graph (one micro-batch) and as three (first, middle, last): each graph
 # equal to the eager launches bitwise; cuBLASLt with the residual in its epilogue and the
 # classifier one sequence at a time, cuDNN attention
-@pytest.mark.parametrize("precision,micro_batches,backend,attention", [
-    ("fp32", 1, "cublas", "naive"), ("bf16", 1, "cublaslt", "naive"), ("bf16", 3, "cublas", "naive"),
-    ("bf16", 1, "cublas", "cudnn")])
-def test_whole_step_graph_equals_eager_bitwise(capture, precision, micro_batches, backend, attention):
+@pytest.mark.parametrize("precision,micro_batches,backend,attention,recompute", [
+    ("fp32", 1, "cublas", "naive", 1), ("bf16", 1, "cublaslt", "naive", 1), ("bf16", 3, "cublas", "naive", 1),
+    ("bf16", 1, "cublas", "cudnn", 1), ("bf16", 1, "cublaslt", "naive", 0)])    # the last: -r 0, the default since 2026-11-27
+def test_whole_step_graph_equals_eager_bitwise(capture, precision, micro_batches, backend, attention, recompute):
     chunk = 1 if backend == "cublaslt" else 0
     batches = _batches(2, 16, 3, seed=7)
     if backend == "cublaslt":
         cublaslt.clear_cache()
     matmul = {"cublas": lambda: llmc.matmul.Cublas(), "cublaslt": lambda: llmc.matmul.CublasLt(residual_epilogue=True)}
-    eager, graphed = (_model(precision, matmul[backend](), attention, chunk) for _ in range(2))
+    eager, graphed = (_model(precision, matmul[backend](), attention, chunk, recompute) for _ in range(2))
     steps = 3
     eager_out = _train_on_device(eager, batches, cuda_graph=False, steps=steps, micro_batches=micro_batches)
     assert capture.captures == 0
