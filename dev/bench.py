@@ -71,6 +71,7 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -173,6 +174,7 @@ DEV_CUDA = os.path.join(REPO_ROOT, "dev", "cuda")
 
 
 def load_by_path(name, path):
+    """The Python file at `path` run as a module named `name` (not put in sys.modules)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -188,8 +190,10 @@ def dev_cuda_common():
     return common
 
 
+@functools.lru_cache(maxsize=None)
 def dev_cuda_script(op):
-    """dev/cuda/<op>.py loaded as a module (its PROGRESSIONS), with dev/cuda/common.py as its `common`."""
+    """dev/cuda/<op>.py loaded as a module (its PROGRESSIONS), with dev/cuda/common.py as its `common`;
+    once per process (the parser, the banner and the worker all ask for it)."""
     dev_cuda_common()
     return load_by_path(f"dev_cuda_{op}", os.path.join(DEV_CUDA, f"{op}.py"))
 
