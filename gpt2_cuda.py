@@ -765,10 +765,12 @@ def padded_to(values, length, fill):
     return np.concatenate([values, np.full(length - values.size, fill, dtype=np.int32)])
 
 
-def backward_launches(model, loss_scale, num_chunks, num_reduce):
+def backward_launches(model, loss_scale, num_chunks, num_reduce, grads_zero=False):
     """The device half of gpt2_backward: every launch of the backward pass of the (B,T) forward,
     the dwte scatter-add's chunks already on the device (upload_segments' counts). Launches only,
-    with the same arguments every call for given (B,T), loss_scale and counts: graph-capturable."""
+    with the same arguments every call for given (B,T), loss_scale and counts: graph-capturable.
+    grads_zero: model.grads hold 0 (the step's first micro-batch, just zeroed), so a backend that
+    can write a bias gradient instead of adding it may (cuBLASLt's BGRADB epilogue): the same bits."""
     cfg = model.config
     B, T = model.BT
     C, L, NH = cfg.channels, cfg.num_layers, cfg.num_heads
@@ -813,15 +815,17 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
         dfch = A["dfch"]
         fc_dbias_by_fcproj = mm.pre_gelu_bias_grad and g["fcb"] is not None
         mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
-                    pre_gelu=A["fch"][l], pre_gelu_dbias=g["fcb"] if fc_dbias_by_fcproj else None)   # dfch
+                    pre_gelu=A["fch"][l], pre_gelu_dbias=g["fcb"] if fc_dbias_by_fcproj else None,
+                    bias_grads_zero=grads_zero)                                                       # dfch
         dln2 = A["dln2"]
         mm.backward(dln2, g["fcw"], None if fc_dbias_by_fcproj else g["fcb"], dfch, ln2, p["fcw"], partial, B, T, C,
-                    4 * C)
+                    4 * C, bias_grads_zero=grads_zero)
         layernorm_backward(dresidual, g["ln2w"], g["ln2b"], partial, dln2, A["residual2"][l], p["ln2w"],
                            A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
         datty = A["datty"]
-        mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C)
+        mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C,
+                    bias_grads_zero=grads_zero)
         dqkv = A["dqkv"]
         model.attention.backward(dqkv, datty, A, l, B, T, C, NH, mm.tf32)
         # -r 2: the forward's `layernorm_forward(ln1, ...)` (layer 0, from encoded) or the previous layer's
@@ -830,7 +834,8 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce):
         if "ln1" in recomputed:
             layernorm_forward(ln1, A["ln1_mean"][l], A["ln1_rstd"][l], residual, p["ln1w"], p["ln1b"], B, T, C)
         dln1 = A["dln1"]                                                            # datty was consumed above
-        mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, ln1, p["qkvw"], partial, B, T, C, 3 * C)
+        mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, ln1, p["qkvw"], partial, B, T, C, 3 * C,
+                    bias_grads_zero=grads_zero)
         layernorm_backward(dresidual, g["ln1w"], g["ln1b"], partial, dln1, residual, p["ln1w"],
                            A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
     # backward of the encoder: encoded = wte[inputs] + wpe
@@ -864,7 +869,7 @@ def micro_batch_launches(model, B, T, loss_scale, num_chunks, num_reduce, first=
         gpt2_zero_grad(model)
         A["loss_accum"].fill(0)
     forward_launches(model, B, T, with_loss=False, classifier=False)
-    backward_launches(model, loss_scale, num_chunks, num_reduce)
+    backward_launches(model, loss_scale, num_chunks, num_reduce, grads_zero=first)
     cuda.cupy().add(A["loss_accum"], A["losses"], out=A["loss_accum"])
     if update is not None:
         step_tail_launches(model, update, nccl)

@@ -172,9 +172,10 @@ class LoraMatmul:
             gelu_forward(out, pre_gelu, N * OC, bias, OC)            # + the bias, then GELU
 
     def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None,
-                 pre_gelu_dbias=None):
+                 pre_gelu_dbias=None, bias_grads_zero=False):
         """dinp (B,T,C) = dout @ weight + the adapters' part (through gelu' with pre_gelu); the
-        frozen weights' and biases' gradients (dweight, dbias, pre_gelu_dbias: None) are not computed."""
+        frozen weights' and biases' gradients (dweight, dbias, pre_gelu_dbias: None) are not computed,
+        so bias_grads_zero has nothing to say here."""
         assert dweight is None and dbias is None and pre_gelu_dbias is None, \
             "LoRA's base model is frozen: it has no gradient buffers"
         matmul_backward(dinp, None, None, dout, inp, weight, partial, B, T, C, OC, self.tf32)

@@ -129,12 +129,15 @@ class Cublas:
         gelu_forward(out, pre_gelu, B * T * OC, bias, OC)
 
     def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None,
-                 pre_gelu_dbias=None):
+                 pre_gelu_dbias=None, bias_grads_zero=False):
         """Backward of forward: writes dinp (B,T,C), accumulates dweight (OC,C) and dbias (OC,) (or
         None); partial fp32 for bias_backward's partial sums. With pre_gelu (B,T,C), inp was gelu(pre_gelu) and dinp
         is the gradient of pre_gelu: (dout @ weight) * gelu'(pre_gelu); with pre_gelu_dbias (C,) too
         (the bias gradient of the layer that computed pre_gelu), pre_gelu_dbias += the column sums
-        of that dinp (the model passes it where pre_gelu_bias_grad says the backend sums it best)."""
+        of that dinp (the model passes it where pre_gelu_bias_grad says the backend sums it best).
+        bias_grads_zero: dbias and pre_gelu_dbias hold 0 (the step's first micro-batch), which lets
+        CublasLt write its epilogue's sums straight into them; here unused (bias_backward adds in
+        the same launch that sums)."""
         matmul_backward(dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, self.tf32)
         if pre_gelu is not None:
             gelu_backward_inplace(dinp, pre_gelu, B * T * C)
@@ -210,16 +213,18 @@ class CublasLt(Cublas):
                                    residual=residual, autotune=self.autotune)
 
     def backward(self, dinp, dweight, dbias, dout, inp, weight, partial, B, T, C, OC, pre_gelu=None,
-                 pre_gelu_dbias=None):
+                 pre_gelu_dbias=None, bias_grads_zero=False):
         """Cublas.backward; with pre_gelu_dbias (C,) too (the fc layer's bias gradient, where
         pre_gelu_bias_grad), pre_gelu_dbias += the column sums of dinp, the pre-activation's
         gradient: in the DGELU_BGRAD epilogue, or by bias_backward where cuBLASLt has no algorithm
-        for it or the GELU's derivative is not in the epilogue."""
+        for it or the GELU's derivative is not in the epilogue. bias_grads_zero: the epilogues write
+        the bias gradients directly (llmc.cublaslt.matmul_backward_lt)."""
         from llmc import cublaslt
         require(pre_gelu_dbias is None or pre_gelu is not None, "backward: pre_gelu_dbias without pre_gelu")
         fused_gelu = pre_gelu if self.gelu_fusion >= 2 else None
         fused_dbias = pre_gelu_dbias if fused_gelu is not None else None
-        kwargs = dict(tf32=self.tf32, autotune=self.autotune, bias_grad_epilogue=self.bias_grad_epilogue == 1)
+        kwargs = dict(tf32=self.tf32, autotune=self.autotune, bias_grad_epilogue=self.bias_grad_epilogue == 1,
+                      bias_grads_zero=bias_grads_zero)
         try:
             done = cublaslt.matmul_backward_lt(dinp, dweight, dbias, dout, inp, weight, B, T, C, OC,
                                                pre_gelu=fused_gelu, pre_gelu_dbias=fused_dbias, **kwargs)

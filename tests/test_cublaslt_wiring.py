@@ -182,6 +182,39 @@ def test_bias_gradient_levels_match_gpt2_cpu(emulated_gpu, monkeypatch, precisio
     cublaslt.clear_cache()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_first_micro_batch_writes_the_bias_gradients_in_the_epilogue(emulated_gpu, monkeypatch, precision, level):
+    """gpt2_micro_batch(first=True) zeroes the gradients, so BGRADB (and at level 2 DGELU_BGRAD)
+    writes each bias gradient into dbias itself: none of the accumulate launches (residual_forward
+    on the bias) of the later micro-batches, and bit for bit the gradients of the accumulating path
+    (zero_grad, then a micro-batch that adds), after the first micro-batch and after a second."""
+    import gpt2_cpu
+    from llmc import cublaslt
+    _emulated_cublaslt(monkeypatch, [], bgrad=True)
+    launches = record_launches(monkeypatch)
+    rng = np.random.default_rng(6)
+    batches = [tuple(rng.integers(0, TINY.vocab_size, (2, 8)).astype(np.int32) for _ in range(2)) for _ in range(2)]
+    accumulates = {1: 4, 2: 1}[level] * TINY.num_layers           # the bias gradients an epilogue sums, per pass
+    grads, counts = {}, {}
+    for writes in (True, False):
+        model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False,
+                               matmul=llmc.matmul.CublasLt(bias_grad_epilogue=level))
+        gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
+        if not writes:
+            gpt2_cuda.gpt2_zero_grad(model)
+        for i, (x, y) in enumerate(batches):
+            del launches[:]
+            gpt2_cuda.gpt2_micro_batch(model, x, y, 0.5, first=writes and i == 0)
+            grads[writes, i] = emulated_gpu.asnumpy(model.grads).copy()
+            counts[writes, i] = [launch.name for launch in launches].count("residual_forward")
+    assert counts == {(True, 0): 0, (True, 1): accumulates, (False, 0): accumulates, (False, 1): accumulates}
+    for i in range(2):
+        assert np.array_equal(grads[True, i], grads[False, i]), f"micro-batch {i}"
+    assert np.any(grads[True, 1] != grads[True, 0])                # the second micro-batch added to them
+    cublaslt.clear_cache()
+
+
 @pytest.mark.parametrize("backend", ["Cublas", "CublasLt"])
 def test_a_backward_through_gelu_also_sums_the_pre_gelu_bias_gradient(emulated_gpu, backend):
     """backward(..., pre_gelu=, pre_gelu_dbias=): dinp is the gradient of pre_gelu, and
