@@ -28,8 +28,8 @@ one line per configuration, in a fixed form that later runs can be compared with
 power-of-two B that fits each trainer (B = 8, 16, 32, ...), as the first version of this script did.
 `--candidate OP:VERSION` (e.g. classifier:5) times our step with a dev/cuda candidate kernel in
 place of the production one it would replace (llmc.cuda.replace_kernel): only a candidate marked
-drop_in (dev/cuda/common.Version), whose one kernel takes the production kernel's arguments, grid,
-block and shared memory as they are; what it would gain in the step, measured before it is adopted.
+drop_in (dev/cuda/common.Version), whose kernels take the production kernels' arguments, grids,
+blocks and shared memory as they are; what it would gain in the step, measured before it is adopted.
 
 Llama 3 (`-e llama3:d4`, any llama3_cpu.py descriptor llama3:dX): llama3_cuda.py's training step as
 its train() runs it (bf16 with fp32 master weights; zero_grad, forward + backward
@@ -198,10 +198,11 @@ def dev_cuda_script(op):
     return load_by_path(f"dev_cuda_{op}", os.path.join(DEV_CUDA, f"{op}.py"))
 
 
-def candidate_kernel(spec):
-    """--candidate OP:N -> (file, name, kernel): version N of dev/cuda/OP.py, a candidate marked drop_in
-    (one kernel launched exactly as the production version's one kernel), which replaces `name` of
-    kernels/<file>.cu in the trainer. Raises ValueError (one line) for anything else."""
+def candidate_kernels(spec):
+    """--candidate OP:N -> [(file, name, kernel)]: version N of dev/cuda/OP.py, a candidate marked
+    drop_in (its kernels launched exactly as the production version's, position by position), and
+    each of its kernels that differs from production's, which replaces `name` of kernels/<file>.cu
+    in the trainer. Raises ValueError (one line) for anything else."""
     op, colon, number = spec.partition(":")
     if not colon or not number.isdigit() or not op.isidentifier() or not os.path.isfile(os.path.join(DEV_CUDA, f"{op}.py")) \
             or op in ("common", "run_all", "nvrtc_compile"):
@@ -215,18 +216,20 @@ def candidate_kernel(spec):
     drop_ins = [(p, v) for p, v in versions if common.is_candidate(v) and v.drop_in]
     if len(drop_ins) != 1:
         raise ValueError(f"--candidate {spec}: version {number} of dev/cuda/{op}.py is not a drop-in candidate (a "
-                         f"candidate marked drop_in: launched exactly as the production kernel)")
+                         f"candidate marked drop_in: launched exactly as the production kernels)")
     progression, version = drop_ins[0]
-    (production,), (kernel,) = common.production_version(progression).kernels, version.kernels
-    return os.path.basename(production.path)[:-len(".cu")], production.name, kernel
+    production = common.production_version(progression).kernels
+    assert len(production) == len(version.kernels), f"{spec}: a drop-in has the production version's kernels"
+    return [(os.path.basename(ours.path)[:-len(".cu")], ours.name, theirs)
+            for ours, theirs in zip(production, version.kernels) if theirs != ours]
 
 
 def install_candidates(specs):
-    """Each --candidate's kernel launched in place of the production one it would replace (llmc.cuda.replace_kernel)."""
+    """Each --candidate's kernels launched in place of the production ones they replace (llmc.cuda.replace_kernel)."""
     for spec in specs:
-        file, name, kernel = candidate_kernel(spec)
-        common = dev_cuda_common()
-        llmc.cuda.replace_kernel(file, name, lambda precision, kernel=kernel: common.load_function(kernel, precision))
+        for file, name, kernel in candidate_kernels(spec):
+            common = dev_cuda_common()
+            llmc.cuda.replace_kernel(file, name, lambda precision, kernel=kernel: common.load_function(kernel, precision))
 
 
 def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilogue=0, classifier_chunk=0,
@@ -626,8 +629,8 @@ def candidates_words(args):
     """The banner's words for --candidate: which dev/cuda kernels run in place of ours."""
     words = ""
     for spec in args.candidate:
-        _, name, kernel = candidate_kernel(spec)
-        words += f"; candidate {spec}: {kernel.path}'s {kernel.name} in place of {name}"
+        words += f"; candidate {spec}: " + ", ".join(f"{kernel.path}'s {kernel.name} in place of {name}"
+                                                    for _, name, kernel in candidate_kernels(spec))
     return words
 
 
@@ -716,7 +719,7 @@ def parse_args(argv=None):
                 f"options: drop them for -e {args.model}")
     for spec in args.candidate:
         try:
-            candidate_kernel(spec)
+            candidate_kernels(spec)
         except ValueError as e:
             p.error(str(e))
     if is_llama3(args.model) and args.cublaslt == 1:

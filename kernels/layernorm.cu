@@ -22,8 +22,9 @@ Kernels (inp, out, dout, dinp (N,C) floatX; weight, bias (C,) floatX; mean, rstd
   attention and MLP projections need no bias pass), then calls the same layernorm_row on that rounded
   residual, so the normalized output is bit for bit what an unfused residual_forward +
   layernorm_forward would give. Each lane re-reads only the residual groups it wrote itself.
-- layernorm_backward: dinp += (the residual stream's gradient accumulates) and per-block partial
-  sums of dbias and dweight into scratch. llm.c's layernorm_backward.cu versions 2-10 sum the
+- layernorm_backward: dinp += (the residual stream's gradient accumulates; that half is
+  kernels/layernorm.cuh's layernorm_backward_dinp_rows) and per-block partial sums of dbias and
+  dweight into scratch. llm.c's layernorm_backward.cu versions 2-10 sum the
   column partials with atomics (shared, then global); here each block writes its own slot and
   layernorm_param_reduce adds the slots in block order, so the result is deterministic for a
   fixed grid size (the matmul_backward_bias.cu version 9 idea, applied to LayerNorm).
@@ -184,6 +185,8 @@ extern "C" __global__ void residual_forward(floatX* out, const floatX* inp1, con
 // ----------------------------------------------------------------------------
 // backward
 
+#include "layernorm.cuh"   // layernorm_backward_dinp_rows, the input gradient (shared with dev/cuda's candidates)
+
 // dinp (N,C) += layernorm input gradient; scratch (gridDim.x, 2, C) float gets this block's
 // partial sums: scratch[blockIdx.x*2*C + c] = sum dout[:,c] (dbias),
 //           scratch[blockIdx.x*2*C + C + c] = sum dout[:,c] * norm[:,c] (dweight),
@@ -195,45 +198,9 @@ extern "C" __global__ void layernorm_backward(floatX* dinp, float* scratch, cons
     const int rows_per_block = (N + gridDim.x - 1) / gridDim.x;
     const int row_begin = min(N, (int)blockIdx.x * rows_per_block);
     const int row_end = min(N, row_begin + rows_per_block);
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int warps_per_block = blockDim.x / WARP_SIZE;
-    const int lane_stride = WARP_SIZE * x128::size;
 
-    // part 1, dinp: one warp per row, the two row means first, then the three-term gradient
-    for (int row = row_begin + threadIdx.x / WARP_SIZE; row < row_end; row += warps_per_block) {
-        const size_t offset = (size_t)row * C;
-        const float row_mean = mean[row];
-        const float row_rstd = rstd[row];
-        float dnorm_sum = 0.0f;
-        float dnorm_norm_sum = 0.0f;
-        for (int c = lane * x128::size; c < C; c += lane_stride) {
-            const x128 dout_group = load128(dout + offset + c);
-            const x128 inp_group = load128(inp + offset + c);
-            const x128 w = load128(weight + c);
-            for (int k = 0; k < x128::size; k++) {
-                const float norm = ((float)inp_group[k] - row_mean) * row_rstd;
-                const float dnorm = (float)dout_group[k] * (float)w[k];
-                dnorm_sum += dnorm;
-                dnorm_norm_sum += dnorm * norm;
-            }
-        }
-        warpReduceSum2(dnorm_sum, dnorm_norm_sum);            // both sums, one shuffle per step
-        const float dnorm_mean = dnorm_sum / C;
-        const float dnorm_norm_mean = dnorm_norm_sum / C;
-        for (int c = lane * x128::size; c < C; c += lane_stride) {
-            const x128 dout_group = load128(dout + offset + c);
-            const x128 inp_group = load128(inp + offset + c);
-            const x128 w = load128(weight + c);
-            x128 dinp_group = load128(dinp + offset + c);
-            for (int k = 0; k < x128::size; k++) {
-                const float norm = ((float)inp_group[k] - row_mean) * row_rstd;
-                const float dnorm = (float)dout_group[k] * (float)w[k];
-                const float dval = row_rstd * (dnorm - dnorm_mean - norm * dnorm_norm_mean);
-                dinp_group[k] = (floatX)((float)dinp_group[k] + dval);
-            }
-            store128(dinp + offset + c, dinp_group);
-        }
-    }
+    // part 1, dinp: one warp per row (kernels/layernorm.cuh, shared with dev/cuda's candidates)
+    layernorm_backward_dinp_rows(dinp, dout, inp, weight, mean, rstd, row_begin, row_end, C);
 
     // part 2, dbias/dweight partials: one thread per channel, rows summed in order. It does not
     // need part 1's results (only dout, inp, mean, rstd), so no __syncthreads is needed; the

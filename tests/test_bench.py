@@ -325,13 +325,48 @@ def test_a_candidate_runs_in_the_emulated_step_in_place_of_ours(monkeypatch):
         assert "bf16" not in loaded()                                   # dropped: loaded again at the next launch
         theirs = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
         common = bench.dev_cuda_common()
-        kernel = bench.candidate_kernel("classifier:5")[2]
+        (_, _, kernel), = bench.candidate_kernels("classifier:5")
         assert loaded()["bf16"] is common.load_function(kernel, "bf16") is not production
     finally:
         cuda.replace_kernel("classifier", "fused_classifier", None)
     assert theirs == ours and len(ours) == 2
     bench.cupy_steps("d2", 1, 16, 1, "naive", cuda_graph=False, use_cublaslt=False)
     assert loaded()["bf16"] is not common.load_function(kernel, "bf16")       # ours again
+
+
+def test_a_two_kernel_candidate_replaces_both_in_the_emulated_step(monkeypatch, capsys):
+    """--candidate layernorm:6 (dev/cuda/layernorm.py: its own backward and the reduce of candidate 5)
+    replaces both production kernels of gpt2_cuda.layernorm_backward, layernorm:5 only the reduce (its
+    backward is production's). On the emulated device: the first step's loss is ours exactly (the forward
+    is untouched), the second within bf16's rounding of ours (the gradients' sums run in another order),
+    and the step launched the candidate's functions."""
+    from llmc import cuda
+    from llmc.emulator import device
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    monkeypatch.setattr(device.cuda.Stream, "_current", device.cuda.Stream._current)    # cupy_model sets it
+    assert [name for _, name, _ in bench.candidate_kernels("layernorm:5")] == ["layernorm_param_reduce"]
+    replaced = bench.candidate_kernels("layernorm:6")
+    assert [(file, name, kernel.name) for file, name, kernel in replaced] == [
+        ("layernorm", "layernorm_backward", "layernorm_backward_v6"),
+        ("layernorm", "layernorm_param_reduce", "layernorm_param_reduce_v5")]
+
+    def loaded(name):
+        return next(f for key, f in cuda._FUNCTIONS.items() if key[1:3] == ("layernorm", "bf16") and key[4] == name)
+    ours = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
+    try:
+        bench.install_candidates(["layernorm:6"])
+        theirs = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
+        common = bench.dev_cuda_common()
+        for _, name, kernel in replaced:
+            assert loaded(name) is common.load_function(kernel, "bf16")
+    finally:
+        for _, name, _ in replaced:
+            cuda.replace_kernel("layernorm", name, None)
+    assert theirs[0] == ours[0] and abs(theirs[1] - ours[1]) < 1e-2 and len(ours) == 2
+    args = bench.parse_args(["--candidate", "layernorm:6"])
+    assert ("candidate layernorm:6: dev/cuda/layernorm.cu's layernorm_backward_v6 in place of layernorm_backward, "
+            "dev/cuda/layernorm.cu's layernorm_param_reduce_v5 in place of layernorm_param_reduce"
+            in bench.candidates_words(args))
 
 
 def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypatch):

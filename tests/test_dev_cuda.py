@@ -392,6 +392,34 @@ def test_classifier_candidate_5_is_version_3_bit_for_bit(emulated):
             assert all(np.array_equal(a, b) for a, b in zip(*results)), (precision, block_size)
 
 
+@pytest.mark.parametrize("C", [96, 768])
+def test_layernorm_candidates_over_many_rows_a_block(emulated, C):
+    """layernorm_backward's candidates 5 and 6 (the reduce with 8 sums in flight; the partial sums by
+    row phases) where a block owns several rows: N = 1200 rows over G = 512 slots (3 rows a block,
+    the last blocks empty), at C = 96 (12 groups of 8 bf16, 42 row phases at 512 threads) and GPT-2's
+    768 (96 groups: 5 phases at 512 threads; at 32 threads 3 passes of 32 groups, one phase), every
+    block size, against gpt2_cpu.py; and their sums against version 4's (the production kernels), which
+    add the same values in another order: equal to within the last bits, not bitwise."""
+    progression = next(p for p in SCRIPTS["layernorm"].PROGRESSIONS if p.name == "layernorm_backward")
+    assert [v.number for v in progression.versions if common.is_candidate(v)] == [5, 6]
+    for precision in PRECISIONS:
+        case = progression.make_case(np.random.default_rng(7), precision, B=4, T=300, C=C)
+        d = common.allocate(case)
+        assert case.scalars["G"] == 512
+        assert common.validate(progression, precision, None, versions=[4, 5, 6], case=case, d=d)
+        sums = {}
+        for number in (4, 5, 6):
+            common.reset(case, d)
+            next(v for v in progression.versions if v.number == number).launch(d, 512)
+            sums[number] = (d.dweight.get(), d.dbias.get(), d.dinp.get())
+        for number in (5, 6):
+            for ours, theirs in zip(sums[4][:2], sums[number][:2]):
+                decoded = [common.to_float64(x, "X", precision) for x in (ours, theirs)]
+                np.testing.assert_allclose(decoded[1], decoded[0], rtol=1e-2 if precision == "bf16" else 1e-5,
+                                           atol=1e-2 if precision == "bf16" else 1e-4)
+            assert np.array_equal(sums[number][2], sums[4][2])      # dinp: the same code (kernels/layernorm.cuh)
+
+
 # ----------------------------------------------------------------------------
 # on a GPU: a full run of one script
 

@@ -144,9 +144,10 @@ def production_version(progression):
 class Version:
     """Version `number` of a progression. about: what it changes and why that is faster;
     kernels: every Kernel its launch uses; launch(d, block_size): enqueue it (d holds the case's
-    device arrays and scalars as attributes, and d.precision). drop_in: a candidate whose one kernel
-    takes the production kernel's arguments, grid, block and shared memory as they are, so that
-    dev/bench.py --candidate can launch it in the trainer's place and time the whole step."""
+    device arrays and scalars as attributes, and d.precision). drop_in: a candidate whose kernels
+    (as many as the production version's, in its order) each take the production kernel's
+    arguments, grid, block and shared memory as they are, so that dev/bench.py --candidate can
+    launch them in the trainer's place and time the whole step."""
     number: int
     about: str
     kernels: tuple

@@ -28,10 +28,24 @@ per-block slots instead.
   order: version 3 of the backward is the production layernorm_backward followed by this one
   (version 4, kernels/layernorm.cu's layernorm_param_reduce, gives the slots to a block's warps).
 
+- layernorm_param_reduce_v5 (candidate 5, with the production layernorm_backward): version 4's
+  reduce, each lane keeping LN_REDUCE_SUMS = 8 running sums (its slots taken 8 at a time), so 8
+  loads are in flight where version 4 waits for each. On an H200 version 4 took 0.0345 ms at
+  B=8 (its reduce is the same work at any N: G = 512 slots), and in the B=16 step 14 us a call,
+  0.35 ms for the 25 LayerNorms, for 3.1 MB of slots: latency, not bandwidth.
+- layernorm_backward_v6 (candidate 6, with layernorm_param_reduce_v5): the production kernel's
+  input gradient (kernels/layernorm.cuh, the same code), then the partial sums with 16-byte loads:
+  thread t takes the x128 group g = t % groups of every P-th row of the block (P = threads /
+  groups row phases: 5 for GPT-2's 96 groups of 8 bf16 at 512 threads), summing 2 x x128::size
+  columns in registers; the P phases meet in shared memory and are added in phase order. The
+  production kernel gives a thread one channel and all 32 rows, with 2-byte loads: 8x the load
+  instructions, and at C = 768 half its 512 threads take two channels while the others take one.
+
 Warp kernels need blockDim.x a multiple of 32. Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/layernorm.cu
 */
 #include "common.cuh"
+#include "layernorm.cuh"
 
 #define LN_EPS 1e-5f
 
@@ -231,5 +245,133 @@ extern "C" __global__ void layernorm_param_reduce_v3(floatX* dweight, floatX* db
         }
         dbias[c] = (floatX)((float)dbias[c] + dbias_sum);
         dweight[c] = (floatX)((float)dweight[c] + dweight_sum);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// candidates: the slots summed with loads in flight (5), the partial sums with x128 loads (6)
+
+#define LN_REDUCE_SUMS 8       // running sums per lane of layernorm_param_reduce_v5 (a power of 2)
+
+// kernels/layernorm.cu's layernorm_param_reduce (the same grid, block and slots: a block owns 32
+// adjacent columns of the 2C, lane l of warp w sums column l over slots w, w + W, ...), each lane
+// adding its slots into LN_REDUCE_SUMS running sums, slot w + (first + k) W into sums[k], so the
+// unrolled loop's loads do not wait for each other's adds; the sums folded pairwise, then warp 0
+// adds the W warp sums in warp order. Deterministic: the order depends on num_blocks and blockDim.x.
+extern "C" __global__ void layernorm_param_reduce_v5(floatX* dweight, floatX* dbias, const float* scratch,
+                                                     int num_blocks, int C) {
+    __shared__ float warp_sums[WARP_SIZE][WARP_SIZE + 1];   // [warp][lane]; + 1: no bank conflicts
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int num_warps = blockDim.x / WARP_SIZE;
+    const int num_groups = (2 * C + WARP_SIZE - 1) / WARP_SIZE;
+    for (int group = blockIdx.x; group < num_groups; group += gridDim.x) {   // the same trip count per block
+        const int col = group * WARP_SIZE + lane;           // 0..C-1: dbias, C..2C-1: dweight
+        float sums[LN_REDUCE_SUMS];
+        for (int k = 0; k < LN_REDUCE_SUMS; k++) {
+            sums[k] = 0.0f;
+        }
+        if (col < 2 * C) {
+            for (int first = 0; warp + first * num_warps < num_blocks; first += LN_REDUCE_SUMS) {
+                #pragma unroll
+                for (int k = 0; k < LN_REDUCE_SUMS; k++) {
+                    const int b = warp + (first + k) * num_warps;
+                    if (b < num_blocks) {
+                        sums[k] += scratch[(size_t)b * 2 * C + col];
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int half = LN_REDUCE_SUMS / 2; half > 0; half /= 2) {
+            for (int k = 0; k < half; k++) {
+                sums[k] += sums[k + half];
+            }
+        }
+        warp_sums[warp][lane] = sums[0];
+        __syncthreads();
+        if (warp == 0 && col < 2 * C) {
+            float total = 0.0f;
+            for (int w = 0; w < num_warps; w++) {
+                total += warp_sums[w][lane];
+            }
+            if (col < C) {
+                dbias[col] = (floatX)((float)dbias[col] + total);
+            } else {
+                dweight[col - C] = (floatX)((float)dweight[col - C] + total);
+            }
+        }
+        __syncthreads();                                    // warp 0 has read warp_sums before the next group
+    }
+}
+
+#define LN_PARTIAL_THREADS 512  // threads of a block that sum partials in layernorm_backward_v6 (its shared memory)
+
+// kernels/layernorm.cu's layernorm_backward (the same arguments, grid, block and scratch slots),
+// its part 2 with x128 loads: the block's `groups` = C / x128::size column groups are taken
+// `pass_groups` = min(groups, threads) at a time; in a pass, thread t < phases * pass_groups sums
+// group g0 + t % pass_groups over the rows row_begin + p, + phases, ... (p = t / pass_groups, the
+// row phase), its 2 * x128::size sums (dbias, dweight) kept in registers, then written to shared
+// memory, where thread j adds column j's phases in phase order into the block's slot.
+extern "C" __global__ void layernorm_backward_v6(floatX* dinp, float* scratch, const floatX* dout,
+                                                 const floatX* inp, const floatX* weight,
+                                                 const float* mean, const float* rstd, int N, int C) {
+    __shared__ float phase_sums[LN_PARTIAL_THREADS * 2 * 8];   // [phase][dbias | dweight][pass column]
+    const int rows_per_block = (N + gridDim.x - 1) / gridDim.x;
+    const int row_begin = min(N, (int)blockIdx.x * rows_per_block);
+    const int row_end = min(N, row_begin + rows_per_block);
+
+    // part 1, dinp: the production kernel's code
+    layernorm_backward_dinp_rows(dinp, dout, inp, weight, mean, rstd, row_begin, row_end, C);
+
+    // part 2, the partial sums of dbias and dweight over the block's rows
+    const int threads = min((int)blockDim.x, LN_PARTIAL_THREADS);
+    const int groups = C / x128::size;
+    const int pass_groups = min(groups, threads);
+    const int phases = threads / pass_groups;
+    const int pass_columns = pass_groups * x128::size;
+    float* dbias_partial = scratch + (size_t)blockIdx.x * 2 * C;
+    float* dweight_partial = dbias_partial + C;
+    for (int g0 = 0; g0 < groups; g0 += pass_groups) {      // one pass for C <= threads * x128::size
+        const int phase = threadIdx.x / pass_groups;
+        const int g = g0 + threadIdx.x % pass_groups;
+        const bool summing = phase < phases && g < groups;
+        float dbias_sum[x128::size], dweight_sum[x128::size];
+        for (int k = 0; k < x128::size; k++) {
+            dbias_sum[k] = 0.0f;
+            dweight_sum[k] = 0.0f;
+        }
+        if (summing) {
+            for (int row = row_begin + phase; row < row_end; row += phases) {
+                const size_t offset = (size_t)row * C + g * x128::size;
+                const x128 dout_group = load128(dout + offset);
+                const x128 inp_group = load128(inp + offset);
+                const float row_mean = mean[row];
+                const float row_rstd = rstd[row];
+                for (int k = 0; k < x128::size; k++) {
+                    const float norm = ((float)inp_group[k] - row_mean) * row_rstd;
+                    dbias_sum[k] += (float)dout_group[k];
+                    dweight_sum[k] += (float)dout_group[k] * norm;
+                }
+            }
+        }
+        __syncthreads();                                    // the previous pass has read phase_sums
+        if (summing) {
+            float* mine = phase_sums + phase * 2 * pass_columns + (g - g0) * x128::size;
+            for (int k = 0; k < x128::size; k++) {
+                mine[k] = dbias_sum[k];
+                mine[pass_columns + k] = dweight_sum[k];
+            }
+        }
+        __syncthreads();
+        const int columns = min(groups - g0, pass_groups) * x128::size;
+        for (int j = threadIdx.x; j < 2 * columns; j += blockDim.x) {     // j: dbias columns, then dweight
+            const int which = j / columns, column = j % columns;
+            float total = 0.0f;
+            for (int p = 0; p < phases; p++) {
+                total += phase_sums[p * 2 * pass_columns + which * pass_columns + column];
+            }
+            (which == 0 ? dbias_partial : dweight_partial)[g0 * x128::size + column] = total;
+        }
     }
 }

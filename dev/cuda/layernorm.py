@@ -43,6 +43,20 @@ layernorm_backward, dinp += ..., dweight += ..., dbias += ... (gpt2_cpu.layernor
             LAYERNORM_PARAM_REDUCE_BLOCK_SIZE), so it is still deterministic. Measured on the H100
             at block 512: 0.039 ms, 30% faster than version 3 and 12% faster than version 2.
   Versions 1 and 2 also finish with the production layernorm_param_reduce, over their one slot.
+  version 5 (candidate; kernels/layernorm.cu layernorm_backward + dev/cuda/layernorm.cu
+            layernorm_param_reduce_v5): version 4, each lane of the reduce keeping 8 running sums,
+            so that 8 of its slot loads are in flight at once. On the H200 (2026-11-27) version 4
+            took 0.0345 ms here, and in the B=16 step its reduce took 14 us a call (0.35 ms of the
+            step for 25 LayerNorms) to sum 3.1 MB of slots: each lane's 32 loads waited one by one.
+  version 6 (candidate; layernorm_backward_v6 + layernorm_param_reduce_v5): version 5, and the
+            backward's partial sums with x128 loads: thread t sums the group t % 96 (GPT-2 in bf16)
+            over every 5th row of the block (5 row phases of 96 groups at 512 threads), the phases
+            added in shared memory in phase order. Version 4 gives a thread one channel (2-byte
+            loads, 8x the load instructions) and all the block's rows, and at C = 768 half of its
+            512 threads take two channels. The input gradient is the same code
+            (kernels/layernorm.cuh).
+  Both candidates launch exactly as version 4 (grid, blocks, slots): `dev/bench.py --candidate
+  layernorm:5` (or 6) times the whole step with them in its place.
 
 Napkin math (minimum traffic; N rows, C channels): forward reads N*C and writes N*C floatX plus
 2N floats of statistics; fused reads 2N*C, writes 2N*C; backward reads dout, inp and dinp, writes
@@ -76,6 +90,8 @@ FUSED_RESIDUAL_FORWARD_V2 = dev_kernel(OP, "fused_residual_forward_v2")
 LAYERNORM_BACKWARD_V1 = dev_kernel(OP, "layernorm_backward_v1")
 LAYERNORM_BACKWARD_V2 = dev_kernel(OP, "layernorm_backward_v2")
 LAYERNORM_PARAM_REDUCE_V3 = dev_kernel(OP, "layernorm_param_reduce_v3")
+LAYERNORM_PARAM_REDUCE_V5 = dev_kernel(OP, "layernorm_param_reduce_v5")
+LAYERNORM_BACKWARD_V6 = dev_kernel(OP, "layernorm_backward_v6")
 LAYERNORM_FORWARD = production_kernel("layernorm", "layernorm_forward")
 FUSED_RESIDUAL_FORWARD = production_kernel("layernorm", "fused_residual_forward")
 LAYERNORM_BACKWARD = production_kernel("layernorm", "layernorm_backward")
@@ -214,6 +230,17 @@ def backward_v4(d, block_size):
     param_reduce(d, d.G, block_size)
 
 
+def backward_candidate(backward_kernel):
+    """A candidate launched as gpt2_cuda.layernorm_backward launches production's two kernels (the
+    grid G, the reduce's grid and fixed block), backward_kernel and layernorm_param_reduce_v5 in their
+    places: a drop-in for dev/bench.py --candidate."""
+    def launch(d, block_size):
+        backward_kernel.launch(d.precision, d.G, block_size, backward_args(d))
+        LAYERNORM_PARAM_REDUCE_V5.launch(d.precision, layernorm_param_reduce_grid(d.C), LAYERNORM_PARAM_REDUCE_BLOCK_SIZE,
+                                         (d.dweight, d.dbias, d.scratch, np.int32(d.G), np.int32(d.C)))
+    return launch
+
+
 SIZES = dict(B=8, T=1024, C=768)                 # GPT-2 124M
 TEST_SIZES = dict(B=2, T=37, C=96)               # 74 rows: partial blocks; C = 3 warps of 32
 PROGRESSIONS = [
@@ -236,6 +263,12 @@ PROGRESSIONS = [
                 (LAYERNORM_BACKWARD, LAYERNORM_PARAM_REDUCE_V3), backward_v3),
         Version(4, "production: version 3's slots summed by blocks of warps, deterministic",
                 (LAYERNORM_BACKWARD, LAYERNORM_PARAM_REDUCE), backward_v4),
+        Version(5, "candidate: version 4, its reduce with 8 of a lane's slot loads in flight",
+                (LAYERNORM_BACKWARD, LAYERNORM_PARAM_REDUCE_V5), backward_candidate(LAYERNORM_BACKWARD),
+                drop_in=True),
+        Version(6, "candidate: version 5, the partial sums with x128 loads over row phases",
+                (LAYERNORM_BACKWARD_V6, LAYERNORM_PARAM_REDUCE_V5), backward_candidate(LAYERNORM_BACKWARD_V6),
+                drop_in=True),
     ], SIZES, TEST_SIZES),
 ]
 

@@ -1,0 +1,56 @@
+/*
+kernels/layernorm.cuh: the half of LayerNorm's backward that kernels/layernorm.cu's
+layernorm_backward and the candidate versions of dev/cuda/layernorm.cu share, so that a candidate
+changes only the other half (the parameter gradients' partial sums) and the rest is the very code
+the trainer runs. The math and the launch contract: kernels/layernorm.cu.
+*/
+#pragma once
+#include "common.cuh"
+
+// dinp (N,C) += the LayerNorm input gradient of the rows [row_begin, row_end) (the calling block's):
+//     dnorm = dout * weight,  dinp += rstd * (dnorm - mean_c(dnorm) - norm * mean_c(dnorm * norm))
+// one warp per row (warp w of the block takes rows row_begin + w, + warps, ...), the two row means
+// first, then the three-term gradient. Lane l owns the x128 groups c = l*x128::size + k*32*x128::size
+// of its row in both passes, so the second pass finds the row in L1.
+__device__ inline void layernorm_backward_dinp_rows(floatX* dinp, const floatX* dout, const floatX* inp,
+                                                    const floatX* weight, const float* mean,
+                                                    const float* rstd, int row_begin, int row_end,
+                                                    int C) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warps_per_block = blockDim.x / WARP_SIZE;
+    const int lane_stride = WARP_SIZE * x128::size;
+    for (int row = row_begin + threadIdx.x / WARP_SIZE; row < row_end; row += warps_per_block) {
+        const size_t offset = (size_t)row * C;
+        const float row_mean = mean[row];
+        const float row_rstd = rstd[row];
+        float dnorm_sum = 0.0f;
+        float dnorm_norm_sum = 0.0f;
+        for (int c = lane * x128::size; c < C; c += lane_stride) {
+            const x128 dout_group = load128(dout + offset + c);
+            const x128 inp_group = load128(inp + offset + c);
+            const x128 w = load128(weight + c);
+            for (int k = 0; k < x128::size; k++) {
+                const float norm = ((float)inp_group[k] - row_mean) * row_rstd;
+                const float dnorm = (float)dout_group[k] * (float)w[k];
+                dnorm_sum += dnorm;
+                dnorm_norm_sum += dnorm * norm;
+            }
+        }
+        warpReduceSum2(dnorm_sum, dnorm_norm_sum);            // both sums, one shuffle per step
+        const float dnorm_mean = dnorm_sum / C;
+        const float dnorm_norm_mean = dnorm_norm_sum / C;
+        for (int c = lane * x128::size; c < C; c += lane_stride) {
+            const x128 dout_group = load128(dout + offset + c);
+            const x128 inp_group = load128(inp + offset + c);
+            const x128 w = load128(weight + c);
+            x128 dinp_group = load128(dinp + offset + c);
+            for (int k = 0; k < x128::size; k++) {
+                const float norm = ((float)inp_group[k] - row_mean) * row_rstd;
+                const float dnorm = (float)dout_group[k] * (float)w[k];
+                const float dval = row_rstd * (dnorm - dnorm_mean - norm * dnorm_norm_mean);
+                dinp_group[k] = (floatX)((float)dinp_group[k] + dval);
+            }
+            store128(dinp + offset + c, dinp_group);
+        }
+    }
+}
