@@ -294,13 +294,13 @@ def test_a_candidate_reaches_the_workers_the_banner_and_the_json(workers, capsys
 
 
 @pytest.mark.parametrize("spec,words", [("classifier:3", "version 3 of dev/cuda/classifier.py is not a drop-in"),
-                                        ("classifier:4", "version 4 of dev/cuda/classifier.py is not a drop-in"),
+                                        ("global_norm:4", "version 4 of dev/cuda/global_norm.py is not a drop-in"),
                                         ("classifier:9", "dev/cuda/classifier.py has no version 9"),
                                         ("classifier", "OP:VERSION"), ("nosuch:1", "OP:VERSION"),
                                         ("common:1", "OP:VERSION"), ("../bench:1", "OP:VERSION")])
 def test_a_candidate_that_cannot_replace_ours_is_one_line(capsys, spec, words):
-    """The production version (3), a candidate launched otherwise (4: the row in dynamic shared memory, which
-    the production launch does not give), a missing version or op, and a path are refused before any run."""
+    """The production version (3), a candidate not marked drop-in (global_norm's 4, not yet made one), a
+    missing version or op, and a path are refused before any run."""
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--candidate", spec])
     err = capsys.readouterr().err
@@ -308,8 +308,8 @@ def test_a_candidate_that_cannot_replace_ours_is_one_line(capsys, spec, words):
 
 
 def test_a_candidate_runs_in_the_emulated_step_in_place_of_ours(monkeypatch):
-    """--candidate classifier:5 on the emulated device: the trainer's fused_classifier launches run
-    dev/cuda/classifier.cu's fused_classifier_v5, which gives version 3's results bit for bit, so the
+    """--candidate classifier:4 on the emulated device: the trainer's fused_classifier launches run
+    dev/cuda/classifier.cu's fused_classifier_v4, which gives version 3's results bit for bit, so the
     bench's losses are the production kernel's exactly; replace_kernel(..., None) gives ours back."""
     from llmc import cuda
     from llmc.emulator import device
@@ -321,11 +321,11 @@ def test_a_candidate_runs_in_the_emulated_step_in_place_of_ours(monkeypatch):
     ours = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
     production = loaded()["bf16"]
     try:
-        bench.install_candidates(["classifier:5"])
+        bench.install_candidates(["classifier:4"])
         assert "bf16" not in loaded()                                   # dropped: loaded again at the next launch
         theirs = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
         common = bench.dev_cuda_common()
-        (_, _, kernel), = bench.candidate_kernels("classifier:5")
+        (_, _, kernel), = bench.candidate_kernels("classifier:4")
         assert loaded()["bf16"] is common.load_function(kernel, "bf16") is not production
     finally:
         cuda.replace_kernel("classifier", "fused_classifier", None)
@@ -367,6 +367,27 @@ def test_a_two_kernel_candidate_replaces_both_in_the_emulated_step(monkeypatch, 
     assert ("candidate layernorm:6: dev/cuda/layernorm.cu's layernorm_backward_v6 in place of layernorm_backward, "
             "dev/cuda/layernorm.cu's layernorm_param_reduce_v5 in place of layernorm_param_reduce"
             in bench.candidates_words(args))
+
+
+def test_the_register_row_candidate_runs_in_the_emulated_step(monkeypatch):
+    """--candidate classifier:5 (the row in registers: GPT-2's Vp = 50304 at the trainer's 1024 threads is
+    one tile) on the emulated device: the step's losses within bf16's rounding of ours (its max and sum
+    are taken in another order than version 3's online softmax), from the candidate's function."""
+    from llmc import cuda
+    from llmc.emulator import device
+    monkeypatch.setattr(cuda, "_device", "cpu")
+    monkeypatch.setattr(device.cuda.Stream, "_current", device.cuda.Stream._current)    # cupy_model sets it
+    ours = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
+    (file, name, kernel), = bench.candidate_kernels("classifier:5")
+    try:
+        bench.install_candidates(["classifier:5"])
+        theirs = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
+        loaded = next(f for key, f in cuda._FUNCTIONS.items() if key[1:3] == (file, "bf16") and key[4] == name)
+        assert loaded is bench.dev_cuda_common().load_function(kernel, "bf16")
+    finally:
+        cuda.replace_kernel(file, name, None)
+    assert (file, name, kernel.name) == ("classifier", "fused_classifier", "fused_classifier_v5")
+    assert len(theirs) == len(ours) == 2 and all(abs(a - b) < 1e-3 for a, b in zip(theirs, ours)), (theirs, ours)
 
 
 def test_cublaslt_unavailable_fails_the_worker_instead_of_timing_cublas(monkeypatch):

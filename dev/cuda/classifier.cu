@@ -16,13 +16,14 @@ and, when write_dlogits, the logits are overwritten in place by
   max and the sum of exp are each a warpReduce (5 shuffles). Still three passes over the row,
   scalar loads, and 32 lanes for 50304 columns.
 
-- fused_classifier_v4 (candidate, after the production version 3): version 3 with the row kept
-  in shared memory between its two passes, so that it is read from global memory once. On an H200
-  (2026-11-27) it took 12x version 3's time (1.35 ms against 0.107 ms at B=4, T=256), as did the
-  version 5 of that day, which copied the row in by cp.async (1.33 ms; removed, its table is in
-  dev/results/): a measured dead end, kept to show it.
-- fused_classifier_v5 (candidate): version 3 with CLASSIFIER_UNROLL = 4 of a thread's groups
-  loaded into registers before any of them is used, in both passes.
+- fused_classifier_v4 (candidate, after the production version 3): version 3 with CLASSIFIER_UNROLL
+  = 4 of a thread's groups loaded into registers before any of them is used, in both passes.
+- fused_classifier_v5 (candidate): the row in registers between the two passes, so it is read from
+  DRAM once: CLASSIFIER_ROW_GROUPS = 7 groups a thread hold GPT-2's whole row at 1024 threads in
+  bf16; a longer row goes through in tiles of that size.
+Measured dead ends, removed (their tables are in dev/results/, 2026-11-27, H200): the row kept in
+dynamic shared memory between the passes (the candidate 4 of that day) took 12x version 3's time
+(1.35 ms against 0.107 ms at B=4, T=256), as did the row copied in by cp.async (1.33 ms).
 
 Warp kernels need blockDim.x a multiple of 32. Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/classifier.cu
@@ -87,8 +88,8 @@ extern "C" __global__ void fused_classifier_v2(floatX* logits, float* losses, co
     }
 }
 
-// What versions 4 and 5 share. The online softmax of one 16-byte group whose first element is
-// column `first` (only the real columns, < V, count):
+// Version 4's online softmax of one 16-byte group whose first element is column `first` (only the
+// real columns, < V, count):
 __device__ inline SoftmaxState softmax_state_add_group(SoftmaxState state, const x128& group, int first, int V) {
     for (int k = 0; k < x128::size; k++) {
         if (first + k < V) {
@@ -98,64 +99,7 @@ __device__ inline SoftmaxState softmax_state_add_group(SoftmaxState state, const
     return state;
 }
 
-// After the block reduction (`state` is the row's): thread 0 writes the loss; with write_dlogits
-// each thread writes the gradient of the groups it holds in shared memory, streamed out (__stcs):
-// (softmax - onehot) * dloss, 0 for the padded columns.
-__device__ inline void loss_and_dlogits_from_shared(const x128* row_groups, floatX* row_logits, float* loss,
-                                                    SoftmaxState state, float target_logit, int target, float dloss,
-                                                    int V, int groups, int write_dlogits) {
-    if (threadIdx.x == 0) {
-        *loss = state.max + logf(state.sum) - target_logit;
-    }
-    if (!write_dlogits) {
-        return;
-    }
-    const float inv_sum = 1.0f / state.sum;
-    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        const x128 group = row_groups[g];
-        x128 out;
-        for (int k = 0; k < x128::size; k++) {
-            const int i = g * x128::size + k;
-            const float prob = (i < V) ? expf((float)group[k] - state.max) * inv_sum : 0.0f;
-            out[k] = (floatX)((prob - (i == target ? 1.0f : 0.0f)) * dloss);
-        }
-        store128cs(row_logits + g * x128::size, out);
-    }
-}
-
-// Version 4 (candidate): version 3 (kernels/classifier.cu), one block per row, with the row kept in
-// shared memory between the two passes. Pass 1 streams the row in (__ldcs: DRAM read once, not kept
-// in L2), stores each 16-byte group into dynamic shared memory and runs the online softmax; after
-// the block reduction, pass 2 reads each thread's own groups back from shared memory and streams
-// the gradient out (__stcs). A thread reads back only the groups it wrote itself, so no barrier is
-// needed between its store and its load: the block reduction's barriers separate one row's pass 2
-// from the next row's pass 1 for the arrays they share, and the cached groups belong to one thread.
-// Why it could be faster: version 3 reads the row from global memory twice and relies on L2 for the
-// second read (264 rows of 100 KB in flight on an H100 fill 26 of its 50 MB); this one moves the
-// minimum, N*Vp floatX in and out. The cost: Vp * sizeof(floatX) bytes of dynamic shared memory
-// per block (100.6 KB for Vp = 50304 in bf16: two blocks of 1024 threads per H100 SM, as version
-// 3's thread count allows anyway); Vp a multiple of x128::size (the launcher checks).
-extern "C" __global__ void fused_classifier_v4(floatX* logits, float* losses, const int* targets, float dloss,
-                                               int N, int V, int Vp, int write_dlogits) {
-    extern __shared__ __align__(16) x128 row_groups[];     // (Vp / x128::size) groups of this block's row
-    const int groups = Vp / x128::size;
-    for (int row = blockIdx.x; row < N; row += gridDim.x) {
-        floatX* row_logits = logits + (size_t)row * Vp;
-        const int target = targets[row];
-        const float target_logit = (float)row_logits[target];   // before any thread overwrites it
-        SoftmaxState state = softmax_state_empty();
-        for (int g = threadIdx.x; g < groups; g += blockDim.x) {      // pass 1: global -> shared, online softmax
-            const x128 group = load128cs(row_logits + g * x128::size);
-            row_groups[g] = group;
-            state = softmax_state_add_group(state, group, g * x128::size, V);
-        }
-        state = blockReduceSoftmax(state);
-        loss_and_dlogits_from_shared(row_groups, row_logits, &losses[row], state, target_logit, target, dloss, V,
-                                     groups, write_dlogits);                                 // pass 2
-    }
-}
-
-// Version 5 (candidate): version 3, each thread loading CLASSIFIER_UNROLL of its groups into
+// Version 4 (candidate): version 3, each thread loading CLASSIFIER_UNROLL of its groups into
 // registers before it uses any of them, in both passes. Why it could be faster: version 3's loop
 // loads one group and feeds it to the online softmax in the same iteration, so a thread has about
 // one 16-byte load in flight. With its 31 registers an SM holds 2048 of its threads: 32 KB in
@@ -181,7 +125,7 @@ __device__ inline void load_groups(x128 (&groups)[CLASSIFIER_UNROLL], const floa
     }
 }
 
-extern "C" __global__ void fused_classifier_v5(floatX* logits, float* losses, const int* targets, float dloss,
+extern "C" __global__ void fused_classifier_v4(floatX* logits, float* losses, const int* targets, float dloss,
                                                int N, int V, int Vp, int write_dlogits) {
     const int stride = blockDim.x * x128::size;            // columns from one of a thread's groups to its next
     for (int row = blockIdx.x; row < N; row += gridDim.x) {
@@ -219,6 +163,123 @@ extern "C" __global__ void fused_classifier_v5(floatX* logits, float* losses, co
                         store128(row_logits + c, out);
                     }
                 }
+            }
+        }
+    }
+}
+
+// Version 5 (candidate): the row in registers, read from DRAM once. A thread holds
+// CLASSIFIER_ROW_GROUPS = 7 groups of 16 bytes (28 32-bit registers): with 1024 threads a tile of
+// 7 x 8 x 1024 = 57,344 bf16 values, so GPT-2's whole row (Vp = 50,304: 6 or 7 groups a thread) is one
+// tile. Every load of a tile is issued before any is used; then the thread's max and sum of exp over
+// it (two passes over the registers: one exp a value, none of the online softmax's rescaling), the
+// block reduction, and the gradient computed from the same registers: a one-tile row crosses DRAM
+// once each way, the minimum (versions 3 and 4 read it twice, the second time mostly from L2). A
+// longer row (a smaller block, fp32's 4-value groups, Llama 3's 128K vocabulary) is several tiles,
+// merged into the thread's state one after the other; its gradient pass starts from the last tile,
+// still in registers, and reloads the others. The groups stay raw int4 (group_value decodes a value
+// where it is used): held as a Packed128 of bf16, the compiler gave each value a register of its own,
+// 8 a group, and spilled. __launch_bounds__(1024) keeps it within 64 registers, so that a 1024-thread
+// block fits its SM (nvrtc_compile.py -r: the count, and no spill).
+#define CLASSIFIER_ROW_GROUPS 7
+
+// value k of a group held as its raw 16 bytes (k a constant once the caller's loop is unrolled): bf16
+// is the high half of a float's bits, so the decode is exact, (float) of the bf16 value
+__device__ inline float group_value(const int4& raw, int k) {
+    constexpr int per_word = 4 / (int)sizeof(floatX);          // 2 bf16, or 1 float, per 32-bit word
+    const int w = k / per_word;
+    const unsigned int word = (unsigned int)(w == 0 ? raw.x : w == 1 ? raw.y : w == 2 ? raw.z : raw.w);
+    if constexpr (sizeof(floatX) == 2) {
+        return __uint_as_float(((word >> (16 * (k % 2))) & 0xffffu) << 16);   // little-endian: even k low
+    } else {
+        return __uint_as_float(word);
+    }
+}
+
+// the thread's groups of a tile: groups[u] = the 16 bytes at column first + u * stride, zeros from Vp on
+__device__ inline void load_tile(int4 (&groups)[CLASSIFIER_ROW_GROUPS], const floatX* row, int first, int stride,
+                                 int Vp) {
+    #pragma unroll
+    for (int u = 0; u < CLASSIFIER_ROW_GROUPS; u++) {
+        const int c = first + u * stride;
+        groups[u] = c < Vp ? __ldcs(reinterpret_cast<const int4*>(row + c)) : make_int4(0, 0, 0, 0);
+    }
+}
+
+// max and sum of exp(x - max) over the tile's values x in the V real columns
+__device__ inline SoftmaxState tile_state(const int4 (&groups)[CLASSIFIER_ROW_GROUPS], int first, int stride, int V) {
+    SoftmaxState state = softmax_state_empty();
+    #pragma unroll
+    for (int u = 0; u < CLASSIFIER_ROW_GROUPS; u++) {
+        #pragma unroll
+        for (int k = 0; k < x128::size; k++) {
+            if (first + u * stride + k < V) {
+                state.max = fmaxf(state.max, group_value(groups[u], k));
+            }
+        }
+    }
+    if (state.max != NEGATIVE_INFINITY) {                  // no values, or all -inf: sum 0 (not exp(NaN))
+        #pragma unroll
+        for (int u = 0; u < CLASSIFIER_ROW_GROUPS; u++) {
+            #pragma unroll
+            for (int k = 0; k < x128::size; k++) {
+                if (first + u * stride + k < V) {
+                    state.sum += expf(group_value(groups[u], k) - state.max);
+                }
+            }
+        }
+    }
+    return state;
+}
+
+// the tile's gradient over its logits: (softmax - onehot) * dloss, 0 in the padded columns
+__device__ inline void store_tile_dlogits(const int4 (&groups)[CLASSIFIER_ROW_GROUPS], floatX* row, int first,
+                                          int stride, int V, int Vp, int target, SoftmaxState state, float dloss) {
+    const float inv_sum = 1.0f / state.sum;
+    #pragma unroll
+    for (int u = 0; u < CLASSIFIER_ROW_GROUPS; u++) {
+        const int c = first + u * stride;
+        if (c < Vp) {
+            x128 out;
+            #pragma unroll
+            for (int k = 0; k < x128::size; k++) {
+                const int i = c + k;
+                const float prob = (i < V) ? expf(group_value(groups[u], k) - state.max) * inv_sum : 0.0f;
+                out[k] = (floatX)((prob - (i == target ? 1.0f : 0.0f)) * dloss);
+            }
+            store128cs(row + c, out);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) fused_classifier_v5(floatX* logits, float* losses,
+                                                                       const int* targets, float dloss,
+                                                                       int N, int V, int Vp,
+                                                                       int write_dlogits) {
+    const int stride = blockDim.x * x128::size;            // columns from one of a thread's groups to its next
+    const int tile = CLASSIFIER_ROW_GROUPS * stride;       // columns a block holds in registers at once
+    const int tiles = (Vp + tile - 1) / tile;              // 1 for GPT-2 in bf16 at 1024 threads
+    const int first = threadIdx.x * x128::size;            // the thread's first column in a tile
+    for (int row = blockIdx.x; row < N; row += gridDim.x) {
+        floatX* row_logits = logits + (size_t)row * Vp;
+        const int target = targets[row];
+        const float target_logit = (float)row_logits[target];   // before any thread overwrites it
+        int4 groups[CLASSIFIER_ROW_GROUPS];
+        SoftmaxState state = softmax_state_empty();
+        for (int t = 0; t < tiles; t++) {                   // pass 1: the tiles' states merged in order
+            load_tile(groups, row_logits, t * tile + first, stride, Vp);
+            state = softmax_state_merge(state, tile_state(groups, t * tile + first, stride, V));
+        }
+        state = blockReduceSoftmax(state);                  // its barriers: every read above before any write
+        if (threadIdx.x == 0) {
+            losses[row] = state.max + logf(state.sum) - target_logit;
+        }
+        if (write_dlogits) {
+            for (int t = tiles - 1; t >= 0; t--) {          // pass 2: the last tile is still in registers
+                if (t != tiles - 1) {
+                    load_tile(groups, row_logits, t * tile + first, stride, Vp);
+                }
+                store_tile_dlogits(groups, row_logits, t * tile + first, stride, V, Vp, target, state, dloss);
             }
         }
     }

@@ -17,23 +17,29 @@ then the logits are overwritten by dlogits = (softmax - onehot(target)) * dloss:
             loads and stores. One read
             pass fewer, 16 bytes per load, and 32x more threads per row again: a 50304-column
             row is 1.5 elements per lane of a block instead of 1572 per lane of a warp.
-  version 4 (candidate: dev/cuda/classifier.cu fused_classifier_v4) keeps the row in dynamic
-            shared memory between version 3's two passes (Vp floatX per block: 100.6 KB for
-            GPT-2's Vp in bf16), so the row comes from DRAM once, with streaming loads and
-            stores, where version 3 reads it twice and counts on L2 for the second read. It
-            would replace version 3 in kernels/ only if a GPU measured it faster. Measured on an
-            H200 (2026-11-27, dev/results/): 1.35 ms against version 3's 0.107 ms at the shape
-            below, 12x slower at every block size, as version 5 (1.33 ms); no profile was taken,
-            so why is not known. Both stay here as a measured dead end.
-  version 5 (candidate: fused_classifier_v5) is version 3 with each thread loading 4 of its
-            groups into registers before using any of them, in both passes: version 3 keeps about
-            one 16-byte load per thread in flight (32 KB per SM at its 2048 threads), which by
-            Little's law (bytes in flight = bandwidth x latency) at the 1.93 TB/s the H200 measured
-            means 2.2 us per load; version 5 keeps 64 KB in flight per SM with half the threads
-            (63 registers). Its results are version 3's bit for bit (the same state updates in the
-            same order).
-            The version 5 of 2026-11-27 (version 4 with the row copied in by cp.async) took 1.33 ms,
-            as slow as version 4, and was removed.
+  version 4 (candidate: dev/cuda/classifier.cu fused_classifier_v4) is version 3 with each
+            thread loading 4 of its groups into registers before using any of them, in both
+            passes: version 3 keeps about one 16-byte load per thread in flight (32 KB per SM at
+            its 2048 threads), which by Little's law (bytes in flight = bandwidth x latency) at the
+            1.93 TB/s the H200 measured means 2.2 us per load; version 4 keeps 64 KB in flight per
+            SM with half the threads (63 registers). Its results are version 3's bit for bit (the
+            same state updates in the same order). (The candidate 5 of the tenth session; it
+            became 4 when the dead ends below were removed.)
+  version 5 (candidate: fused_classifier_v5) keeps the row in registers between the two passes,
+            so it crosses DRAM once each way, the minimum: 7 groups of 16 bytes a thread (28
+            registers, the raw bytes, decoded where used) hold GPT-2's 50,304 bf16 logits at 1024
+            threads, every load issued first (100 KB of the row in flight per block); then the
+            thread's max and sum of exp (two passes over its registers, one exp a value), the
+            block reduction, and the gradient from the registers. 64 registers, no spill
+            (__launch_bounds__(1024)). A row that does not fit (a smaller block, fp32 at GPT-2's
+            Vp) goes through in tiles of 7 groups a thread, merged in order, the last tile kept
+            for the gradient pass and the others read again.
+  Both candidates launch exactly as version 3 (one block a row, no dynamic shared memory):
+  `dev/bench.py --candidate classifier:4` (or 5) times the whole step with one in its place.
+  Measured dead ends, removed after the H200 timed them (2026-11-27, dev/results/): the row kept
+  in dynamic shared memory between version 3's passes (1.35 ms against version 3's 0.107 ms at the
+  shape below, 12x slower at every block size) and the row copied in by cp.async (1.33 ms). No
+  profile was taken, so why is not known.
 
 Napkin math (minimum traffic): read N*Vp logits once, write N*Vp dlogits, plus N targets and
 N losses. Memory-bound: ~3 flops (an exp) per 4-8 bytes.
@@ -109,36 +115,16 @@ def v3(d, block_size):
     FUSED_CLASSIFIER.launch(d.precision, max(1, d.N), block_size, args(d))     # gpt2_cuda.fused_classifier
 
 
-def launch_with_the_row_in_shared_memory(kernel, d, block_size):
-    """Version 4: one block per row, as version 3, with the row's Vp floatX as dynamic
-    shared memory (opted in above CUDA's default 48 KiB, as dev/cuda/matmul.py's launch_tiled).
-    Raises ValueError (one line) where the row does not fit in a block's shared memory."""
-    vector = llmc.cuda.vector_size(d.precision)
-    llmc.cuda.require(d.Vp % vector == 0, f"{kernel.name}: Vp={d.Vp} must be a multiple of {vector}")
-    shared = d.Vp * common.itemsize("X", d.precision)
-    cp = llmc.cuda.cupy()
-    limit = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerBlockOptin"] - STATIC_SHARED_BYTES
-    llmc.cuda.require(shared <= limit, f"{kernel.name}: a row of Vp={d.Vp} {d.precision} values is {shared} bytes "
-                                       f"of shared memory, over the {limit} a block of this device may have")
-    if shared > DEFAULT_DYNAMIC_SHARED_BYTES:
-        function = common.load_function(kernel, d.precision)
-        if function.max_dynamic_shared_size_bytes < shared:
-            function.max_dynamic_shared_size_bytes = shared
-    kernel.launch(d.precision, max(1, d.N), block_size, args(d), shared_mem=shared)
+def candidate(kernel):
+    """A candidate launched as gpt2_cuda.fused_classifier launches version 3: one block a row (x128 groups
+    only: Vp a multiple of x128::size, which the trainer's padded Vp always is)."""
+    def launch(d, block_size):
+        vector = llmc.cuda.vector_size(d.precision)
+        llmc.cuda.require(d.Vp % vector == 0, f"{kernel.name}: Vp={d.Vp} must be a multiple of {vector}")
+        kernel.launch(d.precision, max(1, d.N), block_size, args(d))
+    return launch
 
 
-def v4(d, block_size):
-    launch_with_the_row_in_shared_memory(FUSED_CLASSIFIER_V4, d, block_size)
-
-
-def v5(d, block_size):
-    vector = llmc.cuda.vector_size(d.precision)
-    llmc.cuda.require(d.Vp % vector == 0, f"fused_classifier_v5: Vp={d.Vp} must be a multiple of {vector}")
-    FUSED_CLASSIFIER_V5.launch(d.precision, max(1, d.N), block_size, args(d))
-
-
-DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024          # a launch's dynamic shared memory without the opt-in
-STATIC_SHARED_BYTES = 2 * 1024 * 4 + 8            # blockReduceSoftmax's arrays (kernels/common.cuh), beside the row
 SIZES = dict(B=4, T=256, V=50257, Vp=50304)      # GPT-2's vocabulary, 1024 rows
 TEST_SIZES = dict(B=2, T=19, V=1000, Vp=1024)
 PROGRESSIONS = [
@@ -146,10 +132,10 @@ PROGRESSIONS = [
         Version(1, "naive port, one thread per row, three passes", (FUSED_CLASSIFIER_V1,), v1),
         Version(2, "one warp per row, coalesced loads, shuffle reductions", (FUSED_CLASSIFIER_V2,), v2),
         Version(3, "production: one block per row, online softmax, x128", (FUSED_CLASSIFIER,), v3),
-        Version(4, "candidate: version 3 with the row kept in shared memory, read from DRAM once",
-                (FUSED_CLASSIFIER_V4,), v4, block_sizes=(256, 512, 1024)),
-        Version(5, "candidate: version 3 with 4 of a thread's groups loaded before any is used",
-                (FUSED_CLASSIFIER_V5,), v5, drop_in=True),
+        Version(4, "candidate: version 3 with 4 of a thread's groups loaded before any is used",
+                (FUSED_CLASSIFIER_V4,), candidate(FUSED_CLASSIFIER_V4), drop_in=True),
+        Version(5, "candidate: the row in registers between the passes, read from DRAM once",
+                (FUSED_CLASSIFIER_V5,), candidate(FUSED_CLASSIFIER_V5), drop_in=True),
     ], SIZES, TEST_SIZES),
 ]
 

@@ -7,7 +7,8 @@
 # $OUT/results.tgz beside $OUT/next_gpu.log: the device tool returns at most 8 files from $OUT, and the
 # tenth session's call, which left 24 there, lost its log that way.
 # (written in the eighth session, 2026-11-27 as next_gpu_session8.sh; the tenth, after its H200 calls,
-# kept only what those calls did not measure or lost, and made -r 0 the default)
+# kept only what those calls did not measure or lost, and made -r 0 the default; the eleventh, without a GPU,
+# added the layernorm candidates)
 #   1. the GPU tests the tenth session's calls lost or failed: the autotuned cuDNN plans (its assertion
 #      fixed: the non-deterministic backward's graph is untimed) and the tensor-core instructions against
 #      the emulated device's (issue 36)
@@ -18,12 +19,18 @@
 #      --cudnn-deterministic 0 (1.0% faster with -r 1, but not bitwise repeatable); --bias-grad-epilogue 0
 #      (the same speed with -r 1: plain dweight GEMMs 1.36 ms faster than BGRADB, bias_backward and its
 #      bias_reduce 1.54 ms, of which the reduce 0.51 ms; the reduce now keeps 16 sums in flight: does level 0
-#      now win?), and --candidate classifier:5 (dev/cuda's classifier candidate 5 launched in place of ours: the
-#      step with it); then dev/bench_compare.py on them
+#      now win?), --candidate classifier:4 (dev/cuda's classifier candidate 4, 4 loads in flight a thread, the
+#      tenth session's candidate 5, launched in place of ours: the step with it), --candidate classifier:5 (the
+#      eleventh session's: the row in registers, read from DRAM once), --candidate layernorm:5 and layernorm:6 (the eleventh session's: layernorm_param_reduce with
+#      8 loads in flight, 14 us a call in the step; then also the backward's partial sums with x128 loads); then
+#      dev/bench_compare.py on them. The defaults' run also times the eleventh session's first micro-batch,
+#      whose BGRADB writes the bias gradients into the zeroed dbias (48 residual_forward launches, 0.20 ms, gone;
+#      the same bits: on this H200 its 13 losses should equal the tenth session's -r 0 run's)
 #   4. dev/cuda's bias table (version 4, bias_reduce with 16 running sums, production since the tenth session
 #      without a GPU, against version 3 with the one-sum reduce: version 3's reduce goes back if faster), the
-#      classifier's (its new candidate 5, version 3 with 4 loads in flight per thread, against version 3's 0.107 ms:
-#      if faster, it goes into kernels/ and the step is timed again), and the global-norm and AdamW tables
+#      classifier's (its candidates 4, version 3 with 4 loads in flight per thread, and 5, the row in registers,
+#      against version 3's 0.107 ms: the faster, if faster than 3 here and in the step, goes into kernels/), the layernorm table (candidates 5 and 6
+#      against version 4's 0.0345 ms), and the global-norm and AdamW tables
 #   5. B=64, ours and the twin (the best B: 546K tok/s, 44.4% MFU on the H200 with -r 1)
 #   6. left by issue 41 (resolved): the Llama 3 padded-vocabulary bench (dev/results/next_gpu_issue41.sh)
 START=$SECONDS; DEADLINE=${DEADLINE:-480}; FINAL=$OUT; OUT=$OUT/r; LOG=$FINAL/next_gpu.log
@@ -36,7 +43,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 left() { echo $((DEADLINE - (SECONDS - START))); }
 # A second call picks up where the first stopped: FROM=K skips steps 1 to K-1 (each step's log line
 # begins with its number, "[K]"; the NOT RUN lines name the first step left), e.g.
-#   FROM=12 DEADLINE=300 bash dev/results/next_gpu.sh      (12: B=64, ours and the twin)
+#   FROM=15 DEADLINE=300 bash dev/results/next_gpu.sh      (15: B=64, ours and the twin)
 FROM=${FROM:-1}; NUMBER=0
 step() {  # step LIMIT_S COMMAND...
     local limit=$1; shift
@@ -59,9 +66,12 @@ step 35 $BENCH16 -r 1 --json $OUT/bench_b16_r1.json
 step 45 $BENCH16 --autotune 8 --json $OUT/bench_b16_autotune8.json
 step 35 $BENCH16 --cudnn-deterministic 0 --json $OUT/bench_b16_nondeterministic.json
 step 35 $BENCH16 --bias-grad-epilogue 0 --json $OUT/bench_b16_bias_grad0.json
+step 35 $BENCH16 --candidate classifier:4 --json $OUT/bench_b16_classifier4.json
 step 35 $BENCH16 --candidate classifier:5 --json $OUT/bench_b16_classifier5.json
-step 20 python3 dev/bench_compare.py $OUT/bench_b16_default.json $OUT/bench_b16_r1.json $OUT/bench_b16_autotune8.json $OUT/bench_b16_nondeterministic.json $OUT/bench_b16_bias_grad0.json $OUT/bench_b16_classifier5.json --top 6
-step 90 python3 dev/cuda/run_all.py bias classifier global_norm adamw -r 20 -o $OUT
+step 35 $BENCH16 --candidate layernorm:5 --json $OUT/bench_b16_layernorm5.json
+step 35 $BENCH16 --candidate layernorm:6 --json $OUT/bench_b16_layernorm6.json
+step 20 python3 dev/bench_compare.py $OUT/bench_b16_default.json $OUT/bench_b16_r1.json $OUT/bench_b16_autotune8.json $OUT/bench_b16_nondeterministic.json $OUT/bench_b16_bias_grad0.json $OUT/bench_b16_classifier4.json $OUT/bench_b16_classifier5.json $OUT/bench_b16_layernorm5.json $OUT/bench_b16_layernorm6.json --top 6
+step 100 python3 dev/cuda/run_all.py bias classifier layernorm global_norm adamw -r 20 -o $OUT
 step 120 python3 dev/bench.py -b 64 --steps 10 --warmup 3 --json $OUT/bench_b64.json
 step 200 env DEADLINE=$(( $(left) < 200 ? $(left) : 200 )) bash dev/results/next_gpu_issue41.sh
 echo "next_gpu: $((SECONDS - START)) s" | tee -a $LOG
