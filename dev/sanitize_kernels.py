@@ -21,8 +21,9 @@ threads of a block and hide their races). Inside, through gpt2_cuda.py's own lau
   columns and K sum, the stage ring wrapping around, dweight split over the tokens); the fused
   classifier's candidates 4 and 5 of dev/cuda/classifier.cu at GPT-2's vocabulary (5 holds the row
   in registers, in one tile or several);
-  and layernorm_backward's candidate 6 (dev/cuda/layernorm.cu: row phases summed through shared
-  memory between two barriers), with the reduce of candidate 5, at a small shape;
+  layernorm_backward's candidate 6 (dev/cuda/layernorm.cu: row phases summed through shared
+  memory between two barriers), with the reduce of candidate 5, at a small shape; and
+  bias_backward's candidate 5 (dev/cuda/bias.cu) at its test size;
 then it checks that every `extern "C" __global__` kernel of kernels/, and every kernel of the bf16
 build of a DEV_FILES file that its fp32 build does not have (matmul.cu's tensor-core kernels), was
 launched. A sanitizer report stops the run (exit code 66); a report, a failed check or a kernel
@@ -81,7 +82,8 @@ DEV_WORKLOAD = [f"{MATMUL_TESTS}::test_every_edge_at_once[{name}-cpu]"
                 for name in ("matmul_forward_qkv", "matmul_backward_qkv", "matmul_forward_gelu_fc")] + [
     os.path.join(ROOT, "tests", "test_dev_cuda.py::test_classifier_candidate_4_is_version_3_bit_for_bit"),
     os.path.join(ROOT, "tests", "test_dev_cuda.py::test_classifier_candidate_5_holds_the_row_in_registers"),
-    os.path.join(ROOT, "tests", "test_dev_cuda.py::test_layernorm_candidate_6_under_the_sanitizers")]
+    os.path.join(ROOT, "tests", "test_dev_cuda.py::test_layernorm_candidate_6_under_the_sanitizers"),
+    os.path.join(ROOT, "tests", "test_dev_cuda.py::test_bias_candidate_5_is_version_4_bit_for_bit[test]")]
 DEV_FILES = ("dev/cuda/matmul.cu",)    # their bf16-only kernels: the tensor-core versions
 SANITIZER_GLOBAL_NORM_GRID = 5         # blocks of global_norm_squared (odd, and fewer than the data's groups)
 OPTIMIZER_N = 1001                     # values: 1001 % 8 = 1 (the scalar tail), 1001 % 256 = 233 (idle threads)

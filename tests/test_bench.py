@@ -345,6 +345,8 @@ def test_a_two_kernel_candidate_replaces_both_in_the_emulated_step(monkeypatch, 
     monkeypatch.setattr(cuda, "_device", "cpu")
     monkeypatch.setattr(device.cuda.Stream, "_current", device.cuda.Stream._current)    # cupy_model sets it
     assert [name for _, name, _ in bench.candidate_kernels("layernorm:5")] == ["layernorm_param_reduce"]
+    assert [(file, name, kernel.name) for file, name, kernel in bench.candidate_kernels("bias:5")] == [
+        ("bias", "bias_backward", "bias_backward_v5")]                  # its reduce is production's
     replaced = bench.candidate_kernels("layernorm:6")
     assert [(file, name, kernel.name) for file, name, kernel in replaced] == [
         ("layernorm", "layernorm_backward", "layernorm_backward_v6"),

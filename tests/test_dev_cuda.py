@@ -409,6 +409,29 @@ def test_classifier_candidate_5_holds_the_row_in_registers(emulated):
             assert np.all(dlogits5[..., sizes["V"]:] == 0)                 # the padded columns
 
 
+@pytest.mark.parametrize("shape", ["test", "mlp"])
+def test_bias_candidate_5_is_version_4_bit_for_bit(emulated, shape):
+    """bias_backward_v5 (a lane's rows loaded 4 at a time before they are added) gives the production
+    version 4's dbias bit for bit (the same adds in the same order), both right against gpt2_cpu.py: at
+    the test size (N = 3003: 12 rows a chunk, 3 rounds of 4 for the one warp of a 32-thread block, a
+    partial round for 8 warps; the sanitizers run this one) and at the MLP's OC = 3072 with 32 rows a
+    chunk, in both precisions."""
+    progression = SCRIPTS["bias"].PROGRESSIONS[0]
+    v4, v5 = (next(v for v in progression.versions if v.number == n) for n in (4, 5))
+    for precision in PRECISIONS:
+        for sizes in [progression.test_sizes if shape == "test" else dict(N=8192, OC=3072)]:
+            case = progression.make_case(np.random.default_rng(11), precision, **sizes)
+            d = common.allocate(case)
+            for block_size in (32, 256):
+                results = []
+                for version in (v4, v5):
+                    common.reset(case, d)
+                    version.launch(d, block_size)
+                    assert common.check_case(case, d, f"v{version.number} {precision} {sizes} block {block_size}")
+                    results.append(d.dbias.get())
+                assert np.array_equal(*results), (precision, sizes, block_size)
+
+
 @pytest.mark.parametrize("C", [96, 768])
 def test_layernorm_candidates_over_many_rows_a_block(emulated, C):
     """layernorm_backward's candidates 5 and 6 (the reduce with 8 sums in flight; the partial sums by
