@@ -869,6 +869,44 @@ def test_gpu_bias_grad_dgelu_bgrad_matches_gpt2_cpu(gpu_lt, precision, tf32, gro
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("layer", ["fc", "fcproj"])
+def test_gpu_bias_grads_zero_writes_what_accumulating_adds(gpu_lt, precision, layer):
+    """The step's first micro-batch on a GPU (bias_grads_zero=True): BGRADB, at the fc with bias_grad_epilogue
+    1, and DGELU_BGRAD, at the fcproj with level 2 (the fc's bias gradient), write straight into the zeroed
+    dbias (here poisoned with NaN first: every value must be written) what the accumulating path (scratch,
+    then dbias = 0 + scratch) leaves there: bit for bit, and dinp, dweight too. GPT-2 124M's shapes, B=4,
+    T=1024. A cuBLASLt build without the epilogue's algorithm skips (the fallback never writes here)."""
+    B, T = 4, 1024
+    C, OC = (768, 3072) if layer == "fc" else (3072, 768)
+    rng = np.random.default_rng(12)
+    pre, w, dout = rng.standard_normal((B, T, C)), rng.standard_normal((OC, C)) / math.sqrt(C), \
+        rng.standard_normal((B, T, OC))
+    inp = gelu_tanh(pre) if layer == "fcproj" else rng.standard_normal((B, T, C))
+    args = (to_device(dout, precision), to_device(inp, precision), to_device(w, precision), B, T, C, OC)
+    results = []
+    for zero in (False, True):
+        cublaslt.clear_cache()
+        dinp, dw = gpu_poisoned((B, T, C), precision), to_device(np.zeros((OC, C)), precision)
+        # the bias gradient under test: zeros for the accumulating path, NaN for the one that writes
+        db = gpu_poisoned((OC if layer == "fc" else C,), precision) if zero else \
+            to_device(np.zeros(OC if layer == "fc" else C), precision)
+        try:
+            if layer == "fc":
+                handled = matmul_backward_lt(dinp, dw, db, *args, bias_grads_zero=zero)
+                if not handled:
+                    pytest.skip("this cuBLASLt has no BGRADB algorithm for the fc's dweight product")
+            else:
+                matmul_backward_lt(dinp, dw, None, *args, pre_gelu=to_device(pre, precision), pre_gelu_dbias=db,
+                                   bias_grads_zero=zero)
+        except cublaslt.CublasLtUnsupported as e:
+            pytest.skip(f"this cuBLASLt has no algorithm for the epilogue: {e}")
+        results.append((dinp.get(), dw.get(), db.get()))
+    for name, accumulated, written in zip(("dinp", "dweight", "dbias"), *results):
+        assert np.array_equal(accumulated, written), name
+
+
+@pytest.mark.gpu
 def test_gpu_autotuned_products_match_gpt2_cpu(gpu_lt):
     """--autotune 8 on a GPU at GPT-2 124M's fc shape (bf16): the forward with GELU_AUX_BIAS and
     the backward (dinp, and dweight accumulated with BGRADB) each time the heuristic's algorithms,

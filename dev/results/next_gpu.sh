@@ -11,7 +11,8 @@
 # added the layernorm candidates)
 #   1. the GPU tests the tenth session's calls lost or failed: the autotuned cuDNN plans (its assertion
 #      fixed: the non-deterministic backward's graph is untimed) and the tensor-core instructions against
-#      the emulated device's (issue 36)
+#      the emulated device's (issue 36); and the eleventh session's first micro-batch on the GPU's cuBLASLt:
+#      BGRADB and DGELU_BGRAD writing the zeroed bias gradient give the accumulating path's bits
 #   2. the 124M --check on the GPU with the defaults of 2026-11-27 (-r 0, cuDNN, cuBLASLt) and with
 #      --bias-grad-epilogue 0, bf16, B=4, T=64
 #   3. issue 40, the 124M step at B=16, ours and the twin: the defaults (now -r 0), then the candidates (the
@@ -62,7 +63,7 @@ step() {  # step LIMIT_S COMMAND...
 }
 BENCH16="python3 dev/bench.py --only cupy -b 16 --steps 10 --warmup 3 --breakdown-top 12"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } 2>&1 | tee -a $LOG
-step 90 python3 -m pytest -m gpu -q -rs tests/test_cudnn_attention.py tests/test_tensor_cores.py -k "autotuned or tensor"
+step 100 python3 -m pytest -m gpu -q -rs tests/test_cudnn_attention.py tests/test_tensor_cores.py tests/test_cublaslt.py -k "autotuned or tensor or bias_grads_zero"
 step 40 python3 gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16
 step 40 python3 gpt2_cuda.py --check -e d12 -b 4 -t 64 --precision bf16 --bias-grad-epilogue 0
 step 80 python3 dev/bench.py -b 16 --steps 10 --warmup 3 --breakdown-top 12 --json $OUT/bench_b16_default.json
