@@ -22,10 +22,9 @@ Kernels (inp, out, dout, dinp (N,C) floatX; weight, bias (C,) floatX; mean, rstd
   attention and MLP projections need no bias pass), then calls the same layernorm_row on that rounded
   residual, so the normalized output is bit for bit what an unfused residual_forward +
   layernorm_forward would give. Each lane re-reads only the residual groups it wrote itself.
-- layernorm_backward: dinp += (the residual stream's gradient accumulates; that half is
-  kernels/layernorm.cuh's layernorm_backward_dinp_rows) and per-block partial sums of dbias and
-  dweight into scratch. llm.c's layernorm_backward.cu versions 2-10 sum the
-  column partials with atomics (shared, then global); here each block writes its own slot and
+- layernorm_backward: dinp += (the residual's gradient accumulates; in layernorm.cuh) and per-block
+  partial sums of dbias and dweight into scratch. llm.c's layernorm_backward.cu versions 2-10 sum
+  the column partials with atomics (shared, then global); here each block writes its own slot and
   layernorm_param_reduce adds the slots in block order, so the result is deterministic for a
   fixed grid size (the matmul_backward_bias.cu version 9 idea, applied to LayerNorm).
 - layernorm_param_reduce: sums the per-block partials in a fixed order, each block's warps
