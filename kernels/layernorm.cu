@@ -226,7 +226,8 @@ extern "C" __global__ void layernorm_backward(floatX* dinp, float* scratch, cons
 // [dbias | dweight] per slot. A block owns 32 adjacent columns of the 2C at a time (grid-stride
 // over such column groups) and all its warps share the slots: lane l of warp w sums column l over
 // slots w, w + W, w + 2W, ... (W = blockDim.x / 32 warps), so each warp reads one coalesced
-// 128-byte segment per slot; then lane l of warp 0 adds the W warp sums in warp order. With one
+// 128-byte segment per slot; then lane l of warp 0 adds the W warp sums in warp order (that end is
+// layernorm.cuh's layernorm_param_reduce_store, which dev/cuda's candidate 5 shares). With one
 // thread per channel instead (version 3), GPT-2's 768 threads each summed 2 x 512 slots one after
 // the other: latency bound. The order of the additions is fixed by num_blocks and blockDim.x, so
 // the result is bit-reproducible for the launcher's fixed block size.
@@ -246,18 +247,6 @@ extern "C" __global__ void layernorm_param_reduce(floatX* dweight, floatX* dbias
             }
         }
         warp_sums[warp][lane] = sum;
-        __syncthreads();
-        if (warp == 0 && col < 2 * C) {
-            float total = 0.0f;
-            for (int w = 0; w < num_warps; w++) {
-                total += warp_sums[w][lane];
-            }
-            if (col < C) {
-                dbias[col] = (floatX)((float)dbias[col] + total);
-            } else {
-                dweight[col - C] = (floatX)((float)dweight[col - C] + total);
-            }
-        }
-        __syncthreads();                                    // warp 0 has read warp_sums before the next group
+        layernorm_param_reduce_store(warp_sums, dweight, dbias, col, C);
     }
 }

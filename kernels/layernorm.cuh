@@ -1,8 +1,8 @@
 /*
-kernels/layernorm.cuh: the half of LayerNorm's backward that kernels/layernorm.cu's
-layernorm_backward and the candidate versions of dev/cuda/layernorm.cu share, so that a candidate
-changes only the other half (the parameter gradients' partial sums) and the rest is the very code
-the trainer runs. The math and the launch contract: kernels/layernorm.cu.
+kernels/layernorm.cuh: the parts of LayerNorm's backward that kernels/layernorm.cu's kernels and the
+candidate versions of dev/cuda/layernorm.cu share, so that a candidate changes only what it is
+about and the rest is the very code the trainer runs: layernorm_backward's input gradient, and the
+end of layernorm_param_reduce. The math and the launch contract: kernels/layernorm.cu.
 */
 #pragma once
 #include "common.cuh"
@@ -53,4 +53,28 @@ __device__ inline void layernorm_backward_dinp_rows(floatX* dinp, const floatX* 
             store128(dinp + offset + c, dinp_group);
         }
     }
+}
+
+// The end of one column group of layernorm_param_reduce: lane l of warp w has stored its sum of
+// column col over its share of the slots in warp_sums[w][l]. After a barrier, warp 0 adds the W
+// warp sums in warp order (fixed: deterministic) into dbias (col < C) or dweight (C <= col < 2C);
+// a second barrier keeps the next group's stores after those reads. Every thread of the block calls it.
+__device__ inline void layernorm_param_reduce_store(float (&warp_sums)[WARP_SIZE][WARP_SIZE + 1], floatX* dweight,
+                                                    floatX* dbias, int col, int C) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int num_warps = blockDim.x / WARP_SIZE;
+    __syncthreads();
+    if (warp == 0 && col < 2 * C) {
+        float total = 0.0f;
+        for (int w = 0; w < num_warps; w++) {
+            total += warp_sums[w][lane];
+        }
+        if (col < C) {
+            dbias[col] = (floatX)((float)dbias[col] + total);
+        } else {
+            dweight[col - C] = (floatX)((float)dweight[col - C] + total);
+        }
+    }
+    __syncthreads();                                        // warp 0 has read warp_sums before the next group
 }

@@ -289,19 +289,7 @@ extern "C" __global__ void layernorm_param_reduce_v5(floatX* dweight, floatX* db
             }
         }
         warp_sums[warp][lane] = sums[0];
-        __syncthreads();
-        if (warp == 0 && col < 2 * C) {
-            float total = 0.0f;
-            for (int w = 0; w < num_warps; w++) {
-                total += warp_sums[w][lane];
-            }
-            if (col < C) {
-                dbias[col] = (floatX)((float)dbias[col] + total);
-            } else {
-                dweight[col - C] = (floatX)((float)dweight[col - C] + total);
-            }
-        }
-        __syncthreads();                                    // warp 0 has read warp_sums before the next group
+        layernorm_param_reduce_store(warp_sums, dweight, dbias, col, C);
     }
 }
 
