@@ -22,7 +22,8 @@ atomics of versions 5-8):
   took 1.38 ms for the 48 calls of GPT-2 124M's step at B=16 on an H100: 2.7 GB, 65% of the copy
   bandwidth). The warps' sums then meet in shared memory (warps x 32 * WIDTH floats, the
   launcher's dynamic shared memory) and are added warp 0 first, so the order is fixed, into
-  scratch[blockIdx.y*OC + column] (written, not accumulated).
+  scratch[blockIdx.y*OC + column] (written, not accumulated). The code is kernels/bias.cuh's
+  template, here with one row load at a time (dev/cuda/bias.py's candidate 5: four).
 - bias_reduce: one thread per column, dbias[oc] += the sum over its num_chunks partials, kept as
   BIAS_REDUCE_SUMS = 16 running sums (chunk c into sum c % 16) so that 16 loads are in flight at
   once, then added in a fixed pairwise tree: deterministic. Why: the partials were just written and
@@ -37,6 +38,7 @@ block size fixed (not timing-dependent) for bit-reproducible results. bias_backw
 blockDim.x a multiple of 32; bias_reduce: any block size, any gridDim.x.
 */
 #include "common.cuh"
+#include "bias.cuh"
 
 template <int WIDTH>
 __device__ void add_bias_groups(floatX* out, const floatX* bias, int N, int OC) {
@@ -64,53 +66,14 @@ extern "C" __global__ void add_bias(floatX* out, const floatX* bias, int N, int 
     }
 }
 
-// scratch (num_chunks, OC) float = per-chunk column sums of dout (N,OC): each lane sums its WIDTH
-// columns over the rows of its warp, then thread c of the block adds column c over the warps
-template <int WIDTH>
-__device__ void bias_backward_columns(float* scratch, const floatX* dout, int N, int OC) {
-    extern __shared__ float warp_sums[];                   // (warps, 32 * WIDTH)
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
-    const int block_columns = WARP_SIZE * WIDTH;
-    const int rows_per_chunk = (N + gridDim.y - 1) / gridDim.y;
-    const int row_begin = min(N, (int)blockIdx.y * rows_per_chunk);
-    const int row_end = min(N, row_begin + rows_per_chunk);
-    // grid-stride over the blocks of columns (the same for every thread of the block, so the
-    // barriers below are reached by all of them)
-    for (int first_column = blockIdx.x * block_columns; first_column < OC; first_column += gridDim.x * block_columns) {
-        const int column = first_column + lane * WIDTH;    // this lane's group
-        float sums[WIDTH];
-        for (int k = 0; k < WIDTH; k++) {
-            sums[k] = 0.0f;
-        }
-        if (column < OC) {                                 // a group never crosses OC: OC % WIDTH == 0
-            for (int row = row_begin + warp; row < row_end; row += warps) {
-                float values[WIDTH];
-                load_group<WIDTH>(values, dout + (size_t)row * OC + column);
-                for (int k = 0; k < WIDTH; k++) {
-                    sums[k] += values[k];
-                }
-            }
-        }
-        for (int k = 0; k < WIDTH; k++) {
-            warp_sums[warp * block_columns + lane * WIDTH + k] = sums[k];
-        }
-        __syncthreads();
-        for (int c = threadIdx.x; c < block_columns && first_column + c < OC; c += blockDim.x) {
-            float sum = 0.0f;
-            for (int w = 0; w < warps; w++) {                  // warp 0 first: a fixed order
-                sum += warp_sums[w * block_columns + c];
-            }
-            scratch[(size_t)blockIdx.y * OC + first_column + c] = sum;
-        }
-        __syncthreads();                                   // warp_sums is written again next pass
-    }
-}
-
+// scratch (num_chunks, OC) float = per-chunk column sums of dout (N,OC): kernels/bias.cuh's
+// bias_backward_columns with one row load at a time (dev/cuda/bias.py's candidate 5 times 4)
 extern "C" __global__ void bias_backward(float* scratch, const floatX* dout, int N, int OC) {
+    extern __shared__ float warp_sums[];                   // (warps, 32 * WIDTH): the launcher's size
     if (OC % x128::size == 0) {
-        bias_backward_columns<x128::size>(scratch, dout, N, OC);
+        bias_backward_columns<x128::size, 1>(warp_sums, scratch, dout, N, OC);
     } else {
-        bias_backward_columns<1>(scratch, dout, N, OC);
+        bias_backward_columns<1, 1>(warp_sums, scratch, dout, N, OC);
     }
 }
 

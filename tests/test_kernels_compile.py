@@ -114,7 +114,7 @@ def test_compile_options():
         assert not any(o.startswith("-arch") for o in options)   # CuPy picks the device's arch
         # CuPy's cache key covers options but not headers: the header's digest must be in them
         headers = hashlib.sha256()
-        for name in ("common.cuh", "flash_attention.cuh", "layernorm.cuh", "tensor_core.cuh"):   # every kernels/*.cuh, by name
+        for name in ("bias.cuh", "common.cuh", "flash_attention.cuh", "layernorm.cuh", "tensor_core.cuh"):   # every kernels/*.cuh, by name
             with open(kernel_path(name), "rb") as f:
                 headers.update(name.encode() + f.read())
         digest = headers.hexdigest()[:16]

@@ -17,15 +17,16 @@ kernels/bias.cu's bias_backward + bias_reduce, launched from there by their real
   for the previous load's round trip to L2 (10.6 us a call on an H200, OC threads, a few blocks).
   Version 4 is version 3 with kernels/bias.cu's bias_reduce, 16 running sums per thread.
 - bias_backward_v5 (candidate, with the production bias_reduce): kernels/bias.cu's bias_backward
-  (the same grid, block, shared memory and scratch), each lane loading BIAS_ROWS_IN_FLIGHT = 4 of
-  its warp's rows before adding any: the production loop adds each row's 16 bytes as they arrive,
-  about one load in flight per lane. The adds are the production kernel's, in its order: the
-  same bits.
+  (the same grid, block, shared memory and scratch; the same template, kernels/bias.cuh), each
+  lane loading BIAS_ROWS_IN_FLIGHT = 4 of its warp's rows before adding any: the production kernel
+  adds each row's 16 bytes as they arrive, about one load in flight per lane. The adds are the
+  production kernel's, in its order: the same bits.
 
 Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/bias.cu
 */
 #include "common.cuh"
+#include "bias.cuh"
 
 // dbias (OC,) += column sums of dout (N,OC): thread oc sums column oc, rows in order
 extern "C" __global__ void bias_backward_v1(floatX* dbias, const floatX* dout, int N, int OC) {
@@ -65,68 +66,15 @@ extern "C" __global__ void bias_reduce_v2(floatX* dbias, const float* scratch, i
 }
 
 // ----------------------------------------------------------------------------
-// candidate 5: kernels/bias.cu's bias_backward with 4 of a lane's row loads in flight
+// candidate 5: kernels/bias.cuh's bias_backward_columns with 4 of a lane's row loads in flight
 
 #define BIAS_ROWS_IN_FLIGHT 4
 
-// scratch (num_chunks, OC) float = per-chunk column sums of dout (N,OC), as kernels/bias.cu's
-// bias_backward_columns computes them (lane: WIDTH columns; warp w: rows w, w + warps, ... of the
-// chunk; the warps' sums in shared memory, warp 0 first), each lane's rows BIAS_ROWS_IN_FLIGHT at a
-// time: all their loads issued, then their values added in row order
-template <int WIDTH>
-__device__ void bias_backward_columns_v5(float* scratch, const floatX* dout, int N, int OC) {
-    extern __shared__ float warp_sums[];                   // (warps, 32 * WIDTH)
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
-    const int block_columns = WARP_SIZE * WIDTH;
-    const int rows_per_chunk = (N + gridDim.y - 1) / gridDim.y;
-    const int row_begin = min(N, (int)blockIdx.y * rows_per_chunk);
-    const int row_end = min(N, row_begin + rows_per_chunk);
-    for (int first_column = blockIdx.x * block_columns; first_column < OC; first_column += gridDim.x * block_columns) {
-        const int column = first_column + lane * WIDTH;
-        float sums[WIDTH];
-        for (int k = 0; k < WIDTH; k++) {
-            sums[k] = 0.0f;
-        }
-        if (column < OC) {
-            for (int row = row_begin + warp; row < row_end; row += BIAS_ROWS_IN_FLIGHT * warps) {
-                float values[BIAS_ROWS_IN_FLIGHT][WIDTH];
-                #pragma unroll
-                for (int u = 0; u < BIAS_ROWS_IN_FLIGHT; u++) {        // the loads first
-                    const int r = row + u * warps;
-                    if (r < row_end) {
-                        load_group<WIDTH>(values[u], dout + (size_t)r * OC + column);
-                    }
-                }
-                #pragma unroll
-                for (int u = 0; u < BIAS_ROWS_IN_FLIGHT; u++) {        // then the adds, in row order
-                    if (row + u * warps < row_end) {
-                        #pragma unroll
-                        for (int k = 0; k < WIDTH; k++) {
-                            sums[k] += values[u][k];
-                        }
-                    }
-                }
-            }
-        }
-        for (int k = 0; k < WIDTH; k++) {
-            warp_sums[warp * block_columns + lane * WIDTH + k] = sums[k];
-        }
-        __syncthreads();
-        for (int c = threadIdx.x; c < block_columns && first_column + c < OC; c += blockDim.x) {
-            float sum = 0.0f;
-            for (int w = 0; w < warps; w++) {
-                sum += warp_sums[w * block_columns + c];
-            }
-            scratch[(size_t)blockIdx.y * OC + first_column + c] = sum;
-        }
-        __syncthreads();
-    }
-}
-
 extern "C" __global__ void bias_backward_v5(float* scratch, const floatX* dout, int N, int OC) {
+    extern __shared__ float warp_sums[];                   // (warps, 32 * WIDTH): the launcher's size
     if (OC % x128::size == 0) {
-        bias_backward_columns_v5<x128::size>(scratch, dout, N, OC);
+        bias_backward_columns<x128::size, BIAS_ROWS_IN_FLIGHT>(warp_sums, scratch, dout, N, OC);
     } else {
-        bias_backward_columns_v5<1>(scratch, dout, N, OC);
+        bias_backward_columns<1, BIAS_ROWS_IN_FLIGHT>(warp_sums, scratch, dout, N, OC);
     }
 }
