@@ -138,6 +138,27 @@ def test_versions_name_existing_kernels(op):
                 assert not common.is_candidate(version) or own, (progression.name, version)   # a kernel of its own
 
 
+def test_drop_in_candidates_match_the_production_kernels_one_for_one():
+    """A candidate marked drop_in (dev/bench.py --candidate launches it in the trainer's place) has as
+    many kernels as its production version, and each that differs is a dev/cuda kernel of its own op in
+    the position of the production kernel it replaces. Today: the classifier's 4 and 5, layernorm's 5
+    and 6, bias's 5."""
+    drop_ins = []
+    for op in CHECKED:
+        for progression in SCRIPTS[op].PROGRESSIONS:
+            production = common.production_version(progression)
+            for version in progression.versions:
+                if not version.drop_in:
+                    continue
+                assert common.is_candidate(version), (progression.name, version.number)
+                assert len(version.kernels) == len(production.kernels), (progression.name, version.number)
+                changed = [(ours, theirs) for ours, theirs in zip(production.kernels, version.kernels) if ours != theirs]
+                assert changed and all(theirs.path == f"dev/cuda/{op}.cu" and ours.path.startswith("kernels/")
+                                       for ours, theirs in changed), (progression.name, version.number)
+                drop_ins.append(f"{op}:{version.number}")
+    assert sorted(drop_ins) == ["bias:5", "classifier:4", "classifier:5", "layernorm:5", "layernorm:6"]
+
+
 def test_last_versions_are_the_kernels_gpt2_cuda_launches():
     source = "".join(open(os.path.join(ROOT, path), encoding="utf-8").read()     # the launchers' files
                      for path in ("gpt2_cuda.py", "llmc/attention.py", "llmc/matmul.py", "llmc/cublaslt.py",
