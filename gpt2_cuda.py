@@ -296,27 +296,35 @@ def fused_residual_forward(residual, normed, mean, rstd, inp1, inp2, inp2_bias, 
                  np.int32(N), np.int32(C)))
 
 
-def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, rstd, B, T, C):
+def layernorm_backward(dinp, dweight, dbias, partial, dout, inp, weight, mean, rstd, B, T, C, dprojb=None):
     """Accumulate dinp (B,T,C) (the residual stream's gradient), dweight, dbias (C,), from dout:
         dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),  dnorm = dout * weight
     (derivation: gpt2_cpu.layernorm_backward, doc/layernorm.md). Two kernels: per-block partial
     sums of dbias/dweight into partial (G, 2, C) fp32, then their sum in a fixed order (each block
     of layernorm_param_reduce sums 32 columns, its warps sharing the G slots); skipped for a frozen
-    LayerNorm (dweight and dbias None)."""
+    LayerNorm (dweight and dbias None). dprojb (C,), given: also dprojb += the column sums of dinp
+    as it leaves (partial (G, 3, C)): dinp is then the whole gradient of the residual stream, whose
+    last term was a projection's bias, so these are that bias's gradient (--ln-bias-grad 1)."""
     N = B * T
     G = layernorm_backward_grid(N)
     trained = [("dweight", dweight, C), ("dbias", dbias, C)] if dweight is not None else []
+    require(dprojb is None or trained, "layernorm_backward sums dprojb only with its own dweight, dbias")
+    projection = [("dprojb", dprojb, C)] if dprojb is not None else []
     precision = check_launch("layernorm_backward",
                              [("dinp", dinp, N * C), ("dout", dout, N * C), ("inp", inp, N * C), ("weight", weight, C)]
-                             + trained,
+                             + trained + projection,
                              float32=[("mean", mean, N), ("rstd", rstd, N)], vector_dim=("C", C),
-                             unaligned=("dweight", "dbias"))
-    require(partial.dtype == np.float32 and partial.size >= G * 2 * C, f"layernorm partial sums need {G * 2 * C} floats")
+                             unaligned=("dweight", "dbias", "dprojb"))
+    sums = 3 if projection else 2
+    require(partial.dtype == np.float32 and partial.size >= G * sums * C,
+            f"layernorm partial sums need {G * sums * C} floats")
     cuda.launch("layernorm", precision, "layernorm_backward", G, LAYERNORM_BACKWARD_BLOCK_SIZE,
-                (dinp, partial, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C)))
+                (dinp, partial, dout, inp, weight, mean, rstd, np.int32(N), np.int32(C), np.int32(sums - 2)))
     if trained:
-        cuda.launch("layernorm", precision, "layernorm_param_reduce", layernorm_param_reduce_grid(C),
-                    LAYERNORM_PARAM_REDUCE_BLOCK_SIZE, (dweight, dbias, partial, np.int32(G), np.int32(C)))
+        null = np.uint64(0)                # a NULL floatX*: two sums a slot
+        cuda.launch("layernorm", precision, "layernorm_param_reduce", layernorm_param_reduce_grid(C, sums),
+                    LAYERNORM_PARAM_REDUCE_BLOCK_SIZE,
+                    (dweight, dbias, null if dprojb is None else dprojb, partial, np.int32(G), np.int32(C)))
 
 
 def layernorm_backward_grid(N):
@@ -324,15 +332,16 @@ def layernorm_backward_grid(N):
     return min(LAYERNORM_BACKWARD_GRID, N)
 
 
-def layernorm_param_reduce_grid(C):
-    """Blocks of layernorm_param_reduce: one per group of WARP_SIZE of the 2C [dbias | dweight] columns."""
-    return ceil_div(2 * C, WARP_SIZE)
+def layernorm_param_reduce_grid(C, sums=2):
+    """Blocks of layernorm_param_reduce: one per group of WARP_SIZE of the sums * C columns of a
+    slot, [dbias | dweight] or [dbias | dweight | dprojb]."""
+    return ceil_div(sums * C, WARP_SIZE)
 
 
 def partial_floats(config):
-    """fp32 floats the backward's partial sums need: LayerNorm (G, 2, C) or bias (chunks, OC<=4C)."""
+    """fp32 floats the backward's partial sums need: LayerNorm (G, 3, C) or bias (chunks, OC<=4C)."""
     C = config.channels
-    return max(LAYERNORM_BACKWARD_GRID * 2 * C, BIAS_BACKWARD_CHUNKS * 4 * C)
+    return max(LAYERNORM_BACKWARD_GRID * 3 * C, BIAS_BACKWARD_CHUNKS * 4 * C)
 
 
 def fused_classifier(logits, losses, targets, dloss, B, T, V, Vp, write_dlogits):
@@ -400,13 +409,15 @@ class GPT2:
     micro-batch the classifier takes at a time (classifier_chunks; 0: all at once); autotune: how
     many of cuDNN's plans each attention graph times at its first run (--autotune; the matmul
     backend holds its own count for cuBLASLt); cudnn_deterministic: cuDNN attention's deterministic
-    backward (--cudnn-deterministic). Raises InputError for others. trainable=False: LoRA's
+    backward (--cudnn-deterministic); ln_bias_grad: the attention and MLP projections' bias gradients
+    summed by the LayerNorm backward that completes their output's gradient (--ln-bias-grad;
+    backward_launches). Raises InputError for others. trainable=False: LoRA's
     frozen base (gpt2_cpu.freeze): no gradients, moments or master weights (G's views None); its
     adapters (lora, llmc/lora_device.py) are trained instead."""
 
     def __init__(self, config, precision="bf16", master_weights=True, recompute=1, attention="naive",
                  zero_stage=0, process_rank=0, num_processes=1, matmul=None, classifier_chunk=0,
-                 trainable=True, autotune=1, cudnn_deterministic=True):
+                 trainable=True, autotune=1, cudnn_deterministic=True, ln_bias_grad=False):
         cp = cuda.cupy()
         if precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision}")
@@ -426,6 +437,7 @@ class GPT2:
         self.attention.deterministic = bool(cudnn_deterministic)   # cuDNN's backward (--cudnn-deterministic)
         self.matmul = matmul or Cublas()             # the linear layers' backend (Cublas, CublasLt)
         self.classifier_chunk = int(classifier_chunk)   # sequences the classifier takes at a time (0: all)
+        self.ln_bias_grad = bool(ln_bias_grad)       # projections' bias gradients by layernorm_backward
         self.floatX = FLOATX_DTYPES[precision]
         self.param_shapes = parameter_shapes(config)
         self.num_parameters = num_elements(self.param_shapes)
@@ -791,10 +803,17 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce, grads_zero=Fals
     dlnf = A["dlnf"]
     dresidual = A["dresidual"]                                                      # gradient of the residual stream
     dresidual.fill(0)                                                               # layernorm_backward accumulates
+    # --ln-bias-grad 1: each LayerNorm backward completes the gradient of a residual stream whose last
+    # term was a projection's output, x + proj(y) + proj_bias, so it also sums that bias's gradient,
+    # the column sums of dresidual (projection_dbias), and the projection's backward skips it
     layernorm_backward(dresidual, G["lnfw"], G["lnfb"], partial, dlnf, A["residual3"][L - 1], P["lnfw"],
-                       A["lnf_mean"], A["lnf_rstd"], B, T, C)
+                       A["lnf_mean"], A["lnf_rstd"], B, T, C,
+                       dprojb=projection_dbias(model, G["lnfw"], layer_params(G, L - 1)["fcprojb"]))
     for l in reversed(range(L)):
         p, g = layer_params(P, l), layer_params(G, l)
+        # the LayerNorm after this block (lnf, or the next block's ln1) summed the fcproj's bias gradient
+        next_ln_dweight = G["lnfw"] if l == L - 1 else layer_params(G, l + 1)["ln1w"]
+        fcproj_dbias = None if projection_dbias(model, next_ln_dweight, g["fcprojb"]) is not None else g["fcprojb"]
         residual = A["encoded"] if l == 0 else A["residual3"][l - 1]
         ln1, ln2, fch_gelu = layer("ln1", l), layer("ln2", l), layer("fch_gelu", l)
         # -r 1, 2: the forward's `mm.forward(fch_gelu, ln2, p["fcw"], p["fcb"], ..., pre_gelu=A["fch"][l])`
@@ -814,18 +833,19 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce, grads_zero=Fals
         # fcproj's input-gradient product itself, cuBLASLt's DGELU_BGRAD, and the fc's backward skips it)
         dfch = A["dfch"]
         fc_dbias_by_fcproj = mm.pre_gelu_bias_grad and g["fcb"] is not None
-        mm.backward(dfch, g["fcprojw"], g["fcprojb"], dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
+        mm.backward(dfch, g["fcprojw"], fcproj_dbias, dresidual, fch_gelu, p["fcprojw"], partial, B, T, 4 * C, C,
                     pre_gelu=A["fch"][l], pre_gelu_dbias=g["fcb"] if fc_dbias_by_fcproj else None,
                     bias_grads_zero=grads_zero)                                                       # dfch
         dln2 = A["dln2"]
         mm.backward(dln2, g["fcw"], None if fc_dbias_by_fcproj else g["fcb"], dfch, ln2, p["fcw"], partial, B, T, C,
                     4 * C, bias_grads_zero=grads_zero)
+        attproj_dbias_by_ln = projection_dbias(model, g["ln2w"], g["attprojb"])
         layernorm_backward(dresidual, g["ln2w"], g["ln2b"], partial, dln2, A["residual2"][l], p["ln2w"],
-                           A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C)
+                           A["ln2_mean"][l], A["ln2_rstd"][l], B, T, C, dprojb=attproj_dbias_by_ln)
         # backward pass 1: attention block. residual2 = residual + attproj: dattproj = dresidual
         datty = A["datty"]
-        mm.backward(datty, g["attprojw"], g["attprojb"], dresidual, A["atty"][l], p["attprojw"], partial, B, T, C, C,
-                    bias_grads_zero=grads_zero)
+        mm.backward(datty, g["attprojw"], None if attproj_dbias_by_ln is not None else g["attprojb"], dresidual,
+                    A["atty"][l], p["attprojw"], partial, B, T, C, C, bias_grads_zero=grads_zero)
         dqkv = A["dqkv"]
         model.attention.backward(dqkv, datty, A, l, B, T, C, NH, mm.tf32)
         # -r 2: the forward's `layernorm_forward(ln1, ...)` (layer 0, from encoded) or the previous layer's
@@ -837,12 +857,20 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce, grads_zero=Fals
         mm.backward(dln1, g["qkvw"], g["qkvb"], dqkv, ln1, p["qkvw"], partial, B, T, C, 3 * C,
                     bias_grads_zero=grads_zero)
         layernorm_backward(dresidual, g["ln1w"], g["ln1b"], partial, dln1, residual, p["ln1w"],
-                           A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C)
+                           A["ln1_mean"][l], A["ln1_rstd"][l], B, T, C,        # the previous block's fcproj bias
+                           dprojb=projection_dbias(model, g["ln1w"], layer_params(G, l - 1)["fcprojb"]) if l else None)
     # backward of the encoder: encoded = wte[inputs] + wpe
     K, M = num_chunks, num_reduce
     encoder_backward(G["wte"], G["wpe"], A["wte_partial"], dresidual, A["positions"], A["chunk_start"][:K + 1],
                      A["chunk_token"][:K], A["chunk_slot"][:K], A["reduce_start"][:M + 1], A["reduce_token"][:M], K, M,
                      B, T, C)
+
+
+def projection_dbias(model, ln_dweight, dprojb):
+    """--ln-bias-grad: dprojb, the gradient of a projection's bias, for the LayerNorm backward
+    after the projection (whose own dweight is ln_dweight) to sum, or None, where the projection's
+    backward sums it: without the option, or where the LayerNorm or the bias is frozen (LoRA)."""
+    return dprojb if model.ln_bias_grad and ln_dweight is not None and dprojb is not None else None
 
 
 class StepUpdate(NamedTuple):
@@ -1325,7 +1353,8 @@ def setup_model(args, compute_capability, spec=None, say=print, comm=None):
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     model = GPT2(cfg, precision, bool(args.master_weights), args.recompute, attention, args.zero_stage, rank, size,
                  matmul=matmul, classifier_chunk=args.classifier_chunk, trainable=host.lora is None,
-                 autotune=args.autotune, cudnn_deterministic=bool(args.cudnn_deterministic))
+                 autotune=args.autotune, cudnn_deterministic=bool(args.cudnn_deterministic),
+                 ln_bias_grad=bool(args.ln_bias_grad))
     upload_parameters(model, host.params)
     if host.lora is not None:
         attach_lora(model, host.lora, rank, size)

@@ -15,7 +15,7 @@ and llama3_cuda.py's steps are timed from their start to the read of their loss.
 6N + 6LCT FLOPs per token over the GPU's dense bf16 peak), the device memory in use at the end
 (total - free: the CUDA context, the allocator's pool, library workspaces), and the ratio of the
 two trainers' tokens/s. Our trainer's options (--attention, --cuda-graph, --cublaslt,
---residual-epilogue, --autotune, --gelu-fusion, --bias-grad-epilogue, -r, --cudnn-deterministic, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
+--residual-epilogue, --autotune, --gelu-fusion, --bias-grad-epilogue, --ln-bias-grad, -r, --cudnn-deterministic, --classifier-chunk) are passed through, with the trainer's defaults; --compile 0 runs the twin without torch.compile (where it cannot build: no C compiler).
 Every B of ours is timed before the twin's, and each (trainer, B) prints its line as soon as it is
 done: a worker that fails (a traceback, an error) is one line saying so, and the rest still run, so
 a bench that is cut short or fails at its end keeps the numbers it has (exit status 1 if any failed).
@@ -63,6 +63,7 @@ Without a CUDA GPU it prints one line saying so and exits 2. Other uses:
     python dev/bench.py --only cupy -b 16 -r 1                     # recompute GELU's output (llm.c's default)
     python dev/bench.py --only cupy -b 16 --bias-grad-epilogue 0   # plain dweight GEMMs, the bias gradients ours
     python dev/bench.py --only cupy -b 16 --bias-grad-epilogue 2   # ... but the fc's in the DGELU epilogue
+    python dev/bench.py --only cupy -b 16 --ln-bias-grad 1       # the projections' bias gradients by the LayerNorms
     python dev/bench.py --only cupy -b 16 --candidate classifier:5  # dev/cuda's classifier candidate 5 in the step
     python dev/bench.py --cublaslt 1 --compile 0   # ours through cuBLASLt; the twin eager
     python dev/bench.py --json dev/results/bench_h100.json
@@ -233,7 +234,8 @@ def install_candidates(specs):
 
 
 def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilogue=0, classifier_chunk=0,
-               autotune=1, gelu_fusion=2, recompute=0, cudnn_deterministic=True, bias_grad_epilogue=1):
+               autotune=1, gelu_fusion=2, recompute=0, cudnn_deterministic=True, bias_grad_epilogue=1,
+               ln_bias_grad=False):
     """gpt2_cuda.py's model in bf16 with its buffers for (B,T), on a created stream (a CUDA graph
     cannot be captured on the legacy default stream), and the fixed batch."""
     cupy = llmc.cuda.cupy()
@@ -246,7 +248,8 @@ def cupy_model(model_name, B, T, attention, use_cublaslt="auto", residual_epilog
         print(f"dev/bench.py: {fallback}", file=sys.stderr)
     model = gpt2_cuda.GPT2(cfg, "bf16", master_weights=True, recompute=recompute, attention=path,
                            matmul=cupy_matmul(use_cublaslt, residual_epilogue, autotune, gelu_fusion, bias_grad_epilogue),
-                           classifier_chunk=classifier_chunk, autotune=autotune, cudnn_deterministic=cudnn_deterministic)
+                           classifier_chunk=classifier_chunk, autotune=autotune, cudnn_deterministic=cudnn_deterministic,
+                           ln_bias_grad=ln_bias_grad)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, SEED).params)
     llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), model.precision)
     gpt2_cuda.gpt2_allocate(model, (B, T))
@@ -306,7 +309,7 @@ def cupy_step(model, x, y, step, cuda_graph, readback):
 
 def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, use_cublaslt="auto",
                residual_epilogue=0, classifier_chunk=0, pad_vocab=False, autotune=1, gelu_fusion=2, recompute=0,
-               cudnn_deterministic=True, bias_grad_epilogue=1):
+               cudnn_deterministic=True, bias_grad_epilogue=1, ln_bias_grad=False):
     """Train gpt2_cuda.py's model (llama3_cuda.py's for -e llama3:dX, pad_vocab its --pad-vocab)
     num_steps steps on one fixed batch; return (seconds per step, losses, config, the model, the batch). gpt2_cuda.py's steps
     are read a step late, as its train() logs them: step s is queued before step s-1's loss is
@@ -326,7 +329,8 @@ def cupy_steps(model_name, B, T, num_steps, attention="auto", cuda_graph=False, 
         llmc.cuda.cupy().cuda.get_current_stream().synchronize()
         return times, losses, cfg, model, (x, y)
     model, cfg, (x, y) = cupy_model(model_name, B, T, attention, use_cublaslt, residual_epilogue, classifier_chunk,
-                                    autotune, gelu_fusion, recompute, cudnn_deterministic, bias_grad_epilogue)
+                                    autotune, gelu_fusion, recompute, cudnn_deterministic, bias_grad_epilogue,
+                                    ln_bias_grad)
     readback = gpt2_cuda.StepReadback(B * T)
     times, losses, pending = [], [], None
     last_read = time.perf_counter()
@@ -509,7 +513,8 @@ def worker(args):
                                                            args.residual_epilogue, args.classifier_chunk,
                                                            bool(args.pad_vocab), args.autotune,
                                                            args.gelu_fusion, args.recompute,
-                                                           bool(args.cudnn_deterministic), args.bias_grad_epilogue)
+                                                           bool(args.cudnn_deterministic), args.bias_grad_epilogue,
+                                                           bool(args.ln_bias_grad))
             if not args.probe:
                 breakdown = kernel_breakdown(model, x, y, num_steps + 1, BREAKDOWN_STEPS)
         else:
@@ -554,7 +559,7 @@ def worker_command(trainer, B, args, probe):
             "--attention", args.attention, "--cuda-graph", str(args.cuda_graph), "--cublaslt", str(args.cublaslt),
             "--residual-epilogue", str(args.residual_epilogue), "--classifier-chunk", str(args.classifier_chunk),
             "--autotune", str(args.autotune), "--gelu-fusion", str(args.gelu_fusion), "-r", str(args.recompute),
-            "--bias-grad-epilogue", str(args.bias_grad_epilogue),
+            "--bias-grad-epilogue", str(args.bias_grad_epilogue), "--ln-bias-grad", str(args.ln_bias_grad),
             "--cudnn-deterministic", str(args.cudnn_deterministic),
             "--compile", str(args.compile), "--pad-vocab", str(args.pad_vocab)] + (["--probe"] if probe else []) + \
         [flag for spec in args.candidate for flag in ("--candidate", spec)]
@@ -620,7 +625,7 @@ def options_line(args):
             f"warm-up; ours: {args.attention} attention, CUDA graph {args.cuda_graph}, "
             f"{ {'auto': 'cuBLASLt auto', 1: 'cuBLASLt', 0: 'cuBLAS'}[args.cublaslt]}, residual epilogue "
             f"{args.residual_epilogue}, autotune {args.autotune}, GELU fusion {args.gelu_fusion}, bias gradient "
-            f"epilogue {args.bias_grad_epilogue}, recompute "
+            f"epilogue {args.bias_grad_epilogue}, LayerNorm bias gradients {args.ln_bias_grad}, recompute "
             f"{args.recompute}, cuDNN deterministic {args.cudnn_deterministic}, "
             f"classifier chunk {args.classifier_chunk}; twin: torch.compile {args.compile}{candidates_words(args)}")
 
@@ -693,6 +698,9 @@ def parse_args(argv=None):
                    help="gpt2_cuda.py with cuBLASLt: 1 the bias gradients in the dweight GEMMs' BGRADB epilogue, 0 "
                         "plain dweight GEMMs and our bias_backward kernel, 2 as 0 with the fc's bias gradient in the "
                         "fcproj input gradient's DGELU_BGRAD epilogue")
+    p.add_argument("--ln-bias-grad", type=int, default=0, choices=(0, 1),
+                   help="gpt2_cuda.py: 1 the attention and MLP projections' bias gradients summed by the LayerNorm "
+                        "backward after each, their dweight GEMMs plain (its --ln-bias-grad)")
     p.add_argument("--cublaslt", type=llmc.gpu_cli.auto_or_bit, default="auto", metavar="{auto,0,1}",
                    help="gpt2_cuda.py: 1 runs the linear layers through cuBLASLt (fails where it is unavailable), "
                         "0 through cuBLAS, auto as the trainer chooses (cuBLASLt where it loads)")
@@ -714,9 +722,9 @@ def parse_args(argv=None):
     if args.pad_vocab and not is_llama3(args.model):
         p.error(f"--pad-vocab 1 is llama3_cuda.py's (gpt2_cuda.py always pads its vocabulary): drop it for -e {args.model}")
     if is_llama3(args.model) and (args.autotune != 1 or args.gelu_fusion != 2 or args.recompute != 0
-                                  or args.cudnn_deterministic != 1 or args.bias_grad_epilogue != 1):
-        p.error(f"--autotune, --gelu-fusion, --bias-grad-epilogue, -r and --cudnn-deterministic are gpt2_cuda.py's "
-                f"options: drop them for -e {args.model}")
+                                  or args.cudnn_deterministic != 1 or args.bias_grad_epilogue != 1 or args.ln_bias_grad):
+        p.error(f"--autotune, --gelu-fusion, --bias-grad-epilogue, --ln-bias-grad, -r and --cudnn-deterministic are "
+                f"gpt2_cuda.py's options: drop them for -e {args.model}")
     for spec in args.candidate:
         try:
             candidate_kernels(spec)
@@ -794,7 +802,8 @@ def main(argv=None):
                        "residual_epilogue": args.residual_epilogue, "classifier_chunk": args.classifier_chunk,
                        "autotune": args.autotune, "gelu_fusion": args.gelu_fusion, "recompute": args.recompute,
                        "cudnn_deterministic": args.cudnn_deterministic,
-                       "bias_grad_epilogue": args.bias_grad_epilogue, "pad_vocab": args.pad_vocab,
+                       "bias_grad_epilogue": args.bias_grad_epilogue, "ln_bias_grad": args.ln_bias_grad,
+                       "pad_vocab": args.pad_vocab,
                        **({"candidate": args.candidate} if args.candidate else {}),
                        "runs": runs_json}, f, indent=1)
     if failed:

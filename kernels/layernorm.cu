@@ -22,8 +22,8 @@ Kernels (inp, out, dout, dinp (N,C) floatX; weight, bias (C,) floatX; mean, rstd
   attention and MLP projections need no bias pass), then calls the same layernorm_row on that rounded
   residual, so the normalized output is bit for bit what an unfused residual_forward +
   layernorm_forward would give. Each lane re-reads only the residual groups it wrote itself.
-- layernorm_backward: dinp += (the residual's gradient accumulates; in layernorm.cuh) and per-block
-  partial sums of dbias and dweight into scratch. llm.c's layernorm_backward.cu versions 2-10 sum
+- layernorm_backward: dinp += (the residual's gradient accumulates; in layernorm.cuh), per-block
+  partial sums of dbias, dweight (and of dinp: a projection's dbias) into scratch. llm.c's v2-10 sum
   the column partials with atomics (shared, then global); here each block writes its own slot and
   layernorm_param_reduce adds the slots in block order, so the result is deterministic for a
   fixed grid size (the matmul_backward_bias.cu version 9 idea, applied to LayerNorm).
@@ -41,8 +41,8 @@ Backward math, per row (derivation in doc/layernorm.md and gpt2_cpu.layernorm_ba
 
 Launcher must check: C % x128::size == 0 (8 in bf16, 4 in fp32), 16-byte aligned pointers,
 blockDim.x a multiple of 32 (<= 1024) for the warp-per-row kernels and layernorm_param_reduce.
-layernorm_backward's grid size G is the number of scratch slots: scratch holds G*2*C floats, and
-the same G must be passed to layernorm_param_reduce as num_blocks. Keep G, and
+layernorm_backward's grid size G is the number of scratch slots: scratch holds G*(2+sum_dinp)*C
+floats; pass the same G to layernorm_param_reduce as num_blocks, and dprojb with sum_dinp. Keep G, and
 layernorm_param_reduce's block size, fixed (not tuned per call) so results are bit-reproducible.
 Any grid size is correct for the other kernels (grid-stride loops).
 */
@@ -186,14 +186,22 @@ extern "C" __global__ void residual_forward(floatX* out, const floatX* inp1, con
 
 #include "layernorm.cuh"   // layernorm_backward_dinp_rows, the input gradient (shared with dev/cuda's candidates)
 
-// dinp (N,C) += layernorm input gradient; scratch (gridDim.x, 2, C) float gets this block's
-// partial sums: scratch[blockIdx.x*2*C + c] = sum dout[:,c] (dbias),
-//           scratch[blockIdx.x*2*C + C + c] = sum dout[:,c] * norm[:,c] (dweight),
+// dinp (N,C) += layernorm input gradient; scratch (gridDim.x, S, C) float gets this block's
+// partial sums, S = 2 + sum_dinp: scratch[blockIdx.x*S*C + c] = sum dout[:,c] (dbias),
+//           scratch[blockIdx.x*S*C + C + c] = sum dout[:,c] * norm[:,c] (dweight),
+// and with sum_dinp = 1 scratch[blockIdx.x*S*C + 2C + c] = sum dinp[:,c] after the add (dprojb),
 // over the block's rows. Block b owns the contiguous rows [b*R, min(N,(b+1)*R)), R = ceil(N/G).
+// Why dinp's column sums: dinp is the residual stream's gradient, and this kernel completes it
+// (the residual's other paths added theirs before). The stream there is x + proj(y) + proj_bias,
+// the output of a projection (the attention's before ln2, the MLP's before the next ln1 or lnf),
+// so dproj_bias = sum over rows of dinp: the projection's bias gradient, summed here from rows
+// the block has just written, instead of by another pass over them (a bias_backward, or the
+// BGRADB epilogue of the projection's dweight GEMM, the slowest of its GEMMs: gpt2_cuda.py
+// --ln-bias-grad).
 extern "C" __global__ void layernorm_backward(floatX* dinp, float* scratch, const floatX* dout,
                                               const floatX* inp, const floatX* weight,
                                               const float* mean, const float* rstd,
-                                              int N, int C) {
+                                              int N, int C, int sum_dinp) {
     const int rows_per_block = (N + gridDim.x - 1) / gridDim.x;
     const int row_begin = min(N, (int)blockIdx.x * rows_per_block);
     const int row_end = min(N, row_begin + rows_per_block);
@@ -201,52 +209,68 @@ extern "C" __global__ void layernorm_backward(floatX* dinp, float* scratch, cons
     // part 1, dinp: one warp per row (kernels/layernorm.cuh, shared with dev/cuda's candidates)
     layernorm_backward_dinp_rows(dinp, dout, inp, weight, mean, rstd, row_begin, row_end, C);
 
-    // part 2, dbias/dweight partials: one thread per channel, rows summed in order. It does not
-    // need part 1's results (only dout, inp, mean, rstd), so no __syncthreads is needed; the
-    // rows were just read by part 1 and are served from L1/L2. A thread per channel (not per
-    // x128 group) keeps all threads busy when C / x128::size < blockDim.x.
-    float* dbias_partial = scratch + (size_t)blockIdx.x * 2 * C;
+    // part 2, the partials: one thread per channel, rows summed in order. dbias and dweight do
+    // not need part 1's results (only dout, inp, mean, rstd); the rows were just read by part 1
+    // and are served from L1/L2. dinp's sums do: other warps of the block wrote those rows, and
+    // the barrier (the same branch for the whole block) makes their stores visible. A thread per
+    // channel (not per x128 group) keeps all threads busy when C / x128::size < blockDim.x.
+    if (sum_dinp) {
+        __syncthreads();
+    }
+    const int slot_width = (2 + sum_dinp) * C;
+    float* dbias_partial = scratch + (size_t)blockIdx.x * slot_width;
     float* dweight_partial = dbias_partial + C;
+    float* dinp_partial = dbias_partial + 2 * C;          // sum_dinp only
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float dbias_sum = 0.0f;
         float dweight_sum = 0.0f;
+        float dinp_sum = 0.0f;
         for (int row = row_begin; row < row_end; row++) {
             const size_t offset = (size_t)row * C;
             const float dout_value = (float)dout[offset + c];
             const float norm = ((float)inp[offset + c] - mean[row]) * rstd[row];
             dbias_sum += dout_value;
             dweight_sum += dout_value * norm;
+            if (sum_dinp) {
+                dinp_sum += (float)dinp[offset + c];
+            }
         }
         dbias_partial[c] = dbias_sum;
         dweight_partial[c] = dweight_sum;
+        if (sum_dinp) {
+            dinp_partial[c] = dinp_sum;
+        }
     }
 }
 
-// dweight, dbias (C,) += the sum over the num_blocks slots of the scratch (num_blocks, 2C) =
-// [dbias | dweight] per slot. A block owns 32 adjacent columns of the 2C at a time (grid-stride
-// over such column groups) and all its warps share the slots: lane l of warp w sums column l over
+// dweight, dbias (C,) += the sum over the num_blocks slots of the scratch (num_blocks, S*C) =
+// [dbias | dweight] per slot, S = 2; with dprojb (C,) given (not NULL), S = 3, the slots
+// [dbias | dweight | dprojb] (layernorm_backward's sum_dinp = 1) and dprojb += the third sums.
+// A block owns 32 adjacent columns of the S*C at a time (grid-stride over such column groups) and
+// all its warps share the slots: lane l of warp w sums column l over
 // slots w, w + W, w + 2W, ... (W = blockDim.x / 32 warps), so each warp reads one coalesced
 // 128-byte segment per slot; then lane l of warp 0 adds the W warp sums in warp order (that end is
 // layernorm.cuh's layernorm_param_reduce_store, which dev/cuda's candidate 5 shares). With one
 // thread per channel instead (version 3), GPT-2's 768 threads each summed 2 x 512 slots one after
 // the other: latency bound. The order of the additions is fixed by num_blocks and blockDim.x, so
 // the result is bit-reproducible for the launcher's fixed block size.
-extern "C" __global__ void layernorm_param_reduce(floatX* dweight, floatX* dbias,
+extern "C" __global__ void layernorm_param_reduce(floatX* dweight, floatX* dbias, floatX* dprojb,
                                                   const float* scratch, int num_blocks, int C) {
     __shared__ float warp_sums[WARP_SIZE][WARP_SIZE + 1];   // [warp][lane]; + 1: no bank conflicts
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
-    const int num_groups = (2 * C + WARP_SIZE - 1) / WARP_SIZE;
+    const int slot_width = layernorm_slot_width(dprojb, C);
+    const int num_groups = (slot_width + WARP_SIZE - 1) / WARP_SIZE;
     for (int group = blockIdx.x; group < num_groups; group += gridDim.x) {   // the same trip count per block
-        const int col = group * WARP_SIZE + lane;           // 0..C-1: dbias, C..2C-1: dweight
+        const int col = group * WARP_SIZE + lane;           // 0..C-1: dbias, C..2C-1: dweight, then dprojb
         float sum = 0.0f;
-        if (col < 2 * C) {
+        if (col < slot_width) {
             for (int b = warp; b < num_blocks; b += num_warps) {
-                sum += scratch[(size_t)b * 2 * C + col];
+                sum += scratch[(size_t)b * slot_width + col];
             }
         }
         warp_sums[warp][lane] = sum;
-        layernorm_param_reduce_store(warp_sums, dweight, dbias, col, C);
+        layernorm_param_reduce_store(warp_sums, dweight, dbias, dprojb, col, C);
     }
 }

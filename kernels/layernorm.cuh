@@ -1,8 +1,8 @@
 /*
 kernels/layernorm.cuh: the parts of LayerNorm's backward that kernels/layernorm.cu's kernels and the
 candidate versions of dev/cuda/layernorm.cu share, so that a candidate changes only what it is
-about and the rest is the very code the trainer runs: layernorm_backward's input gradient, and the
-end of layernorm_param_reduce. The math and the launch contract: kernels/layernorm.cu.
+about and the rest is the very code the trainer runs: layernorm_backward's input gradient, the
+width of its scratch slots, and the end of layernorm_param_reduce. The math and the launch contract: kernels/layernorm.cu.
 */
 #pragma once
 #include "common.cuh"
@@ -55,26 +55,30 @@ __device__ inline void layernorm_backward_dinp_rows(floatX* dinp, const floatX* 
     }
 }
 
+// The floats of one slot of layernorm_backward's scratch: [dbias | dweight] partial sums, and
+// [... | dprojb] where the reduce is given the projection's bias gradient dprojb (not NULL).
+__device__ inline int layernorm_slot_width(const floatX* dprojb, int C) {
+    return (dprojb != nullptr ? 3 : 2) * C;
+}
+
 // The end of one column group of layernorm_param_reduce: lane l of warp w has stored its sum of
 // column col over its share of the slots in warp_sums[w][l]. After a barrier, warp 0 adds the W
-// warp sums in warp order (fixed: deterministic) into dbias (col < C) or dweight (C <= col < 2C);
-// a second barrier keeps the next group's stores after those reads. Every thread of the block calls it.
+// warp sums in warp order (fixed: deterministic) into dbias (col < C), dweight (C <= col < 2C) or,
+// where the slots have a third sum, dprojb (2C <= col < 3C; dprojb NULL: two sums); a second
+// barrier keeps the next group's stores after those reads. Every thread of the block calls it.
 __device__ inline void layernorm_param_reduce_store(float (&warp_sums)[WARP_SIZE][WARP_SIZE + 1], floatX* dweight,
-                                                    floatX* dbias, int col, int C) {
+                                                    floatX* dbias, floatX* dprojb, int col, int C) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
     __syncthreads();
-    if (warp == 0 && col < 2 * C) {
+    if (warp == 0 && col < layernorm_slot_width(dprojb, C)) {
         float total = 0.0f;
         for (int w = 0; w < num_warps; w++) {
             total += warp_sums[w][lane];
         }
-        if (col < C) {
-            dbias[col] = (floatX)((float)dbias[col] + total);
-        } else {
-            dweight[col - C] = (floatX)((float)dweight[col - C] + total);
-        }
+        floatX* grad = col < C ? dbias + col : col < 2 * C ? dweight + col - C : dprojb + col - 2 * C;
+        *grad = (floatX)((float)*grad + total);
     }
     __syncthreads();                                        // warp 0 has read warp_sums before the next group
 }

@@ -138,6 +138,7 @@ DEVICE_RESULT_FLAGS = (("--precision", "precision"), ("-w", "master_weights"), (
                        ("--attention", "attention"), ("--cublaslt", "cublaslt"),
                        ("--residual-epilogue", "residual_epilogue"), ("--autotune", "autotune"),
                        ("-ge", "gelu_fusion"), ("--bias-grad-epilogue", "bias_grad_epilogue"),
+                       ("--ln-bias-grad", "ln_bias_grad"),
                        ("--cudnn-deterministic", "cudnn_deterministic"),
                        ("--classifier-chunk", "classifier_chunk"),
                        ("--pad-vocab", "pad_vocab"))

@@ -18,7 +18,7 @@ BF16_MIN_COMPUTE_CAPABILITY = 80       # sm_80 (Ampere) added bf16 tensor cores 
 
 GPU_FLAGS_TITLE = "GPU options (gpt2_cuda.py only)"
 GPT2_ONLY_FLAGS = ("-w", "-r", "--cublaslt", "--residual-epilogue", "--autotune", "-ge", "--bias-grad-epilogue",
-                   "--cudnn-deterministic", "--classifier-chunk")                                       # llama3_cuda.py lacks these
+                   "--ln-bias-grad", "--cudnn-deterministic", "--classifier-chunk")                                       # llama3_cuda.py lacks these
 MAX_AUTOTUNE = 16                      # llmc/cublaslt.py's MAX_AUTOTUNE (that module loads nvmath lazily)
 
 
@@ -67,6 +67,10 @@ def build_parser(lr_schedules, prog="gpt2_cuda.py", gpt2_options=True, descripti
           help="with cuBLASLt: 1 each bias gradient summed in its dweight GEMM's epilogue (BGRADB); 0 plain dweight "
                "GEMMs and our bias_backward kernel (kernels/bias.cu); 2 as 0, but the fc's bias gradient summed in "
                "the fcproj input gradient's epilogue (DGELU_BGRAD, with -ge 2)")
+        a("--ln-bias-grad", type=int, default=0, choices=(0, 1),
+          help="1: the attention and MLP projections' bias gradients summed by the LayerNorm backward after each "
+               "(the column sums of the residual stream's gradient it completes), their dweight GEMMs plain; 0: by "
+               "the projection's backward, as --bias-grad-epilogue says")
         a("--cudnn-deterministic", type=int, default=1, choices=(0, 1),
           help="with cuDNN attention: 1 its deterministic backward (the same gradients bit for bit every run, as "
                "llm.c); 0 the backward that may sum dq in any order (as PyTorch's SDPA; runs then differ in the last "
@@ -183,7 +187,7 @@ def device_line(device, device_name, compute_capability, model, cuda_graph):
 def library_options(model):
     """The banner's words for --autotune, --gelu-fusion, --bias-grad-epilogue and
     --cudnn-deterministic where they differ from their defaults and reach a library here
-    (cuBLASLt's products, cuDNN's attention graphs); empty otherwise."""
+    (cuBLASLt's products, cuDNN's attention graphs), and for --ln-bias-grad 1; empty otherwise."""
     words = []
     autotune = max(getattr(model.matmul, "autotune", 1), getattr(model.attention, "autotune", 1)
                    if model.attention.name == "cudnn" else 1)
@@ -195,6 +199,8 @@ def library_options(model):
     if bias_grad_epilogue != 1:
         words.append("bias gradients by bias_backward" + (", the fc's in DGELU_BGRAD" if
                                                           getattr(model.matmul, "pre_gelu_bias_grad", False) else ""))
+    if getattr(model, "ln_bias_grad", False):
+        words.append("projection bias gradients by layernorm_backward")
     if model.attention.name == "cudnn" and not getattr(model.attention, "deterministic", True):
         words.append("non-deterministic cuDNN backward")
     return "".join(f" ({w})" for w in words)

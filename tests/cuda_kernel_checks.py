@@ -184,6 +184,18 @@ def check_layernorm(rng, precision, B, T, C):
     assert_kernel("layernorm_backward", precision, dinp, ref_dinp, "ln dinp (accumulated)")
     assert_kernel("layernorm_backward", precision, dw, ref_dw, "ln dweight (accumulated)")
     assert_kernel("layernorm_backward", precision, db, ref_db, "ln dbias (accumulated)")
+    # with dprojb (--ln-bias-grad): the same three, and dprojb += the column sums of dinp as it leaves
+    dprojb0 = rng.standard_normal(C)
+    dinp, dw, db = to_device(dinp0, precision), to_device(dw0, precision), to_device(db0, precision)
+    dprojb = to_device(dprojb0, precision)
+    gpt2_cuda.layernorm_backward(dinp, dw, db, poisoned_f32(gpt2_cuda.partial_floats(GPT2Config(channels=C))),
+                                 to_device(dout, precision), to_device(inp, precision), to_device(w, precision), mean,
+                                 rstd, B, T, C, dprojb=dprojb)
+    assert_kernel("layernorm_backward", precision, dinp, ref_dinp, "ln dinp with dprojb")
+    assert_kernel("layernorm_backward", precision, dw, ref_dw, "ln dweight with dprojb")
+    assert_kernel("layernorm_backward", precision, db, ref_db, "ln dbias with dprojb")
+    ref_dprojb = as_input(dprojb0, precision) + as_input(ref_dinp, precision).reshape(-1, C).sum(axis=0)   # as stored
+    assert_kernel("layernorm_backward", precision, dprojb, ref_dprojb, "ln dprojb: dinp's column sums (accumulated)")
 
 
 def check_gelu(rng, precision, n, OC=None):

@@ -261,15 +261,16 @@ def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
     fake = workers()
     assert bench.main(["-b", "16", "--cublaslt", "1", "--compile", "0", "--residual-epilogue", "1",
                        "--classifier-chunk", "4", "--cuda-graph", "0", "--autotune", "8",
-                       "--gelu-fusion", "1", "-r", "0", "--cudnn-deterministic", "0", "--bias-grad-epilogue", "0"]) == 0
+                       "--gelu-fusion", "1", "-r", "0", "--cudnn-deterministic", "0", "--bias-grad-epilogue", "0",
+                       "--ln-bias-grad", "1"]) == 0
     for (trainer, B), cmd in fake.calls:
         args = bench.parse_args(cmd[2:])
         assert (args.cublaslt, args.compile, args.worker, args.batch_size) == (1, 0, trainer, 16)
         assert (args.residual_epilogue, args.classifier_chunk, args.cuda_graph) == (1, 4, 0)
         assert (args.autotune, args.gelu_fusion, args.recompute, args.cudnn_deterministic) == (8, 1, 0, 0)
-        assert args.bias_grad_epilogue == 0
+        assert (args.bias_grad_epilogue, args.ln_bias_grad) == (0, 1)
     assert ("CUDA graph 0, cuBLASLt, residual epilogue 1, autotune 8, GELU fusion 1, bias gradient epilogue 0, "
-            "recompute 0, cuDNN deterministic 0, "
+            "LayerNorm bias gradients 1, recompute 0, cuDNN deterministic 0, "
             "classifier chunk 4; "
             "twin: torch.compile 0") in capsys.readouterr().out
     defaults = bench.parse_args([])
@@ -279,6 +280,7 @@ def test_cublaslt_and_compile_reach_the_workers(workers, capsys):
     assert (defaults.autotune, defaults.gelu_fusion, defaults.recompute, defaults.cudnn_deterministic) == \
         (trainer.autotune, trainer.gelu_fusion, trainer.recompute, trainer.cudnn_deterministic)
     assert defaults.bias_grad_epilogue == trainer.bias_grad_epilogue == 1
+    assert defaults.ln_bias_grad == trainer.ln_bias_grad == 0
 
 
 def test_a_candidate_reaches_the_workers_the_banner_and_the_json(workers, capsys, tmp_path):
@@ -339,7 +341,8 @@ def test_a_two_kernel_candidate_replaces_both_in_the_emulated_step(monkeypatch, 
     replaces both production kernels of gpt2_cuda.layernorm_backward, layernorm:5 only the reduce (its
     backward is production's). On the emulated device: the first step's loss is ours exactly (the forward
     is untouched), the second within bf16's rounding of ours (the gradients' sums run in another order),
-    and the step launched the candidate's functions."""
+    and the step launched the candidate's functions; the same with --ln-bias-grad 1, where they also sum
+    the projections' bias gradients."""
     from llmc import cuda
     from llmc.emulator import device
     monkeypatch.setattr(cuda, "_device", "cpu")
@@ -358,6 +361,9 @@ def test_a_two_kernel_candidate_replaces_both_in_the_emulated_step(monkeypatch, 
     try:
         bench.install_candidates(["layernorm:6"])
         theirs = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False)[1]
+        # --ln-bias-grad 1: the candidates also sum the projections' bias gradients (their third sum)
+        theirs_ln = bench.cupy_steps("d2", 1, 16, 2, "naive", cuda_graph=False, use_cublaslt=False,
+                                     ln_bias_grad=True)[1]
         common = bench.dev_cuda_common()
         for _, name, kernel in replaced:
             assert loaded(name) is common.load_function(kernel, "bf16")
@@ -365,6 +371,7 @@ def test_a_two_kernel_candidate_replaces_both_in_the_emulated_step(monkeypatch, 
         for _, name, _ in replaced:
             cuda.replace_kernel("layernorm", name, None)
     assert theirs[0] == ours[0] and abs(theirs[1] - ours[1]) < 1e-2 and len(ours) == 2
+    assert theirs_ln[0] == ours[0] and abs(theirs_ln[1] - ours[1]) < 1e-2 and len(theirs_ln) == 2
     args = bench.parse_args(["--candidate", "layernorm:6"])
     assert ("candidate layernorm:6: dev/cuda/layernorm.cu's layernorm_backward_v6 in place of layernorm_backward, "
             "dev/cuda/layernorm.cu's layernorm_param_reduce_v5 in place of layernorm_param_reduce"
@@ -439,14 +446,14 @@ def test_llama3_refuses_cublaslt_in_one_line(capsys):
 
 
 @pytest.mark.parametrize("flags", [["--autotune", "4"], ["--gelu-fusion", "0"], ["--bias-grad-epilogue", "0"], ["-r", "1"],
-                                   ["--cudnn-deterministic", "0"]])
+                                   ["--cudnn-deterministic", "0"], ["--ln-bias-grad", "1"]])
 def test_llama3_refuses_gpt2_cuda_options_in_one_line(capsys, flags):
     with pytest.raises(SystemExit) as exit_:
         bench.main(["-e", "llama3:d4"] + flags)
     err = capsys.readouterr().err
     assert exit_.value.code == 1 and err.count("\n") == 1, err
-    assert err.startswith("error: --autotune, --gelu-fusion, --bias-grad-epilogue, -r and --cudnn-deterministic are "
-                          "gpt2_cuda.py's options: drop them for -e llama3:d4"), err
+    assert err.startswith("error: --autotune, --gelu-fusion, --bias-grad-epilogue, --ln-bias-grad, -r and "
+                          "--cudnn-deterministic are gpt2_cuda.py's options: drop them for -e llama3:d4"), err
 
 
 def test_llama3_passes_cuda_graph_to_the_workers(workers, capsys):

@@ -65,14 +65,14 @@ def _emulated_cublaslt(monkeypatch, calls, bgrad):
     return cublaslt
 
 
-def _checked_against_gpt2_cpu(monkeypatch, precision, matmul, bgrad, seed):
-    """The TINY model with `matmul` (recompute off) on the emulated device, llmc/cublaslt.py on its
-    cuBLASLt (_emulated_cublaslt), one batch checked tensor by tensor against gpt2_cpu.py. Returns
-    (the recorded linear-layer calls, the recorded kernel launches, llmc.cublaslt)."""
+def _checked_against_gpt2_cpu(monkeypatch, precision, matmul, bgrad, seed, **options):
+    """The TINY model with `matmul` (recompute off; GPT2's other options) on the emulated device,
+    llmc/cublaslt.py on its cuBLASLt (_emulated_cublaslt), one batch checked tensor by tensor against
+    gpt2_cpu.py. Returns (the recorded linear-layer calls, the recorded kernel launches, llmc.cublaslt)."""
     calls = []
     cublaslt = _emulated_cublaslt(monkeypatch, calls, bgrad)
     launches = record_launches(monkeypatch)
-    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=matmul)
+    model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=False, matmul=matmul, **options)
     gpt2_cuda.upload_parameters(model, tiny_model_parameters(TINY, 42).params)
     rng = np.random.default_rng(seed)
     x = rng.integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
@@ -183,6 +183,33 @@ def test_bias_gradient_levels_match_gpt2_cpu(emulated_gpu, monkeypatch, precisio
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("backend,level", [("CublasLt", 1), ("CublasLt", 0), ("CublasLt", 2), ("Cublas", 0)])
+def test_ln_bias_grad_sums_the_projection_biases_in_the_layernorm_backward(emulated_gpu, monkeypatch, precision,
+                                                                            backend, level):
+    """--ln-bias-grad 1: the attention and MLP projections' bias gradients come from the LayerNorm
+    backward after each (ln2, and the next ln1 or lnf: dprojb), so of a layer's four biases only
+    qkv's and fc's are summed where --bias-grad-epilogue says (level 1 BGRADB, 0 bias_backward, 2
+    the fc's in DGELU_BGRAD; cuBLAS: bias_backward): matches gpt2_cpu.py, the projections' bias
+    gradients included, which no other launch then writes."""
+    from llmc import cublaslt
+    epilogues = _recorded_epilogues(monkeypatch)
+    matmul = llmc.matmul.CublasLt(bias_grad_epilogue=level) if backend == "CublasLt" else llmc.matmul.Cublas()
+    calls, launches, _ = _checked_against_gpt2_cpu(monkeypatch, precision, matmul, bgrad=True, seed=5,
+                                                   ln_bias_grad=True)
+    L = TINY.num_layers
+    names = [launch.name for launch in launches]
+    backwards = names.count("encoder_backward_wpe")                 # the backward passes --check ran
+    assert backwards >= 1
+    assert names.count("layernorm_backward") == (2 * L + 1) * backwards
+    # per layer: bias_backward launches, BGRADB and DGELU_BGRAD products
+    per_layer = {("CublasLt", 1): (0, 2, 0), ("CublasLt", 0): (2, 0, 0), ("CublasLt", 2): (1, 0, 1),
+                 ("Cublas", 0): (2, 0, 0)}[backend, level]
+    assert (names.count("bias_backward"), epilogues.count("BGRADB"),
+            epilogues.count("DGELU_BGRAD")) == tuple(n * L * backwards for n in per_layer)
+    cublaslt.clear_cache()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("level", [1, 2])
 def test_the_first_micro_batch_writes_the_bias_gradients_in_the_epilogue(emulated_gpu, monkeypatch, precision, level):
     """gpt2_micro_batch(first=True) zeroes the gradients, so BGRADB (and at level 2 DGELU_BGRAD)
@@ -279,16 +306,20 @@ def test_library_options_reach_the_backend_the_attention_and_the_banner(monkeypa
     monkeypatch.setattr(gpt2_cuda, "GPT2", lambda *a, **k: built.update(k) or types.SimpleNamespace(matmul=k["matmul"]))
     monkeypatch.setattr(gpt2_cuda, "upload_parameters", lambda *a: None)
     args = gpt2_cuda.parse_args(["--device", "cpu", "-e", "d2", "--cublaslt", "1", "--autotune", "4", "-ge", "1",
-                                 "--attention", "naive", "--cudnn-deterministic", "0", "--bias-grad-epilogue", "0"])
+                                 "--attention", "naive", "--cudnn-deterministic", "0", "--bias-grad-epilogue", "0",
+                                 "--ln-bias-grad", "1"])
     said = []
     gpt2_cuda.setup_model(args, 80, say=said.append)
     assert said == ["gpt2_cuda.py: --cudnn-deterministic 0 applies to cuDNN attention; this run has naive attention"]
     matmul = built["matmul"]
     assert (matmul.autotune, matmul.gelu_fusion, built["autotune"], built["cudnn_deterministic"]) == (4, 1, 4, False)
-    assert matmul.bias_grad_epilogue == 0
+    assert matmul.bias_grad_epilogue == 0 and built["ln_bias_grad"] is True
     banner = llmc.gpu_cli.library_options
     assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("naive"))) == \
         " (autotune 4) (GELU fusion 1) (bias gradients by bias_backward)"
+    assert banner(types.SimpleNamespace(matmul=llmc.matmul.CublasLt(), ln_bias_grad=True,
+                                        attention=llmc.attention.attention_path("naive"))) == \
+        " (projection bias gradients by layernorm_backward)"
     cudnn = llmc.attention.attention_path("cudnn")
     cudnn.autotune = 3                                                   # cuDNN's plans tuned, cuBLAS matmuls
     assert banner(types.SimpleNamespace(matmul=llmc.matmul.Cublas(), attention=cudnn)) == " (autotune 3)"
@@ -296,12 +327,13 @@ def test_library_options_reach_the_backend_the_attention_and_the_banner(monkeypa
     assert banner(types.SimpleNamespace(matmul=llmc.matmul.Cublas(), attention=cudnn)) == \
         " (autotune 3) (non-deterministic cuDNN backward)"
     defaults = gpt2_cuda.parse_args([])
-    assert (defaults.autotune, defaults.gelu_fusion, defaults.bias_grad_epilogue) == (1, 2, 1)
+    assert (defaults.autotune, defaults.gelu_fusion, defaults.bias_grad_epilogue, defaults.ln_bias_grad) == (1, 2, 1, 0)
     for matmul in (llmc.matmul.CublasLt(), llmc.matmul.Cublas()):
         assert banner(types.SimpleNamespace(matmul=matmul, attention=llmc.attention.attention_path("cudnn"))) == ""
 
 
-@pytest.mark.parametrize("flags", [["--autotune", "0"], ["--autotune", "17"], ["-ge", "3"], ["--bias-grad-epilogue", "3"]])
+@pytest.mark.parametrize("flags", [["--autotune", "0"], ["--autotune", "17"], ["-ge", "3"], ["--bias-grad-epilogue", "3"],
+                                   ["--ln-bias-grad", "2"]])
 def test_cublaslt_options_refuse_other_values_in_one_line(flags, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpt2_cuda.parse_args(flags)

@@ -85,9 +85,9 @@ def _capturing():
     return device.cuda.get_current_stream().is_capturing()
 
 
-def _model(precision, matmul=None, attention="naive", classifier_chunk=0, recompute=True):
+def _model(precision, matmul=None, attention="naive", classifier_chunk=0, recompute=True, ln_bias_grad=False):
     model = gpt2_cuda.GPT2(TINY, precision, master_weights=True, recompute=recompute, matmul=matmul, attention=attention,
-                           classifier_chunk=classifier_chunk)
+                           classifier_chunk=classifier_chunk, ln_bias_grad=ln_bias_grad)
     gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(TINY, 42).params)
     return model
 
@@ -232,17 +232,21 @@ def _train_on_device(model, batches, cuda_graph, steps, micro_batches):
 
 # the whole step as one graph (one micro-batch) and as three (first, middle, last): each graph
 # equal to the eager launches bitwise; cuBLASLt with the residual in its epilogue and the
-# classifier one sequence at a time, cuDNN attention
-@pytest.mark.parametrize("precision,micro_batches,backend,attention,recompute", [
-    ("fp32", 1, "cublas", "naive", 1), ("bf16", 1, "cublaslt", "naive", 1), ("bf16", 3, "cublas", "naive", 1),
-    ("bf16", 1, "cublas", "cudnn", 1), ("bf16", 1, "cublaslt", "naive", 0)])    # the last: -r 0, the default since 2026-11-27
-def test_whole_step_graph_equals_eager_bitwise(capture, precision, micro_batches, backend, attention, recompute):
+# classifier one sequence at a time, cuDNN attention; the projections' bias gradients summed by the
+# LayerNorms (--ln-bias-grad 1) over three micro-batches
+@pytest.mark.parametrize("precision,micro_batches,backend,attention,recompute,ln_bias_grad", [
+    ("fp32", 1, "cublas", "naive", 1, False), ("bf16", 1, "cublaslt", "naive", 1, False),
+    ("bf16", 3, "cublas", "naive", 1, False), ("bf16", 1, "cublas", "cudnn", 1, False),
+    ("bf16", 1, "cublaslt", "naive", 0, False),           # -r 0, the default since 2026-11-27
+    ("bf16", 3, "cublaslt", "naive", 0, True)])
+def test_whole_step_graph_equals_eager_bitwise(capture, precision, micro_batches, backend, attention, recompute,
+                                               ln_bias_grad):
     chunk = 1 if backend == "cublaslt" else 0
     batches = _batches(2, 16, 3, seed=7)
     if backend == "cublaslt":
         cublaslt.clear_cache()
     matmul = {"cublas": lambda: llmc.matmul.Cublas(), "cublaslt": lambda: llmc.matmul.CublasLt(residual_epilogue=True)}
-    eager, graphed = (_model(precision, matmul[backend](), attention, chunk, recompute) for _ in range(2))
+    eager, graphed = (_model(precision, matmul[backend](), attention, chunk, recompute, ln_bias_grad) for _ in range(2))
     steps = 3
     eager_out = _train_on_device(eager, batches, cuda_graph=False, steps=steps, micro_batches=micro_batches)
     assert capture.captures == 0
@@ -612,7 +616,8 @@ def test_gpu_graph_steps_equal_eager_steps_bitwise(precision, attention, backend
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision,attention,backend,micro_batches", [
     ("bf16", "cudnn", "cublaslt", 1), ("bf16", "cudnn", "cublaslt-residual", 1), ("bf16", "cudnn", "cublaslt", 2),
-    ("fp32", "naive", "cublas", 1)])      # the first: the GPU defaults; the second with the classifier in 2 chunks
+    ("fp32", "naive", "cublas", 1), ("bf16", "cudnn", "cublaslt_ln", 2)])
+# the first: the GPU defaults; the second with the classifier in 2 chunks; the last with --ln-bias-grad 1
 def test_gpu_whole_step_graph_equals_eager_bitwise(precision, attention, backend, micro_batches):
     import cupy as cp
     cfg = gpt2_cpu.GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2,
@@ -622,13 +627,15 @@ def test_gpu_whole_step_graph_equals_eager_bitwise(precision, attention, backend
     if backend.startswith("cublaslt") and cublaslt.unavailable_reason():
         pytest.skip(cublaslt.unavailable_reason())
     matmul = {"cublas": lambda: llmc.matmul.Cublas(), "cublaslt": lambda: llmc.matmul.CublasLt(),
-              "cublaslt-residual": lambda: llmc.matmul.CublasLt(residual_epilogue=True)}[backend]
+              "cublaslt-residual": lambda: llmc.matmul.CublasLt(residual_epilogue=True),
+              "cublaslt_ln": lambda: llmc.matmul.CublasLt()}[backend]
     batches = _batches(4, 64, 3, seed=3)
     results = {}
     with cp.cuda.Stream():                                                      # capture needs a created stream
         for graph in (False, True):
             model = gpt2_cuda.GPT2(cfg, precision, master_weights=True, recompute=True, attention=attention,
-                                   matmul=matmul(), classifier_chunk=2 if backend == "cublaslt-residual" else 0)
+                                   matmul=matmul(), classifier_chunk=2 if backend == "cublaslt-residual" else 0,
+                                   ln_bias_grad=backend == "cublaslt_ln")
             gpt2_cuda.upload_parameters(model, gpt2_cpu.gpt2_init(cfg, 42).params)
             llmc.cuda.load_modules(gpt2_cuda.kernel_files(model), precision)
             out = _train_on_device(model, batches, cuda_graph=graph, steps=3, micro_batches=micro_batches)

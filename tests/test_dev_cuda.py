@@ -111,7 +111,10 @@ def test_dev_kernels_compile(path, precision, arch):
 @needs_nvrtc
 @pytest.mark.parametrize("op", CHECKED)
 def test_versions_name_existing_kernels(op):
-    for progression in SCRIPTS[op].PROGRESSIONS:
+    for index, progression in enumerate(SCRIPTS[op].PROGRESSIONS):
+        # kernels an earlier progression of the op introduced, which a later one may launch another way
+        # (layernorm_backward_projection_bias: layernorm_backward's, with a third sum)
+        earlier = {k for p in SCRIPTS[op].PROGRESSIONS[:index] for v in p.versions for k in v.kernels}
         numbers = [v.number for v in progression.versions]
         assert numbers == list(range(1, len(numbers) + 1)), progression.name
         production = common.production_version(progression)
@@ -132,7 +135,7 @@ def test_versions_name_existing_kernels(op):
                 # its own kernels end in _v<its number>, or in an earlier version's that it reuses
                 # (bias 3 keeps version 2's bias_reduce_v2)
                 introduced = {f"_v{v.number}": [k.name for k in v.kernels] for v in progression.versions}
-                assert all(k.name.endswith(f"_v{version.number}") or any(
+                assert all(k.name.endswith(f"_v{version.number}") or k in earlier or any(
                     k.name.endswith(suffix) and k.name in introduced[suffix]
                     for suffix in (f"_v{m}" for m in range(1, version.number))) for k in own), (progression.name, version)
                 assert not common.is_candidate(version) or own, (progression.name, version)   # a kernel of its own
@@ -453,50 +456,64 @@ def test_bias_candidate_5_is_version_4_bit_for_bit(emulated, shape):
                 assert np.array_equal(*results), (precision, sizes, block_size)
 
 
+# layernorm_backward's two progressions: (production, candidates 5 and 6) as each numbers them
+LAYERNORM_BACKWARDS = {"layernorm_backward": (4, 5, 6), "layernorm_backward_projection_bias": (2, 3, 4)}
+
+
+@pytest.mark.parametrize("name", LAYERNORM_BACKWARDS)
 @pytest.mark.parametrize("C", [96, 768])
-def test_layernorm_candidates_over_many_rows_a_block(emulated, C):
+def test_layernorm_candidates_over_many_rows_a_block(emulated, C, name):
     """layernorm_backward's candidates 5 and 6 (the reduce with 8 sums in flight; the partial sums by
     row phases) where a block owns several rows: N = 1200 rows over G = 512 slots (3 rows a block,
     the last blocks empty), at C = 96 (12 groups of 8 bf16, 42 row phases at 512 threads) and GPT-2's
     768 (96 groups: 5 phases at 512 threads; at 32 threads 3 passes of 32 groups, one phase), every
     block size, against gpt2_cpu.py; and their sums against version 4's (the production kernels), which
-    add the same values in another order: equal to within the last bits, not bitwise."""
-    progression = next(p for p in SCRIPTS["layernorm"].PROGRESSIONS if p.name == "layernorm_backward")
-    assert [v.number for v in progression.versions if common.is_candidate(v)] == [5, 6]
+    add the same values in another order: equal to within the last bits, not bitwise. The same with
+    the third sum, dinp's columns into dprojb (--ln-bias-grad)."""
+    progression = next(p for p in SCRIPTS["layernorm"].PROGRESSIONS if p.name == name)
+    production, *candidates = numbers = LAYERNORM_BACKWARDS[name]
+    assert [v.number for v in progression.versions if common.is_candidate(v)] == candidates
+    assert common.production_version(progression).number == production
+    sums_names = ("dweight", "dbias") + (("dprojb",) if name.endswith("projection_bias") else ())
     for precision in PRECISIONS:
         case = progression.make_case(np.random.default_rng(7), precision, B=4, T=300, C=C)
         d = common.allocate(case)
-        assert case.scalars["G"] == 512
-        assert common.validate(progression, precision, None, versions=[4, 5, 6], case=case, d=d)
+        assert case.scalars["G"] == 512 and case.scalars["sums"] == len(sums_names)
+        assert common.validate(progression, precision, None, versions=list(numbers), case=case, d=d)
         sums = {}
-        for number in (4, 5, 6):
+        for number in numbers:
             common.reset(case, d)
             next(v for v in progression.versions if v.number == number).launch(d, 512)
-            sums[number] = (d.dweight.get(), d.dbias.get(), d.dinp.get())
-        for number in (5, 6):
-            for ours, theirs in zip(sums[4][:2], sums[number][:2]):
+            sums[number] = [getattr(d, n).get() for n in sums_names + ("dinp",)]
+        for number in candidates:
+            for ours, theirs in zip(sums[production][:-1], sums[number][:-1]):
                 decoded = [common.to_float64(x, "X", precision) for x in (ours, theirs)]
                 np.testing.assert_allclose(decoded[1], decoded[0], rtol=1e-2 if precision == "bf16" else 1e-5,
                                            atol=1e-2 if precision == "bf16" else 1e-4)
-            assert np.array_equal(sums[number][2], sums[4][2])      # dinp: the same code (kernels/layernorm.cuh)
+            assert np.array_equal(sums[number][-1], sums[production][-1])   # dinp: the same code (layernorm.cuh)
 
 
-def test_layernorm_candidate_6_under_the_sanitizers(emulated):
+@pytest.mark.parametrize("name", LAYERNORM_BACKWARDS)
+def test_layernorm_candidate_6_under_the_sanitizers(emulated, name):
     """layernorm_backward_v6's row phases meeting in shared memory, small enough for the sanitizers
     (dev/sanitize_kernels.py runs this test under ThreadSanitizer, where a read of another thread's
     phase sum before the barrier is a report): 40 rows over G = 4 slots of 10 rows, C = 384 (48
     groups of 8 bf16: two passes of 32 groups at 32 threads; 10 phases of 48 at 512), against
-    gpt2_cpu.py in both precisions."""
-    progression = next(p for p in SCRIPTS["layernorm"].PROGRESSIONS if p.name == "layernorm_backward")
-    v6 = next(v for v in progression.versions if v.number == 6)
+    gpt2_cpu.py in both precisions. With the third sum (dinp's columns) version 4 too: its threads
+    read the dinp rows other warps wrote, after the barrier."""
+    progression = next(p for p in SCRIPTS["layernorm"].PROGRESSIONS if p.name == name)
+    production, _, v6 = LAYERNORM_BACKWARDS[name]
+    numbers = (v6,) if name == "layernorm_backward" else (production, v6)
     for precision in PRECISIONS:
         case = progression.make_case(np.random.default_rng(8), precision, B=1, T=40, C=384)
         case.scalars["G"] = 4                        # any G is correct; the launcher's is min(512, N)
         d = common.allocate(case)
-        for block_size in (32, 512):
-            common.reset(case, d)
-            v6.launch(d, block_size)
-            assert common.check_case(case, d, f"v6 {precision} block {block_size}")
+        for number in numbers:
+            version = next(v for v in progression.versions if v.number == number)
+            for block_size in (32, 512):
+                common.reset(case, d)
+                version.launch(d, block_size)
+                assert common.check_case(case, d, f"{name} v{number} {precision} block {block_size}")
 
 
 # ----------------------------------------------------------------------------

@@ -254,30 +254,31 @@ extern "C" __global__ void layernorm_param_reduce_v3(floatX* dweight, floatX* db
 #define LN_REDUCE_SUMS 8       // running sums per lane of layernorm_param_reduce_v5 (a power of 2)
 
 // kernels/layernorm.cu's layernorm_param_reduce (the same grid, block and slots: a block owns 32
-// adjacent columns of the 2C, lane l of warp w sums column l over slots w, w + W, ...), each lane
+// adjacent columns of a slot's 2C or 3C, lane l of warp w sums column l over slots w, w + W, ...), each lane
 // adding its slots into LN_REDUCE_SUMS running sums, slot w + (first + k) W into sums[k], so the
 // unrolled loop's loads do not wait for each other's adds; the sums folded pairwise, then warp 0
 // adds the W warp sums in warp order. Deterministic: the order depends on num_blocks and blockDim.x.
-extern "C" __global__ void layernorm_param_reduce_v5(floatX* dweight, floatX* dbias, const float* scratch,
-                                                     int num_blocks, int C) {
+extern "C" __global__ void layernorm_param_reduce_v5(floatX* dweight, floatX* dbias, floatX* dprojb,
+                                                     const float* scratch, int num_blocks, int C) {
     __shared__ float warp_sums[WARP_SIZE][WARP_SIZE + 1];   // [warp][lane]; + 1: no bank conflicts
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
-    const int num_groups = (2 * C + WARP_SIZE - 1) / WARP_SIZE;
+    const int slot_width = layernorm_slot_width(dprojb, C);
+    const int num_groups = (slot_width + WARP_SIZE - 1) / WARP_SIZE;
     for (int group = blockIdx.x; group < num_groups; group += gridDim.x) {   // the same trip count per block
-        const int col = group * WARP_SIZE + lane;           // 0..C-1: dbias, C..2C-1: dweight
+        const int col = group * WARP_SIZE + lane;           // 0..C-1: dbias, C..2C-1: dweight, then dprojb
         float sums[LN_REDUCE_SUMS];
         for (int k = 0; k < LN_REDUCE_SUMS; k++) {
             sums[k] = 0.0f;
         }
-        if (col < 2 * C) {
+        if (col < slot_width) {
             for (int first = 0; warp + first * num_warps < num_blocks; first += LN_REDUCE_SUMS) {
                 #pragma unroll
                 for (int k = 0; k < LN_REDUCE_SUMS; k++) {
                     const int b = warp + (first + k) * num_warps;
                     if (b < num_blocks) {
-                        sums[k] += scratch[(size_t)b * 2 * C + col];
+                        sums[k] += scratch[(size_t)b * slot_width + col];
                     }
                 }
             }
@@ -289,7 +290,7 @@ extern "C" __global__ void layernorm_param_reduce_v5(floatX* dweight, floatX* db
             }
         }
         warp_sums[warp][lane] = sums[0];
-        layernorm_param_reduce_store(warp_sums, dweight, dbias, col, C);
+        layernorm_param_reduce_store(warp_sums, dweight, dbias, dprojb, col, C);
     }
 }
 
@@ -299,12 +300,14 @@ extern "C" __global__ void layernorm_param_reduce_v5(floatX* dweight, floatX* db
 // its part 2 with x128 loads: the block's `groups` = C / x128::size column groups are taken
 // `pass_groups` = min(groups, threads) at a time; in a pass, thread t < phases * pass_groups sums
 // group g0 + t % pass_groups over the rows row_begin + p, + phases, ... (p = t / pass_groups, the
-// row phase), its 2 * x128::size sums (dbias, dweight) kept in registers, then written to shared
-// memory, where thread j adds column j's phases in phase order into the block's slot.
+// row phase), its S * x128::size sums (dbias, dweight, and with sum_dinp dinp's) kept in registers,
+// then written to shared memory, where thread j adds column j's phases in phase order into the
+// block's slot. S = 2 + sum_dinp; sum_dinp's barrier before part 2 is the production kernel's.
 extern "C" __global__ void layernorm_backward_v6(floatX* dinp, float* scratch, const floatX* dout,
                                                  const floatX* inp, const floatX* weight,
-                                                 const float* mean, const float* rstd, int N, int C) {
-    __shared__ float phase_sums[LN_PARTIAL_THREADS * 2 * 8];   // [phase][dbias | dweight][pass column]
+                                                 const float* mean, const float* rstd, int N, int C,
+                                                 int sum_dinp) {
+    __shared__ float phase_sums[LN_PARTIAL_THREADS * 3 * 8];   // [phase][dbias | dweight | dinp][pass column]
     const int rows_per_block = (N + gridDim.x - 1) / gridDim.x;
     const int row_begin = min(N, (int)blockIdx.x * rows_per_block);
     const int row_end = min(N, row_begin + rows_per_block);
@@ -312,22 +315,26 @@ extern "C" __global__ void layernorm_backward_v6(floatX* dinp, float* scratch, c
     // part 1, dinp: the production kernel's code
     layernorm_backward_dinp_rows(dinp, dout, inp, weight, mean, rstd, row_begin, row_end, C);
 
-    // part 2, the partial sums of dbias and dweight over the block's rows
+    // part 2, the partial sums of dbias and dweight (and dinp) over the block's rows
+    if (sum_dinp) {
+        __syncthreads();                                    // the block's dinp rows written
+    }
+    const int sums = 2 + sum_dinp;
     const int threads = min((int)blockDim.x, LN_PARTIAL_THREADS);
     const int groups = C / x128::size;
     const int pass_groups = min(groups, threads);
     const int phases = threads / pass_groups;
     const int pass_columns = pass_groups * x128::size;
-    float* dbias_partial = scratch + (size_t)blockIdx.x * 2 * C;
-    float* dweight_partial = dbias_partial + C;
+    float* slot = scratch + (size_t)blockIdx.x * sums * C;   // [dbias | dweight | dinp's]
     for (int g0 = 0; g0 < groups; g0 += pass_groups) {      // one pass for C <= threads * x128::size
         const int phase = threadIdx.x / pass_groups;
         const int g = g0 + threadIdx.x % pass_groups;
         const bool summing = phase < phases && g < groups;
-        float dbias_sum[x128::size], dweight_sum[x128::size];
+        float dbias_sum[x128::size], dweight_sum[x128::size], dinp_sum[x128::size];
         for (int k = 0; k < x128::size; k++) {
             dbias_sum[k] = 0.0f;
             dweight_sum[k] = 0.0f;
+            dinp_sum[k] = 0.0f;
         }
         if (summing) {
             for (int row = row_begin + phase; row < row_end; row += phases) {
@@ -341,25 +348,34 @@ extern "C" __global__ void layernorm_backward_v6(floatX* dinp, float* scratch, c
                     dbias_sum[k] += (float)dout_group[k];
                     dweight_sum[k] += (float)dout_group[k] * norm;
                 }
+                if (sum_dinp) {
+                    const x128 dinp_group = load128(dinp + offset);
+                    for (int k = 0; k < x128::size; k++) {
+                        dinp_sum[k] += (float)dinp_group[k];
+                    }
+                }
             }
         }
         __syncthreads();                                    // the previous pass has read phase_sums
         if (summing) {
-            float* mine = phase_sums + phase * 2 * pass_columns + (g - g0) * x128::size;
+            float* mine = phase_sums + phase * sums * pass_columns + (g - g0) * x128::size;
             for (int k = 0; k < x128::size; k++) {
                 mine[k] = dbias_sum[k];
                 mine[pass_columns + k] = dweight_sum[k];
+                if (sum_dinp) {
+                    mine[2 * pass_columns + k] = dinp_sum[k];
+                }
             }
         }
         __syncthreads();
         const int columns = min(groups - g0, pass_groups) * x128::size;
-        for (int j = threadIdx.x; j < 2 * columns; j += blockDim.x) {     // j: dbias columns, then dweight
+        for (int j = threadIdx.x; j < sums * columns; j += blockDim.x) {  // j: dbias columns, dweight's, dinp's
             const int which = j / columns, column = j % columns;
             float total = 0.0f;
             for (int p = 0; p < phases; p++) {
-                total += phase_sums[p * 2 * pass_columns + which * pass_columns + column];
+                total += phase_sums[p * sums * pass_columns + which * pass_columns + column];
             }
-            (which == 0 ? dbias_partial : dweight_partial)[g0 * x128::size + column] = total;
+            slot[which * C + g0 * x128::size + column] = total;
         }
     }
 }

@@ -57,6 +57,17 @@ layernorm_backward, dinp += ..., dweight += ..., dbias += ... (gpt2_cpu.layernor
             (kernels/layernorm.cuh).
   Both candidates launch exactly as version 4 (grid, blocks, slots): `dev/bench.py --candidate
   layernorm:5` (or 6) times the whole step with them in its place.
+layernorm_backward_projection_bias, the same with dprojb += the column sums of dinp as it leaves
+(gpt2_cuda.py --ln-bias-grad 1: dinp is then the whole gradient of a residual stream that a
+projection's output, bias included, was added into, so these are that bias's gradient, and the
+projection's dweight GEMM runs without its BGRADB epilogue, or without a bias_backward):
+  version 1 (layernorm_backward's version 4, then kernels/bias.cu's bias_backward over dinp):
+            the option off at --bias-grad-epilogue 0, the bias gradient a pass over (N,C) of its own.
+  version 2 (kernels/layernorm.cu layernorm_backward with sum_dinp = 1 + layernorm_param_reduce
+            given dprojb, production): version 4 with a third partial sum a slot; its threads
+            read back the dinp rows that part 1's warps wrote, after a barrier (from L2, not DRAM).
+  version 3 (candidate) and version 4 (candidate): candidates 5 and 6 with the third sum. Against
+            layernorm_backward's table, the difference is what the option costs the LayerNorm.
 
 Napkin math (minimum traffic; N rows, C channels): forward reads N*C and writes N*C floatX plus
 2N floats of statistics; fused reads 2N*C, writes 2N*C; backward reads dout, inp and dinp, writes
@@ -81,6 +92,7 @@ import gpt2_cpu  # noqa: E402  (common put the repository root on sys.path)
 from gpt2_cuda import (LAYERNORM_PARAM_REDUCE_BLOCK_SIZE, layernorm_backward_grid,  # noqa: E402  (production's grids)
                        layernorm_param_reduce_grid)
 from llmc.cuda import BLOCK_SIZE, ceil_div, elementwise_grid, warp_row_grid  # noqa: E402
+from llmc.matmul import bias_backward, bias_backward_chunks  # noqa: E402
 
 OP = "layernorm"
 LAYERNORM_FORWARD_V1 = dev_kernel(OP, "layernorm_forward_v1")
@@ -96,6 +108,8 @@ LAYERNORM_FORWARD = production_kernel("layernorm", "layernorm_forward")
 FUSED_RESIDUAL_FORWARD = production_kernel("layernorm", "fused_residual_forward")
 LAYERNORM_BACKWARD = production_kernel("layernorm", "layernorm_backward")
 LAYERNORM_PARAM_REDUCE = production_kernel("layernorm", "layernorm_param_reduce")
+BIAS_BACKWARD = production_kernel("bias", "bias_backward")
+BIAS_REDUCE = production_kernel("bias", "bias_reduce")
 
 
 # ----------------------------------------------------------------------------
@@ -140,23 +154,41 @@ def make_fused_case(rng, precision, B, T, C):
     return case
 
 
-def make_backward_case(rng, precision, B, T, C):
-    """dinp, dweight, dbias accumulate gpt2_cpu.layernorm_backward's gradients."""
+def make_backward_case(rng, precision, B, T, C, projection_bias=False):
+    """dinp, dweight, dbias accumulate gpt2_cpu.layernorm_backward's gradients; with
+    projection_bias, dprojb also accumulates the column sums of dinp as it leaves (the bias
+    gradient of the projection whose output is this residual: gpt2_cuda.py --ln-bias-grad)."""
     case = common.Case(precision)
     x, w, _ = layer_inputs(case, rng, B, T, C)
     _, mean, rstd = gpt2_cpu.layernorm_forward(x, w, np.zeros(C))
     mean, rstd = case.input("mean", mean, "f32"), case.input("rstd", rstd, "f32")   # as fp32, like the forward's
     dout = case.input("dout", rng.standard_normal((B, T, C)))
-    dinp = case.input("dinp", rng.standard_normal((B, T, C)))                         # all three accumulate
+    dinp = case.input("dinp", rng.standard_normal((B, T, C)))                         # all accumulate
     dweight, dbias = case.input("dweight", rng.standard_normal(C)), case.input("dbias", rng.standard_normal(C))
     dinp = dinp + gpt2_cpu.layernorm_backward(dweight, dbias, dout, x, w, mean, rstd)
     for name, ref in (("dinp", dinp), ("dweight", dweight), ("dbias", dbias)):
         case.check(name, ref, "layernorm_backward")
+    sums = 2
+    if projection_bias:
+        dprojb = case.input("dprojb", rng.standard_normal(C))
+        # the kernel sums dinp as stored: rounded to floatX (bf16's rounding, summed over B*T rows, would
+        # exceed the tolerance in the float64 sum), as the BGRADB epilogue and bias_backward read it
+        stored = common.to_float64(common.to_device_dtype(dinp, "X", precision), "X", precision)
+        case.check("dprojb", dprojb + stored.reshape(-1, C).sum(axis=0), "layernorm_backward")
+        case.scratch("bias_partial", bias_backward_chunks(B * T) * C)    # version 1's bias_backward
+        sums = 3
     G = layernorm_backward_grid(B * T)
     case.scalar("G", G)
-    case.scratch("scratch", G * 2 * C)          # production: (G, 2, C) slots; versions 1, 2 use (2, C)
-    case.bytes = common.napkin_bytes(precision, floatX=4 * B * T * C + 5 * C, float32=2 * B * T)
+    case.scalar("sums", sums)
+    case.scratch("scratch", G * sums * C)       # production: (G, sums, C) slots; versions 1, 2 use (2, C)
+    case.bytes = common.napkin_bytes(precision, floatX=(4 + (sums - 2)) * B * T * C + (sums + 3) * C,
+                                     float32=2 * B * T)
     return case
+
+
+def make_projection_bias_case(rng, precision, B, T, C):
+    """make_backward_case with the projection's bias gradient summed too."""
+    return make_backward_case(rng, precision, B, T, C, projection_bias=True)
 
 
 # ----------------------------------------------------------------------------
@@ -197,24 +229,32 @@ def fused_v3(d, block_size):
 
 
 def backward_args(d):
-    return (d.dinp, d.scratch, d.dout, d.inp, d.weight, d.mean, d.rstd, np.int32(d.N), np.int32(d.C))
+    """gpt2_cuda.layernorm_backward's arguments to layernorm_backward: sum_dinp = 1 with dprojb."""
+    return (d.dinp, d.scratch, d.dout, d.inp, d.weight, d.mean, d.rstd, np.int32(d.N), np.int32(d.C),
+            np.int32(d.sums - 2))
+
+
+def reduce_args(d, num_slots):
+    """The reduce's arguments: dprojb, or NULL (np.uint64(0)) for two sums a slot."""
+    return (d.dweight, d.dbias, d.dprojb if d.sums == 3 else np.uint64(0), d.scratch, np.int32(num_slots),
+            np.int32(d.C))
 
 
 def param_reduce(d, num_slots, block_size=LAYERNORM_PARAM_REDUCE_BLOCK_SIZE):
-    """dweight, dbias += the sum of the first num_slots (2, C) slots of the scratch: production's reduce."""
-    LAYERNORM_PARAM_REDUCE.launch(d.precision, layernorm_param_reduce_grid(d.C), block_size,
-                                  (d.dweight, d.dbias, d.scratch, np.int32(num_slots), np.int32(d.C)))
+    """dweight, dbias (, dprojb) += the sum of the first num_slots slots of the scratch: production's reduce."""
+    LAYERNORM_PARAM_REDUCE.launch(d.precision, layernorm_param_reduce_grid(d.C, d.sums), block_size,
+                                  reduce_args(d, num_slots))
 
 
 def backward_v1(d, block_size):
     d.scratch[:2 * d.C].fill(0)
-    LAYERNORM_BACKWARD_V1.launch(d.precision, ceil_div(d.N, block_size), block_size, backward_args(d))
+    LAYERNORM_BACKWARD_V1.launch(d.precision, ceil_div(d.N, block_size), block_size, backward_args(d)[:-1])
     param_reduce(d, 1)
 
 
 def backward_v2(d, block_size):
     d.scratch[:2 * d.C].fill(0)
-    LAYERNORM_BACKWARD_V2.launch(d.precision, warp_row_grid(d.N, block_size), block_size, backward_args(d),
+    LAYERNORM_BACKWARD_V2.launch(d.precision, warp_row_grid(d.N, block_size), block_size, backward_args(d)[:-1],
                                  shared_mem=2 * d.C * 4)
     param_reduce(d, 1)
 
@@ -230,14 +270,23 @@ def backward_v4(d, block_size):
     param_reduce(d, d.G, block_size)
 
 
+def backward_then_bias(d, block_size):
+    """The projection's bias gradient the unfused way: production's two kernels with two sums, then
+    gpt2_cuda's bias_backward over the dinp they left (as at --bias-grad-epilogue 0)."""
+    LAYERNORM_BACKWARD.launch(d.precision, d.G, block_size, backward_args(d)[:-1] + (np.int32(0),))
+    LAYERNORM_PARAM_REDUCE.launch(d.precision, layernorm_param_reduce_grid(d.C), LAYERNORM_PARAM_REDUCE_BLOCK_SIZE,
+                                  (d.dweight, d.dbias, np.uint64(0), d.scratch, np.int32(d.G), np.int32(d.C)))
+    bias_backward(d.dprojb, d.dinp, d.bias_partial, d.N, d.C)
+
+
 def backward_candidate(backward_kernel):
     """A candidate launched as gpt2_cuda.layernorm_backward launches production's two kernels (the
     grid G, the reduce's grid and fixed block), backward_kernel and layernorm_param_reduce_v5 in their
     places: a drop-in for dev/bench.py --candidate."""
     def launch(d, block_size):
         backward_kernel.launch(d.precision, d.G, block_size, backward_args(d))
-        LAYERNORM_PARAM_REDUCE_V5.launch(d.precision, layernorm_param_reduce_grid(d.C), LAYERNORM_PARAM_REDUCE_BLOCK_SIZE,
-                                         (d.dweight, d.dbias, d.scratch, np.int32(d.G), np.int32(d.C)))
+        LAYERNORM_PARAM_REDUCE_V5.launch(d.precision, layernorm_param_reduce_grid(d.C, d.sums),
+                                         LAYERNORM_PARAM_REDUCE_BLOCK_SIZE, reduce_args(d, d.G))
     return launch
 
 
@@ -269,6 +318,16 @@ PROGRESSIONS = [
         Version(6, "candidate: version 5, the partial sums with x128 loads over row phases",
                 (LAYERNORM_BACKWARD_V6, LAYERNORM_PARAM_REDUCE_V5), backward_candidate(LAYERNORM_BACKWARD_V6),
                 drop_in=True),
+    ], SIZES, TEST_SIZES),
+    Progression("layernorm_backward_projection_bias", make_projection_bias_case, [
+        Version(1, "unfused: layernorm_backward's version 4, then bias_backward over dinp, a pass of its own",
+                (LAYERNORM_BACKWARD, LAYERNORM_PARAM_REDUCE, BIAS_BACKWARD, BIAS_REDUCE), backward_then_bias),
+        Version(2, "production: layernorm_backward's version 4, also summing dinp's columns into dprojb",
+                (LAYERNORM_BACKWARD, LAYERNORM_PARAM_REDUCE), backward_v4),
+        Version(3, "candidate: layernorm_backward's candidate 5 with the third sum",
+                (LAYERNORM_BACKWARD, LAYERNORM_PARAM_REDUCE_V5), backward_candidate(LAYERNORM_BACKWARD)),
+        Version(4, "candidate: layernorm_backward's candidate 6 with the third sum",
+                (LAYERNORM_BACKWARD_V6, LAYERNORM_PARAM_REDUCE_V5), backward_candidate(LAYERNORM_BACKWARD_V6)),
     ], SIZES, TEST_SIZES),
 ]
 
