@@ -33,6 +33,7 @@ per-block slots instead.
   loads are in flight where version 4 waits for each. On an H200 version 4 took 0.0345 ms at
   B=8 (its reduce is the same work at any N: G = 512 slots), and in the B=16 step 14 us a call,
   0.35 ms for the 25 LayerNorms, for 3.1 MB of slots: latency, not bandwidth.
+  Given dprojb (gpt2_cuda.py --ln-bias-grad), a slot's third C columns too, as production's.
 - layernorm_backward_v6 (candidate 6, with layernorm_param_reduce_v5): the production kernel's
   input gradient (kernels/layernorm.cuh, the same code), then the partial sums with 16-byte loads:
   thread t takes the x128 group g = t % groups of every P-th row of the block (P = threads /
@@ -40,6 +41,8 @@ per-block slots instead.
   columns in registers; the P phases meet in shared memory and are added in phase order. The
   production kernel gives a thread one channel and all 32 rows, with 2-byte loads: 8x the load
   instructions, and at C = 768 half its 512 threads take two channels while the others take one.
+  With sum_dinp (--ln-bias-grad) it sums dinp's columns too, after the block's barrier, as
+  production does (its shared memory sized for three sums: 48 KB, the static limit).
 
 Warp kernels need blockDim.x a multiple of 32. Compile check:
     python dev/cuda/nvrtc_compile.py dev/cuda/layernorm.cu
@@ -254,8 +257,8 @@ extern "C" __global__ void layernorm_param_reduce_v3(floatX* dweight, floatX* db
 #define LN_REDUCE_SUMS 8       // running sums per lane of layernorm_param_reduce_v5 (a power of 2)
 
 // kernels/layernorm.cu's layernorm_param_reduce (the same grid, block and slots: a block owns 32
-// adjacent columns of a slot's 2C or 3C, lane l of warp w sums column l over slots w, w + W, ...), each lane
-// adding its slots into LN_REDUCE_SUMS running sums, slot w + (first + k) W into sums[k], so the
+// adjacent columns of a slot's 2C or 3C, lane l of warp w sums column l over slots w, w + W,
+// ...), each lane adding its slots into LN_REDUCE_SUMS running sums, slot w + (first + k) W into sums[k], so the
 // unrolled loop's loads do not wait for each other's adds; the sums folded pairwise, then warp 0
 // adds the W warp sums in warp order. Deterministic: the order depends on num_blocks and blockDim.x.
 extern "C" __global__ void layernorm_param_reduce_v5(floatX* dweight, floatX* dbias, floatX* dprojb,
