@@ -867,9 +867,11 @@ def backward_launches(model, loss_scale, num_chunks, num_reduce, grads_zero=Fals
 
 
 def projection_dbias(model, ln_dweight, dprojb):
-    """--ln-bias-grad: dprojb, the gradient of a projection's bias, for the LayerNorm backward
-    after the projection (whose own dweight is ln_dweight) to sum, or None, where the projection's
-    backward sums it: without the option, or where the LayerNorm or the bias is frozen (LoRA)."""
+    """--ln-bias-grad: dprojb (C,) floatX (a view of model.grads: the gradient of a projection's
+    bias), for the LayerNorm backward after the projection (whose own dweight (C,) is ln_dweight)
+    to sum, or None, where the projection's backward sums it: without the option, or where the
+    LayerNorm or the bias is frozen (LoRA: their views None). Raises nothing. Why the LayerNorm
+    can sum it (d proj_bias = the column sums of the residual stream's gradient): doc/layernorm.md."""
     return dprojb if model.ln_bias_grad and ln_dweight is not None and dprojb is not None else None
 
 
